@@ -1,0 +1,1 @@
+"""pallax.batching_rules"""

@@ -1,0 +1,1 @@
+"""pallax.primitives"""
