@@ -1,0 +1,54 @@
+"""vmap rules for the norm family: every batched call stays one kernel.
+
+Operands are row-like (``x``, ``rstd``, ``dy``, tangents of ``x``; the leading
+dims are rows) or weight-like (``w (*groups, H)``, whose group dims prefix the
+rows' leading dims). The vmapped axis is folded in one of two ways:
+
+* only row-like operands mapped, no weight-like result: the axis becomes one
+  more row dim, placed after the weight's group dims; the weight stays shared.
+* otherwise (a mapped weight, or a weight gradient that must be per example):
+  the axis becomes a new leading group dim of every operand, unmapped operands
+  broadcast along it.
+"""
+from __future__ import annotations
+
+import functools
+from typing import Sequence
+
+import jax
+import jax.numpy as jnp
+from jax.interpreters import batching
+
+
+def _at_axis(a: jax.Array, bdim, size: int, axis: int) -> jax.Array:
+  """``a`` with its mapped axis (or a broadcast one, if unmapped) at ``axis``."""
+  if bdim is batching.not_mapped:
+    a = jnp.expand_dims(a, axis)
+    return jnp.broadcast_to(a, a.shape[:axis] + (size,) + a.shape[axis + 1:])
+  return jnp.moveaxis(a, bdim, axis)
+
+
+def _rowwise_batching_rule(prim, row_operands: Sequence[int], weight_operands: Sequence[int],
+                           weight_results: Sequence[int], args, bdims, **params):
+  size = next(a.shape[d] for a, d in zip(args, bdims) if d is not batching.not_mapped)
+  w0 = weight_operands[0]
+  groups = args[w0].ndim - 1 - (bdims[w0] is not batching.not_mapped)
+  weight_mapped = any(bdims[i] is not batching.not_mapped for i in weight_operands)
+  args = list(args)
+  if not weight_mapped and not weight_results:
+    for i in row_operands:
+      args[i] = _at_axis(args[i], bdims[i], size, groups)
+    out_axis = groups
+  else:
+    args = [_at_axis(a, d, size, 0) for a, d in zip(args, bdims)]
+    out_axis = 0
+  outs = prim.bind(*args, **params)
+  return outs, [out_axis] * len(outs)
+
+
+def register_rowwise(prim, *, row_operands: Sequence[int], weight_operands: Sequence[int],
+                     weight_results: Sequence[int] = ()) -> None:
+  """Registers the row-folding batching rule for ``prim``."""
+  batching.primitive_batchers[prim] = functools.partial(
+      _rowwise_batching_rule, prim, tuple(row_operands), tuple(weight_operands),
+      tuple(weight_results))

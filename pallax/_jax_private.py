@@ -1,0 +1,36 @@
+"""The one place where pallax reaches into ``jax._src``.
+
+Each name below has no public JAX API (jax 0.10.2). Keep every private access
+here, so that a JAX upgrade touches a single file.
+"""
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+from jax._src import config as _config
+from jax._src import dispatch as _dispatch
+
+# Eager evaluation of a primitive: compile it alone and run it (what every
+# jax.lax primitive uses as its impl).
+apply_primitive = _dispatch.apply_primitive
+
+
+def require_devices_during_lowering(primitive: Any) -> None:
+  """Lets ``custom_partitioning`` run inside ``primitive``'s lowering rule.
+
+  On jax 0.10.2 a ``custom_partitioning`` call inside a primitive's lowering
+  fails with "Please file a bug" unless the primitive is in this set (the set
+  that ``custom_partitioning_p`` itself is in): lowering then gets the device
+  assignment it needs to build the SPMD partitioner callback.
+  """
+  _dispatch.prim_requires_devices_during_lowering.add(primitive)
+
+
+def enum_flag(name: str, values: Sequence[str], default: str, help: str):
+  """A JAX config flag that is part of the jit cache key.
+
+  Switching it (context manager or ``jax.config.update``) makes already-jitted
+  functions re-trace and re-lower instead of reusing a stale executable.
+  """
+  return _config.enum_state(name, list(values), default, help,
+                            include_in_jit_key=True)

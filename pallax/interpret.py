@@ -1,0 +1,55 @@
+"""The global interpret switch.
+
+``with pallax.interpret():`` (or ``PALLAX_INTERPRET=1`` in the environment)
+makes every pallax op lower to its Pallas kernel run with ``interpret=True``,
+on any platform, so the GPU/TPU kernel code is exercised on a CPU. The flag is
+part of JAX's jit cache key: toggling it re-lowers jitted functions.
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+from typing import Iterator, Literal, Optional
+
+from pallax._jax_private import enum_flag
+
+Backend = Literal["triton", "mosaic_tpu"]
+BACKENDS: tuple[str, ...] = ("triton", "mosaic_tpu")
+
+_ENV_ALIASES = {"": "off", "0": "off", "off": "off", "false": "off",
+                "1": "triton", "true": "triton", "gpu": "triton", "triton": "triton",
+                "tpu": "mosaic_tpu", "mosaic_tpu": "mosaic_tpu"}
+
+
+def _default_from_env() -> str:
+  raw = os.environ.get("PALLAX_INTERPRET", "").strip().lower()
+  if raw not in _ENV_ALIASES:
+    raise ValueError(
+        f"PALLAX_INTERPRET={raw!r} is not understood; use 0, 1, triton or tpu")
+  return _ENV_ALIASES[raw]
+
+
+_MODE = enum_flag(
+    "pallax_interpret_mode", ("off",) + BACKENDS, _default_from_env(),
+    help="Run pallax ops as interpreted Pallas kernels (off, triton, mosaic_tpu).")
+
+
+@contextlib.contextmanager
+def interpret(backend: Backend = "triton") -> Iterator[None]:
+  """Runs every pallax op inside the block as an interpreted Pallas kernel.
+
+  Args:
+    backend: which kernel flavour to interpret: ``"triton"`` (the GPU kernel,
+      power-of-two blocks with masking) or ``"mosaic_tpu"`` (the TPU kernel,
+      (8, 128)-aligned blocks).
+  """
+  if backend not in BACKENDS:
+    raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+  with _MODE(backend):
+    yield
+
+
+def interpret_backend() -> Optional[Backend]:
+  """The backend being interpreted, or None when the switch is off."""
+  mode = _MODE.value
+  return None if mode == "off" else mode  # type: ignore[return-value]

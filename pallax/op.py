@@ -1,0 +1,222 @@
+"""The op framework: one call turns an op's pieces into a JAX primitive.
+
+An op provides its abstract eval, its XLA program, its Pallas kernel and the
+einsum-like dimension labels of its operands; ``define_primitive`` builds
+
+* the public primitive (the one users' jaxprs hold; JVP, transpose and batching
+  rules are registered on it), whose lowering wraps the kernel primitive in
+  ``custom_partitioning`` so that sharded inputs are partitioned, not gathered;
+* the kernel primitive, lowered per platform: ``cpu`` -> the XLA program,
+  ``cuda``/``rocm`` -> the Pallas-Triton kernel, ``tpu`` -> the Pallas-Mosaic
+  kernel, and on any platform the interpreted kernel when the interpret switch
+  is on (``pallax.interpret``).
+
+Every primitive has ``multiple_results=True`` and a ``config`` param (None or a
+pinned ``KernelConfig``); the kernel's config is resolved at lowering time from
+the final (vmapped, per-shard) shapes.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any, Callable, Sequence
+
+import jax
+from jax.experimental.custom_partitioning import SdyShardingRule, custom_partitioning
+from jax.extend.core import Primitive
+from jax.interpreters import ad, mlir
+from jax.sharding import NamedSharding, PartitionSpec
+
+from pallax import _jax_private
+from pallax.executor import select_config
+from pallax.interpret import interpret_backend
+
+# Platform -> Pallas backend of the kernel that runs there.
+PLATFORM_BACKENDS = {"cuda": "triton", "rocm": "triton", "tpu": "mosaic_tpu"}
+
+
+@dataclasses.dataclass(frozen=True)
+class Dims:
+  """Einsum-like factor names per operand and result dimension.
+
+  A factor shared by operands and a result is batch-like and shards freely; a
+  factor in ``replicated`` must not be sharded (e.g. the normalised axis); a
+  factor present in an operand but absent from a result is reduced, so a result
+  computed from a sharded factor is summed across the devices holding it.
+  """
+  operands: tuple[tuple[str, ...], ...]
+  results: tuple[tuple[str, ...], ...]
+  replicated: tuple[str, ...] = ()
+
+
+class KernelPrimitive(Primitive):
+  """A pallax primitive: knows its XLA program and its kernel primitive."""
+
+  xla_impl: Callable[..., Sequence[jax.Array]]
+  kernel: Primitive
+
+
+def define_primitive(
+    name: str, *,
+    abstract_eval: Callable[..., Sequence[Any]],
+    xla_impl: Callable[..., Sequence[jax.Array]],
+    kernel_impl: Callable[..., Sequence[jax.Array]] | None,
+    dims: Callable[..., Dims],
+) -> KernelPrimitive:
+  """Builds the public and the kernel primitive of one op.
+
+  Args:
+    name: primitive name, also the executor's op name.
+    abstract_eval: ``(*avals, **params) -> [aval]``; build outputs with
+      ``derived_aval`` so sharding and manual-axis information is kept.
+    xla_impl: ``(*arrays, **params) -> [array]``, plain jnp; the CPU lowering.
+    kernel_impl: ``(*arrays, config, backend, interpret, **params) -> [array]``,
+      the Pallas kernel; None where the op runs its XLA program everywhere.
+    dims: ``(*avals, **params) -> Dims``, the sharding description.
+  """
+  kernel = Primitive(name + "_kernel")
+  prim = KernelPrimitive(name)
+  prim.xla_impl, prim.kernel = xla_impl, kernel
+  for p in (prim, kernel):
+    p.multiple_results = True
+    p.def_impl(functools.partial(_jax_private.apply_primitive, p))
+    p.def_abstract_eval(abstract_eval)
+    _jax_private.require_devices_during_lowering(p)
+
+  def xla_lowering(ctx, *args, config, **params):
+    del config
+    return mlir.lower_fun(functools.partial(xla_impl, **params),
+                          multiple_results=True)(ctx, *args)
+
+  def kernel_lowering(backend, interpret, ctx, *args, config, **params):
+    config = select_config(name, ctx.avals_in, backend, pinned=config, **params)
+    fn = functools.partial(kernel_impl, config=config, backend=backend,
+                           interpret=interpret, **params)
+    return mlir.lower_fun(fn, multiple_results=True)(ctx, *args)
+
+  def platform_lowering(platform):
+    def rule(ctx, *args, **params):
+      interpreted = interpret_backend()
+      if kernel_impl is None or (interpreted is None and platform == "cpu"):
+        return xla_lowering(ctx, *args, **params)
+      if interpreted is not None:
+        return kernel_lowering(interpreted, True, ctx, *args, **params)
+      return kernel_lowering(PLATFORM_BACKENDS[platform], False, ctx, *args, **params)
+    return rule
+
+  for platform in ("cpu", *PLATFORM_BACKENDS):
+    mlir.register_lowering(kernel, platform_lowering(platform), platform=platform)
+
+  def partitioned_lowering(ctx, *args, **params):
+    fn = _partitioned(kernel, dims(*ctx.avals_in, **params), params)
+    return mlir.lower_fun(fn, multiple_results=True)(ctx, *args)
+
+  mlir.register_lowering(prim, partitioned_lowering)
+  return prim
+
+
+def _partitioned(kernel: Primitive, dims: Dims, params: dict) -> Callable:
+  """``kernel.bind`` wrapped in ``custom_partitioning`` with a rule from ``dims``."""
+
+  @custom_partitioning
+  def call(*args):
+    return tuple(kernel.bind(*args, **params))
+
+  def shardings(mesh, arg_shapes):
+    factors = _factor_axes(mesh, dims, arg_shapes)
+    spec = lambda names: NamedSharding(mesh, PartitionSpec(*(factors.get(f) for f in names)))
+    return (factors, tuple(spec(d) for d in dims.operands),
+            tuple(spec(d) for d in dims.results))
+
+  def infer_sharding_from_operands(mesh, arg_shapes, result_shape):
+    return shardings(mesh, arg_shapes)[2]
+
+  def partition(mesh, arg_shapes, result_shape):
+    factors, arg_shardings, out_shardings = shardings(mesh, arg_shapes)
+    in_factors = {f for d in dims.operands for f in d}
+
+    def lower_fn(*args):
+      outs = list(kernel.bind(*args, **params))
+      for i, names in enumerate(dims.results):
+        axes = tuple(a for f in sorted(in_factors - set(names)) for a in factors.get(f) or ())
+        if axes:
+          outs[i] = jax.lax.psum(outs[i], axes)
+      return tuple(outs)
+
+    return mesh, lower_fn, out_shardings, arg_shardings
+
+  call.def_partition(
+      partition=partition,
+      infer_sharding_from_operands=infer_sharding_from_operands,
+      sharding_rule=SdyShardingRule(
+          operand_mappings=dims.operands, result_mappings=dims.results,
+          need_replication_factors=dims.replicated))
+  return call
+
+
+def _factor_axes(mesh, dims: Dims, arg_shapes) -> dict[str, tuple[str, ...]]:
+  """Mesh axes each factor is sharded over, taken from the operands.
+
+  A factor keeps the first sharding seen for it, provided its mesh axes are not
+  already used by another factor and they divide its size evenly (uneven
+  shards would feed padding into reductions); everything else is replicated.
+  """
+  factors: dict[str, tuple[str, ...]] = {}
+  used: set[str] = set()
+  for names, shape in zip(dims.operands, arg_shapes):
+    sharding = shape.sharding
+    if not isinstance(sharding, NamedSharding):
+      continue
+    spec = tuple(sharding.spec) + (None,) * (len(names) - len(sharding.spec))
+    for f, size, axes in zip(names, shape.shape, spec):
+      if f in dims.replicated or f in factors or axes is None:
+        continue
+      axes = (axes,) if isinstance(axes, str) else tuple(axes)
+      count = 1
+      for a in axes:
+        count *= mesh.shape[a]
+      if used.isdisjoint(axes) and size % count == 0:
+        factors[f] = axes
+        used.update(axes)
+  return factors
+
+
+def derived_aval(aval, shape: Sequence[int], dtype, spec: Sequence[Any]):
+  """``aval`` with a new shape, dtype and sharding spec; manual axes are kept."""
+  sharding = aval.sharding.update(spec=PartitionSpec(*spec))
+  return aval.update(shape=tuple(shape), dtype=dtype, weak_type=False, sharding=sharding)
+
+
+def instantiate(tangents: Sequence[Any]) -> list:
+  """Symbolic-zero tangents as arrays."""
+  return [ad.instantiate_zeros(t) for t in tangents]
+
+
+def register_jvp_by_xla(prim: KernelPrimitive) -> None:
+  """JVP of ``prim`` by differentiating its XLA program.
+
+  Used for the secondary primitives (tangent and backward kernels), whose
+  derivatives are only needed for second-order AD (Hessian-vector products,
+  ``jacfwd`` of ``grad``).
+  """
+  def jvp(primals, tangents, *, config, **params):
+    del config
+    outs, out_tangents = jax.jvp(functools.partial(prim.xla_impl, **params),
+                                 tuple(primals), tuple(instantiate(tangents)))
+    return list(outs), list(out_tangents)
+
+  ad.primitive_jvps[prim] = jvp
+
+
+def match_manual_axes(*args: jax.Array) -> list[jax.Array]:
+  """Casts operands to vary over the same ``shard_map`` axes, as lax ops do.
+
+  Inside ``shard_map`` an operand that is invariant over a manual axis (a
+  replicated weight) next to one that varies (sharded activations) must be
+  cast to varying, so that its cotangent is summed over that axis on the way
+  back instead of silently staying per-shard.
+  """
+  varying = [frozenset(getattr(jax.typeof(a).mat, "varying", ())) for a in args]
+  union = frozenset().union(*varying)
+  return [jax.lax.pcast(a, tuple(sorted(union - v)), to="varying") if union - v else a
+          for a, v in zip(args, varying)]
