@@ -19,10 +19,13 @@ import jax
 import jax.numpy as jnp
 from jax.interpreters import batching
 
+# The batch dim of an unmapped operand (jax's private `batching.not_mapped`).
+NOT_MAPPED = None
+
 
 def _at_axis(a: jax.Array, bdim, size: int, axis: int) -> jax.Array:
   """``a`` with its mapped axis (or a broadcast one, if unmapped) at ``axis``."""
-  if bdim is batching.not_mapped:
+  if bdim is NOT_MAPPED:
     a = jnp.expand_dims(a, axis)
     return jnp.broadcast_to(a, a.shape[:axis] + (size,) + a.shape[axis + 1:])
   return jnp.moveaxis(a, bdim, axis)
@@ -30,10 +33,10 @@ def _at_axis(a: jax.Array, bdim, size: int, axis: int) -> jax.Array:
 
 def _rowwise_batching_rule(prim, row_operands: Sequence[int], weight_operands: Sequence[int],
                            weight_results: Sequence[int], args, bdims, **params):
-  size = next(a.shape[d] for a, d in zip(args, bdims) if d is not batching.not_mapped)
+  size = next(a.shape[d] for a, d in zip(args, bdims) if d is not NOT_MAPPED)
   w0 = weight_operands[0]
-  groups = args[w0].ndim - 1 - (bdims[w0] is not batching.not_mapped)
-  weight_mapped = any(bdims[i] is not batching.not_mapped for i in weight_operands)
+  groups = args[w0].ndim - 1 - (bdims[w0] is not NOT_MAPPED)
+  weight_mapped = any(bdims[i] is not NOT_MAPPED for i in weight_operands)
   args = list(args)
   if not weight_mapped and not weight_results:
     for i in row_operands:

@@ -215,7 +215,7 @@ def _check_backend_dtype(x, backend: str):
 
 
 def rms_norm_fwd_pallas(x, w, *, eps: float, offset: float, config: RmsNormConfig,
-                        backend: str, interpret: bool):
+                        backend: str, interpret):
   _check_backend_dtype(x, backend)
   st = stat_dtype(x.dtype)
   if x.size == 0:
@@ -238,7 +238,7 @@ def rms_norm_fwd_pallas(x, w, *, eps: float, offset: float, config: RmsNormConfi
 
 
 def rms_norm_bwd_pallas(x, w, rstd, dy, *, offset: float, config: RmsNormConfig,
-                        backend: str, interpret: bool):
+                        backend: str, interpret):
   _check_backend_dtype(x, backend)
   if x.size == 0:
     return [jnp.zeros_like(x), jnp.zeros_like(w)]

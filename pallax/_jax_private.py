@@ -27,10 +27,10 @@ def require_devices_during_lowering(primitive: Any) -> None:
 
 
 def enum_flag(name: str, values: Sequence[str], default: str, help: str):
-  """A JAX config flag that is part of the jit cache key.
+  """A JAX config flag that is part of the jit and trace cache keys.
 
   Switching it (context manager or ``jax.config.update``) makes already-jitted
   functions re-trace and re-lower instead of reusing a stale executable.
   """
   return _config.enum_state(name, list(values), default, help,
-                            include_in_jit_key=True)
+                            include_in_jit_key=True, include_in_trace_context=True)

@@ -9,11 +9,17 @@ einsum-like dimension labels of its operands; ``define_primitive`` builds
 * the kernel primitive, lowered per platform: ``cpu`` -> the XLA program,
   ``cuda``/``rocm`` -> the Pallas-Triton kernel, ``tpu`` -> the Pallas-Mosaic
   kernel, and on any platform the interpreted kernel when the interpret switch
-  is on (``pallax.interpret``).
+  is on (``pallax.interpret``). Pallas' interpreter fills padding and unwritten
+  outputs with NaN, so a kernel that leaves elements unwritten, or lets padded
+  rows or columns leak into a reduction, fails the tests.
 
-Every primitive has ``multiple_results=True`` and a ``config`` param (None or a
-pinned ``KernelConfig``); the kernel's config is resolved at lowering time from
-the final (vmapped, per-shard) shapes.
+Every primitive has ``multiple_results=True`` and two framework params:
+``config`` (None or a pinned ``KernelConfig``; otherwise the kernel's config is
+resolved at lowering time from the final, vmapped and per-shard, shapes) and
+``interpret`` (the interpret switch read when the public function was traced;
+a param, not a global read at lowering, so that the jaxpr, and with it JAX's
+lowering cache key, differs between the modes). Rules that bind further
+primitives pass both on.
 """
 from __future__ import annotations
 
@@ -71,7 +77,8 @@ def define_primitive(
       ``derived_aval`` so sharding and manual-axis information is kept.
     xla_impl: ``(*arrays, **params) -> [array]``, plain jnp; the CPU lowering.
     kernel_impl: ``(*arrays, config, backend, interpret, **params) -> [array]``,
-      the Pallas kernel; None where the op runs its XLA program everywhere.
+      the Pallas kernel (``interpret`` goes to ``pallas_call`` as is); None
+      where the op runs its XLA program on every platform.
     dims: ``(*avals, **params) -> Dims``, the sharding description.
   """
   kernel = Primitive(name + "_kernel")
@@ -83,8 +90,7 @@ def define_primitive(
     p.def_abstract_eval(abstract_eval)
     _jax_private.require_devices_during_lowering(p)
 
-  def xla_lowering(ctx, *args, config, **params):
-    del config
+  def xla_lowering(ctx, *args, **params):
     return mlir.lower_fun(functools.partial(xla_impl, **params),
                           multiple_results=True)(ctx, *args)
 
@@ -95,13 +101,13 @@ def define_primitive(
     return mlir.lower_fun(fn, multiple_results=True)(ctx, *args)
 
   def platform_lowering(platform):
-    def rule(ctx, *args, **params):
-      interpreted = interpret_backend()
-      if kernel_impl is None or (interpreted is None and platform == "cpu"):
+    def rule(ctx, *args, config, interpret, **params):
+      if kernel_impl is None or (interpret is None and platform == "cpu"):
         return xla_lowering(ctx, *args, **params)
-      if interpreted is not None:
-        return kernel_lowering(interpreted, True, ctx, *args, **params)
-      return kernel_lowering(PLATFORM_BACKENDS[platform], False, ctx, *args, **params)
+      if interpret is not None:
+        return kernel_lowering(interpret, True, ctx, *args, config=config, **params)
+      return kernel_lowering(PLATFORM_BACKENDS[platform], False, ctx, *args,
+                             config=config, **params)
     return rule
 
   for platform in ("cpu", *PLATFORM_BACKENDS):
@@ -181,6 +187,11 @@ def _factor_axes(mesh, dims: Dims, arg_shapes) -> dict[str, tuple[str, ...]]:
   return factors
 
 
+def bind(prim: Primitive, *args, config=None, **params) -> list:
+  """Binds ``prim`` from a public function: adds the framework params."""
+  return prim.bind(*args, config=config, interpret=interpret_backend(), **params)
+
+
 def derived_aval(aval, shape: Sequence[int], dtype, spec: Sequence[Any]):
   """``aval`` with a new shape, dtype and sharding spec; manual axes are kept."""
   sharding = aval.sharding.update(spec=PartitionSpec(*spec))
@@ -199,8 +210,8 @@ def register_jvp_by_xla(prim: KernelPrimitive) -> None:
   derivatives are only needed for second-order AD (Hessian-vector products,
   ``jacfwd`` of ``grad``).
   """
-  def jvp(primals, tangents, *, config, **params):
-    del config
+  def jvp(primals, tangents, *, config, interpret, **params):
+    del config, interpret
     outs, out_tangents = jax.jvp(functools.partial(prim.xla_impl, **params),
                                  tuple(primals), tuple(instantiate(tangents)))
     return list(outs), list(out_tangents)

@@ -24,7 +24,7 @@ from jax.interpreters import ad
 from pallax.batching_rules import norm as norm_batching
 from pallax.kernels import norm as kernels
 from pallax.kernels.norm import RmsNormConfig
-from pallax.op import (Dims, define_primitive, derived_aval, instantiate,
+from pallax.op import (Dims, bind, define_primitive, derived_aval, instantiate,
                        match_manual_axes, register_jvp_by_xla)
 from pallax.validation import check_floating, check_static_float
 
@@ -98,11 +98,11 @@ rms_norm_bwd_p = define_primitive(
 # Autodiff.
 
 
-def _rms_norm_fwd_jvp_rule(primals, tangents, *, eps, offset, config):
+def _rms_norm_fwd_jvp_rule(primals, tangents, *, eps, offset, **fw):
   x, w = primals
   x_dot, w_dot = instantiate(tangents)
-  y, rstd = rms_norm_fwd_p.bind(x, w, eps=eps, offset=offset, config=config)
-  (y_dot,) = rms_norm_jvp_p.bind(x, w, rstd, x_dot, w_dot, offset=offset, config=config)
+  y, rstd = rms_norm_fwd_p.bind(x, w, eps=eps, offset=offset, **fw)
+  (y_dot,) = rms_norm_jvp_p.bind(x, w, rstd, x_dot, w_dot, offset=offset, **fw)
   # d rstd = -rstd^3 * mean(x * x_dot): needed by second-order AD, which
   # differentiates the backward primitive with respect to rstd.
   st = rstd.dtype
@@ -110,12 +110,12 @@ def _rms_norm_fwd_jvp_rule(primals, tangents, *, eps, offset, config):
   return [y, rstd], [y_dot, rstd_dot]
 
 
-def _rms_norm_jvp_transpose_rule(cts, x, w, rstd, x_dot, w_dot, *, offset, config):
+def _rms_norm_jvp_transpose_rule(cts, x, w, rstd, x_dot, w_dot, *, offset, **fw):
   (ct,) = cts
   if type(ct) is ad.Zero:
     return [None] * 3 + [ad.Zero(a.aval) if ad.is_undefined_primal(a) else None
                          for a in (x_dot, w_dot)]
-  dx, dw = rms_norm_bwd_p.bind(x, w, rstd, ct, offset=offset, config=config)
+  dx, dw = rms_norm_bwd_p.bind(x, w, rstd, ct, offset=offset, **fw)
   return [None, None, None,
           dx if ad.is_undefined_primal(x_dot) else None,
           dw if ad.is_undefined_primal(w_dot) else None]
@@ -177,5 +177,5 @@ def rms_norm(x: jax.Array, weight: Optional[jax.Array] = None, *, eps: float = 1
       raise ValueError(f"rms_norm: weight must have shape (hidden,) = ({hidden},) "
                        f"for x of shape {x.shape}; got weight of shape {weight.shape}")
   x, weight = match_manual_axes(x, weight)
-  y, _ = rms_norm_fwd_p.bind(x, weight, eps=eps, offset=offset, config=config)
+  y, _ = bind(rms_norm_fwd_p, x, weight, eps=eps, offset=offset, config=config)
   return y

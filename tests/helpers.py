@@ -1,0 +1,52 @@
+"""Shared test helpers: execution paths, random inputs, tolerances."""
+from __future__ import annotations
+
+import contextlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import pallax
+
+# Every op is checked on its XLA program and on both interpreted kernels.
+PATHS = ("xla", "triton", "mosaic_tpu")
+
+# Max relative error (max|got - want| / max|want|) against float64, per dtype.
+TOL = {"float32": 1e-5, "bfloat16": 1e-2, "float16": 1e-2, "float64": 1e-12}
+FLOAT_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
+
+
+def on_path(path: str):
+  """Context manager selecting the XLA path or an interpreted kernel."""
+  return contextlib.nullcontext() if path == "xla" else pallax.interpret(path)
+
+
+def rand(rng: np.random.Generator, shape, dtype=jnp.float32, scale=1.0, shift=0.0):
+  """Random normal values, rounded to ``dtype`` (never constant)."""
+  return jnp.asarray(rng.standard_normal(shape) * scale + shift, dtype)
+
+
+def f64(a) -> np.ndarray:
+  return np.asarray(jnp.asarray(a, jnp.float32) if jnp.asarray(a).dtype == jnp.bfloat16 else a,
+                    np.float64)
+
+
+def rel_err(got, want) -> float:
+  got, want = f64(got), f64(want)
+  assert got.shape == want.shape, (got.shape, want.shape)
+  if want.size == 0:
+    return 0.0
+  assert np.all(np.isfinite(got)), "non-finite values in result"
+  return float(np.max(np.abs(got - want)) / max(np.max(np.abs(want)), 1e-30))
+
+
+def assert_close(got, want, dtype, what: str = "") -> None:
+  err = rel_err(got, want)
+  tol = TOL[jnp.dtype(dtype).name]
+  assert err < tol, f"{what}: relative error {err:.3g} >= {tol:g} ({jnp.dtype(dtype).name})"
+
+
+def x64():
+  """float64 enabled (for the references) inside the block."""
+  return jax.enable_x64(True)
