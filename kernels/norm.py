@@ -27,6 +27,7 @@ from jax.experimental.pallas import triton as pltriton
 
 from pallax.executor import register_kernel
 from pallax.executor.config import KernelConfig
+from pallax.pallas_utils import next_pow2, sublanes
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,26 +49,17 @@ def stat_dtype(dtype) -> jnp.dtype:
   return jnp.promote_types(dtype, jnp.float32)
 
 
-def _next_pow2(n: int) -> int:
-  return 1 << max(0, n - 1).bit_length()
-
-
-def _sublanes(dtype) -> int:
-  """TPU sublane tile for ``dtype``: 8 rows of 32-bit, 16 of 16-bit, ..."""
-  return 8 * max(1, 4 // jnp.dtype(dtype).itemsize)
-
-
 def rms_norm_heuristic(avals: Sequence[Any], backend: str, **params) -> RmsNormConfig:
   """Rows per block so that one block of x holds about 16K (Triton) or 512K (TPU) elements."""
   x = avals[0]
   hidden = x.shape[-1]
   rows = max(1, math.prod(x.shape[:-1]))
   if backend == "triton":
-    bh = _next_pow2(hidden)
-    block_rows = max(1, min(_next_pow2(rows), 16384 // bh, 64))
+    bh = next_pow2(hidden)
+    block_rows = max(1, min(next_pow2(rows), 16384 // bh, 64))
     num_warps = max(1, min(16, bh * block_rows // 1024))
-    return RmsNormConfig(block_rows=block_rows, num_warps=_next_pow2(num_warps))
-  sub = _sublanes(x.dtype)
+    return RmsNormConfig(block_rows=block_rows, num_warps=next_pow2(num_warps))
+  sub = sublanes(x.dtype)
   fit = max(sub, (524288 // max(hidden, 1)) // sub * sub)
   return RmsNormConfig(block_rows=min(fit, 1024))
 
@@ -137,11 +129,11 @@ class _Layout:
     groups = math.prod(w_shape[:-1])
     rows = math.prod(x_shape[:-1]) // max(groups, 1)
     block_rows = min(config.block_rows, rows) if backend == "mosaic_tpu" else config.block_rows
-    if backend == "mosaic_tpu" and block_rows != rows and block_rows % _sublanes(jnp.float32):
+    if backend == "mosaic_tpu" and block_rows != rows and block_rows % sublanes(jnp.float32):
       raise ValueError(f"block_rows={config.block_rows} must be a multiple of 8 on TPU")
     if backend == "triton" and block_rows & (block_rows - 1):
       raise ValueError(f"block_rows={config.block_rows} must be a power of two on Triton")
-    block_hidden = _next_pow2(hidden) if backend == "triton" else hidden
+    block_hidden = next_pow2(hidden) if backend == "triton" else hidden
     return cls(groups, rows, hidden, block_rows, block_hidden)
 
   @property

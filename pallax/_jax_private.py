@@ -34,3 +34,14 @@ def enum_flag(name: str, values: Sequence[str], default: str, help: str):
   """
   return _config.enum_state(name, list(values), default, help,
                             include_in_jit_key=True, include_in_trace_context=True)
+
+
+def without_vma_checks():
+  """Context in which ``shard_map``'s varying-manual-axes checks are off.
+
+  Used only while tracing a kernel inside a primitive's lowering rule: the
+  primitive's abstract eval has already fixed how its outputs vary, and
+  Pallas' interpreter does not thread that information through the kernel
+  body (jax 0.10.2 fails with "requires varying manual axes to match").
+  """
+  return _config._check_vma(False)

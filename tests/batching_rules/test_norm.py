@@ -1,0 +1,126 @@
+"""vmap of rms_norm: matches a loop over examples and stays one primitive."""
+from __future__ import annotations
+
+import itertools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import pallax
+from tests.helpers import PATHS, on_path, rand
+
+H = 24
+X_SHAPE = (3, H)  # one example's x
+
+
+def _batched(rng, axis, size, shape):
+  """A batch of ``size`` examples of ``shape``, stacked at ``axis``."""
+  if axis is None:
+    return rand(rng, shape)
+  ex = rand(rng, (size,) + shape)
+  return jnp.moveaxis(ex, 0, axis % (len(shape) + 1))
+
+
+def _example(a, axis, i):
+  return a if axis is None else jnp.take(a, i, axis=axis)
+
+
+IN_AXES = [(0, None), (None, 0), (0, 0), (1, None), (-1, 0), (2, 0), (-2, None)]
+
+
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("in_axes", IN_AXES, ids=str)
+def test_vmap_matches_loop(path, in_axes):
+  rng = np.random.default_rng(0)
+  size = 4
+  x = _batched(rng, in_axes[0], size, X_SHAPE)
+  w = _batched(rng, in_axes[1], size, (H,))
+  f = lambda x, w: pallax.rms_norm(x, w, offset=0.5)
+  with on_path(path):
+    got = jax.jit(jax.vmap(f, in_axes=in_axes))(x, w)
+    want = jnp.stack([f(_example(x, in_axes[0], i), _example(w, in_axes[1], i))
+                      for i in range(size)])
+  np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("in_axes", IN_AXES[:3], ids=str)
+def test_vmap_of_grad_matches_loop(path, in_axes):
+  """Per-example gradients: the backward kernel's dweight must be per example."""
+  rng = np.random.default_rng(1)
+  size = 3
+  x = _batched(rng, in_axes[0], size, X_SHAPE)
+  w = _batched(rng, in_axes[1], size, (H,))
+  c = rand(rng, X_SHAPE)
+  loss = lambda x, w: jnp.sum(pallax.rms_norm(x, w) * c)
+  g = jax.grad(loss, (0, 1))
+  with on_path(path):
+    got = jax.jit(jax.vmap(g, in_axes=in_axes))(x, w)
+    want = [g(_example(x, in_axes[0], i), _example(w, in_axes[1], i)) for i in range(size)]
+  for k in range(2):
+    np.testing.assert_allclose(got[k], jnp.stack([wt[k] for wt in want]), rtol=2e-5, atol=2e-5)
+
+
+@pytest.mark.parametrize("in_axes", IN_AXES[:3], ids=str)
+def test_vmap_of_jvp_matches_loop(in_axes):
+  rng = np.random.default_rng(2)
+  size = 3
+  x, xd = (_batched(rng, in_axes[0], size, X_SHAPE) for _ in range(2))
+  w, wd = (_batched(rng, in_axes[1], size, (H,)) for _ in range(2))
+  f = lambda x, w, xd, wd: jax.jvp(pallax.rms_norm, (x, w), (xd, wd))[1]
+  got = jax.vmap(f, in_axes=in_axes + in_axes)(x, w, xd, wd)
+  want = jnp.stack([f(*(_example(a, ax, i) for a, ax in zip((x, w, xd, wd), in_axes + in_axes)))
+                    for i in range(size)])
+  np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("outer, inner", list(itertools.product([(0, None), (None, 0), (0, 0)],
+                                                                 repeat=2)), ids=str)
+def test_nested_vmap(outer, inner):
+  rng = np.random.default_rng(3)
+  b1, b2 = 2, 3
+  x = rand(rng, (b1,) * (outer[0] is not None) + (b2,) * (inner[0] is not None) + X_SHAPE)
+  w = rand(rng, (b1,) * (outer[1] is not None) + (b2,) * (inner[1] is not None) + (H,))
+  f = jax.vmap(jax.vmap(pallax.rms_norm, in_axes=inner), in_axes=outer)
+  got = jax.jit(f)(x, w)
+  for i in range(b1):
+    for j in range(b2):
+      xi = x[i] if outer[0] is not None else x
+      xij = xi[j] if inner[0] is not None else xi
+      wi = w[i] if outer[1] is not None else w
+      wij = wi[j] if inner[1] is not None else wi
+      np.testing.assert_allclose(got[i, j], pallax.rms_norm(xij, wij), rtol=1e-6, atol=1e-6)
+  jaxpr = jax.make_jaxpr(f)(x, w).jaxpr
+  assert [e.primitive.name for e in jaxpr.eqns].count("rms_norm_fwd") == 1
+
+
+@pytest.mark.parametrize("in_axes", IN_AXES, ids=str)
+@pytest.mark.parametrize("mode", ["forward", "grad", "jvp"])
+def test_vmap_is_one_primitive(in_axes, mode):
+  rng = np.random.default_rng(4)
+  x = _batched(rng, in_axes[0], 5, X_SHAPE)
+  w = _batched(rng, in_axes[1], 5, (H,))
+  if mode == "forward":
+    f = pallax.rms_norm
+  elif mode == "grad":
+    f = jax.grad(lambda x, w: pallax.rms_norm(x, w).sum(), (0, 1))
+  else:
+    f = lambda x, w: jax.jvp(pallax.rms_norm, (x, w), (x, w))
+  jaxpr = jax.make_jaxpr(jax.vmap(f, in_axes=in_axes))(x, w).jaxpr
+  names = [e.primitive.name for e in jaxpr.eqns]
+  assert not {"while", "scan", "pjit", "jit"} & set(names), names
+  expected = {"forward": {"rms_norm_fwd": 1}, "grad": {"rms_norm_fwd": 1, "rms_norm_bwd": 1},
+              "jvp": {"rms_norm_fwd": 1, "rms_norm_jvp": 1}}[mode]
+  assert {k: names.count(k) for k in expected} == expected, names
+
+
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("in_axes", [(0, None), (None, 0), (0, 0)], ids=str)
+def test_vmap_axis_size_zero(path, in_axes):
+  x = jnp.zeros((0,) * (in_axes[0] is not None) + X_SHAPE)
+  w = jnp.zeros((0,) * (in_axes[1] is not None) + (H,))
+  with on_path(path):
+    y = jax.jit(jax.vmap(pallax.rms_norm, in_axes=in_axes))(x, w)
+  assert y.shape == (0,) + X_SHAPE

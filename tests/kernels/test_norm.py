@@ -1,0 +1,115 @@
+"""rms_norm kernels: lowering for every claimed platform, and their configs.
+
+Lowering holds the kernels to each backend's rules that interpret mode does
+not check: Pallas-Triton takes only power-of-two blocks, Mosaic TPU wants the
+last two block dims divisible by (8, 128) or equal to the array's.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+import pallax
+from pallax.kernels.norm import RmsNormConfig, rms_norm_heuristic
+
+SHAPES = [(3, 96), (2, 5, 200), (37, 1000), (1, 7), (300, 4096)]
+DTYPES = [jnp.float32, jnp.bfloat16]
+CALL_TARGET = {"cuda": "__gpu$xla.gpu.triton", "rocm": "__gpu$xla.gpu.triton",
+               "tpu": "tpu_custom_call"}
+
+
+def _abstract_tpu_mesh():
+  device = jax.sharding.AbstractDevice(device_kind="TPU v5 lite", num_cores=1, platform="tpu")
+  return jax.sharding.AbstractMesh((1,), ("x",), abstract_device=device)
+
+
+def _lower(fn, platform, *args) -> str:
+  if platform == "tpu":
+    with jax.sharding.use_abstract_mesh(_abstract_tpu_mesh()):
+      return jax.jit(fn).trace(*args).lower(lowering_platforms=(platform,)).as_text()
+  return jax.jit(fn).trace(*args).lower(lowering_platforms=(platform,)).as_text()
+
+
+def _functions():
+  loss = lambda x, w: jnp.sum(pallax.rms_norm(x, w).astype(jnp.float32) ** 2)
+  return {
+      "forward": pallax.rms_norm,
+      "backward": jax.grad(loss, (0, 1)),
+      # A vmapped weight adds a group grid axis to both kernels.
+      "vmapped_weight": jax.vmap(jax.grad(loss, (0, 1))),
+  }
+
+
+@pytest.mark.parametrize("platform", ["cuda", "rocm", "tpu"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: jnp.dtype(d).name)
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+@pytest.mark.parametrize("kind", list(_functions()))
+def test_lowers(platform, dtype, shape, kind):
+  fn = _functions()[kind]
+  x = jax.ShapeDtypeStruct(((2,) if kind == "vmapped_weight" else ()) + shape, dtype)
+  w = jax.ShapeDtypeStruct(((2,) if kind == "vmapped_weight" else ()) + shape[-1:], dtype)
+  text = _lower(fn, platform, x, w)
+  expected = {"forward": 1, "backward": 2, "vmapped_weight": 2}[kind]
+  assert text.count(CALL_TARGET[platform]) == expected, text[:2000]
+
+
+@pytest.mark.parametrize("platform", ["cuda", "tpu"])
+def test_lowers_with_pinned_config(platform):
+  config = RmsNormConfig(block_rows=16, num_warps=2)
+  fn = lambda x, w: pallax.rms_norm(x, w, config=config)
+  x = jax.ShapeDtypeStruct((100, 200), jnp.float32)
+  w = jax.ShapeDtypeStruct((200,), jnp.float32)
+  assert CALL_TARGET[platform] in _lower(fn, platform, x, w)
+
+
+def test_cpu_lowering_is_the_xla_program():
+  text = jax.jit(pallax.rms_norm).lower(jnp.ones((4, 8)), jnp.ones(8)).as_text()
+  assert "custom_call" not in text and "while" not in text
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: jnp.dtype(d).name)
+def test_heuristic_respects_backend_rules(shape, dtype):
+  aval = jax.ShapeDtypeStruct(shape, dtype)
+  rows = 1
+  for d in shape[:-1]:
+    rows *= d
+  triton = rms_norm_heuristic([aval], "triton")
+  assert triton.block_rows & (triton.block_rows - 1) == 0
+  assert triton.num_warps & (triton.num_warps - 1) == 0
+  tpu = rms_norm_heuristic([aval], "mosaic_tpu")
+  sublanes = 8 * (4 // jnp.dtype(dtype).itemsize)
+  assert tpu.block_rows % sublanes == 0 or tpu.block_rows >= rows
+
+
+def test_config_validation_and_json_round_trip():
+  config = RmsNormConfig(block_rows=32, num_warps=8, num_stages=2)
+  assert RmsNormConfig.from_json(config.to_json()) == config
+  assert hash(config) == hash(RmsNormConfig.from_json(config.to_json()))
+  for bad in (dict(block_rows=0), dict(block_rows=-8), dict(block_rows=8, num_warps=0),
+              dict(block_rows=2.5), dict(block_rows=True)):
+    with pytest.raises(ValueError, match="must be a positive int"):
+      RmsNormConfig(**bad)
+
+
+@pytest.mark.parametrize("platform, block_rows, words", [
+    ("cuda", 24, "power of two"), ("tpu", 12, "multiple of 8")])
+def test_config_not_legal_for_backend(platform, block_rows, words):
+  fn = lambda x, w: pallax.rms_norm(x, w, config=RmsNormConfig(block_rows=block_rows))
+  x = jax.ShapeDtypeStruct((100, 128), jnp.float32)
+  w = jax.ShapeDtypeStruct((128,), jnp.float32)
+  with pytest.raises(ValueError, match=words):
+    _lower(fn, platform, x, w)
+
+
+@pytest.mark.parametrize("platform", ["cuda", "tpu"])
+def test_lowers_inside_shard_map(platform):
+  mesh = jax.make_mesh((8,), ("a",), axis_types=(jax.sharding.AxisType.Auto,))
+  P = jax.sharding.PartitionSpec
+  fn = jax.grad(lambda x, w: jax.shard_map(
+      pallax.rms_norm, mesh=mesh, in_specs=(P("a"), P()), out_specs=P("a"))(x, w).sum(), (0, 1))
+  x = jax.ShapeDtypeStruct((64, 200), jnp.float32)
+  w = jax.ShapeDtypeStruct((200,), jnp.float32)
+  text = jax.jit(fn).trace(x, w).lower(lowering_platforms=(platform,)).as_text()
+  assert text.count(CALL_TARGET[platform]) == 2
