@@ -19,6 +19,8 @@ from typing import Optional
 
 import jax
 import jax.numpy as jnp
+import numpy as np
+from jax import lax
 from jax.interpreters import ad
 
 from pallax.batching_rules import norm as norm_batching
@@ -26,9 +28,10 @@ from pallax.kernels import norm as kernels
 from pallax.kernels.norm import RmsNormConfig
 from pallax.op import (Dims, bind, define_primitive, derived_aval, instantiate,
                        match_manual_axes, register_jvp_by_xla)
+from pallax.selfcheck import SelfCheck, register
 from pallax.validation import check_floating, check_static_float
 
-__all__ = ["rms_norm", "RmsNormConfig"]
+__all__ = ["rms_norm", "rms_norm_reference", "RmsNormConfig"]
 
 
 # ----------------------------------------------------------------------------
@@ -179,3 +182,29 @@ def rms_norm(x: jax.Array, weight: Optional[jax.Array] = None, *, eps: float = 1
   x, weight = match_manual_axes(x, weight)
   y, _ = bind(rms_norm_fwd_p, x, weight, eps=eps, offset=offset, config=config)
   return y
+
+
+def rms_norm_reference(x: jax.Array, weight: Optional[jax.Array] = None, *,
+                       eps: float = 1e-6, offset: float = 0.0) -> jax.Array:
+  """The plain-jnp formulation of ``rms_norm``.
+
+  The baseline ``bench/`` and ``python -m pallax`` time against, and, fed
+  float64 inputs, the self-check's oracle.
+  """
+  st = jnp.promote_types(x.dtype, jnp.float32)
+  xf = x.astype(st)
+  y = xf * lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+  if weight is not None:
+    y = y * (offset + weight.astype(st))
+  return y.astype(x.dtype)
+
+
+def _selfcheck_args(rng: np.random.Generator, dtype, small: bool):
+  rows, hidden = (37, 200) if small else (4096, 1024)
+  x = jnp.asarray(rng.standard_normal((rows, hidden)), dtype)
+  w = jnp.asarray(1.0 + 0.5 * rng.standard_normal(hidden), dtype)
+  return x, w
+
+
+register(SelfCheck("rms_norm", make_args=_selfcheck_args, op=rms_norm,
+                   reference=rms_norm_reference, kernel="rms_norm_fwd"))

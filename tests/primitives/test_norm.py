@@ -212,3 +212,19 @@ def test_bad_input_inside_jit_and_vmap():
     jax.jit(pallax.rms_norm)(jnp.ones((2, 4)), jnp.ones((3,)))
   with pytest.raises(ValueError, match="weight"):
     jax.vmap(pallax.rms_norm)(jnp.ones((2, 4)), jnp.ones((2, 3)))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("path", ["triton", "mosaic_tpu"])
+def test_large_hidden_interpreted(path):
+  """A realistic size: many row blocks and a 4096-wide hidden dim."""
+  x, w, rng = _inputs((1030, 4096), jnp.bfloat16, seed=9)
+  dy = rand(rng, x.shape, jnp.bfloat16)
+  with on_path(path):
+    y, vjp = jax.vjp(pallax.rms_norm, x, w)
+    dx, dw = vjp(dy)
+  with x64():
+    y_ref, vjp_ref = jax.vjp(rms_norm_ref, *_as64(x, w))
+    dx_ref, dw_ref = vjp_ref(*_as64(dy))
+    for got, want, name in ((y, y_ref, "y"), (dx, dx_ref, "dx"), (dw, dw_ref, "dweight")):
+      assert_close(got, want, jnp.bfloat16, name)

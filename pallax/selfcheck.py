@@ -1,0 +1,141 @@
+"""The self-check behind ``python -m pallax``.
+
+Each op registers a ``SelfCheck``: how to make inputs, its float64 reference
+and its plain-JAX formulation. ``run`` reports, per op and dtype, on this
+machine: the backend and implementation chosen, the kernel config, the max
+relative error against the float64 reference (forward and gradient) and the
+time relative to plain JAX; then the same numerics for both interpreted
+kernels. It returns False if any error is over its tolerance.
+"""
+from __future__ import annotations
+
+import dataclasses
+import statistics
+import sys
+import time
+from typing import Callable, Sequence, TextIO
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from pallax.executor import select_config
+from pallax.interpret import BACKENDS, interpret
+from pallax.op import PLATFORM_BACKENDS
+
+# Max relative error (max|got - want| / max|want|) against float64.
+TOLERANCE = {"float32": 1e-5, "bfloat16": 1e-2, "float16": 1e-2}
+
+
+@dataclasses.dataclass(frozen=True)
+class SelfCheck:
+  """One op's self-check.
+
+  make_args: ``(rng, dtype, small) -> args``; ``small`` for interpret runs.
+  op: the pallax function. reference: the same maths in plain jnp; run in
+    float64 it is the oracle, in the input dtype it is the timing baseline.
+  kernel: executor op name of the forward kernel (for the config column).
+  """
+  name: str
+  make_args: Callable[[np.random.Generator, jnp.dtype, bool], Sequence[jax.Array]]
+  op: Callable
+  reference: Callable
+  kernel: str
+  dtypes: tuple = (jnp.float32, jnp.bfloat16)
+
+
+_CHECKS: list[SelfCheck] = []
+
+
+def register(check: SelfCheck) -> None:
+  _CHECKS.append(check)
+
+
+def _rel_err(got, want) -> float:
+  got = np.asarray(jnp.asarray(got, jnp.float32) if got.dtype == jnp.bfloat16 else got, np.float64)
+  want = np.asarray(want, np.float64)
+  if not np.all(np.isfinite(got)):
+    return float("inf")
+  return float(np.max(np.abs(got - want)) / max(np.max(np.abs(want)), 1e-30))
+
+
+def _to64(a):
+  return jnp.asarray(np.asarray(jnp.asarray(a, jnp.float32), np.float64))
+
+
+def _loss(fn, cot):
+  return lambda *args: jnp.sum(fn(*args).astype(jnp.float32) * cot)
+
+
+def _errors(check: SelfCheck, args) -> tuple[float, float]:
+  """Forward and gradient (wrt every arg) relative errors vs float64."""
+  rng = np.random.default_rng(1)
+  out = jax.jit(check.op)(*args)
+  cot = jnp.asarray(rng.standard_normal(out.shape), jnp.float32)
+  argnums = tuple(range(len(args)))
+  grads = jax.jit(jax.grad(_loss(check.op, cot), argnums))(*args)
+  with jax.enable_x64(True):
+    args64 = [_to64(a) for a in args]
+    want = check.reference(*args64)
+    want_grads = jax.grad(lambda *a: jnp.sum(check.reference(*a) * _to64(cot)), argnums)(*args64)
+    fwd = _rel_err(out, want)
+    grad = max(_rel_err(g, w) for g, w in zip(grads, want_grads))
+  return fwd, grad
+
+
+def _median_time(fn, args, repeats=20) -> float:
+  jax.block_until_ready(fn(*args))
+  times = []
+  for _ in range(repeats):
+    start = time.perf_counter()
+    jax.block_until_ready(fn(*args))
+    times.append(time.perf_counter() - start)
+  return statistics.median(times)
+
+
+def _implementation(check: SelfCheck, args) -> tuple[str, str]:
+  platform = jax.default_backend()
+  backend = PLATFORM_BACKENDS.get(platform)
+  if backend is None:
+    return "xla", "-"
+  config = select_config(check.kernel, [jax.typeof(a) for a in args], backend)
+  return f"pallas-{backend}", str(config)
+
+
+def run(out: TextIO = sys.stdout) -> bool:
+  """Prints the report; True when every error is within tolerance."""
+  ok = True
+  device = jax.devices()[0]
+  print(f"pallax self-check on {device.platform} ({device.device_kind}), jax {jax.__version__}",
+        file=out)
+  header = f"{'op':<10} {'dtype':<9} {'implementation':<20} {'fwd err':>9} {'grad err':>9} " \
+           f"{'tol':>6} {'time vs jax':>11}  config"
+  print(header, file=out)
+  print("-" * len(header), file=out)
+  rng = np.random.default_rng(0)
+
+  def row(name, dtype, impl, fwd, grad, ratio, config):
+    nonlocal ok
+    tol = TOLERANCE[jnp.dtype(dtype).name]
+    good = fwd < tol and grad < tol
+    ok &= good
+    print(f"{name:<10} {jnp.dtype(dtype).name:<9} {impl:<20} {fwd:9.2e} {grad:9.2e} {tol:6.0e} "
+          f"{ratio:>11}  {config}{'' if good else '   <-- FAIL'}", file=out)
+
+  for check in _CHECKS:
+    for dtype in check.dtypes:
+      args = check.make_args(rng, dtype, False)
+      impl, config = _implementation(check, args)
+      fwd, grad = _errors(check, args)
+      ours = _median_time(jax.jit(check.op), args)
+      plain = _median_time(jax.jit(check.reference), args)
+      row(check.name, dtype, impl, fwd, grad, f"{ours / plain:.2f}x", config)
+    for backend in BACKENDS:
+      for dtype in check.dtypes:
+        args = check.make_args(rng, dtype, True)
+        with interpret(backend):
+          fwd, grad = _errors(check, args)
+        row(check.name, dtype, f"interpret-{backend}", fwd, grad, "n/a",
+            "heuristic (interpreted)")
+  print("all ops within tolerance" if ok else "SOME OPS ARE WRONG", file=out)
+  return ok
