@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any, ClassVar, Sequence
+from typing import Any, ClassVar, Optional, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -25,8 +25,9 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 from jax.experimental.pallas import triton as pltriton
 
-from pallax.executor import register_kernel
+from pallax.executor import KernelSpec, register_kernel
 from pallax.executor.config import KernelConfig
+from pallax.executor.registry import interpreted, kernel_backend, xla_allowed
 from pallax.pallas_utils import next_pow2, sublanes
 
 
@@ -49,23 +50,75 @@ def stat_dtype(dtype) -> jnp.dtype:
   return jnp.promote_types(dtype, jnp.float32)
 
 
-def rms_norm_heuristic(avals: Sequence[Any], backend: str, **params) -> RmsNormConfig:
-  """Rows per block so that one block of x holds about 16K (Triton) or 512K (TPU) elements."""
+def _rows_hidden(avals) -> tuple[int, int]:
   x = avals[0]
-  hidden = x.shape[-1]
-  rows = max(1, math.prod(x.shape[:-1]))
+  return max(1, math.prod(x.shape[:-1])), x.shape[-1]
+
+
+def _pallas_heuristic(avals, backend: str) -> RmsNormConfig:
+  """Rows per block so that one block of x holds about 16K (Triton) or 512K (TPU) elements."""
+  rows, hidden = _rows_hidden(avals)
   if backend == "triton":
     bh = next_pow2(hidden)
     block_rows = max(1, min(next_pow2(rows), 16384 // bh, 64))
     num_warps = max(1, min(16, bh * block_rows // 1024))
     return RmsNormConfig(block_rows=block_rows, num_warps=next_pow2(num_warps))
-  sub = sublanes(x.dtype)
-  fit = max(sub, (524288 // max(hidden, 1)) // sub * sub)
+  sub = sublanes(avals[0].dtype)
+  fit = max(sub, (524288 // hidden) // sub * sub)
   return RmsNormConfig(block_rows=min(fit, 1024))
 
 
-register_kernel("rms_norm_fwd", RmsNormConfig, rms_norm_heuristic)
-register_kernel("rms_norm_bwd", RmsNormConfig, rms_norm_heuristic)
+def rms_norm_heuristic(avals: Sequence[Any], target: str, **params) -> RmsNormConfig:
+  """The kernel on accelerators and under the interpret switch; XLA's program on CPU."""
+  config = _pallas_heuristic(avals, kernel_backend(target))
+  return dataclasses.replace(config, implementation="xla") if target == "cpu" else config
+
+
+def rms_norm_candidates(avals: Sequence[Any], target: str, **params) -> list[RmsNormConfig]:
+  """The autotuning space: block rows (and warps on Triton), plus the XLA program."""
+  rows, hidden = _rows_hidden(avals)
+  backend = kernel_backend(target)
+  if interpreted(target):  # interpreted kernels are slow: a few block sizes
+    base = _pallas_heuristic(avals, backend)
+    blocks = sorted({base.block_rows, max(1, base.block_rows // 4)})
+    out = [dataclasses.replace(base, block_rows=b) for b in blocks]
+  elif backend == "triton":
+    bh = next_pow2(hidden)
+    out = [RmsNormConfig(block_rows=b, num_warps=w)
+           for b in (1, 2, 4, 8, 16, 32, 64) if b <= next_pow2(rows) and b * bh <= 65536
+           for w in (2, 4, 8, 16) if w * 32 <= b * bh]
+  else:
+    sub = sublanes(avals[0].dtype)
+    out = [RmsNormConfig(block_rows=b) for b in (sub, 2 * sub, 4 * sub, 8 * sub, 256, 512, 1024)
+           if b % sub == 0 and b * hidden <= 2 ** 21]
+  if xla_allowed(target):
+    out.append(RmsNormConfig(block_rows=1, implementation="xla"))
+  return out or [_pallas_heuristic(avals, backend)]
+
+
+def rms_norm_supports(avals: Sequence[Any], target: str, config: RmsNormConfig,
+                      **params) -> Optional[str]:
+  """Why ``config`` cannot run this call on ``target``, if it cannot."""
+  if config.implementation == "xla":
+    return None
+  backend = kernel_backend(target)
+  rows, _ = _rows_hidden(avals)
+  dtype = avals[0].dtype
+  if backend == "mosaic_tpu":
+    if dtype == jnp.float64:
+      return "float64 has no Mosaic TPU kernel"
+    sub = sublanes(dtype)
+    if config.block_rows < rows and config.block_rows % sub:
+      return (f"block_rows={config.block_rows} must be a multiple of {sub} on TPU "
+              f"(or cover all {rows} rows)")
+  elif config.block_rows & (config.block_rows - 1):
+    return f"block_rows={config.block_rows} must be a power of two on Triton"
+  return None
+
+
+for _op in ("rms_norm_fwd", "rms_norm_bwd"):
+  register_kernel(KernelSpec(_op, RmsNormConfig, rms_norm_heuristic, rms_norm_candidates,
+                             rms_norm_supports))
 
 
 # ----------------------------------------------------------------------------
@@ -129,10 +182,6 @@ class _Layout:
     groups = math.prod(w_shape[:-1])
     rows = math.prod(x_shape[:-1]) // max(groups, 1)
     block_rows = min(config.block_rows, rows) if backend == "mosaic_tpu" else config.block_rows
-    if backend == "mosaic_tpu" and block_rows != rows and block_rows % sublanes(jnp.float32):
-      raise ValueError(f"block_rows={config.block_rows} must be a multiple of 8 on TPU")
-    if backend == "triton" and block_rows & (block_rows - 1):
-      raise ValueError(f"block_rows={config.block_rows} must be a power of two on Triton")
     block_hidden = next_pow2(hidden) if backend == "triton" else hidden
     return cls(groups, rows, hidden, block_rows, block_hidden)
 
@@ -201,14 +250,8 @@ def _bwd_kernel(x_ref, w_ref, rstd_ref, dy_ref, dx_ref, dw_ref, *, layout: _Layo
   dw_ref[...] = jnp.sum(contrib, axis=0, keepdims=True).astype(dw_ref.dtype)
 
 
-def _check_backend_dtype(x, backend: str):
-  if backend == "mosaic_tpu" and x.dtype == jnp.float64:
-    raise NotImplementedError("rms_norm: float64 has no Mosaic TPU kernel; use the XLA path")
-
-
 def rms_norm_fwd_pallas(x, w, *, eps: float, offset: float, config: RmsNormConfig,
                         backend: str, interpret):
-  _check_backend_dtype(x, backend)
   st = stat_dtype(x.dtype)
   if x.size == 0:
     return [x, jnp.zeros(x.shape[:-1], st)]
@@ -231,7 +274,6 @@ def rms_norm_fwd_pallas(x, w, *, eps: float, offset: float, config: RmsNormConfi
 
 def rms_norm_bwd_pallas(x, w, rstd, dy, *, offset: float, config: RmsNormConfig,
                         backend: str, interpret):
-  _check_backend_dtype(x, backend)
   if x.size == 0:
     return [jnp.zeros_like(x), jnp.zeros_like(w)]
   lay = _Layout.of(x.shape, w.shape, config, backend)

@@ -4,9 +4,16 @@ Performance-critical ops written as Pallas kernels (GPU/TPU) with a tuned XLA
 program as the CPU path, each one a real JAX primitive so that jit, grad, jvp,
 vmap, pmap and shard_map all work.
 """
+from pallax.executor import Executor, KernelConfig, default_executor, set_default_executor
 from pallax.interpret import interpret
 from pallax.primitives.norm import RmsNormConfig, rms_norm
+from pallax.tuning import autotune, explain, pmap_with_config, vmap_with_config
 
 __version__ = "0.1.0"
 
-__all__ = ["interpret", "rms_norm", "RmsNormConfig"]
+__all__ = [
+    "rms_norm", "RmsNormConfig",
+    "interpret",
+    "Executor", "KernelConfig", "default_executor", "set_default_executor",
+    "autotune", "explain", "vmap_with_config", "pmap_with_config",
+]

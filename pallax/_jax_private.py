@@ -45,3 +45,9 @@ def without_vma_checks():
   body (jax 0.10.2 fails with "requires varying manual axes to match").
   """
   return _config._check_vma(False)
+
+
+def object_flag(name: str, default, help: str):
+  """A JAX config flag holding any hashable object, part of the trace context."""
+  return _config.string_or_object_state(name, default, help, include_in_jit_key=True,
+                                        include_in_trace_context=True)

@@ -13,13 +13,14 @@ einsum-like dimension labels of its operands; ``define_primitive`` builds
   outputs with NaN, so a kernel that leaves elements unwritten, or lets padded
   rows or columns leak into a reduction, fails the tests.
 
-Every primitive has ``multiple_results=True`` and two framework params:
-``config`` (None or a pinned ``KernelConfig``; otherwise the kernel's config is
-resolved at lowering time from the final, vmapped and per-shard, shapes) and
-``interpret`` (the interpret switch read when the public function was traced;
-a param, not a global read at lowering, so that the jaxpr, and with it JAX's
-lowering cache key, differs between the modes). Rules that bind further
-primitives pass both on.
+Every primitive has ``multiple_results=True`` and three framework params, set
+by ``bind`` when the public function is traced: ``config`` (None or a pinned
+``KernelConfig``), ``interpret`` (the interpret switch) and ``executor`` (the
+executor scope: executor and overlays). They are params rather than globals
+read at lowering so that the jaxpr, and with it JAX's lowering cache key,
+changes with them. The kernel's config is selected at lowering time, from the
+final (vmapped, per-shard) shapes. Rules that bind further primitives pass all
+three on.
 """
 from __future__ import annotations
 
@@ -34,8 +35,11 @@ from jax.interpreters import ad, mlir
 from jax.sharding import NamedSharding, PartitionSpec
 
 from pallax import _jax_private
-from pallax.executor import select_config
+from pallax.executor import Scope, current_scope
+from pallax.executor.registry import interpreted, kernel_backend
 from pallax.interpret import interpret_backend
+
+FRAMEWORK_PARAMS = ("config", "interpret", "executor")
 
 # Platform -> Pallas backend of the kernel that runs there.
 PLATFORM_BACKENDS = {"cuda": "triton", "rocm": "triton", "tpu": "mosaic_tpu"}
@@ -60,6 +64,7 @@ class KernelPrimitive(Primitive):
 
   xla_impl: Callable[..., Sequence[jax.Array]]
   kernel: Primitive
+  has_kernel: bool  # False where the XLA program runs on every platform
 
 
 def define_primitive(
@@ -83,7 +88,7 @@ def define_primitive(
   """
   kernel = Primitive(name + "_kernel")
   prim = KernelPrimitive(name)
-  prim.xla_impl, prim.kernel = xla_impl, kernel
+  prim.xla_impl, prim.kernel, prim.has_kernel = xla_impl, kernel, kernel_impl is not None
   for p in (prim, kernel):
     p.multiple_results = True
     p.def_impl(functools.partial(_jax_private.apply_primitive, p))
@@ -94,21 +99,21 @@ def define_primitive(
     return mlir.lower_fun(functools.partial(xla_impl, **params),
                           multiple_results=True)(ctx, *args)
 
-  def kernel_lowering(backend, interpret, ctx, *args, config, **params):
-    config = select_config(name, ctx.avals_in, backend, pinned=config, **params)
-    fn = functools.partial(kernel_impl, config=config, backend=backend,
-                           interpret=interpret, **params)
-    with _jax_private.without_vma_checks():
-      return mlir.lower_fun(fn, multiple_results=True)(ctx, *args)
-
   def platform_lowering(platform):
-    def rule(ctx, *args, config, interpret, **params):
-      if kernel_impl is None or (interpret is None and platform == "cpu"):
+    def rule(ctx, *args, config, interpret, executor, **params):
+      if kernel_impl is None:
         return xla_lowering(ctx, *args, **params)
-      if interpret is not None:
-        return kernel_lowering(interpret, True, ctx, *args, config=config, **params)
-      return kernel_lowering(PLATFORM_BACKENDS[platform], False, ctx, *args,
-                             config=config, **params)
+      target = f"interpret-{interpret}" if interpret else platform
+      make_fn = lambda cfg: functools.partial(kernel.bind, config=cfg, interpret=interpret,
+                                              executor=Scope(), **params)
+      chosen = executor.resolve().select(name, ctx.avals_in, target, params, pinned=config,
+                                         overlays=executor.overlays, make_fn=make_fn)
+      if chosen.implementation == "xla":
+        return xla_lowering(ctx, *args, **params)
+      fn = functools.partial(kernel_impl, config=chosen.config, backend=kernel_backend(target),
+                             interpret=interpreted(target), **params)
+      with _jax_private.without_vma_checks():
+        return mlir.lower_fun(fn, multiple_results=True)(ctx, *args)
     return rule
 
   for platform in ("cpu", *PLATFORM_BACKENDS):
@@ -190,7 +195,13 @@ def _factor_axes(mesh, dims: Dims, arg_shapes) -> dict[str, tuple[str, ...]]:
 
 def bind(prim: Primitive, *args, config=None, **params) -> list:
   """Binds ``prim`` from a public function: adds the framework params."""
-  return prim.bind(*args, config=config, interpret=interpret_backend(), **params)
+  return prim.bind(*args, config=config, interpret=interpret_backend(),
+                   executor=current_scope(), **params)
+
+
+def op_params(params: dict) -> dict:
+  """``params`` without the framework's: the op's own static params."""
+  return {k: v for k, v in params.items() if k not in FRAMEWORK_PARAMS}
 
 
 def derived_aval(aval, shape: Sequence[int], dtype, spec: Sequence[Any]):
@@ -211,9 +222,8 @@ def register_jvp_by_xla(prim: KernelPrimitive) -> None:
   derivatives are only needed for second-order AD (Hessian-vector products,
   ``jacfwd`` of ``grad``).
   """
-  def jvp(primals, tangents, *, config, interpret, **params):
-    del config, interpret
-    outs, out_tangents = jax.jvp(functools.partial(prim.xla_impl, **params),
+  def jvp(primals, tangents, **params):
+    outs, out_tangents = jax.jvp(functools.partial(prim.xla_impl, **op_params(params)),
                                  tuple(primals), tuple(instantiate(tangents)))
     return list(outs), list(out_tangents)
 

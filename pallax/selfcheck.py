@@ -19,9 +19,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pallax.executor import select_config
 from pallax.interpret import BACKENDS, interpret
-from pallax.op import PLATFORM_BACKENDS
+from pallax.tuning import explain
 
 # Max relative error (max|got - want| / max|want|) against float64.
 TOLERANCE = {"float32": 1e-5, "bfloat16": 1e-2, "float16": 1e-2}
@@ -34,13 +33,11 @@ class SelfCheck:
   make_args: ``(rng, dtype, small) -> args``; ``small`` for interpret runs.
   op: the pallax function. reference: the same maths in plain jnp; run in
     float64 it is the oracle, in the input dtype it is the timing baseline.
-  kernel: executor op name of the forward kernel (for the config column).
   """
   name: str
   make_args: Callable[[np.random.Generator, jnp.dtype, bool], Sequence[jax.Array]]
   op: Callable
   reference: Callable
-  kernel: str
   dtypes: tuple = (jnp.float32, jnp.bfloat16)
 
 
@@ -94,12 +91,10 @@ def _median_time(fn, args, repeats=20) -> float:
 
 
 def _implementation(check: SelfCheck, args) -> tuple[str, str]:
-  platform = jax.default_backend()
-  backend = PLATFORM_BACKENDS.get(platform)
-  if backend is None:
-    return "xla", "-"
-  config = select_config(check.kernel, [jax.typeof(a) for a in args], backend)
-  return f"pallas-{backend}", str(config)
+  """Implementation (with where its config came from) and config of the first kernel."""
+  chosen = explain(check.op, *args)[0]
+  config = "-" if chosen.implementation == "xla" else str(chosen.config)
+  return f"{chosen.implementation} ({chosen.source})", config
 
 
 def run(out: TextIO = sys.stdout) -> bool:
@@ -108,7 +103,7 @@ def run(out: TextIO = sys.stdout) -> bool:
   device = jax.devices()[0]
   print(f"pallax self-check on {device.platform} ({device.device_kind}), jax {jax.__version__}",
         file=out)
-  header = f"{'op':<10} {'dtype':<9} {'implementation':<20} {'fwd err':>9} {'grad err':>9} " \
+  header = f"{'op':<10} {'dtype':<9} {'implementation':<22} {'fwd err':>9} {'grad err':>9} " \
            f"{'tol':>6} {'time vs jax':>11}  config"
   print(header, file=out)
   print("-" * len(header), file=out)
@@ -119,7 +114,7 @@ def run(out: TextIO = sys.stdout) -> bool:
     tol = TOLERANCE[jnp.dtype(dtype).name]
     good = fwd < tol and grad < tol
     ok &= good
-    print(f"{name:<10} {jnp.dtype(dtype).name:<9} {impl:<20} {fwd:9.2e} {grad:9.2e} {tol:6.0e} "
+    print(f"{name:<10} {jnp.dtype(dtype).name:<9} {impl:<22} {fwd:9.2e} {grad:9.2e} {tol:6.0e} "
           f"{ratio:>11}  {config}{'' if good else '   <-- FAIL'}", file=out)
 
   for check in _CHECKS:
@@ -135,7 +130,7 @@ def run(out: TextIO = sys.stdout) -> bool:
         args = check.make_args(rng, dtype, True)
         with interpret(backend):
           fwd, grad = _errors(check, args)
-        row(check.name, dtype, f"interpret-{backend}", fwd, grad, "n/a",
-            "heuristic (interpreted)")
+          _, config = _implementation(check, args)
+        row(check.name, dtype, f"interpret-{backend}", fwd, grad, "n/a", config)
   print("all ops within tolerance" if ok else "SOME OPS ARE WRONG", file=out)
   return ok

@@ -207,4 +207,4 @@ def _selfcheck_args(rng: np.random.Generator, dtype, small: bool):
 
 
 register(SelfCheck("rms_norm", make_args=_selfcheck_args, op=rms_norm,
-                   reference=rms_norm_reference, kernel="rms_norm_fwd"))
+                   reference=rms_norm_reference))

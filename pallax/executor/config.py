@@ -1,7 +1,10 @@
 """Kernel configs: frozen, hashable, JSON-serialisable block-size choices.
 
-A config is a static parameter of a primitive (so it must hash) and will be
-stored in the persistent cache (so it must round-trip through JSON).
+A config is a static parameter of a primitive (so it must hash) and is stored
+in the persistent cache (so it must round-trip through JSON). Every config
+names its implementation: ``"pallas"`` (the kernel; interpreted on CPU) or
+``"xla"`` (the op's XLA program), so choosing between them is config selection
+like any other.
 """
 from __future__ import annotations
 
@@ -11,25 +14,45 @@ from typing import Any, ClassVar, TypeVar
 
 C = TypeVar("C", bound="KernelConfig")
 
+IMPLEMENTATIONS = ("pallas", "xla")
+
 
 @dataclasses.dataclass(frozen=True)
 class KernelConfig:
   """Base class of every kernel's config: validation and JSON round-trip."""
 
+  implementation: str = dataclasses.field(default="pallas", kw_only=True)
+
   # Fields that must be positive integers; subclasses extend this.
   positive_fields: ClassVar[tuple[str, ...]] = ()
 
   def __post_init__(self):
+    if self.implementation not in IMPLEMENTATIONS:
+      raise ValueError(f"{type(self).__name__}.implementation must be one of "
+                       f"{IMPLEMENTATIONS}, got {self.implementation!r}")
     for name in self.positive_fields:
       value = getattr(self, name)
       if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
         raise ValueError(
             f"{type(self).__name__}.{name} must be a positive int, got {value!r}")
 
+  def __str__(self) -> str:
+    if self.implementation == "xla":
+      return "xla"
+    fields = ", ".join(f"{f.name}={getattr(self, f.name)}" for f in dataclasses.fields(self)
+                       if f.name != "implementation")
+    return f"pallas({fields})"
+
+  def to_dict(self) -> dict[str, Any]:
+    return dataclasses.asdict(self)
+
   def to_json(self) -> str:
-    return json.dumps(dataclasses.asdict(self), sort_keys=True)
+    return json.dumps(self.to_dict(), sort_keys=True)
+
+  @classmethod
+  def from_dict(cls: type[C], data: dict[str, Any]) -> C:
+    return cls(**data)
 
   @classmethod
   def from_json(cls: type[C], text: str) -> C:
-    data: dict[str, Any] = json.loads(text)
-    return cls(**data)
+    return cls.from_dict(json.loads(text))

@@ -11,7 +11,8 @@ import jax.numpy as jnp
 import pytest
 
 import pallax
-from pallax.kernels.norm import RmsNormConfig, rms_norm_heuristic
+from pallax.kernels.norm import (RmsNormConfig, rms_norm_candidates, rms_norm_heuristic,
+                                 rms_norm_supports)
 
 SHAPES = [(3, 96), (2, 5, 200), (37, 1000), (1, 7), (300, 4096)]
 DTYPES = [jnp.float32, jnp.bfloat16]
@@ -75,12 +76,28 @@ def test_heuristic_respects_backend_rules(shape, dtype):
   rows = 1
   for d in shape[:-1]:
     rows *= d
-  triton = rms_norm_heuristic([aval], "triton")
+  triton = rms_norm_heuristic([aval], "cuda")
+  assert triton.implementation == "pallas"
   assert triton.block_rows & (triton.block_rows - 1) == 0
   assert triton.num_warps & (triton.num_warps - 1) == 0
-  tpu = rms_norm_heuristic([aval], "mosaic_tpu")
+  tpu = rms_norm_heuristic([aval], "tpu")
   sublanes = 8 * (4 // jnp.dtype(dtype).itemsize)
+  assert tpu.implementation == "pallas"
   assert tpu.block_rows % sublanes == 0 or tpu.block_rows >= rows
+  assert rms_norm_heuristic([aval], "cpu").implementation == "xla"
+  assert rms_norm_heuristic([aval], "interpret-triton").implementation == "pallas"
+
+
+@pytest.mark.parametrize("target", ["cpu", "cuda", "rocm", "tpu", "interpret-triton",
+                                    "interpret-mosaic_tpu"])
+def test_candidates_are_legal(target):
+  aval = jax.ShapeDtypeStruct((300, 1000), jnp.bfloat16)
+  candidates = rms_norm_candidates([aval], target)
+  assert candidates and len(set(candidates)) == len(candidates)
+  for config in candidates:
+    assert rms_norm_supports([aval], target, config) is None, config
+  has_xla = any(c.implementation == "xla" for c in candidates)
+  assert has_xla == (not target.startswith("interpret-"))
 
 
 def test_config_validation_and_json_round_trip():
@@ -91,6 +108,10 @@ def test_config_validation_and_json_round_trip():
               dict(block_rows=2.5), dict(block_rows=True)):
     with pytest.raises(ValueError, match="must be a positive int"):
       RmsNormConfig(**bad)
+  with pytest.raises(ValueError, match="implementation"):
+    RmsNormConfig(block_rows=8, implementation="cuda")
+  assert str(config) == "pallas(block_rows=32, num_warps=8, num_stages=2)"
+  assert str(RmsNormConfig(block_rows=1, implementation="xla")) == "xla"
 
 
 @pytest.mark.parametrize("platform, block_rows, words", [

@@ -1,0 +1,327 @@
+"""The executor: which implementation and config each kernel call uses.
+
+Selection happens once per (op, final avals, params, target) at lowering time,
+in this order (design.md section 3):
+
+1. ``pinned``: the op's ``config=`` argument, or ``Executor.override``;
+2. ``overlay``: ``with executor.overlay({op: config}):``;
+3. ``memory``: configs this executor tuned or loaded;
+4. ``disk``: the persistent cache (``pallax.executor.cache``);
+5. ``default``: configs shipped in the package;
+6. on a miss, by policy: ``"heuristic"`` (default) uses the kernel's
+   heuristic, ``"autotune"`` times the candidates on this device and stores
+   the winner, ``"error"`` raises ``LookupError``.
+
+A selected ``"pallas"`` config the kernel cannot run (say float64 on TPU) is
+replaced by the XLA program, visibly: a log line and a note in ``explain``.
+Heuristic picks are never written to disk; pinned configs never stored.
+
+Which executor and overlays apply is a JAX config flag in the trace context, so
+entering an overlay re-traces jitted functions; persistent changes (override,
+policy, default executor) clear JAX's caches.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+import logging
+import os
+import threading
+from typing import Any, Callable, Iterator, Mapping, Optional, Sequence
+
+import jax
+
+from pallax import _jax_private
+from pallax.executor import autotune as autotune_lib
+from pallax.executor.cache import DiskCache, shipped_defaults
+from pallax.executor.config import KernelConfig
+from pallax.executor.registry import (KernelSpec, describe_avals, kernel_spec, xla_allowed)
+
+log = logging.getLogger("pallax.executor")
+
+POLICIES = ("heuristic", "autotune", "error")
+
+
+@dataclasses.dataclass(frozen=True)
+class Selection:
+  """The outcome of one selection, as ``pallax.explain`` shows it."""
+  op: str
+  key: str
+  target: str
+  device_kind: str
+  config: KernelConfig
+  source: str
+  note: str = ""
+
+  @property
+  def implementation(self) -> str:
+    return self.config.implementation
+
+
+@dataclasses.dataclass(frozen=True)
+class Scope:
+  """What a traced op call carries to its lowering: the executor and overlays in force."""
+  executor: Optional["Executor"] = None
+  overlays: tuple[tuple[str, KernelConfig], ...] = ()
+
+  def resolve(self) -> "Executor":
+    return self.executor if self.executor is not None else default_executor()
+
+
+_SCOPE = _jax_private.object_flag(
+    "pallax_executor_scope", Scope(),
+    help="The pallax executor and config overlays in force (set by their context managers).")
+
+
+def current_scope() -> Scope:
+  return _SCOPE.value
+
+
+def _device_kind(target: str) -> str:
+  platform = "cpu" if target.startswith("interpret-") else target
+  kind = _local_device_kind(platform)
+  if kind is not None:
+    return kind
+  abstract = jax.sharding.get_abstract_mesh().abstract_device
+  if abstract is not None and abstract.platform == platform:
+    return abstract.device_kind
+  return f"{platform} (no device)"
+
+
+@functools.lru_cache(maxsize=None)
+def _local_device_kind(platform: str) -> Optional[str]:
+  try:
+    return jax.devices(platform)[0].device_kind
+  except RuntimeError:
+    return None
+
+
+def _target_runs_here(target: str) -> bool:
+  platform = "cpu" if target.startswith("interpret-") else target
+  return _local_device_kind(platform) is not None
+
+
+def cache_key(spec: KernelSpec, avals: Sequence[Any], target: str, params: Mapping) -> str:
+  static = ",".join(f"{k}={params[k]!r}" for k in sorted(params))
+  return f"{spec.op}@v{spec.version}|{target}|{describe_avals(avals)}|{static}"
+
+
+class Executor:
+  """Selects kernel configs; holds the in-memory cache and the disk cache.
+
+  Args:
+    policy: what to do on a cache miss: ``"heuristic"``, ``"autotune"`` or
+      ``"error"``. Default: ``$PALLAX_POLICY`` or ``"heuristic"``.
+    cache_dir: persistent cache directory (default ``$PALLAX_CACHE_DIR`` or
+      ``~/.cache/pallax``); ``False`` for memory only.
+    timer: replaces wall-clock timing when autotuning: ``timer(config) ->
+      seconds``, raising for a candidate that cannot run (for tests).
+  """
+
+  def __init__(self, policy: Optional[str] = None, cache_dir=None,
+               timer: Optional[Callable[[KernelConfig], float]] = None):
+    self._policy = self._check_policy(policy or os.environ.get("PALLAX_POLICY", "heuristic"))
+    self.disk = None if cache_dir is False else DiskCache(cache_dir)
+    self.timer = timer
+    self._pins: dict[str, KernelConfig] = {}
+    self._memory: dict[tuple[str, str], Selection] = {}
+    self._disk_files: dict[tuple[str, str], dict[str, dict]] = {}
+    self._lock = threading.RLock()
+    self._entered = threading.local()
+    self.tune_log: list[tuple[Selection, autotune_lib.TuneResult]] = []
+
+  # -- configuration -----------------------------------------------------------
+
+  @staticmethod
+  def _check_policy(policy: str) -> str:
+    if policy not in POLICIES:
+      raise ValueError(f"policy must be one of {POLICIES}, got {policy!r}")
+    return policy
+
+  @property
+  def policy(self) -> str:
+    return self._policy
+
+  @policy.setter
+  def policy(self, policy: str) -> None:
+    self._policy = self._check_policy(policy)
+    jax.clear_caches()
+
+  def override(self, op: str, config: Optional[KernelConfig]) -> None:
+    """Pins ``config`` for every call of kernel ``op`` (None removes the pin)."""
+    if config is None:
+      self._pins.pop(op, None)
+    else:
+      self._check_config(kernel_spec(op), config)
+      self._pins[op] = config
+    jax.clear_caches()
+
+  @contextlib.contextmanager
+  def overlay(self, configs: Mapping[str, KernelConfig]) -> Iterator["Executor"]:
+    """Within the block, kernel ``op`` uses ``configs[op]`` (after pins)."""
+    for op, config in configs.items():
+      self._check_config(kernel_spec(op), config)
+    outer = current_scope()
+    base = outer.overlays if outer.executor is self else ()
+    with _SCOPE(Scope(self, base + tuple(configs.items()))):
+      yield self
+
+  @contextlib.contextmanager
+  def _as_current(self) -> Iterator["Executor"]:
+    with _SCOPE(Scope(self)):
+      yield self
+
+  def __enter__(self) -> "Executor":
+    cm = self._as_current()
+    self._entered.__dict__.setdefault("stack", []).append(cm)
+    return cm.__enter__()
+
+  def __exit__(self, *exc) -> None:
+    self._entered.stack.pop().__exit__(*exc)
+
+  def __call__(self, op: Callable, *args, **kwargs):
+    """Runs ``op(*args, **kwargs)`` with this executor (ejkernel-style call)."""
+    with self:
+      return op(*args, **kwargs)
+
+  @staticmethod
+  def _check_config(spec: KernelSpec, config: KernelConfig) -> None:
+    if not isinstance(config, spec.config_cls):
+      raise TypeError(f"config for {spec.op} must be a {spec.config_cls.__name__}, "
+                      f"got {type(config).__name__}")
+
+  # -- selection ---------------------------------------------------------------
+
+  def select(self, op: str, avals: Sequence[Any], target: str, params: Mapping, *,
+             pinned: Optional[KernelConfig] = None,
+             overlays: Sequence[tuple[str, KernelConfig]] = (),
+             make_fn: Optional[Callable[[KernelConfig], Callable]] = None,
+             dry_run: bool = False) -> Selection:
+    """The config of one kernel call.
+
+    Args:
+      op: kernel name. avals: its operands' final avals. target: see
+        ``registry.TARGETS``. params: its static params.
+      pinned: the call's ``config=``. overlays: the scope's overlays.
+      make_fn: ``config -> function of the operands`` running the kernel with
+        that config, for autotuning.
+      dry_run: never autotune (``explain``).
+    """
+    spec = kernel_spec(op)
+    key = cache_key(spec, avals, target, params)
+    kind = _device_kind(target)
+    make = functools.partial(Selection, op, key, target, kind)
+
+    pinned = pinned if pinned is not None else self._pins.get(op)
+    if pinned is not None:
+      return self._validated(spec, avals, target, params, make(pinned, "pinned"), strict=True)
+    for name, config in reversed(tuple(overlays)):
+      if name == op:
+        return self._validated(spec, avals, target, params, make(config, "overlay"), strict=True)
+    with self._lock:
+      hit = self._memory.get((kind, key))
+      if hit is not None:
+        return hit
+      for source, entries in (("disk", self._disk_entries(kind, spec)),
+                              ("default", shipped_defaults(kind, spec.op, spec.version))):
+        config = self._from_entry(spec, entries.get(key))
+        if config is not None:
+          chosen = self._validated(spec, avals, target, params, make(config, source))
+          self._memory[(kind, key)] = dataclasses.replace(chosen, source="memory")
+          return chosen
+      if self.policy == "error":
+        raise LookupError(f"pallax: no cached config for {key} on {kind!r} and the executor "
+                          f"policy is 'error' (autotune it with pallax.autotune)")
+      if self.policy == "autotune" and not dry_run:
+        if make_fn is not None and _target_runs_here(target):
+          return self._tune(spec, avals, target, params, key, kind, make_fn)
+        note = f"autotune needs a {target} device here; used the heuristic"
+      else:
+        note = ""
+      heuristic = spec.heuristic(avals, target, **params)
+      return self._validated(spec, avals, target, params, make(heuristic, "heuristic", note))
+
+  def _validated(self, spec, avals, target, params, chosen: Selection, strict=False) -> Selection:
+    """``chosen``, or the XLA program if its kernel cannot run this call."""
+    reason = spec.supports(avals, target, chosen.config, **params)
+    if reason is None:
+      return chosen
+    if strict:
+      raise ValueError(f"pallax: {chosen.source} config {chosen.config} cannot run "
+                       f"{spec.op} on {target}: {reason}")
+    if not xla_allowed(target):
+      raise NotImplementedError(f"pallax: {spec.op} has no {target} kernel for this call: {reason}")
+    note = f"pallas skipped: {reason}; running the XLA program"
+    log.info("%s (%s): %s", spec.op, chosen.key, note)
+    config = dataclasses.replace(chosen.config, implementation="xla")
+    return dataclasses.replace(chosen, config=config, note=note)
+
+  def _disk_entries(self, kind: str, spec: KernelSpec) -> dict[str, dict]:
+    if self.disk is None:
+      return {}
+    entries = self._disk_files.get((kind, spec.op))
+    if entries is None:
+      entries = self._disk_files[(kind, spec.op)] = self.disk.load(kind, spec.op, spec.version)
+    return entries
+
+  @staticmethod
+  def _from_entry(spec: KernelSpec, entry: Optional[dict]) -> Optional[KernelConfig]:
+    if entry is None:
+      return None
+    try:
+      return spec.config_cls.from_dict(entry["config"])
+    except (KeyError, TypeError, ValueError) as err:
+      log.warning("ignoring unreadable cached config for %s: %s (%s)", spec.op, entry, err)
+      return None
+
+  # -- autotuning --------------------------------------------------------------
+
+  def _tune(self, spec, avals, target, params, key, kind, make_fn) -> Selection:
+    candidates = []
+    failures = []
+    for config in spec.candidates(avals, target, **params):
+      reason = spec.supports(avals, target, config, **params)
+      if reason is None:
+        candidates.append(config)
+      else:
+        failures.append((config, f"not supported: {reason}"))
+    measure = self.timer or autotune_lib.wall_clock_measure(make_fn, avals)
+    result = autotune_lib.tune(spec.op, candidates, measure)
+    result = dataclasses.replace(result, failures=tuple(failures) + result.failures)
+    chosen = Selection(spec.op, key, target, kind, result.best, "autotune",
+                       f"fastest of {len(result.timings)} candidates "
+                       f"({len(result.failures)} skipped): {result.time_s * 1e6:.1f} us")
+    self._memory[(kind, key)] = dataclasses.replace(chosen, source="memory")
+    self.tune_log.append((chosen, result))
+    if self.disk is not None:
+      entry = {"config": result.best.to_dict(), "time_s": result.time_s,
+               "candidates": len(result.timings), "skipped": len(result.failures)}
+      self._disk_entries(kind, spec)[key] = entry
+      self.disk.store(kind, spec.op, spec.version, {key: entry})
+    return chosen
+
+  def tune(self, op: str, avals: Sequence[Any], target: str, params: Mapping,
+           make_fn: Callable[[KernelConfig], Callable]) -> Selection:
+    """Autotunes one kernel call now, whatever is cached, and stores the winner."""
+    spec = kernel_spec(op)
+    with self._lock:
+      return self._tune(spec, avals, target, params, cache_key(spec, avals, target, params),
+                        _device_kind(target), make_fn)
+
+
+_default: Optional[Executor] = None
+
+
+def default_executor() -> Executor:
+  """The executor used where no other is in scope (created on first use)."""
+  global _default
+  if _default is None:
+    _default = Executor()
+  return _default
+
+
+def set_default_executor(executor: Executor) -> None:
+  global _default
+  _default = executor
+  jax.clear_caches()

@@ -1,0 +1,172 @@
+"""Executor tools for users: explain, autotune, vmap/pmap with one config.
+
+All of them find the kernel calls of a function by tracing it (never by
+running it on data), so they see the final shapes each kernel gets.
+"""
+from __future__ import annotations
+
+import functools
+from typing import Any, Callable, Iterator, Optional, Sequence
+
+import jax
+
+from pallax.executor import Executor, Scope, Selection, default_executor
+from pallax.interpret import interpret_backend
+from pallax.op import KernelPrimitive, op_params
+
+
+def local_target() -> str:
+  """Where ops run in this process: the interpret target, or this machine's platform."""
+  backend = interpret_backend()
+  if backend is not None:
+    return f"interpret-{backend}"
+  device = jax.devices()[0]
+  if device.platform == "gpu":
+    return "rocm" if "rocm" in device.client.platform_version.lower() else "cuda"
+  return device.platform
+
+
+def _sub_jaxprs(value) -> Iterator[Any]:
+  if isinstance(value, jax.extend.core.ClosedJaxpr):
+    yield value.jaxpr
+  elif isinstance(value, jax.extend.core.Jaxpr):
+    yield value
+  elif isinstance(value, (tuple, list)):
+    for v in value:
+      yield from _sub_jaxprs(v)
+
+
+def kernel_calls(jaxpr) -> list:
+  """Every equation of ``jaxpr`` (nested jaxprs included) that runs a pallax kernel."""
+  calls = []
+  for eqn in jaxpr.eqns:
+    if isinstance(eqn.primitive, KernelPrimitive) and eqn.primitive.has_kernel:
+      calls.append(eqn)
+    for value in eqn.params.values():
+      for sub in _sub_jaxprs(value):
+        calls.extend(kernel_calls(sub))
+  return calls
+
+
+def _trace(fn: Callable, args, kwargs) -> list:
+  return kernel_calls(jax.make_jaxpr(functools.partial(fn, **kwargs))(*args).jaxpr)
+
+
+def _make_fn(eqn) -> Callable:
+  """``config -> function`` running ``eqn``'s kernel with that config (for autotuning)."""
+  params = op_params(eqn.params)
+  return lambda cfg: functools.partial(eqn.primitive.kernel.bind, config=cfg,
+                                       interpret=eqn.params["interpret"], executor=Scope(),
+                                       **params)
+
+
+def _select(eqn, target: str, executor: Optional[Executor] = None, **kw) -> Selection:
+  scope = eqn.params["executor"]
+  executor = executor or scope.resolve()
+  return executor.select(eqn.primitive.name, [v.aval for v in eqn.invars], target,
+                         op_params(eqn.params), pinned=eqn.params["config"],
+                         overlays=scope.overlays, make_fn=_make_fn(eqn), **kw)
+
+
+class Report(list):
+  """Rows of selections that print as a table."""
+
+  def __str__(self) -> str:
+    lines = [f"{'op':<14} {'impl':<7} {'source':<10} config / key / note"]
+    for s in self:
+      lines.append(f"{s.op:<14} {s.implementation:<7} {s.source:<10} {s.config}")
+      lines.append(f"{'':<34}{s.key} on {s.device_kind!r}")
+      if s.note:
+        lines.append(f"{'':<34}{s.note}")
+    return "\n".join(lines)
+
+
+def explain(fn: Callable, *args, **kwargs) -> Report:
+  """Per kernel call in ``fn(*args, **kwargs)``: key, implementation, config, source.
+
+  Sources: pinned / overlay / memory / disk / default / heuristic / autotune.
+  Nothing is tuned or run; with the ``"autotune"`` policy a miss shows the
+  heuristic pick with a note.
+  """
+  target = local_target()
+  return Report(_select(eqn, target, dry_run=True) for eqn in _trace(fn, args, kwargs))
+
+
+def autotune(fn: Callable, *args, executor: Optional[Executor] = None, **kwargs) -> Report:
+  """Tunes every kernel call of ``fn(*args, **kwargs)`` on this device; returns the table.
+
+  The winners go to the executor's memory and persistent cache, so later
+  calls (in this or a fresh process) hit the cache without tuning.
+  """
+  executor = executor or default_executor()
+  target = local_target()
+  report, seen = Report(), set()
+  for eqn in _trace(fn, args, kwargs):
+    avals = [v.aval for v in eqn.invars]
+    params = op_params(eqn.params)
+    key = (eqn.primitive.name, tuple(avals), tuple(sorted(params.items())))
+    if key not in seen:
+      seen.add(key)
+      report.append(executor.tune(eqn.primitive.name, avals, target, params, _make_fn(eqn)))
+  return report
+
+
+def _in_axes_per_leaf(args: Sequence[Any], in_axes) -> list:
+  """``in_axes`` (an int, None, or one entry per positional arg) as a list per arg."""
+  if isinstance(in_axes, (int, type(None))):
+    return [in_axes] * len(args)
+  if len(in_axes) != len(args):
+    raise ValueError(f"in_axes has {len(in_axes)} entries for {len(args)} arguments")
+  return list(in_axes)
+
+
+def _select_once(executor: Executor, fn: Callable, structs, kwargs):
+  """The config ``executor`` selects for the first kernel call of ``fn`` at ``structs``."""
+  with executor:
+    calls = _trace(fn, structs, kwargs)
+  if not calls:
+    raise ValueError(f"{getattr(fn, '__name__', fn)!r} calls no pallax kernel")
+  return _select(calls[0], local_target(), executor).config
+
+
+def vmap_with_config(executor: Executor, op: Callable, in_axes=0) -> Callable:
+  """``jax.vmap(op, in_axes)`` with one config, selected from the batched shapes.
+
+  The config is chosen once per argument shapes, from the abstract shapes the
+  kernel sees after vmap folds the batch axis in (the op is traced, never
+  run on a sample), then pinned for the mapped call.
+  """
+  cache: dict = {}
+
+  def wrapped(*args, **kwargs):
+    structs = [jax.ShapeDtypeStruct(jax.numpy.shape(a), jax.numpy.result_type(a)) for a in args]
+    key = (tuple(structs), tuple(sorted(kwargs.items())))
+    if key not in cache:
+      vmapped = lambda *a, **k: jax.vmap(functools.partial(op, **k), in_axes=in_axes)(*a)
+      cache[key] = _select_once(executor, vmapped, structs, kwargs)
+    with executor:
+      return jax.vmap(functools.partial(op, config=cache[key], **kwargs), in_axes=in_axes)(*args)
+
+  return wrapped
+
+
+def pmap_with_config(executor: Executor, op: Callable, in_axes=0,
+                     axis_name: str = "devices") -> Callable:
+  """``jax.pmap(op, in_axes, axis_name)`` with one config, selected from per-device shapes."""
+  cache: dict = {}
+
+  def wrapped(*args, **kwargs):
+    structs = []
+    for a, axis in zip(args, _in_axes_per_leaf(args, in_axes)):
+      shape = list(jax.numpy.shape(a))
+      if axis is not None:
+        del shape[axis]
+      structs.append(jax.ShapeDtypeStruct(tuple(shape), jax.numpy.result_type(a)))
+    key = (tuple(structs), tuple(sorted(kwargs.items())))
+    if key not in cache:
+      cache[key] = _select_once(executor, op, structs, kwargs)
+    with executor:
+      return jax.pmap(functools.partial(op, config=cache[key], **kwargs), in_axes=in_axes,
+                      axis_name=axis_name)(*args)
+
+  return wrapped
