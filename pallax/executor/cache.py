@@ -76,7 +76,7 @@ class DiskCache:
     path = self.path(device_kind, op)
     try:
       text = path.read_text()
-    except FileNotFoundError:
+    except (FileNotFoundError, NotADirectoryError):
       return {}
     except OSError as err:
       _warn_once(str(path), f"pallax: cannot read config cache {path}: {err}")
