@@ -4,7 +4,7 @@ A vectorised JAX function evaluated over a long axis holds the inputs, outputs
 and intermediates of the whole axis at once. :func:`autobatch` runs such a
 function over the axis in chunks whose inputs + outputs fit in a byte budget:
 the full chunks run in one ``lax.scan`` and a shorter remainder chunk runs once
-after it, so peak memory follows the chunk, not the axis. Optionally the
+outside it, so peak memory follows the chunk, not the axis. Optionally the
 outputs are reduced over the axis while looping (a sum of per-row losses, a
 running maximum), which keeps even the output small.
 
@@ -146,8 +146,10 @@ def autobatch(
     (plus its temporaries when ``count_intermediates``), ``n`` the axis length
     and ``B`` the budget, the driver aims for ``k = ceil(n * e / B)`` chunks of
     length ``c = ceil(n / k)``. It runs ``n // c`` full chunks in a
-    ``lax.scan`` and, when ``n % c > 0``, one shorter chunk after it, so
-    ``nbatches = ceil(n / c)``. That equals ``k`` except when fewer chunks of
+    ``lax.scan`` and, when ``n % c > 0``, one shorter chunk outside it, so
+    ``nbatches = ceil(n / c)``. (The shorter chunk is computed first and the
+    scan's carry starts from its result: XLA:CPU runs independent work
+    concurrently and would otherwise hold two chunks' temporaries at once.) That equals ``k`` except when fewer chunks of
     length ``c`` cover the axis (``n = 10, k = 6`` gives ``c = 2`` and 5
     chunks) or an element exceeds the budget (``k > n`` gives ``n`` chunks of
     one). A single chunk (including ``n == 0``) calls ``func`` directly,
@@ -350,10 +352,14 @@ class _Chunk:
 
 @dataclass(frozen=True)
 class _ChunkLoop:
-    """The full chunks in one ``lax.scan``, then the remainder chunk once.
+    """The full chunks in one ``lax.scan``; a shorter remainder chunk once.
 
-    Chunks are rematerialised under reverse-mode AD (``jax.checkpoint``), so
-    the backward pass holds one chunk's intermediates at a time.
+    The remainder chunk runs first and the scan's carry starts from its
+    result, so the scan depends on it. Otherwise XLA may run the two side by
+    side (XLA:CPU schedules independent work concurrently) and hold the
+    temporaries of two chunks at once. Chunks are rematerialised under
+    reverse-mode AD (``jax.checkpoint``), so the backward pass too holds one
+    chunk's intermediates at a time.
     """
 
     chunk: _Chunk
@@ -362,23 +368,34 @@ class _ChunkLoop:
     length: int
 
     def map(self, batched: list) -> list:
-        """Concatenate the chunks' outputs along the output axes."""
+        """The chunks' outputs, joined along the output axes."""
         nfull, rest = divmod(self.n, self.length)
         run = jax.checkpoint(self.chunk, prevent_cse=False)
+        out_axes = self.chunk.out_axes
+        if not rest:
+            _, ys = lax.scan(lambda carry, xs: (carry, run(xs, self.unbatched)),
+                             None, self._full(batched, nfull))
+            return [_merge_axis(y, ax) for y, ax in zip(ys, out_axes)]
 
-        def step(carry: None, xs: list) -> tuple[None, list]:
-            return carry, run(xs, self.unbatched)
+        # the remainder's outputs start the output buffers the scan fills in
+        tail = run(self._tail(batched, nfull), self.unbatched)
+        outs = [
+            lax.dynamic_update_slice_in_dim(jnp.zeros(s.shape, s.dtype), t, nfull * self.length, ax)
+            for s, t, ax in zip(self.chunk.out_structs, tail, out_axes)
+        ]
 
-        _, ys = lax.scan(step, None, self._full(batched, nfull))
-        outs = [_merge_axis(y, ax) for y, ax in zip(ys, self.chunk.out_axes)]
-        if rest:
-            tail = run(self._tail(batched, nfull), self.unbatched)
-            outs = [lax.concatenate([o, t], ax)
-                    for o, t, ax in zip(outs, tail, self.chunk.out_axes)]
+        def step(carry: tuple[list, jax.Array], xs: list) -> tuple[tuple[list, jax.Array], None]:
+            outs, i = carry
+            ys = run(xs, self.unbatched)
+            outs = [lax.dynamic_update_slice_in_dim(o, y, i * self.length, ax)
+                    for o, y, ax in zip(outs, ys, out_axes)]
+            return (outs, i + 1), None
+
+        (outs, _), _ = lax.scan(step, (outs, jnp.int32(0)), self._full(batched, nfull))
         return outs
 
     def reduce(self, batched: list, seeds: list) -> list:
-        """Accumulate the chunks' reduced outputs, starting from ``seeds``."""
+        """The chunks' reduced outputs, accumulated from ``seeds``."""
         nfull, rest = divmod(self.n, self.length)
         run = jax.checkpoint(self.chunk, prevent_cse=False)
         ufunc = self.chunk.ufunc
@@ -386,12 +403,11 @@ class _ChunkLoop:
         def combine(acc: list, part: list) -> list:
             return [ufunc(a, p).astype(a.dtype) for a, p in zip(acc, part)]
 
-        def step(acc: list, xs: list) -> tuple[list, None]:
-            return combine(acc, run(xs, self.unbatched)), None
-
-        acc, _ = lax.scan(step, seeds, self._full(batched, nfull))
+        acc = seeds
         if rest:
             acc = combine(acc, run(self._tail(batched, nfull), self.unbatched))
+        acc, _ = lax.scan(lambda acc, xs: (combine(acc, run(xs, self.unbatched)), None),
+                          acc, self._full(batched, nfull))
         return acc
 
     def _full(self, batched: list, nfull: int) -> list:

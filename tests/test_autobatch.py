@@ -374,6 +374,17 @@ def test_overflow_warns_and_runs_chunks_of_one():
         np.testing.assert_array_equal(quiet(x), jnp.sin(x))
 
 
+@pytest.mark.parametrize("reduce_ufunc", [None, jnp.add])
+def test_remainder_chunk_and_scan_do_not_overlap_in_memory(reduce_ufunc):
+    S = jax.ShapeDtypeStruct
+    w = {"a": S((8, 2048), jnp.float32), "b": S((2048, 2), jnp.float32)}
+    # 4 chunks: 3 of 251 rows in the scan and 248 rows outside it
+    g = autobatch(mlp, 1001 * 10 * 4 // 4, in_axes=(0, None), reduce_ufunc=reduce_ufunc)
+    temp = g.lower(S((1001, 8), jnp.float32), w).compile().memory_analysis().temp_size_in_bytes
+    chunk = jax.jit(mlp).lower(S((251, 8), jnp.float32), w).compile().memory_analysis()
+    assert temp < 1.5 * chunk.temp_size_in_bytes  # one chunk's temporaries, not two
+
+
 def test_count_intermediates_shrinks_chunks_to_fit():
     hidden = 256
     rng = np.random.default_rng(6)
