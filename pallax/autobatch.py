@@ -160,8 +160,9 @@ def autobatch(
     it works under ``jax.jit``, ``jax.vmap`` (each vmapped example is chunked
     as if alone, so a chunk's memory grows by the vmapped size), ``jax.grad``
     and ``jax.jvp`` (chunks are rematerialised with ``jax.checkpoint``, so
-    reverse mode keeps one chunk of intermediates alive at a time, at the
-    price of one more forward pass) and ``jax.shard_map`` (shapes there are
+    reverse mode holds the intermediates of one chunk's forward and backward
+    pass at a time, not the whole axis's, at the price of one more forward
+    pass) and ``jax.shard_map`` (shapes there are
     per shard). An ``autobatch`` nested inside another with the same budget
     runs in a single call whenever the outer chunk already fits the budget.
     """
