@@ -4,6 +4,7 @@ Performance-critical ops written as Pallas kernels (GPU/TPU) with a tuned XLA
 program as the CPU path, each one a real JAX primitive so that jit, grad, jvp,
 vmap, pmap and shard_map all work.
 """
+from pallax.autobatch import autobatch
 from pallax.executor import Executor, KernelConfig, default_executor, set_default_executor
 from pallax.interpret import interpret
 from pallax.primitives.norm import RmsNormConfig, rms_norm
@@ -13,6 +14,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "rms_norm", "RmsNormConfig",
+    "autobatch",
     "interpret",
     "Executor", "KernelConfig", "default_executor", "set_default_executor",
     "autotune", "explain", "vmap_with_config", "pmap_with_config",
