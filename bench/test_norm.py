@@ -1,7 +1,9 @@
-"""rms_norm vs its plain-jnp formulation, forward and forward+backward.
+"""Norm ops vs their plain-jnp formulations, forward and forward+backward.
 
-Run: ``pytest bench/test_norm.py --benchmark-group-by=param:shape,param:dtype,param:mode``.
-Each group then holds the pallax and plain-jnp timings of one case side by side.
+Run: ``pytest bench/test_norm.py --benchmark-group-by=param:op,param:shape,param:dtype,param:mode``.
+Each group then holds the pallax and baseline timings of one case side by
+side. ``fused_add_rms_norm`` is compared with plain jnp and with the unfused
+``x + r`` followed by ``pallax.rms_norm``.
 """
 import jax
 import jax.numpy as jnp
@@ -9,23 +11,35 @@ import numpy as np
 import pytest
 
 import pallax
-from pallax.primitives.norm import rms_norm_reference
+from pallax.primitives.norm import (fused_add_rms_norm_reference, layer_norm_reference,
+                                    rms_norm_reference)
 
 SHAPES = [(1024, 1024), (4096, 1024), (8192, 4096)]
-IMPLS = {"pallax": pallax.rms_norm, "jnp": rms_norm_reference}
+OPS = {
+    "rms_norm": (("x", "w"), {"pallax": pallax.rms_norm, "jnp": rms_norm_reference}),
+    "layer_norm": (("x", "w", "b"), {"pallax": pallax.layer_norm, "jnp": layer_norm_reference}),
+    "fused_add_rms_norm": (("x", "r", "w"), {
+        "pallax": pallax.fused_add_rms_norm, "jnp": fused_add_rms_norm_reference,
+        "unfused": lambda x, r, w: (pallax.rms_norm(x + r, w), x + r)}),
+}
+CASES = [(op, impl) for op, (_, impls) in OPS.items() for impl in impls]
 
 
-def _fwd_bwd(fn):
-  return jax.value_and_grad(lambda x, w: jnp.sum(fn(x, w).astype(jnp.float32)), (0, 1))
+def _fwd_bwd(fn, n):
+  loss = lambda *a: sum(jnp.sum(o.astype(jnp.float32)) for o in jax.tree.leaves(fn(*a)))
+  return jax.value_and_grad(loss, tuple(range(n)))
 
 
-@pytest.mark.parametrize("impl", list(IMPLS))
+@pytest.mark.parametrize("op, impl", CASES, ids=[f"{o}-{i}" for o, i in CASES])
 @pytest.mark.parametrize("mode", ["fwd", "fwd+bwd"])
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=lambda d: jnp.dtype(d).name)
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
-def test_rms_norm(bench, impl, mode, dtype, shape):
+def test_norm(bench, op, impl, mode, dtype, shape):
+  names, impls = OPS[op]
   rng = np.random.default_rng(0)
-  x = jnp.asarray(rng.standard_normal(shape), dtype)
-  w = jnp.asarray(1 + 0.5 * rng.standard_normal(shape[-1]), dtype)
-  fn = IMPLS[impl] if mode == "fwd" else _fwd_bwd(IMPLS[impl])
-  bench(fn, x, w)
+  make = {"x": lambda: rng.standard_normal(shape), "r": lambda: rng.standard_normal(shape),
+          "w": lambda: 1 + 0.5 * rng.standard_normal(shape[-1]),
+          "b": lambda: 0.5 * rng.standard_normal(shape[-1])}
+  args = [jnp.asarray(make[n](), dtype) for n in names]
+  fn = impls[impl] if mode == "fwd" else _fwd_bwd(impls[impl], len(args))
+  bench(fn, *args)

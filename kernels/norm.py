@@ -1,4 +1,10 @@
-"""RMS norm implementations: the XLA programs and the Pallas kernels.
+"""Normalisation implementations: the XLA programs and the Pallas kernels.
+
+One implementation serves three ops, told apart by a static ``NormKind``:
+``rms_norm`` (scale only), ``layer_norm`` (centre, scale, bias) and
+``fused_add_rms_norm`` (add a residual first and return the sum too). Each op
+has a forward stage (outputs plus the statistics the backward needs), a
+tangent stage (forward-mode AD) and a backward stage.
 
 Layout shared by every implementation: ``x`` is ``(*lead, H)``; ``w`` is
 ``(*groups, H)`` where ``groups`` is a prefix of ``lead`` (empty for the usual
@@ -9,8 +15,8 @@ The kernels view ``x`` as ``(G, R, H)`` (G = prod(groups)) and run a
 ``(G, cdiv(R, block_rows))`` grid. Triton needs power-of-two blocks, so the
 hidden block is ``H`` rounded up and padded columns are masked; Mosaic TPU
 takes the whole hidden dim and ``block_rows`` a multiple of the sublane tile.
-``dweight`` is reduced per row block inside the backward kernel and the
-per-block partials are summed after it, so ``x`` is read once.
+``dweight`` (and ``dbias``) are reduced per row block inside the backward
+kernel and the per-block partials are summed after it, so ``x`` is read once.
 """
 from __future__ import annotations
 
@@ -32,9 +38,10 @@ from pallax.pallas_utils import next_pow2, sublanes
 
 
 @dataclasses.dataclass(frozen=True)
-class RmsNormConfig(KernelConfig):
-  """Block sizes of the rms_norm forward and backward kernels.
+class NormConfig(KernelConfig):
+  """Block sizes of the norm kernels (every op, forward and backward).
 
+  implementation: ``"pallas"`` (the kernel) or ``"xla"`` (the XLA program).
   block_rows: rows per program (power of two on Triton; multiple of the
     sublane tile, or all rows, on TPU).
   num_warps, num_stages: Triton launch parameters (ignored on TPU).
@@ -55,26 +62,26 @@ def _rows_hidden(avals) -> tuple[int, int]:
   return max(1, math.prod(x.shape[:-1])), x.shape[-1]
 
 
-def _pallas_heuristic(avals, backend: str) -> RmsNormConfig:
+def _pallas_heuristic(avals, backend: str) -> NormConfig:
   """Rows per block so that one block of x holds about 16K (Triton) or 512K (TPU) elements."""
   rows, hidden = _rows_hidden(avals)
   if backend == "triton":
     bh = next_pow2(hidden)
     block_rows = max(1, min(next_pow2(rows), 16384 // bh, 64))
     num_warps = max(1, min(16, bh * block_rows // 1024))
-    return RmsNormConfig(block_rows=block_rows, num_warps=next_pow2(num_warps))
+    return NormConfig(block_rows=block_rows, num_warps=next_pow2(num_warps))
   sub = sublanes(avals[0].dtype)
   fit = max(sub, (524288 // hidden) // sub * sub)
-  return RmsNormConfig(block_rows=min(fit, 1024))
+  return NormConfig(block_rows=min(fit, 1024))
 
 
-def rms_norm_heuristic(avals: Sequence[Any], target: str, **params) -> RmsNormConfig:
+def norm_heuristic(avals: Sequence[Any], target: str, **params) -> NormConfig:
   """The kernel on accelerators and under the interpret switch; XLA's program on CPU."""
   config = _pallas_heuristic(avals, kernel_backend(target))
   return dataclasses.replace(config, implementation="xla") if target == "cpu" else config
 
 
-def rms_norm_candidates(avals: Sequence[Any], target: str, **params) -> list[RmsNormConfig]:
+def norm_candidates(avals: Sequence[Any], target: str, **params) -> list[NormConfig]:
   """The autotuning space: block rows (and warps on Triton), plus the XLA program."""
   rows, hidden = _rows_hidden(avals)
   backend = kernel_backend(target)
@@ -84,19 +91,19 @@ def rms_norm_candidates(avals: Sequence[Any], target: str, **params) -> list[Rms
     out = [dataclasses.replace(base, block_rows=b) for b in blocks]
   elif backend == "triton":
     bh = next_pow2(hidden)
-    out = [RmsNormConfig(block_rows=b, num_warps=w)
+    out = [NormConfig(block_rows=b, num_warps=w)
            for b in (1, 2, 4, 8, 16, 32, 64) if b <= next_pow2(rows) and b * bh <= 65536
            for w in (2, 4, 8, 16) if w * 32 <= b * bh]
   else:
     sub = sublanes(avals[0].dtype)
-    out = [RmsNormConfig(block_rows=b) for b in (sub, 2 * sub, 4 * sub, 8 * sub, 256, 512, 1024)
+    out = [NormConfig(block_rows=b) for b in (sub, 2 * sub, 4 * sub, 8 * sub, 256, 512, 1024)
            if b % sub == 0 and b * hidden <= 2 ** 21]
   if xla_allowed(target):
-    out.append(RmsNormConfig(block_rows=1, implementation="xla"))
+    out.append(NormConfig(block_rows=1, implementation="xla"))
   return out or [_pallas_heuristic(avals, backend)]
 
 
-def rms_norm_supports(avals: Sequence[Any], target: str, config: RmsNormConfig,
+def norm_supports(avals: Sequence[Any], target: str, config: NormConfig,
                       **params) -> Optional[str]:
   """Why ``config`` cannot run this call on ``target``, if it cannot."""
   if config.implementation == "xla":
@@ -116,9 +123,53 @@ def rms_norm_supports(avals: Sequence[Any], target: str, config: RmsNormConfig,
   return None
 
 
-for _op in ("rms_norm_fwd", "rms_norm_bwd"):
-  register_kernel(KernelSpec(_op, RmsNormConfig, rms_norm_heuristic, rms_norm_candidates,
-                             rms_norm_supports))
+for _op in ("rms_norm", "layer_norm", "fused_add_rms_norm"):
+  for _stage in ("fwd", "bwd"):
+    register_kernel(KernelSpec(f"{_op}_{_stage}", NormConfig, norm_heuristic, norm_candidates,
+                               norm_supports))
+
+
+# ----------------------------------------------------------------------------
+# The three ops: operand and result names per stage.
+
+# What each name is: a full row of x (ROW), a per-row statistic (STAT) or a
+# weight-like vector (WEIGHT).
+ROW, STAT, WEIGHT = "row", "stat", "weight"
+CATEGORY = {
+    **dict.fromkeys(("x", "r", "y", "h", "dy", "dh", "dx", "x_dot", "y_dot", "h_dot"), ROW),
+    **dict.fromkeys(("mean", "rstd"), STAT),
+    **dict.fromkeys(("w", "b", "w_dot", "b_dot", "dw", "db"), WEIGHT),
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class NormKind:
+  """Which normalisation: centre (subtract the mean), bias, fused residual add.
+
+  With ``residual``, the op normalises ``h = x + r`` and returns ``h`` too;
+  the tangent and backward stages then see ``h`` as their ``x``.
+  """
+  center: bool = False
+  bias: bool = False
+  residual: bool = False
+
+  def names(self, stage: str) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """(operands, results) of ``stage`` in ``fwd``, ``jvp``, ``bwd``."""
+    c, b, r = self.center, self.bias, self.residual
+    mean = ("mean",) * c
+    return {
+        "fwd": (("x",) + ("r",) * r + ("w",) + ("b",) * b,
+                ("y",) + ("h",) * r + mean + ("rstd",)),
+        "jvp": (("x", "w") + mean + ("rstd", "x_dot", "w_dot") + ("b_dot",) * b,
+                ("y_dot",) + ("h_dot",) * r),
+        "bwd": (("x", "w") + mean + ("rstd", "dy") + ("dh",) * r,
+                ("dx", "dw") + ("db",) * b),
+    }[stage]
+
+
+RMS = NormKind()
+LAYER = NormKind(center=True, bias=True)
+ADD_RMS = NormKind(residual=True)
 
 
 # ----------------------------------------------------------------------------
@@ -133,34 +184,74 @@ def _weight_like_x(w: jax.Array, x_ndim: int) -> jax.Array:
 
 def _sum_to_weight(v: jax.Array, w_ndim: int) -> jax.Array:
   """Sums ``v (*lead, H)`` over the lead dims that are not weight groups."""
-  ngroups = w_ndim - 1
-  return jnp.sum(v, axis=tuple(range(ngroups, v.ndim - 1)))
+  return jnp.sum(v, axis=tuple(range(w_ndim - 1, v.ndim - 1)))
 
 
-def rms_norm_fwd_xla(x, w, *, eps: float, offset: float):
+def _add(x, r):
+  """``x + r`` rounded to x's dtype, as plain jnp computes it."""
+  return (x.astype(stat_dtype(x.dtype)) + r.astype(stat_dtype(x.dtype))).astype(x.dtype)
+
+
+def norm_fwd_xla(*args, kind: NormKind, eps: float, offset: float):
+  operands, results = kind.names("fwd")
+  a = dict(zip(operands, args))
+  x, out = a["x"], {}
+  if kind.residual:
+    x = out["h"] = _add(x, a["r"])
   st = stat_dtype(x.dtype)
   xf = x.astype(st)
+  if kind.center:
+    mean = jnp.mean(xf, axis=-1, keepdims=True)
+    xf, out["mean"] = xf - mean, mean[..., 0]
   rstd = lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
-  scale = _weight_like_x(w, x.ndim).astype(st) + offset
-  return [(xf * rstd * scale).astype(x.dtype), rstd[..., 0]]
+  y = xf * rstd * (_weight_like_x(a["w"], x.ndim).astype(st) + offset)
+  if kind.bias:
+    y = y + _weight_like_x(a["b"], x.ndim).astype(st)
+  out["y"], out["rstd"] = y.astype(x.dtype), rstd[..., 0]
+  return [out[n] for n in results]
 
 
-def rms_norm_jvp_xla(x, w, rstd, x_dot, w_dot, *, offset: float):
+def _xhat(a, st):
+  """The normalised input ``(x - mean) * rstd`` (``x * rstd`` without centring)."""
+  xf = a["x"].astype(st)
+  if "mean" in a:
+    xf = xf - a["mean"][..., None]
+  return xf * a["rstd"][..., None]
+
+
+def norm_jvp_xla(*args, kind: NormKind, offset: float):
+  operands, results = kind.names("jvp")
+  a = dict(zip(operands, args))
+  x = a["x"]
   st = stat_dtype(x.dtype)
-  xf, xdf, r = x.astype(st), x_dot.astype(st), rstd[..., None]
-  scale = _weight_like_x(w, x.ndim).astype(st) + offset
-  r_dot = -r * r * r * jnp.mean(xf * xdf, axis=-1, keepdims=True)
-  y_dot = (xdf * r + xf * r_dot) * scale + xf * r * _weight_like_x(w_dot, x.ndim).astype(st)
-  return [y_dot.astype(x.dtype)]
+  xhat, xd = _xhat(a, st), a["x_dot"].astype(st)
+  if kind.center:
+    xd = xd - jnp.mean(xd, axis=-1, keepdims=True)
+  xhat_dot = a["rstd"][..., None] * (xd - xhat * jnp.mean(xhat * xd, axis=-1, keepdims=True))
+  y_dot = (xhat_dot * (_weight_like_x(a["w"], x.ndim).astype(st) + offset)
+           + xhat * _weight_like_x(a["w_dot"], x.ndim).astype(st))
+  if kind.bias:
+    y_dot = y_dot + _weight_like_x(a["b_dot"], x.ndim).astype(st)
+  out = {"y_dot": y_dot.astype(x.dtype), "h_dot": a["x_dot"]}
+  return [out[n] for n in results]
 
 
-def rms_norm_bwd_xla(x, w, rstd, dy, *, offset: float):
+def norm_bwd_xla(*args, kind: NormKind, offset: float):
+  operands, results = kind.names("bwd")
+  a = dict(zip(operands, args))
+  x, w = a["x"], a["w"]
   st = stat_dtype(x.dtype)
-  xf, dyf, r = x.astype(st), dy.astype(st), rstd[..., None]
-  g = dyf * (_weight_like_x(w, x.ndim).astype(st) + offset)
-  dx = r * (g - xf * (r * r) * jnp.mean(g * xf, axis=-1, keepdims=True))
-  dw = _sum_to_weight(dyf * xf * r, w.ndim)
-  return [dx.astype(x.dtype), dw.astype(w.dtype)]
+  xhat, dy = _xhat(a, st), a["dy"].astype(st)
+  g = dy * (_weight_like_x(w, x.ndim).astype(st) + offset)
+  inner = g - xhat * jnp.mean(g * xhat, axis=-1, keepdims=True)
+  if kind.center:
+    inner = inner - jnp.mean(g, axis=-1, keepdims=True)
+  dx = a["rstd"][..., None] * inner
+  if kind.residual:
+    dx = dx + a["dh"].astype(st)
+  out = {"dx": dx.astype(x.dtype), "dw": _sum_to_weight(dy * xhat, w.ndim).astype(w.dtype),
+         "db": _sum_to_weight(dy, w.ndim).astype(w.dtype)}
+  return [out[n] for n in results]
 
 
 # ----------------------------------------------------------------------------
@@ -177,7 +268,7 @@ class _Layout:
   block_hidden: int
 
   @classmethod
-  def of(cls, x_shape, w_shape, config: RmsNormConfig, backend: str) -> "_Layout":
+  def of(cls, x_shape, w_shape, config: NormConfig, backend: str) -> "_Layout":
     hidden = x_shape[-1]
     groups = math.prod(w_shape[:-1])
     rows = math.prod(x_shape[:-1]) // max(groups, 1)
@@ -196,6 +287,18 @@ class _Layout:
   def rows_spec(self, width: int) -> pl.BlockSpec:
     return pl.BlockSpec((None, self.block_rows, width), lambda g, i: (g, i, 0))
 
+  def spec(self, category: str) -> pl.BlockSpec:
+    """The block of an operand or result of ``category`` in the (G, R, H) view."""
+    if category == ROW:
+      return self.rows_spec(self.block_hidden)
+    if category == STAT:
+      return self.rows_spec(1)
+    return self.weight_spec()
+
+  def view_shape(self, category: str) -> tuple[int, ...]:
+    return {ROW: (self.groups, self.rows, self.hidden), STAT: (self.groups, self.rows, 1),
+            WEIGHT: (self.groups, 1, self.hidden)}[category]
+
   def weight_spec(self) -> pl.BlockSpec:
     return pl.BlockSpec((None, 1, self.block_hidden), lambda g, i: (g, 0, 0))
 
@@ -211,7 +314,7 @@ class _Layout:
     return row < self.rows
 
 
-def _compiler_params(config: RmsNormConfig, backend: str):
+def _compiler_params(config: NormConfig, backend: str):
   if backend == "triton":
     return pltriton.CompilerParams(num_warps=config.num_warps, num_stages=config.num_stages)
   return pltpu.CompilerParams(dimension_semantics=("parallel", "parallel"))
@@ -226,72 +329,99 @@ def _load(ref, st, mask):
   return _where(mask, ref[...].astype(st))
 
 
-def _fwd_kernel(x_ref, w_ref, y_ref, rstd_ref, *, layout: _Layout, eps, offset):
-  st = stat_dtype(x_ref.dtype)
-  cols = layout.column_mask(x_ref.shape)
-  x = _load(x_ref, st, cols)
+def _fwd_kernel(*refs, kind: NormKind, layout: _Layout, eps, offset):
+  operands, results = kind.names("fwd")
+  r = dict(zip(operands + results, refs))
+  st = stat_dtype(r["x"].dtype)
+  cols = layout.column_mask(r["x"].shape)
+  x = _load(r["x"], st, cols)
+  if kind.residual:
+    h = (x + _load(r["r"], st, cols)).astype(r["h"].dtype)
+    r["h"][...] = h
+    x = h.astype(st)
+  if kind.center:
+    mean = jnp.sum(x, axis=-1, keepdims=True) / layout.hidden
+    x = _where(cols, x - mean)
+    r["mean"][...] = mean.astype(r["mean"].dtype)
   rstd = lax.rsqrt(jnp.sum(x * x, axis=-1, keepdims=True) / layout.hidden + eps)
-  scale = _load(w_ref, st, layout.column_mask(w_ref.shape)) + offset
-  y_ref[...] = (x * rstd * scale).astype(y_ref.dtype)
-  rstd_ref[...] = rstd.astype(rstd_ref.dtype)
+  wcols = layout.column_mask(r["w"].shape)
+  y = x * rstd * (_load(r["w"], st, wcols) + offset)
+  if kind.bias:
+    y = y + _load(r["b"], st, wcols)
+  r["y"][...] = y.astype(r["y"].dtype)
+  r["rstd"][...] = rstd.astype(r["rstd"].dtype)
 
 
-def _bwd_kernel(x_ref, w_ref, rstd_ref, dy_ref, dx_ref, dw_ref, *, layout: _Layout, offset):
-  st = stat_dtype(x_ref.dtype)
-  cols = layout.column_mask(x_ref.shape)
-  x, dy = _load(x_ref, st, cols), _load(dy_ref, st, cols)
-  r = rstd_ref[...].astype(st)
-  g = dy * (_load(w_ref, st, layout.column_mask(w_ref.shape)) + offset)
-  mean_gx = jnp.sum(g * x, axis=-1, keepdims=True) / layout.hidden
-  dx_ref[...] = (r * (g - x * (r * r) * mean_gx)).astype(dx_ref.dtype)
+def _bwd_kernel(*refs, kind: NormKind, layout: _Layout, offset):
+  operands, results = kind.names("bwd")
+  r = dict(zip(operands + results, refs))
+  st = stat_dtype(r["x"].dtype)
+  cols = layout.column_mask(r["x"].shape)
+  x, dy = _load(r["x"], st, cols), _load(r["dy"], st, cols)
+  rstd = r["rstd"][...].astype(st)
+  xhat = ((x - r["mean"][...].astype(st)) if kind.center else x) * rstd
+  g = dy * (_load(r["w"], st, layout.column_mask(r["w"].shape)) + offset)
+  inner = g - xhat * (jnp.sum(g * xhat, axis=-1, keepdims=True) / layout.hidden)
+  if kind.center:
+    inner = inner - jnp.sum(g, axis=-1, keepdims=True) / layout.hidden
+  dx = rstd * inner
+  if kind.residual:
+    dx = dx + _load(r["dh"], st, cols)
+  r["dx"][...] = dx.astype(r["dx"].dtype)
   # Rows past the end of the last block hold garbage (possibly NaN): mask them
-  # out of the weight-gradient partial sum.
-  contrib = _where(layout.row_mask(x.shape), dy * x * r)
-  dw_ref[...] = jnp.sum(contrib, axis=0, keepdims=True).astype(dw_ref.dtype)
+  # out of the per-block partial sums.
+  rows = layout.row_mask(x.shape)
+  r["dw"][...] = jnp.sum(_where(rows, dy * xhat), axis=0, keepdims=True).astype(r["dw"].dtype)
+  if kind.bias:
+    r["db"][...] = jnp.sum(_where(rows, dy), axis=0, keepdims=True).astype(r["db"].dtype)
 
 
-def rms_norm_fwd_pallas(x, w, *, eps: float, offset: float, config: RmsNormConfig,
-                        backend: str, interpret):
-  st = stat_dtype(x.dtype)
+def norm_fwd_pallas(*args, kind: NormKind, eps: float, offset: float, config: NormConfig,
+                    backend: str, interpret):
+  operands, results = kind.names("fwd")
+  a = dict(zip(operands, args))
+  x = a["x"]
   if x.size == 0:
-    return [x, jnp.zeros(x.shape[:-1], st)]
-  lay = _Layout.of(x.shape, w.shape, config, backend)
-  x3 = x.reshape(lay.groups, lay.rows, lay.hidden)
-  w3 = w.reshape(lay.groups, 1, lay.hidden)
-  y, rstd = pl.pallas_call(
-      lambda *refs: _fwd_kernel(*refs, layout=lay, eps=eps, offset=offset),
+    return norm_fwd_xla(*args, kind=kind, eps=eps, offset=offset)
+  lay = _Layout.of(x.shape, a["w"].shape, config, backend)
+  st = stat_dtype(x.dtype)
+  outs = pl.pallas_call(
+      lambda *refs: _fwd_kernel(*refs, kind=kind, layout=lay, eps=eps, offset=offset),
       grid=lay.grid,
-      in_specs=[lay.rows_spec(lay.block_hidden), lay.weight_spec()],
-      out_specs=[lay.rows_spec(lay.block_hidden), lay.rows_spec(1)],
-      out_shape=[jax.ShapeDtypeStruct(x3.shape, x.dtype),
-                 jax.ShapeDtypeStruct((lay.groups, lay.rows, 1), st)],
+      in_specs=[lay.spec(CATEGORY[n]) for n in operands],
+      out_specs=[lay.spec(CATEGORY[n]) for n in results],
+      out_shape=[jax.ShapeDtypeStruct(lay.view_shape(CATEGORY[n]),
+                                      st if CATEGORY[n] == STAT else x.dtype) for n in results],
       compiler_params=_compiler_params(config, backend),
       interpret=interpret,
-      name="rms_norm_fwd",
-  )(x3, w3)
-  return [y.reshape(x.shape), rstd.reshape(x.shape[:-1])]
+      name="norm_fwd",
+  )(*[a[n].reshape(lay.view_shape(CATEGORY[n])) for n in operands])
+  shapes = {ROW: x.shape, STAT: x.shape[:-1]}
+  return [o.reshape(shapes[CATEGORY[n]]) for o, n in zip(outs, results)]
 
 
-def rms_norm_bwd_pallas(x, w, rstd, dy, *, offset: float, config: RmsNormConfig,
-                        backend: str, interpret):
+def norm_bwd_pallas(*args, kind: NormKind, offset: float, config: NormConfig,
+                    backend: str, interpret):
+  operands, results = kind.names("bwd")
+  a = dict(zip(operands, args))
+  x, w = a["x"], a["w"]
   if x.size == 0:
-    return [jnp.zeros_like(x), jnp.zeros_like(w)]
+    return norm_bwd_xla(*args, kind=kind, offset=offset)
   lay = _Layout.of(x.shape, w.shape, config, backend)
   st = stat_dtype(x.dtype)
-  x3 = x.reshape(lay.groups, lay.rows, lay.hidden)
-  dx, dw_blocks = pl.pallas_call(
-      lambda *refs: _bwd_kernel(*refs, layout=lay, offset=offset),
+  partial = pl.BlockSpec((None, None, 1, lay.block_hidden), lambda g, i: (g, i, 0, 0))
+  partial_shape = jax.ShapeDtypeStruct((lay.groups, lay.num_blocks, 1, lay.hidden), st)
+  outs = pl.pallas_call(
+      lambda *refs: _bwd_kernel(*refs, kind=kind, layout=lay, offset=offset),
       grid=lay.grid,
-      in_specs=[lay.rows_spec(lay.block_hidden), lay.weight_spec(),
-                lay.rows_spec(1), lay.rows_spec(lay.block_hidden)],
-      out_specs=[lay.rows_spec(lay.block_hidden),
-                 pl.BlockSpec((None, None, 1, lay.block_hidden), lambda g, i: (g, i, 0, 0))],
-      out_shape=[jax.ShapeDtypeStruct(x3.shape, x.dtype),
-                 jax.ShapeDtypeStruct((lay.groups, lay.num_blocks, 1, lay.hidden), st)],
+      in_specs=[lay.spec(CATEGORY[n]) for n in operands],
+      out_specs=[lay.spec(ROW)] + [partial] * (len(results) - 1),
+      out_shape=[jax.ShapeDtypeStruct(lay.view_shape(ROW), x.dtype)]
+                + [partial_shape] * (len(results) - 1),
       compiler_params=_compiler_params(config, backend),
       interpret=interpret,
-      name="rms_norm_bwd",
-  )(x3, w.reshape(lay.groups, 1, lay.hidden), rstd.reshape(lay.groups, lay.rows, 1),
-    dy.reshape(x3.shape))
-  dw = jnp.sum(dw_blocks, axis=(1, 2)).reshape(w.shape).astype(w.dtype)
-  return [dx.reshape(x.shape), dw]
+      name="norm_bwd",
+  )(*[a[n].reshape(lay.view_shape(CATEGORY[n])) for n in operands])
+  # The weight-like results: sum the per-block partials.
+  sums = [jnp.sum(o, axis=(1, 2)).reshape(w.shape).astype(w.dtype) for o in outs[1:]]
+  return [outs[0].reshape(x.shape)] + sums

@@ -60,22 +60,26 @@ def _to64(a):
   return jnp.asarray(np.asarray(jnp.asarray(a, jnp.float32), np.float64))
 
 
-def _loss(fn, cot):
-  return lambda *args: jnp.sum(fn(*args).astype(jnp.float32) * cot)
+def _loss(fn, cots):
+  """``sum(out * cot)`` over every output leaf: its gradient is the VJP with ``cots``."""
+  def loss(*args):
+    outs = jax.tree.leaves(fn(*args))
+    return sum(jnp.sum(o.astype(cot.dtype) * cot) for o, cot in zip(outs, cots))
+  return loss
 
 
 def _errors(check: SelfCheck, args) -> tuple[float, float]:
   """Forward and gradient (wrt every arg) relative errors vs float64."""
   rng = np.random.default_rng(1)
-  out = jax.jit(check.op)(*args)
-  cot = jnp.asarray(rng.standard_normal(out.shape), jnp.float32)
+  outs = jax.tree.leaves(jax.jit(check.op)(*args))
+  cots = [jnp.asarray(rng.standard_normal(o.shape), jnp.float32) for o in outs]
   argnums = tuple(range(len(args)))
-  grads = jax.jit(jax.grad(_loss(check.op, cot), argnums))(*args)
+  grads = jax.jit(jax.grad(_loss(check.op, cots), argnums))(*args)
   with jax.enable_x64(True):
-    args64 = [_to64(a) for a in args]
-    want = check.reference(*args64)
-    want_grads = jax.grad(lambda *a: jnp.sum(check.reference(*a) * _to64(cot)), argnums)(*args64)
-    fwd = _rel_err(out, want)
+    args64, cots64 = [_to64(a) for a in args], [_to64(c) for c in cots]
+    wants = jax.tree.leaves(check.reference(*args64))
+    want_grads = jax.grad(_loss(check.reference, cots64), argnums)(*args64)
+    fwd = max(_rel_err(o, w) for o, w in zip(outs, wants))
     grad = max(_rel_err(g, w) for g, w in zip(grads, want_grads))
   return fwd, grad
 
@@ -103,7 +107,7 @@ def run(out: TextIO = sys.stdout) -> bool:
   device = jax.devices()[0]
   print(f"pallax self-check on {device.platform} ({device.device_kind}), jax {jax.__version__}",
         file=out)
-  header = f"{'op':<10} {'dtype':<9} {'implementation':<22} {'fwd err':>9} {'grad err':>9} " \
+  header = f"{'op':<18} {'dtype':<9} {'implementation':<22} {'fwd err':>9} {'grad err':>9} " \
            f"{'tol':>6} {'time vs jax':>11}  config"
   print(header, file=out)
   print("-" * len(header), file=out)
@@ -114,7 +118,7 @@ def run(out: TextIO = sys.stdout) -> bool:
     tol = TOLERANCE[jnp.dtype(dtype).name]
     good = fwd < tol and grad < tol
     ok &= good
-    print(f"{name:<10} {jnp.dtype(dtype).name:<9} {impl:<22} {fwd:9.2e} {grad:9.2e} {tol:6.0e} "
+    print(f"{name:<18} {jnp.dtype(dtype).name:<9} {impl:<22} {fwd:9.2e} {grad:9.2e} {tol:6.0e} "
           f"{ratio:>11}  {config}{'' if good else '   <-- FAIL'}", file=out)
 
   for check in _CHECKS:

@@ -124,3 +124,39 @@ def test_vmap_axis_size_zero(path, in_axes):
   with on_path(path):
     y = jax.jit(jax.vmap(pallax.rms_norm, in_axes=in_axes))(x, w)
   assert y.shape == (0,) + X_SHAPE
+
+
+FAMILY = {
+    # op: (function, shapes of one example's operands)
+    "layer_norm": (lambda x, w, b: pallax.layer_norm(x, w, b), (X_SHAPE, (H,), (H,))),
+    "fused_add_rms_norm": (lambda x, r, w: pallax.fused_add_rms_norm(x, r, w),
+                           (X_SHAPE, X_SHAPE, (H,))),
+}
+FAMILY_AXES = [(0, None, None), (None, 0, 0), (0, 0, 0), (1, None, 0), (None, None, 0)]
+
+
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("in_axes", FAMILY_AXES, ids=str)
+@pytest.mark.parametrize("op", list(FAMILY))
+def test_family_vmap_of_value_and_grad_matches_loop(op, in_axes, path):
+  fn, shapes = FAMILY[op]
+  rng = np.random.default_rng(5)
+  size = 3
+  args = [_batched(rng, ax, size, shape) for ax, shape in zip(in_axes, shapes)]
+  c = rand(rng, X_SHAPE)
+
+  def value_and_grad(*a):
+    loss = lambda *a: sum(jnp.sum(o * c) for o in jax.tree.leaves(fn(*a)))
+    return jax.value_and_grad(loss, tuple(range(len(a))))(*a)
+
+  with on_path(path):
+    got = jax.jit(jax.vmap(value_and_grad, in_axes=in_axes))(*args)
+    want = [value_and_grad(*(_example(a, ax, i) for a, ax in zip(args, in_axes)))
+            for i in range(size)]
+  for k, leaf in enumerate(jax.tree.leaves(got)):
+    stacked = jnp.stack([jax.tree.leaves(w)[k] for w in want])
+    np.testing.assert_allclose(leaf, stacked, rtol=2e-5, atol=2e-5)
+  jaxpr = jax.make_jaxpr(jax.vmap(value_and_grad, in_axes=in_axes))(*args).jaxpr
+  names = [e.primitive.name for e in jaxpr.eqns]
+  assert names.count(f"{op}_fwd") == 1 and names.count(f"{op}_bwd") == 1, names
+  assert not {"while", "scan"} & set(names)

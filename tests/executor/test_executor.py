@@ -165,9 +165,9 @@ def test_unsupported_selection_falls_back_to_xla_visibly(tmp_path):
 def test_wrong_config_type():
   ex = Executor(cache_dir=False)
   with pytest.raises(TypeError, match="FakeConfig"):
-    ex.override("fake_op", pallax.RmsNormConfig(block_rows=8))
+    ex.override("fake_op", pallax.NormConfig(block_rows=8))
   with pytest.raises(TypeError, match="FakeConfig"):
-    with ex.overlay({"fake_op": pallax.RmsNormConfig(block_rows=8)}):
+    with ex.overlay({"fake_op": pallax.NormConfig(block_rows=8)}):
       pass
 
 

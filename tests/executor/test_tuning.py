@@ -16,7 +16,7 @@ from pallax.executor import Executor
 from pallax.tuning import kernel_calls
 from tests.helpers import rand
 
-CFG8 = pallax.RmsNormConfig(block_rows=8)
+CFG8 = pallax.NormConfig(block_rows=8)
 
 
 def _xw(shape=(64, 128), seed=0):

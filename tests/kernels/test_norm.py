@@ -11,8 +11,8 @@ import jax.numpy as jnp
 import pytest
 
 import pallax
-from pallax.kernels.norm import (RmsNormConfig, rms_norm_candidates, rms_norm_heuristic,
-                                 rms_norm_supports)
+from pallax.kernels.norm import (NormConfig, norm_candidates, norm_heuristic,
+                                 norm_supports)
 
 SHAPES = [(3, 96), (2, 5, 200), (37, 1000), (1, 7), (300, 4096)]
 DTYPES = [jnp.float32, jnp.bfloat16]
@@ -57,7 +57,7 @@ def test_lowers(platform, dtype, shape, kind):
 
 @pytest.mark.parametrize("platform", ["cuda", "tpu"])
 def test_lowers_with_pinned_config(platform):
-  config = RmsNormConfig(block_rows=16, num_warps=2)
+  config = NormConfig(block_rows=16, num_warps=2)
   fn = lambda x, w: pallax.rms_norm(x, w, config=config)
   x = jax.ShapeDtypeStruct((100, 200), jnp.float32)
   w = jax.ShapeDtypeStruct((200,), jnp.float32)
@@ -76,48 +76,48 @@ def test_heuristic_respects_backend_rules(shape, dtype):
   rows = 1
   for d in shape[:-1]:
     rows *= d
-  triton = rms_norm_heuristic([aval], "cuda")
+  triton = norm_heuristic([aval], "cuda")
   assert triton.implementation == "pallas"
   assert triton.block_rows & (triton.block_rows - 1) == 0
   assert triton.num_warps & (triton.num_warps - 1) == 0
-  tpu = rms_norm_heuristic([aval], "tpu")
+  tpu = norm_heuristic([aval], "tpu")
   sublanes = 8 * (4 // jnp.dtype(dtype).itemsize)
   assert tpu.implementation == "pallas"
   assert tpu.block_rows % sublanes == 0 or tpu.block_rows >= rows
-  assert rms_norm_heuristic([aval], "cpu").implementation == "xla"
-  assert rms_norm_heuristic([aval], "interpret-triton").implementation == "pallas"
+  assert norm_heuristic([aval], "cpu").implementation == "xla"
+  assert norm_heuristic([aval], "interpret-triton").implementation == "pallas"
 
 
 @pytest.mark.parametrize("target", ["cpu", "cuda", "rocm", "tpu", "interpret-triton",
                                     "interpret-mosaic_tpu"])
 def test_candidates_are_legal(target):
   aval = jax.ShapeDtypeStruct((300, 1000), jnp.bfloat16)
-  candidates = rms_norm_candidates([aval], target)
+  candidates = norm_candidates([aval], target)
   assert candidates and len(set(candidates)) == len(candidates)
   for config in candidates:
-    assert rms_norm_supports([aval], target, config) is None, config
+    assert norm_supports([aval], target, config) is None, config
   has_xla = any(c.implementation == "xla" for c in candidates)
   assert has_xla == (not target.startswith("interpret-"))
 
 
 def test_config_validation_and_json_round_trip():
-  config = RmsNormConfig(block_rows=32, num_warps=8, num_stages=2)
-  assert RmsNormConfig.from_json(config.to_json()) == config
-  assert hash(config) == hash(RmsNormConfig.from_json(config.to_json()))
+  config = NormConfig(block_rows=32, num_warps=8, num_stages=2)
+  assert NormConfig.from_json(config.to_json()) == config
+  assert hash(config) == hash(NormConfig.from_json(config.to_json()))
   for bad in (dict(block_rows=0), dict(block_rows=-8), dict(block_rows=8, num_warps=0),
               dict(block_rows=2.5), dict(block_rows=True)):
     with pytest.raises(ValueError, match="must be a positive int"):
-      RmsNormConfig(**bad)
+      NormConfig(**bad)
   with pytest.raises(ValueError, match="implementation"):
-    RmsNormConfig(block_rows=8, implementation="cuda")
+    NormConfig(block_rows=8, implementation="cuda")
   assert str(config) == "pallas(block_rows=32, num_warps=8, num_stages=2)"
-  assert str(RmsNormConfig(block_rows=1, implementation="xla")) == "xla"
+  assert str(NormConfig(block_rows=1, implementation="xla")) == "xla"
 
 
 @pytest.mark.parametrize("platform, block_rows, words", [
     ("cuda", 24, "power of two"), ("tpu", 12, "multiple of 8")])
 def test_config_not_legal_for_backend(platform, block_rows, words):
-  fn = lambda x, w: pallax.rms_norm(x, w, config=RmsNormConfig(block_rows=block_rows))
+  fn = lambda x, w: pallax.rms_norm(x, w, config=NormConfig(block_rows=block_rows))
   x = jax.ShapeDtypeStruct((100, 128), jnp.float32)
   w = jax.ShapeDtypeStruct((128,), jnp.float32)
   with pytest.raises(ValueError, match=words):
@@ -134,3 +134,22 @@ def test_lowers_inside_shard_map(platform):
   w = jax.ShapeDtypeStruct((200,), jnp.float32)
   text = jax.jit(fn).trace(x, w).lower(lowering_platforms=(platform,)).as_text()
   assert text.count(CALL_TARGET[platform]) == 2
+
+
+_FAMILY = {
+    "layer_norm": lambda x, w: pallax.layer_norm(x, w, w * 0.5),
+    "fused_add_rms_norm": lambda x, w: pallax.fused_add_rms_norm(x, x * 0.5, w),
+}
+
+
+@pytest.mark.parametrize("platform", ["cuda", "rocm", "tpu"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: jnp.dtype(d).name)
+@pytest.mark.parametrize("shape", [(37, 1000), (2, 5, 200)], ids=str)
+@pytest.mark.parametrize("op", list(_FAMILY))
+def test_family_lowers_forward_and_backward(op, shape, dtype, platform):
+  fn = _FAMILY[op]
+  loss = lambda x, w: sum(jnp.sum(o.astype(jnp.float32)) for o in jax.tree.leaves(fn(x, w)))
+  x = jax.ShapeDtypeStruct(shape, dtype)
+  w = jax.ShapeDtypeStruct(shape[-1:], dtype)
+  assert _lower(fn, platform, x, w).count(CALL_TARGET[platform]) == 1
+  assert _lower(jax.grad(loss, (0, 1)), platform, x, w).count(CALL_TARGET[platform]) == 2

@@ -156,7 +156,7 @@ def test_pinned_config_gives_same_result():
   with pallax.interpret():
     default = jax.jit(pallax.rms_norm)(x, w)
     pinned = jax.jit(lambda x, w: pallax.rms_norm(
-        x, w, config=pallax.RmsNormConfig(block_rows=4, num_warps=2)))(x, w)
+        x, w, config=pallax.NormConfig(block_rows=4, num_warps=2)))(x, w)
   np.testing.assert_allclose(pinned, default, rtol=1e-6, atol=1e-6)
 
 

@@ -107,3 +107,24 @@ def test_shard_map_forward_and_grad(path):
   # The weight is replicated: its gradient must be summed over the shards.
   np.testing.assert_allclose(got[0], want[0], rtol=1e-5, atol=1e-5)
   np.testing.assert_allclose(got[1], want[1], rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("op", ["layer_norm", "fused_add_rms_norm"])
+def test_family_sharded_jit_has_no_all_gather(op, path):
+  mesh = _mesh()
+  x, w, c = _data(5)
+  fn = {"layer_norm": lambda x, w: pallax.layer_norm(x, w, w * 0.5),
+        "fused_add_rms_norm": lambda x, w: pallax.fused_add_rms_norm(x, c, w)}[op]
+  loss = lambda x, w: sum(jnp.sum(o * c) for o in jax.tree.leaves(fn(x, w)))
+  xs = jax.device_put(x, NamedSharding(mesh, P("a", "b")))
+  with on_path(path):
+    grad = jax.jit(jax.grad(loss, (0, 1)))
+    hlo = grad.lower(xs, w).compile().as_text()
+    got, want = grad(xs, w), jax.grad(loss, (0, 1))(x, w)
+    out = jax.jit(fn)(xs, w)
+  assert "all-gather" not in hlo and "all-gather" not in jax.jit(fn).lower(xs, w).compile().as_text()
+  for o in jax.tree.leaves(out):
+    assert o.sharding.is_equivalent_to(xs.sharding, o.ndim)
+  np.testing.assert_allclose(got[0], want[0], rtol=1e-5, atol=1e-5)
+  np.testing.assert_allclose(got[1], want[1], rtol=1e-5, atol=1e-4)
