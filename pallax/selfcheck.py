@@ -10,15 +10,14 @@ kernels. It returns False if any error is over its tolerance.
 from __future__ import annotations
 
 import dataclasses
-import statistics
 import sys
-import time
 from typing import Callable, Sequence, TextIO
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from pallax.executor.autotune import median_time
 from pallax.interpret import BACKENDS, interpret
 from pallax.tuning import explain
 
@@ -84,16 +83,6 @@ def _errors(check: SelfCheck, args) -> tuple[float, float]:
   return fwd, grad
 
 
-def _median_time(fn, args, repeats=20) -> float:
-  jax.block_until_ready(fn(*args))
-  times = []
-  for _ in range(repeats):
-    start = time.perf_counter()
-    jax.block_until_ready(fn(*args))
-    times.append(time.perf_counter() - start)
-  return statistics.median(times)
-
-
 def _implementation(check: SelfCheck, args) -> tuple[str, str]:
   """Implementation (with where its config came from) and config of the first kernel."""
   chosen = explain(check.op, *args)[0]
@@ -126,8 +115,8 @@ def run(out: TextIO = sys.stdout) -> bool:
       args = check.make_args(rng, dtype, False)
       impl, config = _implementation(check, args)
       fwd, grad = _errors(check, args)
-      ours = _median_time(jax.jit(check.op), args)
-      plain = _median_time(jax.jit(check.reference), args)
+      ours = median_time(jax.jit(check.op), args, repeats=20)
+      plain = median_time(jax.jit(check.reference), args, repeats=20)
       row(check.name, dtype, impl, fwd, grad, f"{ours / plain:.2f}x", config)
     for backend in BACKENDS:
       for dtype in check.dtypes:

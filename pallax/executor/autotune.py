@@ -49,22 +49,26 @@ def random_inputs(avals: Sequence[Any], seed: int) -> list[jax.Array]:
   return out
 
 
-def wall_clock_measure(make_fn: Callable[[KernelConfig], Callable], avals: Sequence[Any], *,
-                       warmup: int = 2, repeats: int = 7) -> Measure:
-  """The default ``Measure``: compile ``make_fn(config)`` once, median of ``repeats`` runs."""
+def median_time(fn: Callable, args: Sequence[Any], *, warmup: int = 2, repeats: int = 7) -> float:
+  """Median wall-clock seconds of ``fn(*args)`` (until ready) over ``repeats`` runs."""
+  for _ in range(warmup):
+    jax.block_until_ready(fn(*args))
+  times = []
+  for _ in range(repeats):
+    start = time.perf_counter()
+    jax.block_until_ready(fn(*args))
+    times.append(time.perf_counter() - start)
+  return statistics.median(times)
+
+
+def wall_clock_measure(make_fn: Callable[[KernelConfig], Callable],
+                       avals: Sequence[Any]) -> Measure:
+  """The default ``Measure``: compile ``make_fn(config)`` once, then ``median_time``."""
 
   def measure(config: KernelConfig) -> float:
     structs = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in avals]
     compiled = jax.jit(make_fn(config)).lower(*structs).compile()
-    args = random_inputs(avals, seed=len(str(config)))
-    for _ in range(warmup):
-      jax.block_until_ready(compiled(*args))
-    times = []
-    for _ in range(repeats):
-      start = time.perf_counter()
-      jax.block_until_ready(compiled(*args))
-      times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    return median_time(compiled, random_inputs(avals, seed=len(str(config))))
 
   return measure
 
