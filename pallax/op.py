@@ -6,10 +6,11 @@ einsum-like dimension labels of its operands; ``define_primitive`` builds
 * the public primitive (the one users' jaxprs hold; JVP, transpose and batching
   rules are registered on it), whose lowering wraps the kernel primitive in
   ``custom_partitioning`` so that sharded inputs are partitioned, not gathered;
-* the kernel primitive, lowered per platform: ``cpu`` -> the XLA program,
-  ``cuda``/``rocm`` -> the Pallas-Triton kernel, ``tpu`` -> the Pallas-Mosaic
-  kernel, and on any platform the interpreted kernel when the interpret switch
-  is on (``pallax.interpret``). Pallas' interpreter fills padding and unwritten
+* the kernel primitive, lowered per platform as the executor's config says:
+  the XLA program, or the Pallas kernel (Triton on ``cuda``/``rocm``, Mosaic
+  on ``tpu``, interpreted on ``cpu``); by default the XLA program on CPU and
+  the kernels elsewhere, and the interpreted kernel on any platform when the
+  interpret switch is on (``pallax.interpret``). Pallas' interpreter fills padding and unwritten
   outputs with NaN, so a kernel that leaves elements unwritten, or lets padded
   rows or columns leak into a reduction, fails the tests.
 
@@ -36,13 +37,10 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from pallax import _jax_private
 from pallax.executor import Scope, current_scope
-from pallax.executor.registry import interpreted, kernel_backend
+from pallax.executor.registry import PLATFORMS, interpreted, kernel_backend
 from pallax.interpret import interpret_backend
 
 FRAMEWORK_PARAMS = ("config", "interpret", "executor")
-
-# Platform -> Pallas backend of the kernel that runs there.
-PLATFORM_BACKENDS = {"cuda": "triton", "rocm": "triton", "tpu": "mosaic_tpu"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -116,7 +114,7 @@ def define_primitive(
         return mlir.lower_fun(fn, multiple_results=True)(ctx, *args)
     return rule
 
-  for platform in ("cpu", *PLATFORM_BACKENDS):
+  for platform in PLATFORMS:
     mlir.register_lowering(kernel, platform_lowering(platform), platform=platform)
 
   def partitioned_lowering(ctx, *args, **params):

@@ -11,7 +11,8 @@ from typing import Any, Callable, Optional, Sequence
 
 from pallax.executor.config import KernelConfig
 
-TARGETS = ("cpu", "cuda", "rocm", "tpu", "interpret-triton", "interpret-mosaic_tpu")
+PLATFORMS = ("cpu", "cuda", "rocm", "tpu")
+TARGETS = PLATFORMS + ("interpret-triton", "interpret-mosaic_tpu")
 _BACKEND = {"cpu": "triton", "cuda": "triton", "rocm": "triton", "tpu": "mosaic_tpu",
             "interpret-triton": "triton", "interpret-mosaic_tpu": "mosaic_tpu"}
 
