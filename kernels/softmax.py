@@ -96,8 +96,8 @@ def _pallas_heuristic(avals, backend: str) -> SoftmaxConfig:
     return SoftmaxConfig(block_rows=block_rows, block_cols=block_cols, num_warps=num_warps)
   block_cols = cols if cols <= _TPU_MAX_COLS else 2048
   tile = _tpu_row_tile(avals)
-  block_rows = max(tile, (_TPU_TILE // block_cols) // tile * tile)
-  return SoftmaxConfig(block_rows=min(block_rows, 1024), block_cols=block_cols)
+  block_rows = min(max(tile, (_TPU_TILE // block_cols) // tile * tile), 1024)
+  return SoftmaxConfig(block_rows=min(block_rows, rows), block_cols=block_cols)
 
 
 def softmax_heuristic(avals: Sequence[Any], target: str, **params) -> SoftmaxConfig:
@@ -176,9 +176,14 @@ def _fill(value, mask, fill):
 
 
 def _shifted(x, mask):
-  """``x - max(x)`` over the unmasked entries, in the stats dtype (masked: -inf)."""
-  xf = _fill(x.astype(stat_dtype(x.dtype)), mask, -jnp.inf)
-  return xf - jnp.max(xf, axis=-1, keepdims=True, initial=-jnp.inf)
+  """``x - max(x)`` over the unmasked entries, in the stats dtype (masked: -inf).
+
+  The max is exact in any dtype, so it is taken in the input's, as jax.nn does.
+  """
+  x = _fill(x, mask, -jnp.inf)
+  m = jnp.max(x, axis=-1, keepdims=True, initial=-jnp.inf)
+  st = stat_dtype(x.dtype)
+  return x.astype(st) - m.astype(st)
 
 
 def softmax_fwd_xla(x, mask=None):
