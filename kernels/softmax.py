@@ -275,17 +275,27 @@ def _sum_of(term):
   return accumulate
 
 
+def _softmax_bwd_emit(acc, data, mask):
+  (s,), (y, v) = acc, data
+  return _fill(y * (v - s), mask, 0)
+
+
+def _log_softmax_jvp_emit(acc, data, mask):
+  (s,), (_, t) = acc, data
+  return _fill(t - s, mask, 0)
+
+
+def _log_softmax_bwd_emit(acc, data, mask):
+  (s,), (z, g) = acc, data
+  return _fill(g - jnp.exp(z) * s, mask, 0)
+
+
 _SOFTMAX_FWD = _RowProgram((-math.inf, 0.0), _online_max_sum, _softmax_emit)
 _LOG_SOFTMAX_FWD = _RowProgram((-math.inf, 0.0), _online_max_sum, _log_softmax_emit)
-_SOFTMAX_BWD = _RowProgram(
-    (0.0,), _sum_of(lambda y, v: y * v),
-    lambda acc, data, mask: _fill(data[0] * (data[1] - acc[0]), mask, 0))
-_LOG_SOFTMAX_JVP = _RowProgram(
-    (0.0,), _sum_of(lambda z, t: jnp.exp(z) * t),
-    lambda acc, data, mask: _fill(data[1] - acc[0], mask, 0))
-_LOG_SOFTMAX_BWD = _RowProgram(
-    (0.0,), _sum_of(lambda z, g: g),
-    lambda acc, data, mask: _fill(data[1] - jnp.exp(data[0]) * acc[0], mask, 0))
+_SOFTMAX_BWD = _RowProgram((0.0,), _sum_of(lambda y, v: y * v), _softmax_bwd_emit)
+_LOG_SOFTMAX_JVP = _RowProgram((0.0,), _sum_of(lambda z, t: jnp.exp(z) * t),
+                               _log_softmax_jvp_emit)
+_LOG_SOFTMAX_BWD = _RowProgram((0.0,), _sum_of(lambda z, g: g), _log_softmax_bwd_emit)
 
 
 # ----------------------------------------------------------------------------
