@@ -91,11 +91,12 @@ log_softmax_bwd_p = define_primitive(
 # Autodiff. The mask is bool: it has no tangent and gets no cotangent.
 
 
-def _softmax_fwd_jvp_rule(primals, tangents, **params):
+def _fwd_jvp_rule(fwd, tangent, primals, tangents, **params):
+  """JVP of a forward primitive ``(x, [mask])``: itself, then its tangent primitive."""
   x, *mask = primals
   (x_dot,) = instantiate(tangents[:1])
-  (y,) = softmax_fwd_p.bind(x, *mask, **params)
-  return [y], softmax_bwd_p.bind(y, x_dot, *mask, **params)
+  (out,) = fwd.bind(x, *mask, **params)
+  return [out], tangent.bind(out, x_dot, *mask, **params)
 
 
 def _tangent_transpose_rule(transposed, cts, primal, tangent, *mask, **params):
@@ -107,18 +108,12 @@ def _tangent_transpose_rule(transposed, cts, primal, tangent, *mask, **params):
   return [None, *transposed.bind(primal, ct, *mask, **params), *[None] * len(mask)]
 
 
-def _log_softmax_fwd_jvp_rule(primals, tangents, **params):
-  x, *mask = primals
-  (x_dot,) = instantiate(tangents[:1])
-  (z,) = log_softmax_fwd_p.bind(x, *mask, **params)
-  return [z], log_softmax_jvp_p.bind(z, x_dot, *mask, **params)
+for _fwd, _tangent, _bwd in ((softmax_fwd_p, softmax_bwd_p, softmax_bwd_p),
+                             (log_softmax_fwd_p, log_softmax_jvp_p, log_softmax_bwd_p)):
+  ad.primitive_jvps[_fwd] = functools.partial(_fwd_jvp_rule, _fwd, _tangent)
+  ad.primitive_transposes[_tangent] = functools.partial(_tangent_transpose_rule, _bwd)
 
-
-ad.primitive_jvps[softmax_fwd_p] = _softmax_fwd_jvp_rule
-ad.primitive_transposes[softmax_bwd_p] = functools.partial(_tangent_transpose_rule, softmax_bwd_p)
-ad.primitive_jvps[log_softmax_fwd_p] = _log_softmax_fwd_jvp_rule
-ad.primitive_transposes[log_softmax_jvp_p] = functools.partial(_tangent_transpose_rule,
-                                                                log_softmax_bwd_p)
+# Second order (HVPs, jacfwd of grad) differentiates the XLA programs.
 for _prim in (softmax_bwd_p, log_softmax_jvp_p, log_softmax_bwd_p):
   register_jvp_by_xla(_prim)
 
