@@ -98,6 +98,7 @@ def test_one_kernel_each_way(op):
   jvp = jax.make_jaxpr(lambda x: jax.jvp(f, (x,), (x,)))(x).jaxpr
   tangent = {"softmax": "softmax_bwd", "log_softmax": "log_softmax_jvp"}[op]
   backward = {"softmax": "softmax_bwd", "log_softmax": "log_softmax_bwd"}[op]
-  names = lambda jaxpr: sorted(e.primitive.name for e in jaxpr.eqns if "softmax" in e.primitive.name)
+  names = lambda jaxpr: sorted(e.primitive.name for e in jaxpr.eqns
+                               if "softmax" in e.primitive.name)
   assert names(grad) == sorted([f"{op}_fwd", backward])
   assert names(jvp) == sorted([f"{op}_fwd", tangent])
