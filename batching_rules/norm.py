@@ -15,35 +15,24 @@ from __future__ import annotations
 import functools
 from typing import Sequence
 
-import jax
-import jax.numpy as jnp
 from jax.interpreters import batching
 
-# The batch dim of an unmapped operand (jax's private `batching.not_mapped`).
-NOT_MAPPED = None
-
-
-def _at_axis(a: jax.Array, bdim, size: int, axis: int) -> jax.Array:
-  """``a`` with its mapped axis (or a broadcast one, if unmapped) at ``axis``."""
-  if bdim is NOT_MAPPED:
-    a = jnp.expand_dims(a, axis)
-    return jnp.broadcast_to(a, a.shape[:axis] + (size,) + a.shape[axis + 1:])
-  return jnp.moveaxis(a, bdim, axis)
+from pallax.batching_utils import NOT_MAPPED, at_axis, axis_size
 
 
 def _rowwise_batching_rule(prim, row_operands: Sequence[int], weight_operands: Sequence[int],
                            weight_results: Sequence[int], args, bdims, **params):
-  size = next(a.shape[d] for a, d in zip(args, bdims) if d is not NOT_MAPPED)
+  size = axis_size(args, bdims)
   w0 = weight_operands[0]
   groups = args[w0].ndim - 1 - (bdims[w0] is not NOT_MAPPED)
   weight_mapped = any(bdims[i] is not NOT_MAPPED for i in weight_operands)
   args = list(args)
   if not weight_mapped and not weight_results:
     for i in row_operands:
-      args[i] = _at_axis(args[i], bdims[i], size, groups)
+      args[i] = at_axis(args[i], bdims[i], size, groups)
     out_axis = groups
   else:
-    args = [_at_axis(a, d, size, 0) for a, d in zip(args, bdims)]
+    args = [at_axis(a, d, size, 0) for a, d in zip(args, bdims)]
     out_axis = 0
   outs = prim.bind(*args, **params)
   return outs, [out_axis] * len(outs)

@@ -34,7 +34,7 @@ from jax.experimental.pallas import triton as pltriton
 from pallax.executor import KernelSpec, register_kernel
 from pallax.executor.config import KernelConfig
 from pallax.executor.registry import interpreted, kernel_backend, xla_allowed
-from pallax.pallas_utils import next_pow2, sublanes
+from pallax.pallas_utils import and_masks, load, next_pow2, stat_dtype, store, sublanes
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,11 +50,6 @@ class NormConfig(KernelConfig):
   num_warps: int = 4
   num_stages: int = 1
   positive_fields: ClassVar[tuple[str, ...]] = ("block_rows", "num_warps", "num_stages")
-
-
-def stat_dtype(dtype) -> jnp.dtype:
-  """Dtype of the statistics: float32, or float64 for float64 inputs."""
-  return jnp.promote_types(dtype, jnp.float32)
 
 
 def _rows_hidden(avals) -> tuple[int, int]:
@@ -261,6 +256,7 @@ def norm_bwd_xla(*args, kind: NormKind, offset: float):
 @dataclasses.dataclass(frozen=True)
 class _Layout:
   """The (G, R, H) view of one call and its grid for a given config/backend."""
+  backend: str
   groups: int
   rows: int
   hidden: int
@@ -274,7 +270,7 @@ class _Layout:
     rows = math.prod(x_shape[:-1]) // max(groups, 1)
     block_rows = min(config.block_rows, rows) if backend == "mosaic_tpu" else config.block_rows
     block_hidden = next_pow2(hidden) if backend == "triton" else hidden
-    return cls(groups, rows, hidden, block_rows, block_hidden)
+    return cls(backend, groups, rows, hidden, block_rows, block_hidden)
 
   @property
   def num_blocks(self) -> int:
@@ -313,6 +309,18 @@ class _Layout:
     row = pl.program_id(1) * self.block_rows + lax.broadcasted_iota(jnp.int32, shape, 0)
     return row < self.rows
 
+  def bounds(self, category: str, shape) -> jax.Array | None:
+    """Triton only: which entries of a ``category`` block lie inside the array.
+
+    Mosaic TPU pads partial blocks itself (reads of the padding give garbage,
+    writes to it are dropped); Triton blocks must be masked explicitly.
+    """
+    if self.backend != "triton":
+      return None
+    rows = self.row_mask(shape) if category in (ROW, STAT) else None
+    cols = self.column_mask(shape) if category in (ROW, WEIGHT) else None
+    return and_masks(rows, cols)
+
 
 def _compiler_params(config: NormConfig, backend: str):
   if backend == "triton":
@@ -324,56 +332,58 @@ def _where(mask, value):
   return value if mask is None else jnp.where(mask, value, 0)
 
 
-def _load(ref, st, mask):
-  """Loads a block in the stats dtype with padded columns zeroed."""
-  return _where(mask, ref[...].astype(st))
+def _load(ref, st, layout: _Layout, category: str):
+  """A block in the stats dtype; entries outside the array read as 0 on Triton."""
+  return load(ref, layout.bounds(category, ref.shape)).astype(st)
+
+
+def _store(ref, value, layout: _Layout, category: str) -> None:
+  store(ref, value.astype(ref.dtype), layout.bounds(category, ref.shape))
 
 
 def _fwd_kernel(*refs, kind: NormKind, layout: _Layout, eps, offset):
   operands, results = kind.names("fwd")
   r = dict(zip(operands + results, refs))
   st = stat_dtype(r["x"].dtype)
-  cols = layout.column_mask(r["x"].shape)
-  x = _load(r["x"], st, cols)
+  x = _load(r["x"], st, layout, ROW)
   if kind.residual:
-    h = (x + _load(r["r"], st, cols)).astype(r["h"].dtype)
-    r["h"][...] = h
+    h = (x + _load(r["r"], st, layout, ROW)).astype(r["h"].dtype)
+    _store(r["h"], h, layout, ROW)
     x = h.astype(st)
   if kind.center:
     mean = jnp.sum(x, axis=-1, keepdims=True) / layout.hidden
-    x = _where(cols, x - mean)
-    r["mean"][...] = mean.astype(r["mean"].dtype)
+    x = _where(layout.column_mask(x.shape), x - mean)  # padded columns stay 0
+    _store(r["mean"], mean, layout, STAT)
   rstd = lax.rsqrt(jnp.sum(x * x, axis=-1, keepdims=True) / layout.hidden + eps)
-  wcols = layout.column_mask(r["w"].shape)
-  y = x * rstd * (_load(r["w"], st, wcols) + offset)
+  y = x * rstd * (_load(r["w"], st, layout, WEIGHT) + offset)
   if kind.bias:
-    y = y + _load(r["b"], st, wcols)
-  r["y"][...] = y.astype(r["y"].dtype)
-  r["rstd"][...] = rstd.astype(r["rstd"].dtype)
+    y = y + _load(r["b"], st, layout, WEIGHT)
+  _store(r["y"], y, layout, ROW)
+  _store(r["rstd"], rstd, layout, STAT)
 
 
 def _bwd_kernel(*refs, kind: NormKind, layout: _Layout, offset):
   operands, results = kind.names("bwd")
   r = dict(zip(operands + results, refs))
   st = stat_dtype(r["x"].dtype)
-  cols = layout.column_mask(r["x"].shape)
-  x, dy = _load(r["x"], st, cols), _load(r["dy"], st, cols)
-  rstd = r["rstd"][...].astype(st)
-  xhat = ((x - r["mean"][...].astype(st)) if kind.center else x) * rstd
-  g = dy * (_load(r["w"], st, layout.column_mask(r["w"].shape)) + offset)
+  x, dy = _load(r["x"], st, layout, ROW), _load(r["dy"], st, layout, ROW)
+  rstd = _load(r["rstd"], st, layout, STAT)
+  xhat = ((x - _load(r["mean"], st, layout, STAT)) if kind.center else x) * rstd
+  g = dy * (_load(r["w"], st, layout, WEIGHT) + offset)
   inner = g - xhat * (jnp.sum(g * xhat, axis=-1, keepdims=True) / layout.hidden)
   if kind.center:
     inner = inner - jnp.sum(g, axis=-1, keepdims=True) / layout.hidden
   dx = rstd * inner
   if kind.residual:
-    dx = dx + _load(r["dh"], st, cols)
-  r["dx"][...] = dx.astype(r["dx"].dtype)
-  # Rows past the end of the last block hold garbage (possibly NaN): mask them
-  # out of the per-block partial sums.
+    dx = dx + _load(r["dh"], st, layout, ROW)
+  _store(r["dx"], dx, layout, ROW)
+  # Rows past the end of the last block hold garbage on TPU (NaN when
+  # interpreted): mask them out of the per-block partial sums. Padded columns
+  # have dy = 0, so they add nothing.
   rows = layout.row_mask(x.shape)
-  r["dw"][...] = jnp.sum(_where(rows, dy * xhat), axis=0, keepdims=True).astype(r["dw"].dtype)
+  _store(r["dw"], jnp.sum(_where(rows, dy * xhat), axis=0, keepdims=True), layout, WEIGHT)
   if kind.bias:
-    r["db"][...] = jnp.sum(_where(rows, dy), axis=0, keepdims=True).astype(r["db"].dtype)
+    _store(r["db"], jnp.sum(_where(rows, dy), axis=0, keepdims=True), layout, WEIGHT)
 
 
 def norm_fwd_pallas(*args, kind: NormKind, eps: float, offset: float, config: NormConfig,

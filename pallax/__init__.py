@@ -8,12 +8,14 @@ from pallax.autobatch import autobatch
 from pallax.executor import Executor, KernelConfig, default_executor, set_default_executor
 from pallax.interpret import interpret
 from pallax.primitives.norm import NormConfig, fused_add_rms_norm, layer_norm, rms_norm
+from pallax.primitives.softmax import SoftmaxConfig, log_softmax, softmax
 from pallax.tuning import autotune, explain, pmap_with_config, vmap_with_config
 
 __version__ = "0.1.0"
 
 __all__ = [
     "rms_norm", "layer_norm", "fused_add_rms_norm", "NormConfig",
+    "softmax", "log_softmax", "SoftmaxConfig",
     "autobatch",
     "interpret",
     "Executor", "KernelConfig", "default_executor", "set_default_executor",

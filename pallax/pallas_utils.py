@@ -1,7 +1,16 @@
-"""Small helpers shared by the Pallas kernels."""
+"""Small helpers shared by the kernels."""
 from __future__ import annotations
 
+from typing import Optional
+
+import jax
 import jax.numpy as jnp
+from jax.experimental.pallas import triton as pltriton
+
+
+def stat_dtype(dtype) -> jnp.dtype:
+  """Dtype of reductions and statistics: float32, or float64 for float64 inputs."""
+  return jnp.promote_types(dtype, jnp.float32)
 
 
 def next_pow2(n: int) -> int:
@@ -12,3 +21,29 @@ def next_pow2(n: int) -> int:
 def sublanes(dtype) -> int:
   """TPU sublane tile for ``dtype``: 8 rows of 32-bit, 16 of 16-bit, 32 of 8-bit."""
   return 8 * max(1, 4 // jnp.dtype(dtype).itemsize)
+
+
+def and_masks(*masks: Optional[jax.Array]) -> Optional[jax.Array]:
+  """The conjunction of the masks that are not None (None if all are)."""
+  out = None
+  for m in masks:
+    out = m if out is None else out if m is None else out & m
+  return out
+
+
+def load(ref, bounds: Optional[jax.Array] = None, other=0) -> jax.Array:
+  """A block of ``ref``; where ``bounds`` is False, ``other``, and memory is not read.
+
+  Pallas-Triton does not bounds-check blocks that overhang the array (jax
+  0.10.2 applies only the caller's mask): every load of such a block must be
+  masked, or it reads past the array on a GPU.
+  """
+  return ref[...] if bounds is None else pltriton.load(ref, mask=bounds, other=other)
+
+
+def store(ref, value: jax.Array, bounds: Optional[jax.Array] = None) -> None:
+  """Writes ``value`` to ``ref``'s block, only where ``bounds`` is True (see ``load``)."""
+  if bounds is None:
+    ref[...] = value
+  else:
+    pltriton.store(ref, value, mask=bounds)

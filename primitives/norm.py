@@ -33,6 +33,7 @@ from pallax.kernels import norm as kernels
 from pallax.kernels.norm import CATEGORY, ROW, STAT, WEIGHT, NormConfig, NormKind
 from pallax.op import (Dims, bind, define_primitive, derived_aval, instantiate,
                        match_manual_axes, register_jvp_by_xla)
+from pallax.pallas_utils import stat_dtype
 from pallax.selfcheck import SelfCheck, register
 from pallax.validation import check_floating, check_static_float
 
@@ -51,7 +52,7 @@ def _row_spec(x_aval):
 def _norm_abstract_eval(operands, results, *avals, **params):
   a = dict(zip(operands, avals))
   x, w = a["x"], a["w"]
-  stat = derived_aval(x, x.shape[:-1], kernels.stat_dtype(x.dtype), _row_spec(x)[:-1])
+  stat = derived_aval(x, x.shape[:-1], stat_dtype(x.dtype), _row_spec(x)[:-1])
   by_category = {ROW: x.update(weak_type=False), STAT: stat, WEIGHT: w.update(weak_type=False)}
   return [by_category[CATEGORY[n]] for n in results]
 

@@ -1,0 +1,176 @@
+"""vmap of softmax / log_softmax: matches a loop over examples and stays one primitive."""
+from __future__ import annotations
+
+import collections
+import itertools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import pallax
+from tests.helpers import PATHS, on_path, rand
+
+X_SHAPE = (3, 24)  # one example's x (and where=)
+OPS = (pallax.softmax, pallax.log_softmax)
+
+
+def _batched(rng, axis, size, shape, mask=False):
+  """A batch of ``size`` random examples of ``shape`` stacked at ``axis`` (None: one example)."""
+  full = shape if axis is None else (size,) + shape
+  ex = jnp.asarray(rng.random(full) < 0.7) if mask else rand(rng, full, scale=2.0)
+  return ex if axis is None else jnp.moveaxis(ex, 0, axis % (len(shape) + 1))
+
+
+def _example(a, axis, i):
+  return a if axis is None else jnp.take(a, i, axis=axis)
+
+
+def _loop(f, args, in_axes, size):
+  return [f(*(_example(a, ax, i) for a, ax in zip(args, in_axes))) for i in range(size)]
+
+
+def _primitive_names(jaxpr) -> list[str]:
+  """Names of every equation's primitive, nested jaxprs (jnp.where's jit) included."""
+  names = []
+  for eqn in jaxpr.eqns:
+    names.append(eqn.primitive.name)
+    for value in eqn.params.values():
+      for sub in value if isinstance(value, (tuple, list)) else (value,):
+        if isinstance(sub, jax.extend.core.ClosedJaxpr):
+          names += _primitive_names(sub.jaxpr)
+        elif isinstance(sub, jax.extend.core.Jaxpr):
+          names += _primitive_names(sub)
+  return names
+
+
+def _assert_close_nan_aware(got, want):
+  """Equal -inf entries (masked log_softmax), close elsewhere."""
+  np.testing.assert_array_equal(np.isneginf(got), np.isneginf(want))
+  finite = np.isfinite(want)
+  np.testing.assert_allclose(np.asarray(got)[finite], np.asarray(want)[finite],
+                             rtol=2e-5, atol=2e-5)
+
+
+# (x, where) in_axes; the softmax axis of each example is its last.
+IN_AXES = [(0, None), (None, 0), (0, 0), (1, None), (-1, 0), (2, 0), (-2, None), (2, -1)]
+
+
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("in_axes", IN_AXES, ids=str)
+def test_vmap_matches_loop(path, in_axes):
+  rng = np.random.default_rng(0)
+  size = 4
+  x = _batched(rng, in_axes[0], size, X_SHAPE)
+  w = _batched(rng, in_axes[1], size, X_SHAPE, mask=True)
+  for op in OPS:
+    with on_path(path):
+      got = jax.jit(jax.vmap(lambda x, w: op(x, where=w), in_axes=in_axes))(x, w)
+      want = jnp.stack(_loop(lambda x, w: op(x, where=w), (x, w), in_axes, size))
+    _assert_close_nan_aware(got, want)
+
+
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("in_axes, axis", [(0, -1), (1, 0), (-1, 0), (2, (0, 1))], ids=str)
+def test_vmap_over_any_axis_without_mask(path, in_axes, axis):
+  """The vmapped axis and the softmax axes in any position; no mask operand."""
+  rng = np.random.default_rng(1)
+  x = _batched(rng, in_axes, 5, X_SHAPE)
+  for op in OPS:
+    f = lambda x: op(x, axis=axis)
+    with on_path(path):
+      got = jax.jit(jax.vmap(f, in_axes=in_axes))(x)
+      want = jnp.stack(_loop(f, (x,), (in_axes,), 5))
+    np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("in_axes", IN_AXES[:3], ids=str)
+def test_vmap_of_grad_matches_loop(path, in_axes):
+  rng = np.random.default_rng(2)
+  size = 3
+  x = _batched(rng, in_axes[0], size, X_SHAPE)
+  w = _batched(rng, in_axes[1], size, X_SHAPE, mask=True)
+  c = rand(rng, X_SHAPE)
+  for op in OPS:
+    g = jax.grad(lambda x, w: jnp.sum(jnp.where(w, op(x, where=w), 0) * c))
+    with on_path(path):
+      got = jax.jit(jax.vmap(g, in_axes=in_axes))(x, w)
+      want = jnp.stack(_loop(g, (x, w), in_axes, size))
+    np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5)
+
+
+@pytest.mark.parametrize("in_axes", [(0, 0, None), (None, None, 0), (0, None, 0), (None, 0, 0)],
+                         ids=str)
+def test_vmap_of_jvp_matches_loop(in_axes):
+  """(x, x_dot, where): an unmapped primal with mapped tangents is what jacfwd does."""
+  rng = np.random.default_rng(3)
+  size = 3
+  x, xd = (_batched(rng, ax, size, X_SHAPE) for ax in in_axes[:2])
+  w = _batched(rng, in_axes[2], size, X_SHAPE, mask=True)
+  for op in OPS:
+    f = lambda x, xd, w: jax.jvp(lambda x: op(x, where=w), (x,), (xd,))[1]
+    got = jax.jit(jax.vmap(f, in_axes=in_axes))(x, xd, w)
+    want = jnp.stack(_loop(f, (x, xd, w), in_axes, size))
+    np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5)
+
+
+@pytest.mark.parametrize("outer, inner", list(itertools.product([(0, None), (None, 0), (0, 0)],
+                                                                 repeat=2)), ids=str)
+def test_nested_vmap(outer, inner):
+  rng = np.random.default_rng(4)
+  b1, b2 = 2, 3
+  lead = lambda i: (b1,) * (outer[i] is not None) + (b2,) * (inner[i] is not None)
+  x = rand(rng, lead(0) + X_SHAPE)
+  w = jnp.asarray(rng.random(lead(1) + X_SHAPE) < 0.7)
+  for op in OPS:
+    f = jax.vmap(jax.vmap(lambda x, w: op(x, where=w), in_axes=inner), in_axes=outer)
+    got = jax.jit(f)(x, w)
+    for i in range(b1):
+      for j in range(b2):
+        xi = x[i] if outer[0] is not None else x
+        wi = w[i] if outer[1] is not None else w
+        xij = xi[j] if inner[0] is not None else xi
+        wij = wi[j] if inner[1] is not None else wi
+        _assert_close_nan_aware(got[i, j], op(xij, where=wij))
+    names = _primitive_names(jax.make_jaxpr(f)(x, w).jaxpr)
+    assert names.count(f"{op.__name__}_fwd") == 1, names
+
+
+@pytest.mark.parametrize("op", OPS, ids=lambda op: op.__name__)
+@pytest.mark.parametrize("in_axes", IN_AXES, ids=str)
+@pytest.mark.parametrize("mode", ["forward", "grad", "jvp", "hessian"])
+def test_vmap_is_one_primitive(op, in_axes, mode):
+  rng = np.random.default_rng(5)
+  x = _batched(rng, in_axes[0], 5, X_SHAPE)
+  w = _batched(rng, in_axes[1], 5, X_SHAPE, mask=True)
+  loss = lambda x, w: jnp.sum(jnp.sin(jnp.where(w, op(x, where=w), 0)))
+  f = {"forward": lambda x, w: op(x, where=w),
+       "grad": jax.grad(loss),
+       "jvp": lambda x, w: jax.jvp(lambda x: op(x, where=w), (x,), (x,)),
+       # jacfwd of grad: the forward's tangent kernel vmapped over the basis.
+       "hessian": jax.hessian(loss)}[mode]
+  names = _primitive_names(jax.make_jaxpr(jax.vmap(f, in_axes=in_axes))(x, w).jaxpr)
+  assert not {"while", "scan"} & set(names), names
+  name = op.__name__
+  fwd, tangent = f"{name}_fwd", "softmax_bwd" if name == "softmax" else "log_softmax_jvp"
+  expected = {"forward": {fwd: 1},
+              "grad": {fwd: 1, f"{name}_bwd": 1},
+              "jvp": {fwd: 1, tangent: 1},
+              # Second order differentiates the backward's XLA program.
+              "hessian": {fwd: 1, tangent: 1}}[mode]
+  assert collections.Counter(n for n in names if "softmax" in n) == expected, names
+
+
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("in_axes", [(0, None), (None, 0), (0, 0)], ids=str)
+def test_vmap_axis_size_zero(path, in_axes):
+  x = jnp.zeros((0,) * (in_axes[0] is not None) + X_SHAPE)
+  w = jnp.zeros((0,) * (in_axes[1] is not None) + X_SHAPE, bool)
+  for op in OPS:
+    with on_path(path):
+      y = jax.jit(jax.vmap(lambda x, w: op(x, where=w), in_axes=in_axes))(x, w)
+      g = jax.jit(jax.vmap(jax.grad(lambda x, w: jnp.sum(jnp.where(w, op(x, where=w), 0))),
+                           in_axes=in_axes))(x, w)
+    assert y.shape == (0,) + X_SHAPE and g.shape == (0,) + X_SHAPE
