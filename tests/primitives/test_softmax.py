@@ -192,7 +192,7 @@ def test_interpret_switch_changes_lowering():
     (dict(where=jnp.ones((3,), bool)), ValueError, ["where", "(3,)", "(2, 4)"]),
     (dict(where=jnp.ones((2, 2, 4), bool)), ValueError, ["where", "(2, 2, 4)"]),
     (dict(config="fast"), TypeError, ["config", "str"]),
-    (dict(config=pallax.RmsNormConfig(block_rows=8)), TypeError, ["config", "RmsNormConfig"]),
+    (dict(config=pallax.NormConfig(block_rows=8)), TypeError, ["config", "NormConfig"]),
 ])
 def test_bad_input(op, kwargs, exc, words):
   args = dict(x=jnp.ones((2, 4)))
