@@ -7,6 +7,7 @@ vmap, pmap and shard_map all work.
 from pallax.autobatch import autobatch
 from pallax.executor import Executor, KernelConfig, default_executor, set_default_executor
 from pallax.interpret import interpret
+from pallax.primitives.matmul import MatmulConfig, matmul
 from pallax.primitives.norm import RmsNormConfig, rms_norm
 from pallax.tuning import autotune, explain, pmap_with_config, vmap_with_config
 
@@ -14,6 +15,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "rms_norm", "RmsNormConfig",
+    "matmul", "MatmulConfig",
     "autobatch",
     "interpret",
     "Executor", "KernelConfig", "default_executor", "set_default_executor",
