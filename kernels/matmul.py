@@ -46,16 +46,29 @@ from pallax.pallas_utils import next_pow2, sublanes
 
 ACTIVATIONS = ("relu", "gelu", "gelu_tanh", "silu")
 
+_SQRT_HALF = 0.7071067811865476
+_SQRT_2_OVER_PI = 0.7978845608028654
+
+
+def _gelu(z, erf=lax.erf):
+  return 0.5 * z * (1.0 + erf(z * _SQRT_HALF))
+
+
+def _gelu_tanh(z):
+  return 0.5 * z * (1.0 + jnp.tanh(_SQRT_2_OVER_PI * (z + 0.044715 * (z * z * z))))
+
+
+# Plain lax/jnp (jax.nn's versions are jitted functions: a `jit` in every jaxpr).
 _ACTIVATION_FNS = {
-    "relu": jax.nn.relu,
-    "gelu": functools.partial(jax.nn.gelu, approximate=False),
-    "gelu_tanh": functools.partial(jax.nn.gelu, approximate=True),
-    "silu": jax.nn.silu,
+    "relu": lambda z: jnp.where(z > 0, z, 0),
+    "gelu": _gelu,
+    "gelu_tanh": _gelu_tanh,
+    "silu": lambda z: z * lax.logistic(z),
 }
 
 
 def activate(activation: Optional[str], z: jax.Array) -> jax.Array:
-  """The activation as plain jnp (None: identity)."""
+  """The activation (None: identity)."""
   return z if activation is None else _ACTIVATION_FNS[activation](z)
 
 
@@ -79,7 +92,7 @@ def _erf(x: jax.Array) -> jax.Array:
 def _activate_in_kernel(activation: Optional[str], z: jax.Array) -> jax.Array:
   """``activate`` as the kernels compute it (exact gelu through ``_erf``)."""
   if activation == "gelu":
-    return 0.5 * z * (1.0 + _erf(z * 0.7071067811865476))
+    return _gelu(z, erf=_erf)
   return activate(activation, z)
 
 
@@ -106,14 +119,19 @@ def acc_dtype(*dtypes) -> jnp.dtype:
   return functools.reduce(jnp.promote_types, dtypes, jnp.dtype(jnp.float32))
 
 
-def output_batch(a_shape, b_shape, a_batch: Sequence[bool], b_batch: Sequence[bool]):
-  """The result's batch shape: each dim's size from an operand that has it."""
-  a_sizes, b_sizes = iter(a_shape[:-2]), iter(b_shape[:-2])
+def output_batch(shapes: Sequence[tuple[int, ...]], *, a_batch, b_batch, bias_batch,
+                 **params) -> tuple[int, ...]:
+  """The result's batch shape, from the shapes of ``(a, b[, bias])``.
+
+  Each dim's size comes from an operand that has it; a dim none of the given
+  operands has (one only the bias has, when it is not given) has size 1.
+  """
+  sizes = [iter(shapes[0][:-2]), iter(shapes[1][:-2])] + [iter(s[:-1]) for s in shapes[2:]]
+  masks = (a_batch, b_batch, bias_batch)[:len(shapes)]
   out = []
-  for in_a, in_b in zip(a_batch, b_batch):
-    size_a = next(a_sizes) if in_a else None
-    size_b = next(b_sizes) if in_b else None
-    out.append(size_a if in_a else size_b)
+  for has in zip(*masks):
+    found = [next(it) for it, h in zip(sizes, has) if h]
+    out.append(found[0] if found else 1)
   return tuple(out)
 
 
@@ -135,9 +153,11 @@ class Problem:
   k: int
 
   @classmethod
-  def of(cls, a_shape, b_shape, *, a_batch, b_batch, bias_batch, transpose_a, transpose_b,
-         **params) -> "Problem":
-    batch = output_batch(a_shape, b_shape, a_batch, b_batch)
+  def of(cls, shapes: Sequence[tuple[int, ...]], *, a_batch, b_batch, bias_batch, transpose_a,
+         transpose_b, **params) -> "Problem":
+    """The problem of a call with operands of ``shapes`` ``(a, b[, bias])``."""
+    batch = output_batch(shapes, a_batch=a_batch, b_batch=b_batch, bias_batch=bias_batch)
+    a_shape, b_shape = shapes[:2]
     fold = 0
     if not transpose_a:
       while (fold < len(batch) and a_batch[-1 - fold] and not b_batch[-1 - fold]
@@ -154,7 +174,7 @@ class Problem:
 
 
 def _problem(avals, params) -> Problem:
-  return Problem.of(avals[0].shape, avals[1].shape, **params)
+  return Problem.of([a.shape for a in avals], **params)
 
 
 # ----------------------------------------------------------------------------
@@ -335,7 +355,8 @@ def contract(a, b, *, a_batch, b_batch, transpose_a, transpose_b, precision) -> 
   """``op(a) @ op(b)`` as one ``dot_general`` in the accumulation dtype, ``(*batch, M, N)``.
 
   Batch dims both operands have are dot batch dims; a dim only one operand
-  has is a free dim of that operand, so nothing is broadcast.
+  has is a free dim of that operand, so nothing is broadcast. A dim neither
+  has (only the bias has it) has size 1.
   """
   a_axes, b_axes = _batch_axes(a_batch), _batch_axes(b_batch)
   both = [i for i, (x, y) in enumerate(zip(a_axes, b_axes)) if x is not None and y is not None]
@@ -347,8 +368,12 @@ def contract(a, b, *, a_batch, b_batch, transpose_a, transpose_b, precision) -> 
   # dot_general's result dims: shared batch, a's free dims, b's free dims.
   labels = (both + [i for i in range(len(a_batch)) if a_batch[i] and not b_batch[i]] + ["m"]
             + [i for i in range(len(a_batch)) if b_batch[i] and not a_batch[i]] + ["n"])
-  perm = [labels.index(i) for i in range(len(a_batch))] + [labels.index("m"), labels.index("n")]
-  return out if perm == sorted(perm) else lax.transpose(out, perm)
+  dims = sorted(i for i in labels if i not in ("m", "n"))
+  perm = [labels.index(i) for i in dims + ["m", "n"]]
+  out = out if perm == sorted(perm) else lax.transpose(out, perm)
+  batch = output_batch([a.shape, b.shape], a_batch=a_batch, b_batch=b_batch,
+                       bias_batch=(False,) * len(a_batch))
+  return out.reshape(batch + out.shape[-2:])
 
 
 def epilogue(acc, *bias, bias_batch, activation, out_dtype, save_preactivation,
@@ -467,7 +492,8 @@ def matmul_pallas(a, b, *bias, a_batch, b_batch, bias_batch, transpose_a, transp
                   activation, out_dtype, precision, save_preactivation,
                   config: MatmulConfig, backend: str, interpret):
   masks = dict(a_batch=a_batch, b_batch=b_batch, bias_batch=bias_batch)
-  prob = Problem.of(a.shape, b.shape, transpose_a=transpose_a, transpose_b=transpose_b, **masks)
+  prob = Problem.of([x.shape for x in (a, b, *bias)], transpose_a=transpose_a,
+                    transpose_b=transpose_b, **masks)
   out_shape = prob.batch + (prob.rows, prob.n)
   outputs = 1 + save_preactivation
   if math.prod(out_shape) == 0:

@@ -54,18 +54,18 @@ def _spec(aval) -> tuple:
   return spec + (None,) * (aval.ndim - len(spec))
 
 
-def _result_spec(a, b, *, a_batch, b_batch, transpose_a, transpose_b) -> list:
-  """The result's sharding: batch dims and M from ``a`` (or ``b``), N from ``b``.
+def _result_spec(a, b, *bias, a_batch, b_batch, bias_batch, transpose_a, transpose_b) -> list:
+  """The result's sharding: each batch dim's from the first operand that has it, M's
+  from ``a``, N's from ``b``.
 
   A mesh axis already used by an earlier dim is dropped (a result dim
   cannot be sharded twice over one axis).
   """
-  a_spec, b_spec = iter(_spec(a)[:-2]), iter(_spec(b)[:-2])
+  specs = [iter(_spec(a)[:-2]), iter(_spec(b)[:-2])] + [iter(_spec(x)[:-1]) for x in bias]
   spec = []
-  for in_a, in_b in zip(a_batch, b_batch):
-    from_a = next(a_spec) if in_a else None
-    from_b = next(b_spec) if in_b else None
-    spec.append(from_a if in_a else from_b)
+  for has in zip(a_batch, b_batch, bias_batch):
+    found = [next(it) for it, h in zip(specs, has) if h]
+    spec.append(found[0])
   spec.append(_spec(a)[-1 if transpose_a else -2])
   spec.append(_spec(b)[-2 if transpose_b else -1])
   used: set = set()
@@ -77,23 +77,33 @@ def _result_spec(a, b, *, a_batch, b_batch, transpose_a, transpose_b) -> list:
   return spec
 
 
-def _matmul_abstract_eval(a, b, *bias, a_batch, b_batch, transpose_a, transpose_b, out_dtype,
-                          save_preactivation, **params):
-  batch = kernels.output_batch(a.shape, b.shape, a_batch, b_batch)
+def _matmul_abstract_eval(a, b, *bias, a_batch, b_batch, bias_batch, transpose_a, transpose_b,
+                          out_dtype, save_preactivation, **params):
+  masks = dict(a_batch=a_batch, b_batch=b_batch, bias_batch=bias_batch)
+  batch = kernels.output_batch([x.shape for x in (a, b, *bias)], **masks)
   m = a.shape[-1] if transpose_a else a.shape[-2]
   n = b.shape[-2] if transpose_b else b.shape[-1]
-  spec = _result_spec(a, b, a_batch=a_batch, b_batch=b_batch, transpose_a=transpose_a,
-                      transpose_b=transpose_b)
+  spec = _result_spec(a, b, *bias, transpose_a=transpose_a, transpose_b=transpose_b, **masks)
   return [derived_aval(a, batch + (m, n), out_dtype, spec)] * (1 + save_preactivation)
+
+
+def _product(prim, a, b, *, a_batch, b_batch, **params) -> jax.Array:
+  """``op(a) @ op(b)`` without epilogue, with size-1 dims for the batch dims only the bias
+  has (they broadcast against the bias)."""
+  kept = [i for i, has in enumerate(zip(a_batch, b_batch)) if any(has)]
+  (out,) = prim.bind(a, b, a_batch=tuple(a_batch[i] for i in kept),
+                     b_batch=tuple(b_batch[i] for i in kept), bias_batch=(False,) * len(kept),
+                     **dict(params, activation=None, save_preactivation=False))
+  missing = tuple(i for i in range(len(a_batch)) if i not in kept)
+  return jnp.expand_dims(out, missing) if missing else out
 
 
 def _matmul_per_shard(psum, a, b, *bias, bias_batch, activation, out_dtype, save_preactivation,
                       **params):
   """Sharded K: this device's partial product, summed across devices in float32, then the
   epilogue (bias and activation must see the whole sum)."""
-  partial_dtype = kernels.acc_dtype(a.dtype, b.dtype)
-  (partial,) = matmul_p.kernel.bind(a, b, bias_batch=(False,) * len(bias_batch), activation=None,
-                                    out_dtype=partial_dtype, save_preactivation=False, **params)
+  partial = _product(matmul_p.kernel, a, b, out_dtype=kernels.acc_dtype(a.dtype, b.dtype),
+                     **params)
   return kernels.epilogue(psum(partial, 0), *bias, bias_batch=bias_batch, activation=activation,
                           out_dtype=out_dtype, save_preactivation=save_preactivation)
 
@@ -135,13 +145,12 @@ def _matmul_jvp_rule(primals, tangents, *, activation, save_preactivation, **par
   outs = matmul_p.bind(a, b, *bias, activation=activation,
                        save_preactivation=activation is not None, **params)
   y, z = outs[0], outs[-1]  # z is y itself without an activation
-  product = dict(params, bias_batch=(False,) * len(params["bias_batch"]), activation=None,
-                 save_preactivation=False)
+  product = {k: v for k, v in params.items() if k != "bias_batch"}
   terms = []
   if type(a_dot) is not ad.Zero:
-    terms += matmul_p.bind(a_dot, b, **product)
+    terms.append(_product(matmul_p, a_dot, b, **product))
   if type(b_dot) is not ad.Zero:
-    terms += matmul_p.bind(a, b_dot, **product)
+    terms.append(_product(matmul_p, a, b_dot, **product))
   if bias_dot and type(bias_dot[0]) is not ad.Zero:
     # Broadcast in the accumulation dtype: its transpose, the bias gradient,
     # then sums in float32 too.
@@ -151,7 +160,7 @@ def _matmul_jvp_rule(primals, tangents, *, activation, save_preactivation, **par
   primals_out = [y, z] if save_preactivation else [y]
   if not terms:
     return primals_out, [ad.Zero.from_primal_value(x) for x in primals_out]
-  z_dot = functools.reduce(jnp.add, terms)
+  z_dot = jnp.broadcast_to(functools.reduce(jnp.add, terms), y.shape)
   y_dot = z_dot
   if activation is not None:
     d = _activation_derivative(activation, z)

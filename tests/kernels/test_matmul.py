@@ -125,7 +125,7 @@ def test_heuristic_respects_backend_rules(shapes, dtype, transposed):
   assert smem <= TRITON_SMEM_BYTES
   tpu = matmul_heuristic(avals, "tpu", **params)
   assert matmul_supports(avals, "tpu", tpu, **params) is None, tpu
-  prob = Problem.of(a_shape, b_shape, **params)
+  prob = Problem.of([a_shape, b_shape], **params)
   bm, bn, bk = (min(x, d) for x, d in zip((tpu.block_m, tpu.block_n, tpu.block_k),
                                           (prob.m, prob.n, prob.k)))
   assert 2 * (bm * bk + bk * bn + bm * bn) * itemsize + 4 * bm * bn <= TPU_VMEM_BYTES
