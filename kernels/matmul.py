@@ -12,9 +12,16 @@ the accumulator and the result is cast to ``out_dtype``. With
 ``save_preactivation`` the pre-activation ``a @ b + bias`` is a second result:
 what the activation's derivative needs under AD.
 
+``contract_batch`` more batch dims, right before the matrix dims of ``a`` and
+``b`` (and absent from the result), are contracted with K: the gradient of a
+weight shared by a batch sums over the batch in the same GEMM. They need
+``transpose_a`` and not ``transpose_b``, which makes them contiguous with K in
+both operands.
+
 The kernels fold the trailing batch dims that only ``a`` has (not ``b``, not
 ``bias``) into M, so that a vmapped ``a`` times a shared weight is one
-``[V*M, K] @ [K, N]`` GEMM; the other batch dims are grid axes.
+``[V*M, K] @ [K, N]`` GEMM, and the contracted batch dims into K; the other
+batch dims are grid axes. Folding happens per device, after sharding.
 
 * Pallas-Triton: grid ``(*batch, M/bm, N/bn)``, a loop over K in the kernel.
   Blocks are powers of two >= 16 (``tl.dot``'s minimum) and overhang odd dims;
@@ -120,13 +127,14 @@ def acc_dtype(*dtypes) -> jnp.dtype:
 
 
 def output_batch(shapes: Sequence[tuple[int, ...]], *, a_batch, b_batch, bias_batch,
-                 **params) -> tuple[int, ...]:
+                 contract_batch: int = 0, **params) -> tuple[int, ...]:
   """The result's batch shape, from the shapes of ``(a, b[, bias])``.
 
   Each dim's size comes from an operand that has it; a dim none of the given
   operands has (one only the bias has, when it is not given) has size 1.
   """
-  sizes = [iter(shapes[0][:-2]), iter(shapes[1][:-2])] + [iter(s[:-1]) for s in shapes[2:]]
+  lead = -2 - contract_batch
+  sizes = [iter(shapes[0][:lead]), iter(shapes[1][:lead])] + [iter(s[:-1]) for s in shapes[2:]]
   masks = (a_batch, b_batch, bias_batch)[:len(shapes)]
   out = []
   for has in zip(*masks):
@@ -153,10 +161,11 @@ class Problem:
   k: int
 
   @classmethod
-  def of(cls, shapes: Sequence[tuple[int, ...]], *, a_batch, b_batch, bias_batch, transpose_a,
-         transpose_b, **params) -> "Problem":
+  def of(cls, shapes: Sequence[tuple[int, ...]], *, a_batch, b_batch, bias_batch, contract_batch,
+         transpose_a, transpose_b, **params) -> "Problem":
     """The problem of a call with operands of ``shapes`` ``(a, b[, bias])``."""
-    batch = output_batch(shapes, a_batch=a_batch, b_batch=b_batch, bias_batch=bias_batch)
+    batch = output_batch(shapes, a_batch=a_batch, b_batch=b_batch, bias_batch=bias_batch,
+                         contract_batch=contract_batch)
     a_shape, b_shape = shapes[:2]
     fold = 0
     if not transpose_a:
@@ -164,7 +173,8 @@ class Problem:
              and not bias_batch[-1 - fold]):
         fold += 1
     rows = a_shape[-1] if transpose_a else a_shape[-2]
-    k = a_shape[-2] if transpose_a else a_shape[-1]
+    contracted = math.prod(a_shape[len(a_shape) - 2 - contract_batch:-2])
+    k = contracted * (a_shape[-2] if transpose_a else a_shape[-1])
     n = b_shape[-2] if transpose_b else b_shape[-1]
     return cls(batch, fold, rows, rows * math.prod(batch[len(batch) - fold:]), n, k)
 
@@ -351,7 +361,8 @@ def _batch_axes(mask: Sequence[bool]) -> list[Optional[int]]:
   return axes
 
 
-def contract(a, b, *, a_batch, b_batch, transpose_a, transpose_b, precision) -> jax.Array:
+def contract(a, b, *, a_batch, b_batch, contract_batch, transpose_a, transpose_b,
+             precision) -> jax.Array:
   """``op(a) @ op(b)`` as one ``dot_general`` in the accumulation dtype, ``(*batch, M, N)``.
 
   Batch dims both operands have are dot batch dims; a dim only one operand
@@ -360,10 +371,13 @@ def contract(a, b, *, a_batch, b_batch, transpose_a, transpose_b, precision) -> 
   """
   a_axes, b_axes = _batch_axes(a_batch), _batch_axes(b_batch)
   both = [i for i, (x, y) in enumerate(zip(a_axes, b_axes)) if x is not None and y is not None]
-  a_contract = a.ndim - 2 if transpose_a else a.ndim - 1
-  b_contract = b.ndim - 1 if transpose_b else b.ndim - 2
+  a_contract = [a.ndim - 2 if transpose_a else a.ndim - 1]
+  b_contract = [b.ndim - 1 if transpose_b else b.ndim - 2]
+  for i in range(contract_batch):
+    a_contract.append(a.ndim - 2 - contract_batch + i)
+    b_contract.append(b.ndim - 2 - contract_batch + i)
   out = lax.dot_general(
-      a, b, (((a_contract,), (b_contract,)), ([a_axes[i] for i in both], [b_axes[i] for i in both])),
+      a, b, ((a_contract, b_contract), ([a_axes[i] for i in both], [b_axes[i] for i in both])),
       precision=precision, preferred_element_type=acc_dtype(a.dtype, b.dtype))
   # dot_general's result dims: shared batch, a's free dims, b's free dims.
   labels = (both + [i for i in range(len(a_batch)) if a_batch[i] and not b_batch[i]] + ["m"]
@@ -372,7 +386,7 @@ def contract(a, b, *, a_batch, b_batch, transpose_a, transpose_b, precision) -> 
   perm = [labels.index(i) for i in dims + ["m", "n"]]
   out = out if perm == sorted(perm) else lax.transpose(out, perm)
   batch = output_batch([a.shape, b.shape], a_batch=a_batch, b_batch=b_batch,
-                       bias_batch=(False,) * len(a_batch))
+                       bias_batch=(False,) * len(a_batch), contract_batch=contract_batch)
   return out.reshape(batch + out.shape[-2:])
 
 
@@ -388,10 +402,10 @@ def epilogue(acc, *bias, bias_batch, activation, out_dtype, save_preactivation,
   return outs
 
 
-def matmul_xla(a, b, *bias, a_batch, b_batch, bias_batch, transpose_a, transpose_b, activation,
-               out_dtype, precision, save_preactivation):
-  acc = contract(a, b, a_batch=a_batch, b_batch=b_batch, transpose_a=transpose_a,
-                 transpose_b=transpose_b, precision=precision)
+def matmul_xla(a, b, *bias, a_batch, b_batch, bias_batch, contract_batch, transpose_a,
+               transpose_b, activation, out_dtype, precision, save_preactivation):
+  acc = contract(a, b, a_batch=a_batch, b_batch=b_batch, contract_batch=contract_batch,
+                 transpose_a=transpose_a, transpose_b=transpose_b, precision=precision)
   return epilogue(acc, *bias, bias_batch=bias_batch, activation=activation, out_dtype=out_dtype,
                   save_preactivation=save_preactivation)
 
@@ -488,10 +502,25 @@ def _mosaic_kernel(a_ref, b_ref, *refs, prob: Problem, block_k: int, has_bias: b
       ref[...] = value
 
 
-def matmul_pallas(a, b, *bias, a_batch, b_batch, bias_batch, transpose_a, transpose_b,
-                  activation, out_dtype, precision, save_preactivation,
+def _as_computed(*xs: jax.Array) -> list[jax.Array]:
+  """Operands that vary over ``shard_map`` axes, made values computed in this trace.
+
+  The op framework traces kernels with vma checks off (pallax/op.py): there a
+  computed value varies over no manual axes while an operand keeps its axes,
+  and Pallas' interpreter, which threads both through the loops of the
+  kernel's grid, ``fori_loop`` and ``pl.when``, rejects the mismatch. A
+  multiplication by one makes every operand a computed value (interpret mode
+  only; it is an identity for XLA).
+  """
+  return [x * jnp.ones((), x.dtype) if getattr(jax.typeof(x).mat, "varying", ()) else x
+          for x in xs]
+
+
+def matmul_pallas(a, b, *bias, a_batch, b_batch, bias_batch, contract_batch, transpose_a,
+                  transpose_b, activation, out_dtype, precision, save_preactivation,
                   config: MatmulConfig, backend: str, interpret):
-  masks = dict(a_batch=a_batch, b_batch=b_batch, bias_batch=bias_batch)
+  masks = dict(a_batch=a_batch, b_batch=b_batch, bias_batch=bias_batch,
+               contract_batch=contract_batch)
   prob = Problem.of([x.shape for x in (a, b, *bias)], transpose_a=transpose_a,
                     transpose_b=transpose_b, **masks)
   out_shape = prob.batch + (prob.rows, prob.n)
@@ -502,7 +531,12 @@ def matmul_pallas(a, b, *bias, a_batch, b_batch, bias_batch, transpose_a, transp
     return epilogue(jnp.zeros(out_shape, acc_dtype(a.dtype, b.dtype)), *bias,
                     bias_batch=bias_batch, activation=activation, out_dtype=out_dtype,
                     save_preactivation=save_preactivation)
+  if interpret:
+    a, b, *bias = _as_computed(a, b, *bias)
   nb = len(prob.grid_batch)
+  if contract_batch:  # contiguous with K (transpose_a, not transpose_b): fold into K
+    a = a.reshape(a.shape[:sum(a_batch)] + (prob.k, prob.m))
+    b = b.reshape(b.shape[:sum(b_batch)] + (prob.k, prob.n))
   if prob.fold:
     a = a.reshape(a.shape[:sum(a_batch) - prob.fold] + (prob.m, prob.k))
   a_batch, b_batch, bias_batch = (m[:nb] for m in (a_batch, b_batch, bias_batch))

@@ -54,14 +54,16 @@ def _spec(aval) -> tuple:
   return spec + (None,) * (aval.ndim - len(spec))
 
 
-def _result_spec(a, b, *bias, a_batch, b_batch, bias_batch, transpose_a, transpose_b) -> list:
+def _result_spec(a, b, *bias, a_batch, b_batch, bias_batch, contract_batch, transpose_a,
+                 transpose_b) -> list:
   """The result's sharding: each batch dim's from the first operand that has it, M's
   from ``a``, N's from ``b``.
 
   A mesh axis already used by an earlier dim is dropped (a result dim
   cannot be sharded twice over one axis).
   """
-  specs = [iter(_spec(a)[:-2]), iter(_spec(b)[:-2])] + [iter(_spec(x)[:-1]) for x in bias]
+  lead = -2 - contract_batch
+  specs = [iter(_spec(a)[:lead]), iter(_spec(b)[:lead])] + [iter(_spec(x)[:-1]) for x in bias]
   spec = []
   for has in zip(a_batch, b_batch, bias_batch):
     found = [next(it) for it, h in zip(specs, has) if h]
@@ -77,9 +79,12 @@ def _result_spec(a, b, *bias, a_batch, b_batch, bias_batch, transpose_a, transpo
   return spec
 
 
-def _matmul_abstract_eval(a, b, *bias, a_batch, b_batch, bias_batch, transpose_a, transpose_b,
-                          out_dtype, save_preactivation, **params):
-  masks = dict(a_batch=a_batch, b_batch=b_batch, bias_batch=bias_batch)
+def _matmul_abstract_eval(a, b, *bias, a_batch, b_batch, bias_batch, contract_batch, transpose_a,
+                          transpose_b, out_dtype, save_preactivation, **params):
+  if contract_batch and (not transpose_a or transpose_b):
+    raise ValueError("matmul_p: contracted batch dims need transpose_a and not transpose_b")
+  masks = dict(a_batch=a_batch, b_batch=b_batch, bias_batch=bias_batch,
+               contract_batch=contract_batch)
   batch = kernels.output_batch([x.shape for x in (a, b, *bias)], **masks)
   m = a.shape[-1] if transpose_a else a.shape[-2]
   n = b.shape[-2] if transpose_b else b.shape[-1]
@@ -108,18 +113,19 @@ def _matmul_per_shard(psum, a, b, *bias, bias_batch, activation, out_dtype, save
                           out_dtype=out_dtype, save_preactivation=save_preactivation)
 
 
-def _matmul_dims(a, b, *bias, a_batch, b_batch, bias_batch, transpose_a, transpose_b,
-                 save_preactivation, **params) -> Dims:
+def _matmul_dims(a, b, *bias, a_batch, b_batch, bias_batch, contract_batch, transpose_a,
+                 transpose_b, save_preactivation, **params) -> Dims:
   batch = tuple(f"b{i}" for i in range(len(a_batch)))
+  contracted = tuple(f"c{i}" for i in range(contract_batch))
   pick = lambda mask: tuple(f for f, has in zip(batch, mask) if has)
-  operands = (pick(a_batch) + (("k", "m") if transpose_a else ("m", "k")),
-              pick(b_batch) + (("n", "k") if transpose_b else ("k", "n")))
+  operands = (pick(a_batch) + contracted + (("k", "m") if transpose_a else ("m", "k")),
+              pick(b_batch) + contracted + (("n", "k") if transpose_b else ("k", "n")))
   if bias:
     operands += (pick(bias_batch) + ("n",),)
   per_shard = functools.partial(
       _matmul_per_shard, a_batch=a_batch, b_batch=b_batch, bias_batch=bias_batch,
-      transpose_a=transpose_a, transpose_b=transpose_b, save_preactivation=save_preactivation,
-      **params)
+      contract_batch=contract_batch, transpose_a=transpose_a, transpose_b=transpose_b,
+      save_preactivation=save_preactivation, **params)
   return Dims(operands=operands, results=(batch + ("m", "n"),) * (1 + save_preactivation),
               per_shard=per_shard)
 
@@ -174,53 +180,56 @@ def _sum_batch_dims(x: jax.Array, keep, dtype) -> jax.Array:
   return (jnp.sum(x, axis=axes) if axes else x).astype(dtype)
 
 
-def _transpose_lhs(ct, b, a_aval, *, a_batch, b_batch, bias_batch, transpose_a, transpose_b,
-                   out_dtype, **params):
+# The transposes see the call's batch dims extended by its contracted ones:
+# ``a_batch``, ``b_batch`` and ``ct_batch`` say which dims ``a``, ``b`` and the
+# cotangent have (the cotangent lacks exactly the contracted ones).
+
+
+def _transpose_lhs(ct, b, a_aval, *, a_batch, b_batch, ct_batch, transpose_a, transpose_b,
+                   **params):
   """``dA = dC @ op(b)^T`` (``op(b) @ dC^T`` for a transposed ``a``), summed over the batch
   dims ``a`` lacks."""
-  everything, nothing = (True,) * len(a_batch), (False,) * len(a_batch)
   dtype = a_aval.dtype if all(a_batch) else kernels.acc_dtype(a_aval.dtype)
-  params.update(bias_batch=nothing, out_dtype=dtype)
+  params.update(bias_batch=(False,) * len(a_batch), contract_batch=0, out_dtype=dtype)
   if transpose_a:
-    (da,) = matmul_p.bind(b, ct, a_batch=b_batch, b_batch=everything, transpose_a=transpose_b,
+    (da,) = matmul_p.bind(b, ct, a_batch=b_batch, b_batch=ct_batch, transpose_a=transpose_b,
                           transpose_b=True, **params)
   else:
-    (da,) = matmul_p.bind(ct, b, a_batch=everything, b_batch=b_batch, transpose_a=False,
+    (da,) = matmul_p.bind(ct, b, a_batch=ct_batch, b_batch=b_batch, transpose_a=False,
                           transpose_b=not transpose_b, **params)
   return _sum_batch_dims(da, a_batch, a_aval.dtype)
 
 
-def _transpose_rhs(ct, a, b_aval, *, a_batch, b_batch, bias_batch, transpose_a, transpose_b,
-                   out_dtype, **params):
+def _transpose_rhs(ct, a, b_aval, *, a_batch, b_batch, ct_batch, transpose_a, transpose_b,
+                   **params):
   """``dB = op(a)^T @ dC`` (``dC^T @ op(a)`` for a transposed ``b``), summed over the batch
   dims ``b`` lacks.
 
   The trailing batch dims ``b`` lacks are contiguous with M in ``a`` and
-  ``dC``: they are folded into the contraction, so a weight shared by a
-  batch gets its gradient from one GEMM with ``batch * M`` deep K.
+  ``dC``, so the product contracts them with M: a weight shared by a batch
+  gets its gradient from one GEMM, per device, never a reshape of sharded
+  dims.
   """
-  fold = 0
+  contract = 0
   if not transpose_a:
-    while fold < len(b_batch) and not b_batch[-1 - fold]:
-      fold += 1
-  if fold:
-    nb, na = len(b_batch) - fold, sum(a_batch)
-    a = a.reshape(a.shape[:na - fold] + (math.prod(a.shape[na - fold:-1]), a.shape[-1]))
-    ct = ct.reshape(ct.shape[:nb] + (math.prod(ct.shape[nb:-1]), ct.shape[-1]))
-    a_batch, b_batch = a_batch[:nb], b_batch[:nb]
-  everything, nothing = (True,) * len(b_batch), (False,) * len(b_batch)
+    while (contract < len(b_batch) and not b_batch[-1 - contract] and ct_batch[-1 - contract]
+           and a_batch[-1 - contract]):
+      contract += 1
+  kept = len(b_batch) - contract
+  a_batch, b_batch, ct_batch = a_batch[:kept], b_batch[:kept], ct_batch[:kept]
   dtype = b_aval.dtype if all(b_batch) else kernels.acc_dtype(b_aval.dtype)
-  params.update(bias_batch=nothing, out_dtype=dtype)
+  params.update(bias_batch=(False,) * kept, contract_batch=contract, out_dtype=dtype)
   if transpose_b:
-    (db,) = matmul_p.bind(ct, a, a_batch=everything, b_batch=a_batch, transpose_a=True,
+    (db,) = matmul_p.bind(ct, a, a_batch=ct_batch, b_batch=a_batch, transpose_a=True,
                           transpose_b=transpose_a, **params)
   else:
-    (db,) = matmul_p.bind(a, ct, a_batch=a_batch, b_batch=everything, transpose_a=not transpose_a,
+    (db,) = matmul_p.bind(a, ct, a_batch=a_batch, b_batch=ct_batch, transpose_a=not transpose_a,
                           transpose_b=False, **params)
   return _sum_batch_dims(db, b_batch, b_aval.dtype)
 
 
-def _matmul_transpose_rule(cts, a, b, *bias, activation, save_preactivation, **params):
+def _matmul_transpose_rule(cts, a, b, *bias, a_batch, b_batch, contract_batch, activation,
+                           save_preactivation, **params):
   if bias or activation is not None or save_preactivation:
     raise NotImplementedError("matmul with a bias or an activation is not linear in a or b; "
                               "only the plain products of its JVP are transposed")
@@ -228,7 +237,11 @@ def _matmul_transpose_rule(cts, a, b, *bias, activation, save_preactivation, **p
   undefined = [ad.is_undefined_primal(x) for x in (a, b)]
   if type(ct) is ad.Zero:
     return [ad.Zero(x.aval) if u else None for x, u in zip((a, b), undefined)]
-  params = dict(params, activation=None, save_preactivation=False)
+  contracted = (True,) * contract_batch
+  params = dict(params, a_batch=a_batch + contracted, b_batch=b_batch + contracted,
+                ct_batch=(True,) * len(a_batch) + (False,) * contract_batch, activation=None,
+                save_preactivation=False)
+  params.pop("bias_batch")
   if undefined[0]:
     return [_transpose_lhs(ct, b, a.aval, **params), None]
   return [None, _transpose_rhs(ct, a, b.aval, **params)]
@@ -338,7 +351,8 @@ def matmul(a: jax.Array, b: jax.Array, *, bias: Optional[jax.Array] = None,
     args[i] = args[i].astype(dtype).reshape(kept + args[i].shape[-2:])
   args = match_manual_axes(*args)
   (y,) = bind(matmul_p, *args, a_batch=a_batch, b_batch=b_batch,
-              bias_batch=(False,) * len(batch), transpose_a=False, transpose_b=False,
+              bias_batch=(False,) * len(batch), contract_batch=0, transpose_a=False,
+              transpose_b=False,
               activation=activation, out_dtype=out_dtype, precision=precision,
               save_preactivation=False, config=config)
   if a.ndim == 1:

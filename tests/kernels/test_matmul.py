@@ -98,7 +98,7 @@ def _avals(a_shape, b_shape, dtype=jnp.float32):
 
 def _params(nb=0, out_dtype=jnp.float32, **changes):
   params = dict(a_batch=(True,) * nb, b_batch=(False,) * nb, bias_batch=(False,) * nb,
-                transpose_a=False, transpose_b=False, activation=None,
+                contract_batch=0, transpose_a=False, transpose_b=False, activation=None,
                 out_dtype=jnp.dtype(out_dtype), precision=None, save_preactivation=False)
   params.update(changes)
   return params
@@ -245,6 +245,20 @@ def test_transposed_layouts_and_batch_masks(backend, transpose_a, transpose_b, m
   with x64():
     assert_close(z, want_z, jnp.float32, "pre-activation")
     assert_close(y, np.asarray(want_y, np.float64), jnp.float32, "activation")
+
+
+@pytest.mark.parametrize("backend", ["triton", "mosaic_tpu"])
+def test_contracted_batch_dims(backend):
+  """``contract_batch``: batch dims of a and b summed with K (a weight gradient)."""
+  rng = np.random.default_rng(1)
+  a, b = rand(rng, (2, 3, 40, 37)), rand(rng, (2, 3, 40, 30))  # a stored (*C, K, M)
+  config = (MatmulConfig(block_m=16, block_n=16, block_k=32) if backend == "triton"
+            else MatmulConfig(block_m=128, block_n=128, block_k=128))
+  params = _params(0, contract_batch=2, transpose_a=True)
+  with on_path(backend):
+    (y,) = jax.jit(lambda a, b: bind(matmul_p, a, b, config=config, **params))(a, b)
+  with x64():
+    assert_close(y, np.einsum("cdkm,cdkn->mn", f64(a), f64(b)), jnp.float32, "contracted")
 
 
 def test_tile_sizes_from_the_config_reach_the_kernel():

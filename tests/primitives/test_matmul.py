@@ -124,9 +124,11 @@ def test_jvp(path, case, dtype):
 @pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("activation", [None, "gelu"])
 def test_jacobians_and_hessian_vector_products(path, activation):
+  # A batched a and a shared b: dB contracts the batch dim, and second order
+  # differentiates and transposes that product too.
   rng = np.random.default_rng(3)
-  a, b, bias, c = rand(rng, (3, 5)), rand(rng, (5, 4)), rand(rng, (4,)), rand(rng, (3, 4))
-  v = (rand(rng, (3, 5)), rand(rng, (5, 4)), rand(rng, (4,)))
+  a, b, bias, c = rand(rng, (2, 3, 5)), rand(rng, (5, 4)), rand(rng, (4,)), rand(rng, (2, 3, 4))
+  v = (rand(rng, (2, 3, 5)), rand(rng, (5, 4)), rand(rng, (4,)))
   op = _op(activation)
   loss = lambda a, b, bias: jnp.sum(jnp.sin(op(a, b, bias)) * c)
   args = (0, 1, 2)
@@ -177,12 +179,16 @@ def test_grad_is_one_forward_and_two_backward_products():
 
 
 def test_shared_weight_gradient_is_one_product():
-  """dB for a batched a and a shared b contracts over batch * M in one product."""
+  """dB for a batched a and a shared b contracts over batch and M in one GEMM."""
   rng = np.random.default_rng(5)
   a, b = rand(rng, (3, 4, 16)), rand(rng, (16, 8))
-  eqns = _eqns(jax.grad(lambda b: jnp.sum(pallax.matmul(a, b) ** 2)), b)
-  (db,) = [e for e in eqns if e.params["transpose_a"]]
-  assert [v.aval.shape for v in db.invars] == [(12, 16), (12, 8)]
+  grad = jax.grad(lambda b: jnp.sum(pallax.matmul(a, b) ** 2))
+  (db,) = [e for e in _eqns(grad, b) if e.params["transpose_a"]]
+  assert db.params["contract_batch"] == 1
+  assert [v.aval.shape for v in db.invars] == [(3, 4, 16), (3, 4, 8)]
+  assert db.outvars[0].aval.shape == (16, 8)  # no per-example gradients to sum
+  text = jax.jit(grad).trace(b).lower(lowering_platforms=("cuda",)).as_text()
+  assert "tensor<12x16xf32>, tensor<12x8xf32>) -> tensor<16x8xf32>" in text
 
 
 @pytest.mark.parametrize("path", PATHS)
