@@ -25,8 +25,9 @@ batch dims are grid axes. Folding happens per device, after sharding.
 
 * Pallas-Triton: grid ``(*batch, M/bm, N/bn)``, a loop over K in the kernel.
   Blocks are powers of two >= 16 (``tl.dot``'s minimum) and overhang odd dims;
-  Pallas-Triton does not mask block edges, so every load and store is masked
-  (out-of-range K is loaded as zero in both operands).
+  Pallas-Triton does not mask block edges, so loads and stores along a dim
+  that is not a multiple of its block are masked (out-of-range K is loaded as
+  zero in both operands).
 * Pallas-Mosaic TPU: grid ``(*batch, M/bm, N/bn, K/bk)``, K "arbitrary" with a
   VMEM accumulator. Each block is a whole dim or a multiple of 128 (TPU
   tiling); the K tail of the last step is zeroed in both operands, edge
@@ -433,39 +434,59 @@ def _dot(a, b, transpose_a: bool, transpose_b: bool, precision, dtype) -> jax.Ar
   return lax.dot_general(a, b, dims, precision=precision, preferred_element_type=dtype)
 
 
+def _in_range(block_index, size: int, extent: int):
+  """Which of a block's ``size`` offsets along a dim of ``extent`` are inside it; None
+  when every block is whole (no mask needed)."""
+  if extent % size == 0:
+    return None
+  return block_index * size + jnp.arange(size) < extent
+
+
+def _tile_mask(rows_ok, cols_ok, shape):
+  """The mask of a 2-D tile from its row and column masks (None: all in range)."""
+  if rows_ok is None and cols_ok is None:
+    return None
+  rows = True if rows_ok is None else rows_ok[:, None]
+  cols = True if cols_ok is None else cols_ok[None, :]
+  return jnp.broadcast_to(rows & cols, shape)
+
+
 def _triton_kernel(a_ref, b_ref, *refs, prob: Problem, block_k: int, has_bias: bool,
                    transpose_a, transpose_b, activation, precision, save_preactivation):
   bias_ref = refs[0] if has_bias else None
   out_refs = refs[has_bias:]
   bm, bn = out_refs[0].shape
   rank = len(prob.grid_batch) + 2
-  row_ok = pl.program_id(rank - 2) * bm + jnp.arange(bm) < prob.m
-  col_ok = pl.program_id(rank - 1) * bn + jnp.arange(bn) < prob.n
+  row_ok = _in_range(pl.program_id(rank - 2), bm, prob.m)
+  col_ok = _in_range(pl.program_id(rank - 1), bn, prob.n)
   compute = jnp.promote_types(a_ref.dtype, b_ref.dtype)
 
   def load_tile(ref, start, k_ok, other_ok, k_first: bool):
     """A ``block_k``-deep slice of a row/column panel; out-of-range entries load as 0."""
     if k_first:
-      view, mask = ref.at[pl.ds(start, block_k), :], k_ok[:, None] & other_ok[None, :]
+      view = ref.at[pl.ds(start, block_k), :]
+      mask = _tile_mask(k_ok, other_ok, view.shape)
     else:
-      view, mask = ref.at[:, pl.ds(start, block_k)], other_ok[:, None] & k_ok[None, :]
-    return pltriton.load(view, mask=mask, other=0).astype(compute)
+      view = ref.at[:, pl.ds(start, block_k)]
+      mask = _tile_mask(other_ok, k_ok, view.shape)
+    return pltriton.load(view, mask=mask, other=None if mask is None else 0).astype(compute)
 
   def step(s, acc):
-    start = s * block_k
-    k_ok = start + jnp.arange(block_k) < prob.k
-    a = load_tile(a_ref, start, k_ok, row_ok, k_first=transpose_a)
-    b = load_tile(b_ref, start, k_ok, col_ok, k_first=not transpose_b)
+    k_ok = _in_range(s, block_k, prob.k)
+    a = load_tile(a_ref, s * block_k, k_ok, row_ok, k_first=transpose_a)
+    b = load_tile(b_ref, s * block_k, k_ok, col_ok, k_first=not transpose_b)
     return acc + _dot(a, b, transpose_a, transpose_b, precision, acc.dtype)
 
   acc = lax.fori_loop(0, pl.cdiv(prob.k, block_k), step,
                       jnp.zeros((bm, bn), acc_dtype(a_ref.dtype, b_ref.dtype)))
-  bias = [pltriton.load(bias_ref, mask=col_ok[None, :], other=0)] if has_bias else []
+  bias_mask = _tile_mask(None, col_ok, (1, bn))
+  bias = ([pltriton.load(bias_ref, mask=bias_mask, other=None if bias_mask is None else 0)]
+          if has_bias else [])
   outs = epilogue(acc, *bias, bias_batch=(), activation=activation,
                   out_dtype=out_refs[0].dtype, save_preactivation=save_preactivation,
                   activation_fn=_activate_in_kernel)
   for ref, value in zip(out_refs, outs):
-    pltriton.store(ref, value, mask=row_ok[:, None] & col_ok[None, :])
+    pltriton.store(ref, value, mask=_tile_mask(row_ok, col_ok, (bm, bn)))
 
 
 def _zero_k_tail(x: jax.Array, left, axis: int) -> jax.Array:

@@ -26,7 +26,6 @@ summed across devices (an all-reduce) before the epilogue.
 from __future__ import annotations
 
 import functools
-import math
 from typing import Optional
 
 import jax

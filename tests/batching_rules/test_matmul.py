@@ -174,3 +174,17 @@ def test_vmap_axis_size_zero(path, in_axes):
   with on_path(path):
     y = jax.jit(jax.vmap(_op, in_axes=in_axes))(*args)
   assert y.shape == (0, M, N)
+
+
+def test_vmap_with_config_selects_from_the_folded_shapes():
+  rng = np.random.default_rng(6)
+  vectors, weight = rand(rng, (64, K)), rand(rng, (K, N))
+  ex = pallax.Executor(cache_dir=False)
+  with pallax.interpret():
+    f = pallax.vmap_with_config(ex, pallax.matmul, in_axes=(0, None))
+    got = f(vectors, weight)
+    (eqn,) = [e for e in jax.make_jaxpr(f)(vectors, weight).jaxpr.eqns
+              if e.primitive.name == "matmul"]
+    folded = pallax.explain(jax.vmap(pallax.matmul, in_axes=(0, None)), vectors, weight)[0]
+  assert eqn.params["config"] == folded.config and folded.config.block_m == 64  # M = 64
+  np.testing.assert_allclose(got, vectors @ weight, rtol=1e-5, atol=1e-5)

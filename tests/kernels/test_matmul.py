@@ -6,7 +6,6 @@ last two block dims divisible by (8, 128) or equal to the array's.
 """
 from __future__ import annotations
 
-import dataclasses
 import itertools
 
 import jax
@@ -26,7 +25,7 @@ CALL_TARGET = {"cuda": "__gpu$xla.gpu.triton", "rocm": "__gpu$xla.gpu.triton",
                "tpu": "tpu_custom_call"}
 SHAPES = [((7, 33), (33, 200)), ((1, 33), (33, 200)), ((2, 5, 33), (33, 200)),
           ((2, 5, 33), (2, 33, 17)), ((300, 1000), (1000, 520))]
-DTYPES = [jnp.float32, jnp.bfloat16]
+DTYPES = [jnp.float32, jnp.bfloat16, jnp.float16]
 S = jax.ShapeDtypeStruct
 
 
@@ -248,6 +247,21 @@ def test_transposed_layouts_and_batch_masks(backend, transpose_a, transpose_b, m
 
 
 @pytest.mark.parametrize("backend", ["triton", "mosaic_tpu"])
+def test_whole_blocks(backend):
+  """Dims that are multiples of their blocks: no masks, no tails."""
+  rng = np.random.default_rng(3)
+  a, b, bias = rand(rng, (2, 32, 256)), rand(rng, (256, 256)), rand(rng, (256,))
+  config = (MatmulConfig(block_m=16, block_n=64, block_k=32) if backend == "triton"
+            else MatmulConfig(block_m=128, block_n=128, block_k=128))
+  with on_path(backend):
+    y = jax.jit(lambda a, b, bias: pallax.matmul(a, b, bias=bias, activation="silu",
+                                                 config=config))(a, b, bias)
+  with x64():
+    z = np.matmul(f64(a), f64(b)) + f64(bias)
+    assert_close(y, z / (1 + np.exp(-z)), jnp.float32, "silu")
+
+
+@pytest.mark.parametrize("backend", ["triton", "mosaic_tpu"])
 def test_contracted_batch_dims(backend):
   """``contract_batch``: batch dims of a and b summed with K (a weight gradient)."""
   rng = np.random.default_rng(1)
@@ -268,3 +282,18 @@ def test_tile_sizes_from_the_config_reach_the_kernel():
                        (MatmulConfig(block_m=128, block_n=64, block_k=64), (1, 5))):
     text = _lower(lambda a, b: pallax.matmul(a, b, config=config), "cuda", a, b)
     assert f"grid_x = {grid[0]} : i32, grid_y = {grid[1]} : i32, grid_z = 1" in text
+
+
+def test_autotune_on_cpu_times_the_xla_program_and_the_kernel(tmp_path):
+  rng = np.random.default_rng(2)
+  a, b, bias = rand(rng, (24, 40)), rand(rng, (40, 32)), rand(rng, (32,))
+  ex = Executor(policy="autotune", cache_dir=tmp_path)
+  report = pallax.autotune(jax.grad(_loss, (0, 1, 2)), a, b, bias, executor=ex)
+  assert [s.op for s in report] == ["matmul"] * 3  # forward, dA, dB: three shapes
+  assert all(s.source == "autotune" for s in report)
+  for _, result in ex.tune_log:
+    assert {c.implementation for c, _ in result.timings} == {"xla", "pallas"}
+  with ex:
+    got = jax.jit(jax.grad(_loss, (0, 1, 2)))(a, b, bias)
+  for g, w in zip(got, jax.grad(_loss, (0, 1, 2))(a, b, bias)):
+    np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-5)
