@@ -405,6 +405,7 @@ def epilogue(acc, *bias, bias_batch, activation, out_dtype, save_preactivation,
 
 def matmul_xla(a, b, *bias, a_batch, b_batch, bias_batch, contract_batch, transpose_a,
                transpose_b, activation, out_dtype, precision, save_preactivation):
+  """The XLA program of one call: one ``dot_general``, then the epilogue."""
   acc = contract(a, b, a_batch=a_batch, b_batch=b_batch, contract_batch=contract_batch,
                  transpose_a=transpose_a, transpose_b=transpose_b, precision=precision)
   return epilogue(acc, *bias, bias_batch=bias_batch, activation=activation, out_dtype=out_dtype,
@@ -416,7 +417,7 @@ def matmul_xla(a, b, *bias, a_batch, b_batch, bias_batch, contract_batch, transp
 
 
 def _spec(mask: Sequence[bool], block: tuple[int, ...], index) -> pl.BlockSpec:
-  """A block spec: the operand's batch dims squeezed, ``index(i, j, *k)`` for the rest.
+  """A block spec: the operand's batch dims squeezed, ``index(i, j[, k])`` for the rest.
 
   The grid is ``(*batch, i, j[, k])``; the operand reads the batch dims it has.
   """
@@ -426,6 +427,24 @@ def _spec(mask: Sequence[bool], block: tuple[int, ...], index) -> pl.BlockSpec:
     return (*(ids[d] for d in range(nb) if mask[d]), *index(*ids[nb:]))
 
   return pl.BlockSpec((*(None,) * sum(mask), *block), index_map)
+
+
+def _block_specs(a_batch, b_batch, bias_batch, blocks: tuple[int, int, int], transpose_a: bool,
+                 transpose_b: bool, k_steps: bool) -> tuple[list[pl.BlockSpec], pl.BlockSpec]:
+  """Specs of ``a``, ``b``, ``bias`` and the outputs for ``(bm, bn, bk)`` blocks.
+
+  With ``k_steps`` the grid's last axis walks K; otherwise ``bk`` is all of K.
+  """
+  bm, bn, bk = blocks
+  k = (lambda ids: ids[2]) if k_steps else (lambda ids: 0)
+  in_specs = [
+      _spec(a_batch, (bk, bm) if transpose_a else (bm, bk),
+            lambda *ids: (k(ids), ids[0]) if transpose_a else (ids[0], k(ids))),
+      _spec(b_batch, (bn, bk) if transpose_b else (bk, bn),
+            lambda *ids: (ids[1], k(ids)) if transpose_b else (k(ids), ids[1])),
+      _spec(bias_batch, (1, bn), lambda *ids: (0, ids[1])),
+  ]
+  return in_specs, _spec((True,) * len(a_batch), (bm, bn), lambda *ids: ids[:2])
 
 
 def _dot(a, b, transpose_a: bool, transpose_b: bool, precision, dtype) -> jax.Array:
@@ -540,6 +559,7 @@ def _as_computed(*xs: jax.Array) -> list[jax.Array]:
 def matmul_pallas(a, b, *bias, a_batch, b_batch, bias_batch, contract_batch, transpose_a,
                   transpose_b, activation, out_dtype, precision, save_preactivation,
                   config: MatmulConfig, backend: str, interpret):
+  """The Pallas kernel of one call on ``backend`` (see the module docstring)."""
   masks = dict(a_batch=a_batch, b_batch=b_batch, bias_batch=bias_batch,
                contract_batch=contract_batch)
   prob = Problem.of([x.shape for x in (a, b, *bias)], transpose_a=transpose_a,
@@ -566,37 +586,24 @@ def matmul_pallas(a, b, *bias, a_batch, b_batch, bias_batch, contract_batch, tra
                      transpose_b=transpose_b, activation=activation, precision=precision,
                      save_preactivation=save_preactivation)
   result = jax.ShapeDtypeStruct(prob.grid_batch + (prob.m, prob.n), out_dtype)
-  if backend == "triton":
-    bm, bn, bk = config.block_m, config.block_n, config.block_k
-    specs = [
-        _spec(a_batch, (prob.k, bm) if transpose_a else (bm, prob.k),
-              lambda i, j: (0, i) if transpose_a else (i, 0)),
-        _spec(b_batch, (bn, prob.k) if transpose_b else (prob.k, bn),
-              lambda i, j: (j, 0) if transpose_b else (0, j)),
-        _spec(bias_batch, (1, bn), lambda i, j: (0, j)),
-    ]
-    out_spec = _spec((True,) * nb, (bm, bn), lambda i, j: (i, j))
-    grid = prob.grid_batch + (pl.cdiv(prob.m, bm), pl.cdiv(prob.n, bn))
-    kernel = functools.partial(_triton_kernel, block_k=bk, **kernel_args)
+  grid = prob.grid_batch
+  if backend == "triton":  # whole-K panels; the kernel loops over K
+    blocks = (config.block_m, config.block_n, prob.k)
+    grid += (pl.cdiv(prob.m, blocks[0]), pl.cdiv(prob.n, blocks[1]))
+    kernel = functools.partial(_triton_kernel, block_k=config.block_k, **kernel_args)
     extra = dict(compiler_params=pltriton.CompilerParams(num_warps=config.num_warps,
                                                          num_stages=config.num_stages))
   else:
-    bm, bn, bk = _mosaic_blocks(prob, config)
-    specs = [
-        _spec(a_batch, (bk, bm) if transpose_a else (bm, bk),
-              lambda i, j, k: (k, i) if transpose_a else (i, k)),
-        _spec(b_batch, (bn, bk) if transpose_b else (bk, bn),
-              lambda i, j, k: (j, k) if transpose_b else (k, j)),
-        _spec(bias_batch, (1, bn), lambda i, j, k: (0, j)),
-    ]
-    out_spec = _spec((True,) * nb, (bm, bn), lambda i, j, k: (i, j))
-    grid = prob.grid_batch + (pl.cdiv(prob.m, bm), pl.cdiv(prob.n, bn), pl.cdiv(prob.k, bk))
-    kernel = functools.partial(_mosaic_kernel, block_k=bk, **kernel_args)
-    extra = dict(scratch_shapes=[pltpu.VMEM((bm, bn), acc_dtype(a.dtype, b.dtype))],
+    blocks = _mosaic_blocks(prob, config)
+    grid += tuple(pl.cdiv(d, x) for d, x in zip((prob.m, prob.n, prob.k), blocks))
+    kernel = functools.partial(_mosaic_kernel, block_k=blocks[2], **kernel_args)
+    extra = dict(scratch_shapes=[pltpu.VMEM(blocks[:2], acc_dtype(a.dtype, b.dtype))],
                  compiler_params=pltpu.CompilerParams(
                      dimension_semantics=("parallel",) * (nb + 2) + ("arbitrary",)))
+  in_specs, out_spec = _block_specs(a_batch, b_batch, bias_batch, blocks, transpose_a,
+                                    transpose_b, k_steps=backend != "triton")
   outs = pl.pallas_call(
-      kernel, grid=grid, in_specs=specs[:2 + len(bias)], out_specs=[out_spec] * outputs,
+      kernel, grid=grid, in_specs=in_specs[:2 + len(bias)], out_specs=[out_spec] * outputs,
       out_shape=[result] * outputs, interpret=interpret, name="matmul", **extra,
   )(a, b, *bias)
   return [o.reshape(out_shape) for o in outs]

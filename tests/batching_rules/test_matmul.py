@@ -156,6 +156,17 @@ def test_vmapped_vectors_times_shared_weight_are_one_gemm():
   assert "float32[256,1,1024];float32[1024,4096]" in key
 
 
+def test_vmapped_b_is_a_grid_axis():
+  """A vmapped weight with a shared a: one kernel whose grid leads with the batch."""
+  a = jax.ShapeDtypeStruct((100, 64), jnp.float32)
+  b = jax.ShapeDtypeStruct((5, 64, 300), jnp.float32)
+  f = jax.vmap(pallax.matmul, in_axes=(None, 0))
+  text = jax.jit(f).trace(a, b).lower(lowering_platforms=("cuda",)).as_text()
+  (call,) = re.findall(r"custom_call @__gpu\$xla\.gpu\.triton\(.*", text)
+  assert "tensor<100x64xf32>, tensor<5x64x300xf32>) -> tensor<5x100x300xf32>" in call
+  assert "grid_x = 5 : i32, grid_y = 1 : i32, grid_z = 3" in call  # (batch, M/128, N/128)
+
+
 def test_vmapped_a_with_batched_shared_b_folds_into_m():
   """a mapped, b shared but batched: the vmapped axis still folds into M."""
   a = jax.ShapeDtypeStruct((64, 2, 1, 32), jnp.float32)   # 64 examples of (2, 1, 32)

@@ -217,16 +217,17 @@ def _stored(x, transpose):
 
 
 @pytest.mark.parametrize("backend", ["triton", "mosaic_tpu"])
-@pytest.mark.parametrize("transpose_a, transpose_b", list(itertools.product([False, True], [False, True])))
+@pytest.mark.parametrize("transpose_a, transpose_b",
+                         list(itertools.product([False, True], repeat=2)))
 @pytest.mark.parametrize("masks", [((True,), (False,)), ((False,), (True,)), ((True,), (True,))],
                          ids=["a_batched", "b_batched", "both_batched"])
 def test_transposed_layouts_and_batch_masks(backend, transpose_a, transpose_b, masks):
   """The primitive itself: all four operand layouts, shared and batched operands.
 
-  The blocks leave tails in M, N and K (K = 300 is no multiple of 128 or 32).
+  The blocks leave tails in M, N and K (150, 140 and 300 are no multiples of the blocks).
   """
   rng = np.random.default_rng(0)
-  batch, m, k, n = 2, 37, 300, 140
+  batch, m, k, n = 2, 150, 300, 140
   a_batch, b_batch = masks
   a = rand(rng, (batch,) * a_batch[0] + (m, k))
   b = rand(rng, (batch,) * b_batch[0] + (k, n))
