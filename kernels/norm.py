@@ -33,7 +33,7 @@ from jax.experimental.pallas import triton as pltriton
 
 from pallax.executor import KernelSpec, register_kernel
 from pallax.executor.config import KernelConfig
-from pallax.executor.registry import interpreted, kernel_backend, xla_allowed
+from pallax.executor.registry import interpreted, kernel_backend, xla_allowed, xla_on_cpu
 from pallax.pallas_utils import and_masks, load, next_pow2, stat_dtype, store, sublanes
 
 
@@ -57,7 +57,7 @@ def _rows_hidden(avals) -> tuple[int, int]:
   return max(1, math.prod(x.shape[:-1])), x.shape[-1]
 
 
-def _pallas_heuristic(avals, backend: str) -> NormConfig:
+def _pallas_heuristic(avals, backend: str, **params) -> NormConfig:
   """Rows per block so that one block of x holds about 16K (Triton) or 512K (TPU) elements."""
   rows, hidden = _rows_hidden(avals)
   if backend == "triton":
@@ -70,10 +70,7 @@ def _pallas_heuristic(avals, backend: str) -> NormConfig:
   return NormConfig(block_rows=min(fit, 1024))
 
 
-def norm_heuristic(avals: Sequence[Any], target: str, **params) -> NormConfig:
-  """The kernel on accelerators and under the interpret switch; XLA's program on CPU."""
-  config = _pallas_heuristic(avals, kernel_backend(target))
-  return dataclasses.replace(config, implementation="xla") if target == "cpu" else config
+norm_heuristic = xla_on_cpu(_pallas_heuristic)
 
 
 def norm_candidates(avals: Sequence[Any], target: str, **params) -> list[NormConfig]:

@@ -38,7 +38,7 @@ from jax.experimental.pallas import triton as pltriton
 
 from pallax.executor import KernelSpec, register_kernel
 from pallax.executor.config import KernelConfig
-from pallax.executor.registry import interpreted, kernel_backend, xla_allowed
+from pallax.executor.registry import interpreted, kernel_backend, xla_allowed, xla_on_cpu
 from pallax.pallas_utils import and_masks, load, next_pow2, stat_dtype, store, sublanes
 
 OPS = ("softmax_fwd", "softmax_bwd", "log_softmax_fwd", "log_softmax_jvp", "log_softmax_bwd")
@@ -85,7 +85,7 @@ def _tpu_row_tile(avals) -> int:
   return max(sub, sublanes(jnp.int8)) if _masked(avals) else sub
 
 
-def _pallas_heuristic(avals, backend: str) -> SoftmaxConfig:
+def _pallas_heuristic(avals, backend: str, **params) -> SoftmaxConfig:
   """The whole row in one block up to 8192 columns; rows to fill the tile."""
   rows, cols = _rows_cols(avals)
   if backend == "triton":
@@ -99,10 +99,7 @@ def _pallas_heuristic(avals, backend: str) -> SoftmaxConfig:
   return SoftmaxConfig(block_rows=min(block_rows, rows), block_cols=block_cols)
 
 
-def softmax_heuristic(avals: Sequence[Any], target: str, **params) -> SoftmaxConfig:
-  """The kernel on accelerators and under the interpret switch; XLA's program on CPU."""
-  config = _pallas_heuristic(avals, kernel_backend(target))
-  return dataclasses.replace(config, implementation="xla") if target == "cpu" else config
+softmax_heuristic = xla_on_cpu(_pallas_heuristic)
 
 
 def softmax_candidates(avals: Sequence[Any], target: str, **params) -> list[SoftmaxConfig]:

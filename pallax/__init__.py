@@ -7,6 +7,7 @@ vmap, pmap and shard_map all work.
 from pallax.autobatch import autobatch
 from pallax.executor import Executor, KernelConfig, default_executor, set_default_executor
 from pallax.interpret import interpret
+from pallax.primitives.matmul import MatmulConfig, matmul
 from pallax.primitives.norm import NormConfig, fused_add_rms_norm, layer_norm, rms_norm
 from pallax.primitives.softmax import SoftmaxConfig, log_softmax, softmax
 from pallax.tuning import autotune, explain, pmap_with_config, vmap_with_config
@@ -16,6 +17,7 @@ __version__ = "0.1.0"
 __all__ = [
     "rms_norm", "layer_norm", "fused_add_rms_norm", "NormConfig",
     "softmax", "log_softmax", "SoftmaxConfig",
+    "matmul", "MatmulConfig",
     "autobatch",
     "interpret",
     "Executor", "KernelConfig", "default_executor", "set_default_executor",

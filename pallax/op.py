@@ -51,10 +51,18 @@ class Dims:
   factor in ``replicated`` must not be sharded (e.g. the normalised axis); a
   factor present in an operand but absent from a result is reduced, so a result
   computed from a sharded factor is summed across the devices holding it.
+
+  ``per_shard`` is for ops whose results are not plain sums over a reduced
+  factor (a matmul with a fused bias or activation must sum the partial
+  products before the epilogue): ``(psum, *args) -> results`` runs on each
+  device instead of the kernel when a reduced factor is sharded, where
+  ``psum(x, i)`` sums ``x`` across the devices that result ``i`` is summed
+  over. None: the kernel runs and its results are summed as they are.
   """
   operands: tuple[tuple[str, ...], ...]
   results: tuple[tuple[str, ...], ...]
   replicated: tuple[str, ...] = ()
+  per_shard: Callable[..., Sequence[Any]] | None = None
 
 
 class KernelPrimitive(Primitive):
@@ -111,7 +119,7 @@ def define_primitive(
       fn = functools.partial(kernel_impl, config=chosen.config, backend=kernel_backend(target),
                              interpret=interpreted(target), **params)
       with _jax_private.without_vma_checks():
-        return mlir.lower_fun(fn, multiple_results=True)(ctx, *args)
+        return mlir.lower_fun(fn, multiple_results=True)(_unvarying(ctx), *args)
     return rule
 
   for platform in PLATFORMS:
@@ -123,6 +131,20 @@ def define_primitive(
 
   mlir.register_lowering(prim, partitioned_lowering)
   return prim
+
+
+def _unvarying(ctx):
+  """``ctx`` with avals that vary over no ``shard_map`` axis, for tracing a kernel.
+
+  The primitive's abstract eval has already fixed how its results vary. Inside
+  the kernel, constants and loop carries vary over nothing while ``shard_map``
+  operands vary over its axes, and Pallas (its interpreter's loops in
+  particular) does not reconcile the two; traced from unvarying avals, with
+  the checks off (Pallas wants every output type annotated otherwise), the
+  kernel is consistent.
+  """
+  strip = lambda avals: [jax.core.ShapedArray(a.shape, a.dtype, a.weak_type) for a in avals]
+  return ctx.replace(avals_in=strip(ctx.avals_in), avals_out=strip(ctx.avals_out))
 
 
 def _partitioned(kernel: Primitive, dims: Dims, params: dict) -> Callable:
@@ -145,13 +167,16 @@ def _partitioned(kernel: Primitive, dims: Dims, params: dict) -> Callable:
     factors, arg_shardings, out_shardings = shardings(mesh, arg_shapes)
     in_factors = {f for d in dims.operands for f in d}
 
+    summed = [tuple(a for f in sorted(in_factors - set(names)) for a in factors.get(f) or ())
+              for names in dims.results]
+
+    def psum(x, i):
+      return jax.lax.psum(x, summed[i]) if summed[i] else x
+
     def lower_fn(*args):
-      outs = list(kernel.bind(*args, **params))
-      for i, names in enumerate(dims.results):
-        axes = tuple(a for f in sorted(in_factors - set(names)) for a in factors.get(f) or ())
-        if axes:
-          outs[i] = jax.lax.psum(outs[i], axes)
-      return tuple(outs)
+      if dims.per_shard is not None and any(summed):
+        return tuple(dims.per_shard(psum, *args))
+      return tuple(psum(out, i) for i, out in enumerate(kernel.bind(*args, **params)))
 
     return mesh, lower_fn, out_shardings, arg_shardings
 

@@ -50,3 +50,43 @@ def assert_close(got, want, dtype, what: str = "") -> None:
 def x64():
   """float64 enabled (for the references) inside the block."""
   return jax.enable_x64(True)
+
+
+# Lowering for other platforms -------------------------------------------------
+
+# The custom call each platform's Pallas kernels lower to.
+CALL_TARGET = {"cuda": "__gpu$xla.gpu.triton", "rocm": "__gpu$xla.gpu.triton",
+               "tpu": "tpu_custom_call"}
+
+
+def _abstract_tpu_mesh():
+  device = jax.sharding.AbstractDevice(device_kind="TPU v5 lite", num_cores=1, platform="tpu")
+  return jax.sharding.AbstractMesh((1,), ("x",), abstract_device=device)
+
+
+def lower_text(fn, platform: str, *args) -> str:
+  """StableHLO text of ``jit(fn)`` lowered for ``platform`` (TPU: an abstract TPU v5e)."""
+  lower = lambda: jax.jit(fn).trace(*args).lower(lowering_platforms=(platform,)).as_text()
+  if platform == "tpu":
+    with jax.sharding.use_abstract_mesh(_abstract_tpu_mesh()):
+      return lower()
+  return lower()
+
+
+# vmap tests ---------------------------------------------------------------------
+
+
+def batched(rng: np.random.Generator, axis, size: int, shape, draw=None):
+  """``size`` random examples of ``shape`` stacked at ``axis`` (None: one example).
+
+  ``draw(shape)`` makes the values (default: standard normal floats).
+  """
+  draw = draw or (lambda s: rand(rng, s))
+  if axis is None:
+    return draw(shape)
+  return jnp.moveaxis(draw((size,) + tuple(shape)), 0, axis % (len(shape) + 1))
+
+
+def example(a, axis, i: int):
+  """Example ``i`` of a batch stacked at ``axis`` (None: the shared value)."""
+  return a if axis is None else jnp.take(a, i, axis=axis)

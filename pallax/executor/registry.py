@@ -32,6 +32,18 @@ def xla_allowed(target: str) -> bool:
   return not target.startswith("interpret-")
 
 
+def xla_on_cpu(pallas_heuristic: Callable[..., KernelConfig]) -> Callable[..., KernelConfig]:
+  """A heuristic from a kernel's block-size heuristic ``(avals, backend, **params)``.
+
+  It picks the kernel on accelerators and under the interpret switch, and the
+  XLA program on CPU (interpreted kernels are for testing, not speed).
+  """
+  def heuristic(avals: Sequence[Any], target: str, **params) -> KernelConfig:
+    config = pallas_heuristic(avals, kernel_backend(target), **params)
+    return dataclasses.replace(config, implementation="xla") if target == "cpu" else config
+  return heuristic
+
+
 @dataclasses.dataclass(frozen=True)
 class KernelSpec:
   """One kernel's contract with the executor.

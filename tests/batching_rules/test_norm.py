@@ -9,22 +9,10 @@ import numpy as np
 import pytest
 
 import pallax
-from tests.helpers import PATHS, on_path, rand
+from tests.helpers import PATHS, batched, example, on_path, rand
 
 H = 24
 X_SHAPE = (3, H)  # one example's x
-
-
-def _batched(rng, axis, size, shape):
-  """A batch of ``size`` examples of ``shape``, stacked at ``axis``."""
-  if axis is None:
-    return rand(rng, shape)
-  ex = rand(rng, (size,) + shape)
-  return jnp.moveaxis(ex, 0, axis % (len(shape) + 1))
-
-
-def _example(a, axis, i):
-  return a if axis is None else jnp.take(a, i, axis=axis)
 
 
 IN_AXES = [(0, None), (None, 0), (0, 0), (1, None), (-1, 0), (2, 0), (-2, None)]
@@ -35,12 +23,12 @@ IN_AXES = [(0, None), (None, 0), (0, 0), (1, None), (-1, 0), (2, 0), (-2, None)]
 def test_vmap_matches_loop(path, in_axes):
   rng = np.random.default_rng(0)
   size = 4
-  x = _batched(rng, in_axes[0], size, X_SHAPE)
-  w = _batched(rng, in_axes[1], size, (H,))
+  x = batched(rng, in_axes[0], size, X_SHAPE)
+  w = batched(rng, in_axes[1], size, (H,))
   f = lambda x, w: pallax.rms_norm(x, w, offset=0.5)
   with on_path(path):
     got = jax.jit(jax.vmap(f, in_axes=in_axes))(x, w)
-    want = jnp.stack([f(_example(x, in_axes[0], i), _example(w, in_axes[1], i))
+    want = jnp.stack([f(example(x, in_axes[0], i), example(w, in_axes[1], i))
                       for i in range(size)])
   np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
 
@@ -51,14 +39,14 @@ def test_vmap_of_grad_matches_loop(path, in_axes):
   """Per-example gradients: the backward kernel's dweight must be per example."""
   rng = np.random.default_rng(1)
   size = 3
-  x = _batched(rng, in_axes[0], size, X_SHAPE)
-  w = _batched(rng, in_axes[1], size, (H,))
+  x = batched(rng, in_axes[0], size, X_SHAPE)
+  w = batched(rng, in_axes[1], size, (H,))
   c = rand(rng, X_SHAPE)
   loss = lambda x, w: jnp.sum(pallax.rms_norm(x, w) * c)
   g = jax.grad(loss, (0, 1))
   with on_path(path):
     got = jax.jit(jax.vmap(g, in_axes=in_axes))(x, w)
-    want = [g(_example(x, in_axes[0], i), _example(w, in_axes[1], i)) for i in range(size)]
+    want = [g(example(x, in_axes[0], i), example(w, in_axes[1], i)) for i in range(size)]
   for k in range(2):
     np.testing.assert_allclose(got[k], jnp.stack([wt[k] for wt in want]), rtol=2e-5, atol=2e-5)
 
@@ -67,11 +55,11 @@ def test_vmap_of_grad_matches_loop(path, in_axes):
 def test_vmap_of_jvp_matches_loop(in_axes):
   rng = np.random.default_rng(2)
   size = 3
-  x, xd = (_batched(rng, in_axes[0], size, X_SHAPE) for _ in range(2))
-  w, wd = (_batched(rng, in_axes[1], size, (H,)) for _ in range(2))
+  x, xd = (batched(rng, in_axes[0], size, X_SHAPE) for _ in range(2))
+  w, wd = (batched(rng, in_axes[1], size, (H,)) for _ in range(2))
   f = lambda x, w, xd, wd: jax.jvp(pallax.rms_norm, (x, w), (xd, wd))[1]
   got = jax.vmap(f, in_axes=in_axes + in_axes)(x, w, xd, wd)
-  want = jnp.stack([f(*(_example(a, ax, i) for a, ax in zip((x, w, xd, wd), in_axes + in_axes)))
+  want = jnp.stack([f(*(example(a, ax, i) for a, ax in zip((x, w, xd, wd), in_axes + in_axes)))
                     for i in range(size)])
   np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
 
@@ -100,8 +88,8 @@ def test_nested_vmap(outer, inner):
 @pytest.mark.parametrize("mode", ["forward", "grad", "jvp"])
 def test_vmap_is_one_primitive(in_axes, mode):
   rng = np.random.default_rng(4)
-  x = _batched(rng, in_axes[0], 5, X_SHAPE)
-  w = _batched(rng, in_axes[1], 5, (H,))
+  x = batched(rng, in_axes[0], 5, X_SHAPE)
+  w = batched(rng, in_axes[1], 5, (H,))
   if mode == "forward":
     f = pallax.rms_norm
   elif mode == "grad":
@@ -142,7 +130,7 @@ def test_family_vmap_of_value_and_grad_matches_loop(op, in_axes, path):
   fn, shapes = FAMILY[op]
   rng = np.random.default_rng(5)
   size = 3
-  args = [_batched(rng, ax, size, shape) for ax, shape in zip(in_axes, shapes)]
+  args = [batched(rng, ax, size, shape) for ax, shape in zip(in_axes, shapes)]
   c = rand(rng, X_SHAPE)
 
   def value_and_grad(*a):
@@ -151,7 +139,7 @@ def test_family_vmap_of_value_and_grad_matches_loop(op, in_axes, path):
 
   with on_path(path):
     got = jax.jit(jax.vmap(value_and_grad, in_axes=in_axes))(*args)
-    want = [value_and_grad(*(_example(a, ax, i) for a, ax in zip(args, in_axes)))
+    want = [value_and_grad(*(example(a, ax, i) for a, ax in zip(args, in_axes)))
             for i in range(size)]
   for k, leaf in enumerate(jax.tree.leaves(got)):
     stacked = jnp.stack([jax.tree.leaves(w)[k] for w in want])

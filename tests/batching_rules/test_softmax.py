@@ -10,25 +10,21 @@ import numpy as np
 import pytest
 
 import pallax
-from tests.helpers import PATHS, on_path, rand
+from tests.helpers import PATHS, batched, example, on_path, rand
 
 X_SHAPE = (3, 24)  # one example's x (and where=)
 OPS = (pallax.softmax, pallax.log_softmax)
 
 
 def _batched(rng, axis, size, shape, mask=False):
-  """A batch of ``size`` random examples of ``shape`` stacked at ``axis`` (None: one example)."""
-  full = shape if axis is None else (size,) + shape
-  ex = jnp.asarray(rng.random(full) < 0.7) if mask else rand(rng, full, scale=2.0)
-  return ex if axis is None else jnp.moveaxis(ex, 0, axis % (len(shape) + 1))
-
-
-def _example(a, axis, i):
-  return a if axis is None else jnp.take(a, i, axis=axis)
+  """A batch of random examples (or of ``where=`` masks, keeping 70%)."""
+  draw = ((lambda s: jnp.asarray(rng.random(s) < 0.7)) if mask
+          else (lambda s: rand(rng, s, scale=2.0)))
+  return batched(rng, axis, size, shape, draw)
 
 
 def _loop(f, args, in_axes, size):
-  return [f(*(_example(a, ax, i) for a, ax in zip(args, in_axes))) for i in range(size)]
+  return [f(*(example(a, ax, i) for a, ax in zip(args, in_axes))) for i in range(size)]
 
 
 def _primitive_names(jaxpr) -> list[str]:

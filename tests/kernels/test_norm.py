@@ -11,25 +11,11 @@ import jax.numpy as jnp
 import pytest
 
 import pallax
-from pallax.kernels.norm import (NormConfig, norm_candidates, norm_heuristic,
-                                 norm_supports)
+from pallax.kernels.norm import NormConfig, norm_candidates, norm_heuristic, norm_supports
+from tests.helpers import CALL_TARGET, lower_text
 
 SHAPES = [(3, 96), (2, 5, 200), (37, 1000), (1, 7), (300, 4096)]
 DTYPES = [jnp.float32, jnp.bfloat16]
-CALL_TARGET = {"cuda": "__gpu$xla.gpu.triton", "rocm": "__gpu$xla.gpu.triton",
-               "tpu": "tpu_custom_call"}
-
-
-def _abstract_tpu_mesh():
-  device = jax.sharding.AbstractDevice(device_kind="TPU v5 lite", num_cores=1, platform="tpu")
-  return jax.sharding.AbstractMesh((1,), ("x",), abstract_device=device)
-
-
-def _lower(fn, platform, *args) -> str:
-  if platform == "tpu":
-    with jax.sharding.use_abstract_mesh(_abstract_tpu_mesh()):
-      return jax.jit(fn).trace(*args).lower(lowering_platforms=(platform,)).as_text()
-  return jax.jit(fn).trace(*args).lower(lowering_platforms=(platform,)).as_text()
 
 
 def _functions():
@@ -50,7 +36,7 @@ def test_lowers(platform, dtype, shape, kind):
   fn = _functions()[kind]
   x = jax.ShapeDtypeStruct(((2,) if kind == "vmapped_weight" else ()) + shape, dtype)
   w = jax.ShapeDtypeStruct(((2,) if kind == "vmapped_weight" else ()) + shape[-1:], dtype)
-  text = _lower(fn, platform, x, w)
+  text = lower_text(fn, platform, x, w)
   expected = {"forward": 1, "backward": 2, "vmapped_weight": 2}[kind]
   assert text.count(CALL_TARGET[platform]) == expected, text[:2000]
 
@@ -61,7 +47,7 @@ def test_lowers_with_pinned_config(platform):
   fn = lambda x, w: pallax.rms_norm(x, w, config=config)
   x = jax.ShapeDtypeStruct((100, 200), jnp.float32)
   w = jax.ShapeDtypeStruct((200,), jnp.float32)
-  assert CALL_TARGET[platform] in _lower(fn, platform, x, w)
+  assert CALL_TARGET[platform] in lower_text(fn, platform, x, w)
 
 
 def test_cpu_lowering_is_the_xla_program():
@@ -121,7 +107,7 @@ def test_config_not_legal_for_backend(platform, block_rows, words):
   x = jax.ShapeDtypeStruct((100, 128), jnp.float32)
   w = jax.ShapeDtypeStruct((128,), jnp.float32)
   with pytest.raises(ValueError, match=words):
-    _lower(fn, platform, x, w)
+    lower_text(fn, platform, x, w)
 
 
 @pytest.mark.parametrize("platform", ["cuda", "tpu"])
@@ -151,5 +137,5 @@ def test_family_lowers_forward_and_backward(op, shape, dtype, platform):
   loss = lambda x, w: sum(jnp.sum(o.astype(jnp.float32)) for o in jax.tree.leaves(fn(x, w)))
   x = jax.ShapeDtypeStruct(shape, dtype)
   w = jax.ShapeDtypeStruct(shape[-1:], dtype)
-  assert _lower(fn, platform, x, w).count(CALL_TARGET[platform]) == 1
-  assert _lower(jax.grad(loss, (0, 1)), platform, x, w).count(CALL_TARGET[platform]) == 2
+  assert lower_text(fn, platform, x, w).count(CALL_TARGET[platform]) == 1
+  assert lower_text(jax.grad(loss, (0, 1)), platform, x, w).count(CALL_TARGET[platform]) == 2

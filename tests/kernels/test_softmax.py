@@ -19,27 +19,13 @@ import pallax
 from pallax.executor import Executor
 from pallax.kernels.softmax import (OPS, SoftmaxConfig, softmax_candidates, softmax_heuristic,
                                     softmax_supports)
-from tests.helpers import rand
+from tests.helpers import CALL_TARGET, lower_text, rand
 
 # (300, 20000): rows longer than the widest default block, so the default
 # configs reduce over several column blocks.
 SHAPES = [(3, 96), (2, 5, 200), (37, 1000), (1, 7), (300, 20000)]
 DTYPES = [jnp.float32, jnp.bfloat16]
-CALL_TARGET = {"cuda": "__gpu$xla.gpu.triton", "rocm": "__gpu$xla.gpu.triton",
-               "tpu": "tpu_custom_call"}
 TARGETS = ["cpu", "cuda", "rocm", "tpu", "interpret-triton", "interpret-mosaic_tpu"]
-
-
-def _abstract_tpu_mesh():
-  device = jax.sharding.AbstractDevice(device_kind="TPU v5 lite", num_cores=1, platform="tpu")
-  return jax.sharding.AbstractMesh((1,), ("x",), abstract_device=device)
-
-
-def _lower(fn, platform, *args) -> str:
-  if platform == "tpu":
-    with jax.sharding.use_abstract_mesh(_abstract_tpu_mesh()):
-      return jax.jit(fn).trace(*args).lower(lowering_platforms=(platform,)).as_text()
-  return jax.jit(fn).trace(*args).lower(lowering_platforms=(platform,)).as_text()
 
 
 def _loss(x, m):
@@ -67,7 +53,7 @@ def test_lowers(platform, dtype, shape, kind):
   batch = (2,) if kind == "vmapped" else ()
   x = jax.ShapeDtypeStruct(batch + shape, dtype)
   m = jax.ShapeDtypeStruct(shape, jnp.bool_)
-  assert _lower(fn, platform, x, m).count(CALL_TARGET[platform]) == kernels
+  assert lower_text(fn, platform, x, m).count(CALL_TARGET[platform]) == kernels
 
 
 @pytest.mark.parametrize("platform, config", [
@@ -83,7 +69,7 @@ def test_lowers_with_pinned_multi_block_config(platform, config):
       for op in (pallax.softmax, pallax.log_softmax) for w in (None, m)))(x)
   x = jax.ShapeDtypeStruct((100, 1000), jnp.float32)
   m = jax.ShapeDtypeStruct((100, 1000), jnp.bool_)
-  assert _lower(fn, platform, x, m).count(CALL_TARGET[platform]) == 8
+  assert lower_text(fn, platform, x, m).count(CALL_TARGET[platform]) == 8
 
 
 def test_cpu_lowering_is_the_xla_program():
@@ -162,7 +148,7 @@ def test_config_not_legal_for_backend(platform, config, masked, words):
   x = jax.ShapeDtypeStruct((100, 1000), jnp.float32)
   m = jax.ShapeDtypeStruct((100, 1000), jnp.bool_)
   with pytest.raises(ValueError, match=words):
-    _lower(fn, platform, x, m)
+    lower_text(fn, platform, x, m)
 
 
 def test_float64_on_tpu_falls_back_visibly():
@@ -170,7 +156,7 @@ def test_float64_on_tpu_falls_back_visibly():
     structs = [jax.ShapeDtypeStruct((16, 128), jnp.float64)]
     chosen = Executor(cache_dir=False).select("softmax_fwd", structs, "tpu", {})
     assert chosen.implementation == "xla" and "float64" in chosen.note
-    text = _lower(pallax.log_softmax, "tpu", *structs)
+    text = lower_text(pallax.log_softmax, "tpu", *structs)
     assert "tpu_custom_call" not in text
     # The interpreted TPU kernel is no place for a silent XLA fallback.
     with pallax.interpret("mosaic_tpu"), pytest.raises(NotImplementedError, match="float64"):

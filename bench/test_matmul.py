@@ -1,0 +1,70 @@
+"""matmul vs ``jnp.matmul`` plus the unfused epilogue, forward and forward+backward.
+
+Run: ``pytest bench/test_matmul.py --benchmark-group-by=param:shape,param:epilogue,param:mode``.
+Each group then holds the pallax and plain-jnp timings of one case side by side.
+Shapes are ``(M, K, N)``: ``[M, K] @ [K, N]``.
+"""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import pallax
+from pallax.primitives.matmul import matmul_reference
+
+SHAPES = [(512, 512, 512), (2048, 2048, 2048), (8192, 1024, 4096)]
+EPILOGUES = {"none": {}, "bias+gelu": {"activation": "gelu"}}
+IMPLS = {"pallax": pallax.matmul, "jnp": matmul_reference}
+
+
+def _inputs(m, k, n, dtype, seed=0):
+  rng = np.random.default_rng(seed)
+  a = jnp.asarray(rng.standard_normal((m, k)), dtype)
+  b = jnp.asarray(rng.standard_normal((k, n)) / np.sqrt(k), dtype)
+  bias = jnp.asarray(rng.standard_normal(n), dtype)
+  return a, b, bias
+
+
+def _rounds(m, k, n) -> int:
+  """Fewer rounds for the large products (seconds per call on a CPU)."""
+  return 30 if m * k * n <= 2 ** 30 else 10
+
+
+@pytest.mark.parametrize("impl", list(IMPLS))
+@pytest.mark.parametrize("mode", ["fwd", "fwd+bwd"])
+@pytest.mark.parametrize("epilogue", list(EPILOGUES))
+@pytest.mark.parametrize("dtype", [jnp.float32], ids=lambda d: jnp.dtype(d).name)
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
+def test_matmul(bench, impl, mode, epilogue, dtype, shape):
+  a, b, bias = _inputs(*shape, dtype)
+  kwargs = EPILOGUES[epilogue]
+  op = IMPLS[impl]
+  if kwargs:
+    fn = lambda a, b, bias: op(a, b, bias=bias, **kwargs)
+  else:
+    fn = lambda a, b, bias: op(a, b)
+  if mode == "fwd+bwd":
+    fn = jax.value_and_grad(lambda *args, f=fn: jnp.sum(f(*args).astype(jnp.float32)),
+                            (0, 1, 2) if kwargs else (0, 1))
+  bench(fn, a, b, bias, rounds=_rounds(*shape))
+
+
+VMAP_IMPLS = {
+    # 256 vectors, vmapped against a shared weight: one folded GEMM.
+    "pallax_vmap": jax.vmap(pallax.matmul, in_axes=(0, None)),
+    # The same product written as one call.
+    "pallax_explicit": pallax.matmul,
+    "jnp_explicit": jnp.matmul,
+}
+
+
+@pytest.mark.parametrize("impl", list(VMAP_IMPLS))
+@pytest.mark.parametrize("mode", ["fwd", "fwd+bwd"])
+@pytest.mark.parametrize("epilogue", ["vmap"])
+@pytest.mark.parametrize("shape", [(256, 1024, 4096)], ids=lambda s: "x".join(map(str, s)))
+def test_vmap_vectors_times_shared_weight(bench, impl, mode, epilogue, shape):
+  vectors, weight, _ = _inputs(*shape, jnp.float32)
+  fn = VMAP_IMPLS[impl]
+  if mode == "fwd+bwd":
+    fn = jax.value_and_grad(lambda v, w, f=fn: jnp.sum(f(v, w)), (0, 1))
+  bench(fn, vectors, weight)

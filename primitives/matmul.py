@@ -1,0 +1,389 @@
+"""Matrix multiplication with a fused epilogue: ``pallax.matmul``.
+
+One primitive, in the manner of ``lax.dot_general``:
+
+* ``matmul_p (a, b[, bias]) -> (y[, z])``: ``y = act(op(a) @ op(b) + bias)``
+  accumulated in float32, where ``op`` transposes an operand's last two dims
+  when ``transpose_a`` / ``transpose_b`` say so and batch dims follow the masks
+  described in kernels/matmul.py. ``z``, the pre-activation, is a second
+  result when ``save_preactivation`` (the JVP asks for it when there is an
+  activation).
+
+Autodiff follows from bilinearity. The JVP is
+``y_dot = act'(z) * (a_dot @ b + a @ b_dot + bias_dot)``, each product a
+``matmul_p`` without epilogue. Such a ``matmul_p`` is linear in either operand
+and its transpose is again a ``matmul_p``: ``dA = dC @ B^T`` and
+``dB = A^T @ dC``, the transposes being flags of the call, never copies.
+``grad`` thus runs one forward kernel (which saves ``z``) and two backward
+kernels; the activation's derivative is an elementwise XLA op on ``z``, applied
+to the cotangent before the backward kernels. Higher-order AD differentiates
+the same rules.
+
+Sharding: batch dims and M shard freely, a sharded N shards the result, and a
+sharded K is contracted per device and the float32 partial products are
+summed across devices (an all-reduce) before the epilogue.
+"""
+from __future__ import annotations
+
+import functools
+from typing import Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.interpreters import ad
+
+from pallax.batching_rules import matmul as matmul_batching
+from pallax.kernels import matmul as kernels
+from pallax.kernels.matmul import ACTIVATIONS, MatmulConfig
+from pallax.op import Dims, bind, define_primitive, derived_aval, match_manual_axes
+from pallax.selfcheck import SelfCheck, register
+from pallax.validation import check_floating
+
+__all__ = ["matmul", "matmul_reference", "MatmulConfig", "ACTIVATIONS"]
+
+
+# ----------------------------------------------------------------------------
+# Shapes and shardings.
+
+
+def _spec(aval) -> tuple:
+  spec = tuple(aval.sharding.spec)
+  return spec + (None,) * (aval.ndim - len(spec))
+
+
+def _result_spec(a, b, *bias, a_batch, b_batch, bias_batch, contract_batch, transpose_a,
+                 transpose_b) -> list:
+  """The result's sharding: each batch dim's from the first operand that has it, M's
+  from ``a``, N's from ``b``.
+
+  A mesh axis already used by an earlier dim is dropped (a result dim
+  cannot be sharded twice over one axis).
+  """
+  lead = -2 - contract_batch
+  specs = [iter(_spec(a)[:lead]), iter(_spec(b)[:lead])] + [iter(_spec(x)[:-1]) for x in bias]
+  spec = []
+  for has in zip(a_batch, b_batch, bias_batch):
+    found = [next(it) for it, h in zip(specs, has) if h]
+    spec.append(found[0])
+  spec.append(_spec(a)[-1 if transpose_a else -2])
+  spec.append(_spec(b)[-2 if transpose_b else -1])
+  used: set = set()
+  for i, axes in enumerate(spec):
+    names = {axes} if isinstance(axes, str) else set(axes or ())
+    if names & used:
+      spec[i] = None
+    used |= names
+  return spec
+
+
+def _matmul_abstract_eval(a, b, *bias, a_batch, b_batch, bias_batch, contract_batch, transpose_a,
+                          transpose_b, out_dtype, save_preactivation, **params):
+  if contract_batch and (not transpose_a or transpose_b):
+    raise ValueError("matmul_p: contracted batch dims need transpose_a and not transpose_b")
+  masks = dict(a_batch=a_batch, b_batch=b_batch, bias_batch=bias_batch,
+               contract_batch=contract_batch)
+  batch = kernels.output_batch([x.shape for x in (a, b, *bias)], **masks)
+  m = a.shape[-1] if transpose_a else a.shape[-2]
+  n = b.shape[-2] if transpose_b else b.shape[-1]
+  spec = _result_spec(a, b, *bias, transpose_a=transpose_a, transpose_b=transpose_b, **masks)
+  return [derived_aval(a, batch + (m, n), out_dtype, spec)] * (1 + save_preactivation)
+
+
+def _product(prim, a, b, *, a_batch, b_batch, **params) -> jax.Array:
+  """``op(a) @ op(b)`` without epilogue, with size-1 dims for the batch dims only the bias
+  has (they broadcast against the bias)."""
+  kept = [i for i, has in enumerate(zip(a_batch, b_batch)) if any(has)]
+  (out,) = prim.bind(a, b, a_batch=tuple(a_batch[i] for i in kept),
+                     b_batch=tuple(b_batch[i] for i in kept), bias_batch=(False,) * len(kept),
+                     **dict(params, activation=None, save_preactivation=False))
+  missing = tuple(i for i in range(len(a_batch)) if i not in kept)
+  return jnp.expand_dims(out, missing) if missing else out
+
+
+def _matmul_per_shard(psum, a, b, *bias, bias_batch, activation, out_dtype, save_preactivation,
+                      **params):
+  """Sharded K: this device's partial product, summed across devices in float32, then the
+  epilogue (bias and activation must see the whole sum)."""
+  partial = _product(matmul_p.kernel, a, b, out_dtype=kernels.acc_dtype(a.dtype, b.dtype),
+                     **params)
+  return kernels.epilogue(psum(partial, 0), *bias, bias_batch=bias_batch, activation=activation,
+                          out_dtype=out_dtype, save_preactivation=save_preactivation)
+
+
+def _matmul_dims(a, b, *bias, a_batch, b_batch, bias_batch, contract_batch, transpose_a,
+                 transpose_b, save_preactivation, **params) -> Dims:
+  batch = tuple(f"b{i}" for i in range(len(a_batch)))
+  contracted = tuple(f"c{i}" for i in range(contract_batch))
+  pick = lambda mask: tuple(f for f, has in zip(batch, mask) if has)
+  operands = (pick(a_batch) + contracted + (("k", "m") if transpose_a else ("m", "k")),
+              pick(b_batch) + contracted + (("n", "k") if transpose_b else ("k", "n")))
+  if bias:
+    operands += (pick(bias_batch) + ("n",),)
+  per_shard = functools.partial(
+      _matmul_per_shard, a_batch=a_batch, b_batch=b_batch, bias_batch=bias_batch,
+      contract_batch=contract_batch, transpose_a=transpose_a, transpose_b=transpose_b,
+      save_preactivation=save_preactivation, **params)
+  return Dims(operands=operands, results=(batch + ("m", "n"),) * (1 + save_preactivation),
+              per_shard=per_shard)
+
+
+matmul_p = define_primitive(
+    "matmul", abstract_eval=_matmul_abstract_eval, xla_impl=kernels.matmul_xla,
+    kernel_impl=kernels.matmul_pallas, dims=_matmul_dims)
+
+
+# ----------------------------------------------------------------------------
+# Autodiff.
+
+
+def _activation_derivative(activation: str, z: jax.Array) -> jax.Array:
+  """``act'(z)`` elementwise, in the accumulation dtype."""
+  z = z.astype(kernels.acc_dtype(z.dtype))
+  return jax.jvp(functools.partial(kernels.activate, activation), (z,), (jnp.ones_like(z),))[1]
+
+
+def _matmul_jvp_rule(primals, tangents, *, activation, save_preactivation, **params):
+  a, b, *bias = primals
+  a_dot, b_dot, *bias_dot = tangents
+  outs = matmul_p.bind(a, b, *bias, activation=activation,
+                       save_preactivation=activation is not None, **params)
+  y, z = outs[0], outs[-1]  # z is y itself without an activation
+  product = {k: v for k, v in params.items() if k != "bias_batch"}
+  terms = []
+  if type(a_dot) is not ad.Zero:
+    terms.append(_product(matmul_p, a_dot, b, **product))
+  if type(b_dot) is not ad.Zero:
+    terms.append(_product(matmul_p, a, b_dot, **product))
+  if bias_dot and type(bias_dot[0]) is not ad.Zero:
+    # Broadcast in the accumulation dtype: its transpose, the bias gradient,
+    # then sums in float32 too.
+    wide = bias_dot[0].astype(kernels.acc_dtype(bias_dot[0].dtype))
+    terms.append(jnp.broadcast_to(kernels.bias_like(wide, params["bias_batch"], y.ndim),
+                                  y.shape).astype(y.dtype))
+  primals_out = [y, z] if save_preactivation else [y]
+  if not terms:
+    return primals_out, [ad.Zero.from_primal_value(x) for x in primals_out]
+  z_dot = jnp.broadcast_to(functools.reduce(jnp.add, terms), y.shape)
+  y_dot = z_dot
+  if activation is not None:
+    d = _activation_derivative(activation, z)
+    y_dot = (d * z_dot.astype(d.dtype)).astype(y.dtype)
+  return primals_out, [y_dot, z_dot] if save_preactivation else [y_dot]
+
+
+def _sum_batch_dims(x: jax.Array, keep, dtype) -> jax.Array:
+  """``x`` summed over the batch dims ``keep`` marks False, cast to ``dtype``."""
+  axes = tuple(i for i, k in enumerate(keep) if not k)
+  return (jnp.sum(x, axis=axes) if axes else x).astype(dtype)
+
+
+# The transposes see the call's batch dims extended by its contracted ones:
+# ``a_batch``, ``b_batch`` and ``ct_batch`` say which dims ``a``, ``b`` and the
+# cotangent have (the cotangent lacks exactly the contracted ones).
+
+
+def _transpose_lhs(ct, b, a_aval, *, a_batch, b_batch, ct_batch, transpose_a, transpose_b,
+                   **params):
+  """``dA = dC @ op(b)^T`` (``op(b) @ dC^T`` for a transposed ``a``), summed over the batch
+  dims ``a`` lacks."""
+  dtype = a_aval.dtype if all(a_batch) else kernels.acc_dtype(a_aval.dtype)
+  params.update(bias_batch=(False,) * len(a_batch), contract_batch=0, out_dtype=dtype)
+  if transpose_a:
+    (da,) = matmul_p.bind(b, ct, a_batch=b_batch, b_batch=ct_batch, transpose_a=transpose_b,
+                          transpose_b=True, **params)
+  else:
+    (da,) = matmul_p.bind(ct, b, a_batch=ct_batch, b_batch=b_batch, transpose_a=False,
+                          transpose_b=not transpose_b, **params)
+  return _sum_batch_dims(da, a_batch, a_aval.dtype)
+
+
+def _transpose_rhs(ct, a, b_aval, *, a_batch, b_batch, ct_batch, transpose_a, transpose_b,
+                   **params):
+  """``dB = op(a)^T @ dC`` (``dC^T @ op(a)`` for a transposed ``b``), summed over the batch
+  dims ``b`` lacks.
+
+  The trailing batch dims ``b`` lacks are contiguous with M in ``a`` and
+  ``dC``, so the product contracts them with M: a weight shared by a batch
+  gets its gradient from one GEMM, per device, never a reshape of sharded
+  dims.
+  """
+  contract = 0
+  if not transpose_a:
+    while (contract < len(b_batch) and not b_batch[-1 - contract] and ct_batch[-1 - contract]
+           and a_batch[-1 - contract]):
+      contract += 1
+  kept = len(b_batch) - contract
+  a_batch, b_batch, ct_batch = a_batch[:kept], b_batch[:kept], ct_batch[:kept]
+  dtype = b_aval.dtype if all(b_batch) else kernels.acc_dtype(b_aval.dtype)
+  params.update(bias_batch=(False,) * kept, contract_batch=contract, out_dtype=dtype)
+  if transpose_b:
+    (db,) = matmul_p.bind(ct, a, a_batch=ct_batch, b_batch=a_batch, transpose_a=True,
+                          transpose_b=transpose_a, **params)
+  else:
+    (db,) = matmul_p.bind(a, ct, a_batch=a_batch, b_batch=ct_batch, transpose_a=not transpose_a,
+                          transpose_b=False, **params)
+  return _sum_batch_dims(db, b_batch, b_aval.dtype)
+
+
+def _matmul_transpose_rule(cts, a, b, *bias, a_batch, b_batch, contract_batch, activation,
+                           save_preactivation, **params):
+  if bias or activation is not None or save_preactivation:
+    raise NotImplementedError("matmul with a bias or an activation is not linear in a or b; "
+                              "only the plain products of its JVP are transposed")
+  (ct,) = cts
+  undefined = [ad.is_undefined_primal(x) for x in (a, b)]
+  if type(ct) is ad.Zero:
+    return [ad.Zero(x.aval) if u else None for x, u in zip((a, b), undefined)]
+  contracted = (True,) * contract_batch
+  params = dict(params, a_batch=a_batch + contracted, b_batch=b_batch + contracted,
+                ct_batch=(True,) * len(a_batch) + (False,) * contract_batch, activation=None,
+                save_preactivation=False)
+  params.pop("bias_batch")
+  if undefined[0]:
+    return [_transpose_lhs(ct, b, a.aval, **params), None]
+  return [None, _transpose_rhs(ct, a, b.aval, **params)]
+
+
+ad.primitive_jvps[matmul_p] = _matmul_jvp_rule
+ad.primitive_transposes[matmul_p] = _matmul_transpose_rule
+matmul_batching.register(matmul_p)
+
+
+# ----------------------------------------------------------------------------
+# Public function.
+
+
+def _check_precision(precision):
+  """``precision`` as ``lax.dot_general`` takes it: None or a pair of ``lax.Precision``."""
+  if precision is None:
+    return None
+  try:
+    if isinstance(precision, (str, lax.Precision)):
+      return (lax.Precision(precision),) * 2
+    if isinstance(precision, (tuple, list)) and len(precision) == 2:
+      return tuple(lax.Precision(p) for p in precision)
+  except ValueError:
+    pass
+  raise ValueError(f"matmul: precision must be None, a lax.Precision or its name "
+                   f"({', '.join(p.name.lower() for p in lax.Precision)}), or a pair of them; "
+                   f"got {precision!r}")
+
+
+def _batch_masks(a_dims, b_dims, a_shape, b_shape):
+  """Broadcast batch shape and which of its dims ``a`` and ``b`` have (jnp.matmul rules)."""
+  try:
+    batch = np.broadcast_shapes(a_dims, b_dims)
+  except ValueError:
+    raise ValueError(f"matmul: the batch dims of a {a_dims} and b {b_dims} do not broadcast "
+                     f"(a of shape {a_shape}, b of shape {b_shape})") from None
+
+  def has(dims):
+    pad = len(batch) - len(dims)
+    return tuple(i >= pad and dims[i - pad] == batch[i] for i in range(len(batch)))
+
+  return batch, has(a_dims), has(b_dims)
+
+
+def matmul(a: jax.Array, b: jax.Array, *, bias: Optional[jax.Array] = None,
+           activation: Optional[str] = None, preferred_element_type=None, precision=None,
+           config: Optional[MatmulConfig] = None) -> jax.Array:
+  """``activation(a @ b + bias)`` as one kernel, like ``jnp.matmul`` plus an epilogue.
+
+  Products accumulate in float32 (float64 for float64 inputs); the bias and the
+  activation are applied to the accumulator, then the result is cast.
+
+  Args:
+    a: floating array ``(..., M, K)``, or a vector ``(K,)``.
+    b: floating array ``(K, N)`` or ``(..., K, N)``, or a vector ``(K,)``.
+      Leading dims broadcast as in ``jnp.matmul``; a broadcast operand is
+      never copied (256 vectors times a shared weight are one GEMM).
+    bias: optional ``(N,)`` added to every row.
+    activation: None, ``"relu"``, ``"gelu"`` (exact, erf), ``"gelu_tanh"`` or
+      ``"silu"``.
+    preferred_element_type: result dtype; default ``jnp.matmul``'s (the
+      promoted input dtype).
+    precision: as in ``jnp.matmul``: None (the backend's default; TF32 for
+      float32 on GPU), a ``lax.Precision`` or its name, or a pair of them.
+    config: pin the kernel's ``MatmulConfig`` instead of letting the executor
+      choose.
+
+  Returns:
+    ``(*batch, M, N)`` (the M or N dim dropped for a vector ``a`` or ``b``).
+  """
+  a, b = jnp.asarray(a), jnp.asarray(b)
+  for name, x in (("a", a), ("b", b)):
+    if x.ndim == 0:
+      raise ValueError(f"matmul: {name} must have at least 1 dimension, got a scalar (shape ())")
+    check_floating("matmul", name, x)
+  dtype = jnp.result_type(a, b)
+  out_dtype = dtype if preferred_element_type is None else jnp.dtype(preferred_element_type)
+  if not jnp.issubdtype(out_dtype, jnp.floating):
+    raise TypeError(f"matmul: preferred_element_type must be a floating dtype, got {out_dtype}")
+  if activation is not None and activation not in ACTIVATIONS:
+    raise ValueError(f"matmul: activation must be one of {(None,) + ACTIVATIONS}, "
+                     f"got {activation!r}")
+  precision = _check_precision(precision)
+  if config is not None and not isinstance(config, MatmulConfig):
+    raise TypeError(f"matmul: config must be a MatmulConfig, got {type(config).__name__}")
+  a2 = a[None] if a.ndim == 1 else a
+  b2 = b[:, None] if b.ndim == 1 else b
+  if a2.shape[-1] != b2.shape[-2]:
+    where = "length" if b.ndim == 1 else "second-to-last dim"
+    raise ValueError(f"matmul: a's last dim ({a.shape[-1]}) must equal b's {where} "
+                     f"({b2.shape[-2]}); got a of shape {a.shape} and b of shape {b.shape}")
+  batch, a_batch, b_batch = _batch_masks(a2.shape[:-2], b2.shape[:-2], a.shape, b.shape)
+  args = [a2, b2]
+  if bias is not None:
+    bias = jnp.asarray(bias)
+    check_floating("matmul", "bias", bias)
+    if b.ndim == 1:
+      raise ValueError(f"matmul: bias needs a matrix b with an N dim; got b of shape {b.shape}")
+    if bias.shape != (b.shape[-1],):
+      raise ValueError(f"matmul: bias must have shape (N,) = ({b.shape[-1]},) for b of shape "
+                       f"{b.shape}; got bias of shape {bias.shape}")
+    args.append(bias)
+  # Drop the broadcast dims: an operand lacking a batch dim is shared along it.
+  for i, mask in enumerate((a_batch, b_batch)):
+    kept = tuple(size for size, has in zip(batch, mask) if has)
+    args[i] = args[i].astype(dtype).reshape(kept + args[i].shape[-2:])
+  args = match_manual_axes(*args)
+  (y,) = bind(matmul_p, *args, a_batch=a_batch, b_batch=b_batch,
+              bias_batch=(False,) * len(batch), contract_batch=0, transpose_a=False,
+              transpose_b=False,
+              activation=activation, out_dtype=out_dtype, precision=precision,
+              save_preactivation=False, config=config)
+  if a.ndim == 1:
+    y = y[..., 0, :]
+  if b.ndim == 1:
+    y = y[..., 0]
+  return y
+
+
+def matmul_reference(a: jax.Array, b: jax.Array, *, bias: Optional[jax.Array] = None,
+                     activation: Optional[str] = None, preferred_element_type=None,
+                     precision=None) -> jax.Array:
+  """The plain-jnp formulation of ``matmul``: ``jnp.matmul``, then the unfused epilogue.
+
+  The baseline ``bench/`` and ``python -m pallax`` time against, and, fed
+  float64 inputs, the self-check's oracle.
+  """
+  y = jnp.matmul(a, b, precision=precision, preferred_element_type=preferred_element_type)
+  if bias is not None:
+    y = y + bias.astype(y.dtype)
+  return kernels.activate(activation, y)
+
+
+def _selfcheck_args(rng: np.random.Generator, dtype, small: bool):
+  m, k, n = (37, 200, 96) if small else (512, 1024, 1024)
+  a = jnp.asarray(rng.standard_normal((m, k)), dtype)
+  b = jnp.asarray(rng.standard_normal((k, n)) / np.sqrt(k), dtype)
+  bias = jnp.asarray(rng.standard_normal(n), dtype)
+  return a, b, bias
+
+
+register(SelfCheck(
+    "matmul", make_args=_selfcheck_args,
+    op=lambda a, b, bias: matmul(a, b, bias=bias, activation="gelu"),
+    reference=lambda a, b, bias: matmul_reference(a, b, bias=bias, activation="gelu")))
