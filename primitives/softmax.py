@@ -66,25 +66,18 @@ def _like_second(*avals, **params):
   return [avals[1].update(weak_type=False)]
 
 
-softmax_fwd_p = define_primitive(
-    "softmax_fwd", abstract_eval=_like_first, xla_impl=kernels.softmax_fwd_xla,
-    kernel_impl=kernels.softmax_fwd_pallas, dims=_dims)
+def _define(name: str, abstract_eval):
+  """The primitive ``name``, its XLA program and kernel taken from kernels/softmax.py."""
+  return define_primitive(name, abstract_eval=abstract_eval,
+                          xla_impl=getattr(kernels, f"{name}_xla"),
+                          kernel_impl=getattr(kernels, f"{name}_pallas"), dims=_dims)
 
-softmax_bwd_p = define_primitive(
-    "softmax_bwd", abstract_eval=_like_second, xla_impl=kernels.softmax_bwd_xla,
-    kernel_impl=kernels.softmax_bwd_pallas, dims=_dims)
 
-log_softmax_fwd_p = define_primitive(
-    "log_softmax_fwd", abstract_eval=_like_first, xla_impl=kernels.log_softmax_fwd_xla,
-    kernel_impl=kernels.log_softmax_fwd_pallas, dims=_dims)
-
-log_softmax_jvp_p = define_primitive(
-    "log_softmax_jvp", abstract_eval=_like_second, xla_impl=kernels.log_softmax_jvp_xla,
-    kernel_impl=kernels.log_softmax_jvp_pallas, dims=_dims)
-
-log_softmax_bwd_p = define_primitive(
-    "log_softmax_bwd", abstract_eval=_like_second, xla_impl=kernels.log_softmax_bwd_xla,
-    kernel_impl=kernels.log_softmax_bwd_pallas, dims=_dims)
+softmax_fwd_p = _define("softmax_fwd", _like_first)
+softmax_bwd_p = _define("softmax_bwd", _like_second)
+log_softmax_fwd_p = _define("log_softmax_fwd", _like_first)
+log_softmax_jvp_p = _define("log_softmax_jvp", _like_second)
+log_softmax_bwd_p = _define("log_softmax_bwd", _like_second)
 
 
 # ----------------------------------------------------------------------------
