@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 import pallax
+from pallax.kernels import norm as norm_kernels
 from tests.helpers import FLOAT_DTYPES, PATHS, assert_close, on_path, rand, x64
 
 SHAPES = [(3, 96), (2, 5, 200), (37, 1000), (1, 7)]
@@ -77,6 +78,24 @@ def test_forward_and_vjp(op, path, dtype, shape):
   with x64():
     want, vjp_ref = jax.vjp(case.ref, *map(_f64, args))
     _close_trees(out, want, dtype, "output")
+    _close_trees(grads, vjp_ref(jax.tree.map(_f64, cts)), dtype, "gradient")
+
+
+@pytest.mark.parametrize("form", ["small", "large"])
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=lambda d: jnp.dtype(d).name)
+@pytest.mark.parametrize("op", list(CASES))
+def test_both_forms_of_the_xla_backward(op, dtype, form, monkeypatch):
+  """The XLA backward program picks its form of dx by size; both match the reference."""
+  monkeypatch.setattr(norm_kernels, "_SMALL_BWD_ELEMENTS", 1 << 62 if form == "small" else 0)
+  jax.clear_caches()  # programs traced under the other form must not be reused
+  case = CASES[op]
+  args, rng = _args(case, (2, 5, 200), dtype, seed=5)
+  out, vjp = jax.vjp(case.fn, *args)
+  cts = jax.tree.map(lambda o: rand(rng, o.shape, o.dtype), out)
+  grads = jax.jit(vjp)(cts)
+  jax.clear_caches()
+  with x64():
+    _, vjp_ref = jax.vjp(case.ref, *map(_f64, args))
     _close_trees(grads, vjp_ref(jax.tree.map(_f64, cts)), dtype, "gradient")
 
 
