@@ -50,7 +50,7 @@ from jax.experimental.pallas import triton as pltriton
 from pallax.executor import KernelSpec, register_kernel
 from pallax.executor.config import KernelConfig
 from pallax.executor.registry import interpreted, kernel_backend, xla_allowed, xla_on_cpu
-from pallax.pallas_utils import load, next_pow2, store, sublanes
+from pallax.pallas_utils import in_bounds, load, next_pow2, store, sublanes
 
 ACTIVATIONS = ("relu", "gelu", "gelu_tanh", "silu")
 
@@ -450,14 +450,6 @@ def _dot(a, b, transpose_a: bool, transpose_b: bool, precision, dtype) -> jax.Ar
   return lax.dot_general(a, b, dims, precision=precision, preferred_element_type=dtype)
 
 
-def _in_range(block_index, size: int, extent: int):
-  """Which of a block's ``size`` offsets along a dim of ``extent`` are inside it; None
-  when every block is whole (no mask needed)."""
-  if extent % size == 0:
-    return None
-  return block_index * size + jnp.arange(size) < extent
-
-
 def _tile_mask(rows_ok, cols_ok, shape):
   """The mask of a 2-D tile from its row and column masks (None: all in range)."""
   if rows_ok is None and cols_ok is None:
@@ -473,8 +465,8 @@ def _triton_kernel(a_ref, b_ref, *refs, prob: Problem, block_k: int, has_bias: b
   out_refs = refs[has_bias:]
   bm, bn = out_refs[0].shape
   rank = len(prob.grid_batch) + 2
-  row_ok = _in_range(pl.program_id(rank - 2), bm, prob.m)
-  col_ok = _in_range(pl.program_id(rank - 1), bn, prob.n)
+  row_ok = in_bounds(pl.program_id(rank - 2), bm, prob.m, (bm,), 0)
+  col_ok = in_bounds(pl.program_id(rank - 1), bn, prob.n, (bn,), 0)
   compute = jnp.promote_types(a_ref.dtype, b_ref.dtype)
 
   def load_tile(ref, start, k_ok, other_ok, k_first: bool):
@@ -488,7 +480,7 @@ def _triton_kernel(a_ref, b_ref, *refs, prob: Problem, block_k: int, has_bias: b
     return load(view, mask).astype(compute)
 
   def step(s, acc):
-    k_ok = _in_range(s, block_k, prob.k)
+    k_ok = in_bounds(s, block_k, prob.k, (block_k,), 0)
     a = load_tile(a_ref, s * block_k, k_ok, row_ok, k_first=transpose_a)
     b = load_tile(b_ref, s * block_k, k_ok, col_ok, k_first=not transpose_b)
     return acc + _dot(a, b, transpose_a, transpose_b, precision, acc.dtype)

@@ -34,7 +34,7 @@ from jax.experimental.pallas import triton as pltriton
 from pallax.executor import KernelSpec, register_kernel
 from pallax.executor.config import KernelConfig
 from pallax.executor.registry import interpreted, kernel_backend, xla_allowed, xla_on_cpu
-from pallax.pallas_utils import and_masks, load, next_pow2, stat_dtype, store, sublanes
+from pallax.pallas_utils import and_masks, in_bounds, load, next_pow2, stat_dtype, store, sublanes
 
 
 @dataclasses.dataclass(frozen=True)
@@ -319,15 +319,10 @@ class _Layout:
     return pl.BlockSpec((None, 1, self.block_hidden), lambda g, i: (g, 0, 0))
 
   def column_mask(self, shape) -> jax.Array | None:
-    if self.block_hidden == self.hidden:
-      return None
-    return lax.broadcasted_iota(jnp.int32, shape, len(shape) - 1) < self.hidden
+    return in_bounds(0, self.block_hidden, self.hidden, shape, len(shape) - 1)
 
   def row_mask(self, shape) -> jax.Array | None:
-    if self.rows % self.block_rows == 0:
-      return None
-    row = pl.program_id(1) * self.block_rows + lax.broadcasted_iota(jnp.int32, shape, 0)
-    return row < self.rows
+    return in_bounds(pl.program_id(1), self.block_rows, self.rows, shape, 0)
 
   def bounds(self, category: str, shape) -> jax.Array | None:
     """Triton only: which entries of a ``category`` block lie inside the array.

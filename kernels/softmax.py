@@ -39,7 +39,7 @@ from jax.experimental.pallas import triton as pltriton
 from pallax.executor import KernelSpec, register_kernel
 from pallax.executor.config import KernelConfig
 from pallax.executor.registry import interpreted, kernel_backend, xla_allowed, xla_on_cpu
-from pallax.pallas_utils import and_masks, load, next_pow2, stat_dtype, store, sublanes
+from pallax.pallas_utils import and_masks, in_bounds, load, next_pow2, stat_dtype, store, sublanes
 
 OPS = ("softmax_fwd", "softmax_bwd", "log_softmax_fwd", "log_softmax_jvp", "log_softmax_bwd")
 
@@ -327,14 +327,10 @@ class _Layout:
     return (self.block_rows, self.block_cols)
 
   def rows_in_bounds(self, row_block) -> Optional[jax.Array]:
-    if self.rows % self.block_rows == 0:
-      return None
-    return row_block * self.block_rows + lax.broadcasted_iota(jnp.int32, self.block, 0) < self.rows
+    return in_bounds(row_block, self.block_rows, self.rows, self.block, 0)
 
   def cols_in_bounds(self, col_block) -> Optional[jax.Array]:
-    if self.cols % self.block_cols == 0:
-      return None
-    return col_block * self.block_cols + lax.broadcasted_iota(jnp.int32, self.block, 1) < self.cols
+    return in_bounds(col_block, self.block_cols, self.cols, self.block, 1)
 
 
 def _triton_call(program: _RowProgram, data, mask, out_dtype, lay: _Layout,

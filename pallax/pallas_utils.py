@@ -5,6 +5,7 @@ from typing import Optional
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 from jax.experimental.pallas import triton as pltriton
 
 
@@ -21,6 +22,17 @@ def next_pow2(n: int) -> int:
 def sublanes(dtype) -> int:
   """TPU sublane tile for ``dtype``: 8 rows of 32-bit, 16 of 16-bit, 32 of 8-bit."""
   return 8 * max(1, 4 // jnp.dtype(dtype).itemsize)
+
+
+def in_bounds(block_index, block_size: int, extent: int, shape, axis: int) -> Optional[jax.Array]:
+  """Which entries of a block of ``shape`` lie inside the array along ``axis``.
+
+  The block is the ``block_index``-th of ``block_size`` along an array dim of
+  ``extent``. None when ``block_size`` divides ``extent``: every block is whole.
+  """
+  if extent % block_size == 0:
+    return None
+  return block_index * block_size + lax.broadcasted_iota(jnp.int32, shape, axis) < extent
 
 
 def and_masks(*masks: Optional[jax.Array]) -> Optional[jax.Array]:
