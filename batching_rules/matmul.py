@@ -19,8 +19,7 @@ from typing import Sequence
 import jax.numpy as jnp
 from jax.interpreters import batching
 
-# The batch dim of an unmapped operand (jax's private `batching.not_mapped`).
-NOT_MAPPED = None
+from pallax.batching_utils import NOT_MAPPED
 
 
 def _matmul_batching_rule(prim, args, bdims, *, a_batch: Sequence[bool],

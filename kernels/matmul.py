@@ -45,12 +45,11 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
-from jax.experimental.pallas import triton as pltriton
 
 from pallax.executor import KernelSpec, register_kernel
 from pallax.executor.config import KernelConfig
 from pallax.executor.registry import interpreted, kernel_backend, xla_allowed, xla_on_cpu
-from pallax.pallas_utils import in_bounds, load, next_pow2, store, sublanes
+from pallax.pallas_utils import in_bounds, load, next_pow2, store, sublanes, triton_compiler_params
 
 ACTIVATIONS = ("relu", "gelu", "gelu_tanh", "silu")
 
@@ -563,8 +562,7 @@ def matmul_pallas(a, b, *bias, a_batch, b_batch, bias_batch, contract_batch, tra
     blocks = (config.block_m, config.block_n, prob.k)
     grid += (pl.cdiv(prob.m, blocks[0]), pl.cdiv(prob.n, blocks[1]))
     kernel = functools.partial(_triton_kernel, block_k=config.block_k, **kernel_args)
-    extra = dict(compiler_params=pltriton.CompilerParams(num_warps=config.num_warps,
-                                                         num_stages=config.num_stages))
+    extra = dict(compiler_params=triton_compiler_params(config))
   else:
     blocks = _mosaic_blocks(prob, config)
     grid += tuple(pl.cdiv(d, x) for d, x in zip((prob.m, prob.n, prob.k), blocks))

@@ -29,12 +29,12 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
-from jax.experimental.pallas import triton as pltriton
 
 from pallax.executor import KernelSpec, register_kernel
 from pallax.executor.config import KernelConfig
 from pallax.executor.registry import interpreted, kernel_backend, xla_allowed, xla_on_cpu
-from pallax.pallas_utils import and_masks, in_bounds, load, next_pow2, stat_dtype, store, sublanes
+from pallax.pallas_utils import (and_masks, in_bounds, load, masked, next_pow2, stat_dtype, store,
+                                 sublanes, triton_compiler_params)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -339,12 +339,8 @@ class _Layout:
 
 def _compiler_params(config: NormConfig, backend: str):
   if backend == "triton":
-    return pltriton.CompilerParams(num_warps=config.num_warps, num_stages=config.num_stages)
+    return triton_compiler_params(config)
   return pltpu.CompilerParams(dimension_semantics=("parallel", "parallel"))
-
-
-def _where(mask, value):
-  return value if mask is None else jnp.where(mask, value, 0)
 
 
 def _load(ref, st, layout: _Layout, category: str):
@@ -367,7 +363,7 @@ def _fwd_kernel(*refs, kind: NormKind, layout: _Layout, eps, offset):
     x = h.astype(st)
   if kind.center:
     mean = jnp.sum(x, axis=-1, keepdims=True) / layout.hidden
-    x = _where(layout.column_mask(x.shape), x - mean)  # padded columns stay 0
+    x = masked(x - mean, layout.column_mask(x.shape))  # padded columns stay 0
     _store(r["mean"], mean, layout, STAT)
   rstd = lax.rsqrt(jnp.sum(x * x, axis=-1, keepdims=True) / layout.hidden + eps)
   y = x * rstd * (_load(r["w"], st, layout, WEIGHT) + offset)
@@ -396,9 +392,9 @@ def _bwd_kernel(*refs, kind: NormKind, layout: _Layout, offset):
   # interpreted): mask them out of the per-block partial sums. Padded columns
   # have dy = 0, so they add nothing.
   rows = layout.row_mask(x.shape)
-  _store(r["dw"], jnp.sum(_where(rows, dy * xhat), axis=0, keepdims=True), layout, WEIGHT)
+  _store(r["dw"], jnp.sum(masked(dy * xhat, rows), axis=0, keepdims=True), layout, WEIGHT)
   if kind.bias:
-    _store(r["db"], jnp.sum(_where(rows, dy), axis=0, keepdims=True), layout, WEIGHT)
+    _store(r["db"], jnp.sum(masked(dy, rows), axis=0, keepdims=True), layout, WEIGHT)
 
 
 def norm_fwd_pallas(*args, kind: NormKind, eps: float, offset: float, config: NormConfig,

@@ -34,12 +34,12 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
-from jax.experimental.pallas import triton as pltriton
 
 from pallax.executor import KernelSpec, register_kernel
 from pallax.executor.config import KernelConfig
 from pallax.executor.registry import interpreted, kernel_backend, xla_allowed, xla_on_cpu
-from pallax.pallas_utils import and_masks, in_bounds, load, next_pow2, stat_dtype, store, sublanes
+from pallax.pallas_utils import (and_masks, in_bounds, load, masked, next_pow2, stat_dtype, store,
+                                 sublanes, triton_compiler_params)
 
 OPS = ("softmax_fwd", "softmax_bwd", "log_softmax_fwd", "log_softmax_jvp", "log_softmax_bwd")
 
@@ -166,17 +166,12 @@ for _op in OPS:
 # XLA programs (the CPU path; the reference's twin).
 
 
-def _fill(value, mask, fill):
-  """``value`` where ``mask`` (None: everywhere), else ``fill``."""
-  return value if mask is None else jnp.where(mask, value, fill)
-
-
 def _shifted(x, mask):
   """``x - max(x)`` over the unmasked entries, in the stats dtype (masked: -inf).
 
   The max is exact in any dtype, so it is taken in the input's, as jax.nn does.
   """
-  x = _fill(x, mask, -jnp.inf)
+  x = masked(x, mask, -jnp.inf)
   m = jnp.max(x, axis=-1, keepdims=True, initial=-jnp.inf)
   st = stat_dtype(x.dtype)
   return x.astype(st) - m.astype(st)
@@ -185,37 +180,37 @@ def _shifted(x, mask):
 def softmax_fwd_xla(x, mask=None):
   e = jnp.exp(_shifted(x, mask))
   y = e / jnp.sum(e, axis=-1, keepdims=True)
-  return [_fill(y, mask, 0).astype(x.dtype)]
+  return [masked(y, mask, 0).astype(x.dtype)]
 
 
 def log_softmax_fwd_xla(x, mask=None):
   s = _shifted(x, mask)
   z = s - jnp.log(jnp.sum(jnp.exp(s), axis=-1, keepdims=True))
-  return [_fill(z, mask, -jnp.inf).astype(x.dtype)]
+  return [masked(z, mask, -jnp.inf).astype(x.dtype)]
 
 
 def softmax_bwd_xla(y, v, mask=None):
   """``y * (v - sum(y * v))`` (masked: 0): softmax's (symmetric) Jacobian times ``v``."""
   st = stat_dtype(y.dtype)
   yf, vf = y.astype(st), v.astype(st)
-  s = jnp.sum(_fill(yf * vf, mask, 0), axis=-1, keepdims=True)
-  return [_fill(yf * (vf - s), mask, 0).astype(v.dtype)]
+  s = jnp.sum(masked(yf * vf, mask, 0), axis=-1, keepdims=True)
+  return [masked(yf * (vf - s), mask, 0).astype(v.dtype)]
 
 
 def log_softmax_jvp_xla(z, t, mask=None):
   """``t - sum(softmax * t)`` (masked: 0): log_softmax's Jacobian times ``t``."""
   st = stat_dtype(z.dtype)
   tf = t.astype(st)
-  s = jnp.sum(_fill(jnp.exp(z.astype(st)) * tf, mask, 0), axis=-1, keepdims=True)
-  return [_fill(tf - s, mask, 0).astype(t.dtype)]
+  s = jnp.sum(masked(jnp.exp(z.astype(st)) * tf, mask, 0), axis=-1, keepdims=True)
+  return [masked(tf - s, mask, 0).astype(t.dtype)]
 
 
 def log_softmax_bwd_xla(z, g, mask=None):
   """``g - softmax * sum(g)`` (masked: 0): the transposed Jacobian times ``g``."""
   st = stat_dtype(z.dtype)
-  gf = _fill(g.astype(st), mask, 0)
+  gf = masked(g.astype(st), mask, 0)
   dx = gf - jnp.exp(z.astype(st)) * jnp.sum(gf, axis=-1, keepdims=True)
-  return [_fill(dx, mask, 0).astype(g.dtype)]
+  return [masked(dx, mask, 0).astype(g.dtype)]
 
 
 # ----------------------------------------------------------------------------
@@ -246,7 +241,7 @@ def _online_max_sum(acc, data, keep):
   """
   m, l = acc
   (x,) = data
-  x = _fill(x, keep, -jnp.inf)
+  x = masked(x, keep, -jnp.inf)
   m_new = jnp.maximum(m, jnp.max(x, axis=-1, keepdims=True))
   shift = jnp.where(m_new == -jnp.inf, 0, m_new)
   l = l * jnp.exp(m - shift) + jnp.sum(jnp.exp(x - shift), axis=-1, keepdims=True)
@@ -255,35 +250,35 @@ def _online_max_sum(acc, data, keep):
 
 def _softmax_emit(acc, data, mask):
   (m, l), (x,) = acc, data
-  return _fill(jnp.exp(x - m) / l, mask, 0)
+  return masked(jnp.exp(x - m) / l, mask, 0)
 
 
 def _log_softmax_emit(acc, data, mask):
   (m, l), (x,) = acc, data
-  return _fill((x - m) - jnp.log(l), mask, -jnp.inf)
+  return masked((x - m) - jnp.log(l), mask, -jnp.inf)
 
 
 def _sum_of(term):
   """An accumulate function: the running row sum of ``term(*data)`` over kept entries."""
   def accumulate(acc, data, keep):
     (s,) = acc
-    return (s + jnp.sum(_fill(term(*data), keep, 0), axis=-1, keepdims=True),)
+    return (s + jnp.sum(masked(term(*data), keep, 0), axis=-1, keepdims=True),)
   return accumulate
 
 
 def _softmax_bwd_emit(acc, data, mask):
   (s,), (y, v) = acc, data
-  return _fill(y * (v - s), mask, 0)
+  return masked(y * (v - s), mask, 0)
 
 
 def _log_softmax_jvp_emit(acc, data, mask):
   (s,), (_, t) = acc, data
-  return _fill(t - s, mask, 0)
+  return masked(t - s, mask, 0)
 
 
 def _log_softmax_bwd_emit(acc, data, mask):
   (s,), (z, g) = acc, data
-  return _fill(g - jnp.exp(z) * s, mask, 0)
+  return masked(g - jnp.exp(z) * s, mask, 0)
 
 
 _SOFTMAX_FWD = _RowProgram((-math.inf, 0.0), _online_max_sum, _softmax_emit)
@@ -381,8 +376,7 @@ def _triton_call(program: _RowProgram, data, mask, out_dtype, lay: _Layout,
       in_specs=[spec] * (len(data) + (mask is not None)),
       out_specs=spec,
       out_shape=jax.ShapeDtypeStruct((lay.rows, lay.cols), out_dtype),
-      compiler_params=pltriton.CompilerParams(num_warps=config.num_warps,
-                                              num_stages=config.num_stages),
+      compiler_params=triton_compiler_params(config),
       interpret=interpret,
       name=name,
   )(*data, *([] if mask is None else [mask]))

@@ -202,8 +202,7 @@ def _factor_axes(mesh, dims: Dims, arg_shapes) -> dict[str, tuple[str, ...]]:
     sharding = shape.sharding
     if not isinstance(sharding, NamedSharding):
       continue
-    spec = tuple(sharding.spec) + (None,) * (len(names) - len(sharding.spec))
-    for f, size, axes in zip(names, shape.shape, spec):
+    for f, size, axes in zip(names, shape.shape, full_spec(shape)):
       if f in dims.replicated or f in factors or axes is None:
         continue
       axes = (axes,) if isinstance(axes, str) else tuple(axes)
@@ -225,6 +224,12 @@ def bind(prim: Primitive, *args, config=None, **params) -> list:
 def op_params(params: dict) -> dict:
   """``params`` without the framework's: the op's own static params."""
   return {k: v for k, v in params.items() if k not in FRAMEWORK_PARAMS}
+
+
+def full_spec(aval) -> tuple:
+  """``aval``'s sharding spec with one entry per dimension (None: not sharded)."""
+  spec = tuple(aval.sharding.spec)
+  return spec + (None,) * (aval.ndim - len(spec))
 
 
 def derived_aval(aval, shape: Sequence[int], dtype, spec: Sequence[Any]):

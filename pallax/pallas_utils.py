@@ -35,6 +35,11 @@ def in_bounds(block_index, block_size: int, extent: int, shape, axis: int) -> Op
   return block_index * block_size + lax.broadcasted_iota(jnp.int32, shape, axis) < extent
 
 
+def masked(value: jax.Array, mask: Optional[jax.Array], fill=0) -> jax.Array:
+  """``value`` where ``mask`` is True (everywhere if ``mask`` is None), else ``fill``."""
+  return value if mask is None else jnp.where(mask, value, fill)
+
+
 def and_masks(*masks: Optional[jax.Array]) -> Optional[jax.Array]:
   """The conjunction of the masks that are not None (None if all are)."""
   out = None
@@ -59,3 +64,8 @@ def store(ref, value: jax.Array, bounds: Optional[jax.Array] = None) -> None:
     ref[...] = value
   else:
     pltriton.store(ref, value, mask=bounds)
+
+
+def triton_compiler_params(config) -> pltriton.CompilerParams:
+  """Triton launch parameters from a config's ``num_warps`` and ``num_stages``."""
+  return pltriton.CompilerParams(num_warps=config.num_warps, num_stages=config.num_stages)

@@ -18,6 +18,21 @@ def check_floating(op: str, name: str, a: jax.Array) -> None:
                     f"(shape {a.shape})")
 
 
+def check_array(op: str, name: str, x) -> jax.Array:
+  """``x`` as an array; ValueError for a scalar, TypeError unless floating."""
+  x = jnp.asarray(x)
+  if x.ndim == 0:
+    raise ValueError(f"{op}: {name} must have at least 1 dimension, got a scalar (shape ())")
+  check_floating(op, name, x)
+  return x
+
+
+def check_config(op: str, config, cls: type) -> None:
+  """TypeError unless ``config`` is None or a ``cls`` (the op's KernelConfig)."""
+  if config is not None and not isinstance(config, cls):
+    raise TypeError(f"{op}: config must be a {cls.__name__}, got {type(config).__name__}")
+
+
 def check_static_float(op: str, name: str, value, *, minimum: float | None = None) -> float:
   """``value`` as a Python float; it must be a concrete number, not a traced array."""
   if isinstance(value, jax.core.Tracer) or not isinstance(value, numbers.Real) \

@@ -37,20 +37,15 @@ from jax.interpreters import ad
 from pallax.batching_rules import matmul as matmul_batching
 from pallax.kernels import matmul as kernels
 from pallax.kernels.matmul import ACTIVATIONS, MatmulConfig
-from pallax.op import Dims, bind, define_primitive, derived_aval, match_manual_axes
+from pallax.op import Dims, bind, define_primitive, derived_aval, full_spec, match_manual_axes
 from pallax.selfcheck import SelfCheck, register
-from pallax.validation import check_floating
+from pallax.validation import check_array, check_config, check_floating
 
 __all__ = ["matmul", "matmul_reference", "MatmulConfig", "ACTIVATIONS"]
 
 
 # ----------------------------------------------------------------------------
 # Shapes and shardings.
-
-
-def _spec(aval) -> tuple:
-  spec = tuple(aval.sharding.spec)
-  return spec + (None,) * (aval.ndim - len(spec))
 
 
 def _result_spec(a, b, *bias, a_batch, b_batch, bias_batch, contract_batch, transpose_a,
@@ -62,13 +57,13 @@ def _result_spec(a, b, *bias, a_batch, b_batch, bias_batch, contract_batch, tran
   cannot be sharded twice over one axis).
   """
   lead = -2 - contract_batch
-  specs = [iter(_spec(a)[:lead]), iter(_spec(b)[:lead])] + [iter(_spec(x)[:-1]) for x in bias]
+  specs = [iter(full_spec(a)[:lead]), iter(full_spec(b)[:lead])] + [iter(full_spec(x)[:-1]) for x in bias]
   spec = []
   for has in zip(a_batch, b_batch, bias_batch):
     found = [next(it) for it, h in zip(specs, has) if h]
     spec.append(found[0])
-  spec.append(_spec(a)[-1 if transpose_a else -2])
-  spec.append(_spec(b)[-2 if transpose_b else -1])
+  spec.append(full_spec(a)[-1 if transpose_a else -2])
+  spec.append(full_spec(b)[-2 if transpose_b else -1])
   used: set = set()
   for i, axes in enumerate(spec):
     names = {axes} if isinstance(axes, str) else set(axes or ())
@@ -312,11 +307,7 @@ def matmul(a: jax.Array, b: jax.Array, *, bias: Optional[jax.Array] = None,
   Returns:
     ``(*batch, M, N)`` (the M or N dim dropped for a vector ``a`` or ``b``).
   """
-  a, b = jnp.asarray(a), jnp.asarray(b)
-  for name, x in (("a", a), ("b", b)):
-    if x.ndim == 0:
-      raise ValueError(f"matmul: {name} must have at least 1 dimension, got a scalar (shape ())")
-    check_floating("matmul", name, x)
+  a, b = check_array("matmul", "a", a), check_array("matmul", "b", b)
   dtype = jnp.result_type(a, b)
   out_dtype = dtype if preferred_element_type is None else jnp.dtype(preferred_element_type)
   if not jnp.issubdtype(out_dtype, jnp.floating):
@@ -325,8 +316,7 @@ def matmul(a: jax.Array, b: jax.Array, *, bias: Optional[jax.Array] = None,
     raise ValueError(f"matmul: activation must be one of {(None,) + ACTIVATIONS}, "
                      f"got {activation!r}")
   precision = _check_precision(precision)
-  if config is not None and not isinstance(config, MatmulConfig):
-    raise TypeError(f"matmul: config must be a MatmulConfig, got {type(config).__name__}")
+  check_config("matmul", config, MatmulConfig)
   a2 = a[None] if a.ndim == 1 else a
   b2 = b[:, None] if b.ndim == 1 else b
   if a2.shape[-1] != b2.shape[-2]:

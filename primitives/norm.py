@@ -31,11 +31,11 @@ from jax.interpreters import ad
 from pallax.batching_rules import norm as norm_batching
 from pallax.kernels import norm as kernels
 from pallax.kernels.norm import CATEGORY, ROW, STAT, WEIGHT, NormConfig, NormKind
-from pallax.op import (Dims, bind, define_primitive, derived_aval, instantiate,
+from pallax.op import (Dims, bind, define_primitive, derived_aval, full_spec, instantiate,
                        match_manual_axes, register_jvp_by_xla)
 from pallax.pallas_utils import stat_dtype
 from pallax.selfcheck import SelfCheck, register
-from pallax.validation import check_floating, check_static_float
+from pallax.validation import check_array, check_config, check_floating, check_static_float
 
 __all__ = ["rms_norm", "layer_norm", "fused_add_rms_norm", "NormConfig", "rms_norm_reference",
            "layer_norm_reference", "fused_add_rms_norm_reference"]
@@ -45,14 +45,10 @@ __all__ = ["rms_norm", "layer_norm", "fused_add_rms_norm", "NormConfig", "rms_no
 # Shapes and shardings, from the operand and result names.
 
 
-def _row_spec(x_aval):
-  return tuple(x_aval.sharding.spec) + (None,) * (x_aval.ndim - len(x_aval.sharding.spec))
-
-
 def _norm_abstract_eval(operands, results, *avals, **params):
   a = dict(zip(operands, avals))
   x, w = a["x"], a["w"]
-  stat = derived_aval(x, x.shape[:-1], stat_dtype(x.dtype), _row_spec(x)[:-1])
+  stat = derived_aval(x, x.shape[:-1], stat_dtype(x.dtype), full_spec(x)[:-1])
   by_category = {ROW: x.update(weak_type=False), STAT: stat, WEIGHT: w.update(weak_type=False)}
   return [by_category[CATEGORY[n]] for n in results]
 
@@ -154,19 +150,6 @@ fused_add_rms_norm_fwd_p, fused_add_rms_norm_jvp_p, fused_add_rms_norm_bwd_p = _
 # Public functions.
 
 
-def _check_x(op: str, x) -> jax.Array:
-  x = jnp.asarray(x)
-  if x.ndim == 0:
-    raise ValueError(f"{op}: x must have at least 1 dimension, got a scalar (shape ())")
-  check_floating(op, "x", x)
-  return x
-
-
-def _check_config(op: str, config) -> None:
-  if config is not None and not isinstance(config, NormConfig):
-    raise TypeError(f"{op}: config must be a NormConfig, got {type(config).__name__}")
-
-
 def _check_vector(op: str, name: str, v, hidden: int, x_shape) -> jax.Array:
   v = jnp.asarray(v)
   check_floating(op, name, v)
@@ -204,10 +187,10 @@ def rms_norm(x: jax.Array, weight: Optional[jax.Array] = None, *, eps: float = 1
   Returns:
     The normalised array, same shape and dtype as ``x``.
   """
-  x = _check_x("rms_norm", x)
+  x = check_array("rms_norm", "x", x)
   eps = check_static_float("rms_norm", "eps", eps, minimum=0.0)
   offset = check_static_float("rms_norm", "offset", offset)
-  _check_config("rms_norm", config)
+  check_config("rms_norm", config, NormConfig)
   weight, offset = _scale("rms_norm", x, weight, offset)
   y, _ = bind(rms_norm_fwd_p, *match_manual_axes(x, weight), eps=eps, offset=offset,
               config=config)
@@ -233,9 +216,9 @@ def layer_norm(x: jax.Array, weight: Optional[jax.Array] = None,
     config: pin the kernels' ``NormConfig``.
   """
   op = "layer_norm"
-  x = _check_x(op, x)
+  x = check_array(op, "x", x)
   eps = check_static_float(op, "eps", eps, minimum=0.0)
-  _check_config(op, config)
+  check_config(op, config, NormConfig)
   weight, offset = _scale(op, x, weight, 0.0)
   if bias is None:
     bias = jnp.zeros_like(weight)
@@ -266,7 +249,7 @@ def fused_add_rms_norm(x: jax.Array, residual: jax.Array, weight: Optional[jax.A
     ``(normed, new_residual)``, both of the promoted dtype.
   """
   op = "fused_add_rms_norm"
-  x, residual = _check_x(op, x), jnp.asarray(residual)
+  x, residual = check_array(op, "x", x), jnp.asarray(residual)
   check_floating(op, "residual", residual)
   if residual.shape != x.shape:
     raise ValueError(f"{op}: residual must have the shape of x {x.shape}; "
@@ -275,7 +258,7 @@ def fused_add_rms_norm(x: jax.Array, residual: jax.Array, weight: Optional[jax.A
   x, residual = x.astype(common), residual.astype(common)
   eps = check_static_float(op, "eps", eps, minimum=0.0)
   offset = check_static_float(op, "offset", offset)
-  _check_config(op, config)
+  check_config(op, config, NormConfig)
   weight, offset = _scale(op, x, weight, offset)
   y, h, _ = bind(fused_add_rms_norm_fwd_p, *match_manual_axes(x, residual, weight), eps=eps,
                  offset=offset, config=config)
@@ -287,14 +270,10 @@ def fused_add_rms_norm(x: jax.Array, residual: jax.Array, weight: Optional[jax.A
 # (fed float64) the self-check's oracles.
 
 
-def _stats_dtype(x):
-  return jnp.promote_types(x.dtype, jnp.float32)
-
-
 def rms_norm_reference(x: jax.Array, weight: Optional[jax.Array] = None, *,
                        eps: float = 1e-6, offset: float = 0.0) -> jax.Array:
   """``rms_norm`` in plain jnp."""
-  xf = x.astype(_stats_dtype(x))
+  xf = x.astype(stat_dtype(x.dtype))
   y = xf * lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
   if weight is not None:
     y = y * (offset + weight.astype(xf.dtype))
@@ -304,7 +283,7 @@ def rms_norm_reference(x: jax.Array, weight: Optional[jax.Array] = None, *,
 def layer_norm_reference(x: jax.Array, weight: Optional[jax.Array] = None,
                          bias: Optional[jax.Array] = None, *, eps: float = 1e-5) -> jax.Array:
   """``layer_norm`` in plain jnp."""
-  xf = x.astype(_stats_dtype(x))
+  xf = x.astype(stat_dtype(x.dtype))
   mean = jnp.mean(xf, axis=-1, keepdims=True)
   var = jnp.mean(jnp.square(xf - mean), axis=-1, keepdims=True)
   y = (xf - mean) * lax.rsqrt(var + eps)

@@ -41,7 +41,7 @@ from pallax.kernels.softmax import SoftmaxConfig
 from pallax.op import (Dims, bind, define_primitive, instantiate, match_manual_axes,
                        register_jvp_by_xla)
 from pallax.selfcheck import SelfCheck, register
-from pallax.validation import check_floating
+from pallax.validation import check_config, check_floating
 
 __all__ = ["softmax", "log_softmax", "SoftmaxConfig"]
 
@@ -146,8 +146,7 @@ def _call(op: str, prim, x, axis: Axis, where, config) -> jax.Array:
   x = jnp.asarray(x)
   check_floating(op, "x", x)
   axes = _softmax_axes(op, axis, x.shape)
-  if config is not None and not isinstance(config, SoftmaxConfig):
-    raise TypeError(f"{op}: config must be a SoftmaxConfig, got {type(config).__name__}")
+  check_config(op, config, SoftmaxConfig)
   operands = [x]
   if where is not None:
     where = jnp.asarray(where)
