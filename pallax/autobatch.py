@@ -278,7 +278,7 @@ def _batched_call(func: Callable, args: tuple, opts: _Options, warned: set[str])
         out_leaves = _ChunkLoop(chunk, unbatched, n, length).map(batched)
     else:
         seeds = [_seed(opts.reduce_ufunc, s, opts.reduce_vary_axes)
-                 for s in chunk.reduced_structs()]
+                 for s in chunk.reduced_structs]
         out_leaves = _ChunkLoop(chunk, unbatched, n, length).reduce(batched, seeds)
 
     result = jax.tree.unflatten(out_tree, out_leaves)
@@ -324,10 +324,11 @@ class _Chunk:
         if self.ufunc is None:
             return out_leaves
         return [self.ufunc.reduce(y, axis=ax).astype(s.dtype)
-                for y, ax, s in zip(out_leaves, self.out_axes, self.reduced_structs())]
+                for y, ax, s in zip(out_leaves, self.out_axes, self.reduced_structs)]
 
+    @functools.cached_property
     def reduced_structs(self) -> list[jax.ShapeDtypeStruct]:
-        """Shape and dtype of each output reduced over its batched axis."""
+        """Shape and dtype of each output reduced over its batched axis (computed once)."""
         return [
             jax.ShapeDtypeStruct(_drop_axis(s.shape, ax), _reduction_dtype(self.ufunc, s.dtype))
             for s, ax in zip(self.out_structs, self.out_axes)

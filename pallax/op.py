@@ -36,8 +36,8 @@ from jax.interpreters import ad, mlir
 from jax.sharding import NamedSharding, PartitionSpec
 
 from pallax import _jax_private
-from pallax.executor import Scope, current_scope
-from pallax.executor.registry import PLATFORMS, interpreted, kernel_backend
+from pallax.executor import Scope, Selection, current_scope
+from pallax.executor.registry import PLATFORMS, interpreted, kernel_backend, target_of
 from pallax.interpret import interpret_backend
 
 FRAMEWORK_PARAMS = ("config", "interpret", "executor")
@@ -109,11 +109,9 @@ def define_primitive(
     def rule(ctx, *args, config, interpret, executor, **params):
       if kernel_impl is None:
         return xla_lowering(ctx, *args, **params)
-      target = f"interpret-{interpret}" if interpret else platform
-      make_fn = lambda cfg: functools.partial(kernel.bind, config=cfg, interpret=interpret,
-                                              executor=Scope(), **params)
-      chosen = executor.resolve().select(name, ctx.avals_in, target, params, pinned=config,
-                                         overlays=executor.overlays, make_fn=make_fn)
+      target = target_of(platform, interpret)
+      chosen = select_config(prim, ctx.avals_in, target, params, config=config,
+                             interpret=interpret, scope=executor)
       if chosen.implementation == "xla":
         return xla_lowering(ctx, *args, **params)
       fn = functools.partial(kernel_impl, config=chosen.config, backend=kernel_backend(target),
@@ -131,6 +129,23 @@ def define_primitive(
 
   mlir.register_lowering(prim, partitioned_lowering)
   return prim
+
+
+def select_config(prim: KernelPrimitive, avals: Sequence[Any], target: str, params: dict, *,
+                  config, interpret, scope: Scope, executor=None, **kw) -> Selection:
+  """The executor's selection for one call of ``prim`` (its framework params given apart).
+
+  ``executor`` defaults to the one in ``scope``; ``kw`` goes to ``Executor.select``.
+  """
+  return (executor or scope.resolve()).select(
+      prim.name, avals, target, params, pinned=config, overlays=scope.overlays,
+      make_fn=kernel_runner(prim, params, interpret), **kw)
+
+
+def kernel_runner(prim: KernelPrimitive, params: dict, interpret) -> Callable:
+  """``config -> function`` running ``prim``'s kernel with that config (for autotuning)."""
+  return lambda cfg: functools.partial(prim.kernel.bind, config=cfg, interpret=interpret,
+                                       executor=Scope(), **params)
 
 
 def _unvarying(ctx):

@@ -10,20 +10,19 @@ from typing import Any, Callable, Iterator, Optional, Sequence
 
 import jax
 
-from pallax.executor import Executor, Scope, Selection, default_executor
+from pallax.executor import Executor, Selection, default_executor
+from pallax.executor.registry import target_of
 from pallax.interpret import interpret_backend
-from pallax.op import KernelPrimitive, op_params
+from pallax.op import KernelPrimitive, kernel_runner, op_params, select_config
 
 
 def local_target() -> str:
   """Where ops run in this process: the interpret target, or this machine's platform."""
-  backend = interpret_backend()
-  if backend is not None:
-    return f"interpret-{backend}"
   device = jax.devices()[0]
-  if device.platform == "gpu":
-    return "rocm" if "rocm" in device.client.platform_version.lower() else "cuda"
-  return device.platform
+  platform = device.platform
+  if platform == "gpu":
+    platform = "rocm" if "rocm" in device.client.platform_version.lower() else "cuda"
+  return target_of(platform, interpret_backend())
 
 
 def _sub_jaxprs(value) -> Iterator[Any]:
@@ -52,20 +51,12 @@ def _trace(fn: Callable, args, kwargs) -> list:
   return kernel_calls(jax.make_jaxpr(functools.partial(fn, **kwargs))(*args).jaxpr)
 
 
-def _make_fn(eqn) -> Callable:
-  """``config -> function`` running ``eqn``'s kernel with that config (for autotuning)."""
-  params = op_params(eqn.params)
-  return lambda cfg: functools.partial(eqn.primitive.kernel.bind, config=cfg,
-                                       interpret=eqn.params["interpret"], executor=Scope(),
-                                       **params)
-
-
 def _select(eqn, target: str, executor: Optional[Executor] = None, **kw) -> Selection:
-  scope = eqn.params["executor"]
-  executor = executor or scope.resolve()
-  return executor.select(eqn.primitive.name, [v.aval for v in eqn.invars], target,
-                         op_params(eqn.params), pinned=eqn.params["config"],
-                         overlays=scope.overlays, make_fn=_make_fn(eqn), **kw)
+  """The selection for kernel call ``eqn`` (a traced equation of a pallax primitive)."""
+  return select_config(eqn.primitive, [v.aval for v in eqn.invars], target,
+                       op_params(eqn.params), config=eqn.params["config"],
+                       interpret=eqn.params["interpret"], scope=eqn.params["executor"],
+                       executor=executor, **kw)
 
 
 class Report(list):
@@ -107,7 +98,8 @@ def autotune(fn: Callable, *args, executor: Optional[Executor] = None, **kwargs)
     key = (eqn.primitive.name, tuple(avals), tuple(sorted(params.items())))
     if key not in seen:
       seen.add(key)
-      report.append(executor.tune(eqn.primitive.name, avals, target, params, _make_fn(eqn)))
+      report.append(executor.tune(eqn.primitive.name, avals, target, params,
+                                  kernel_runner(eqn.primitive, params, eqn.params["interpret"])))
   return report
 
 
@@ -129,6 +121,33 @@ def _select_once(executor: Executor, fn: Callable, structs, kwargs):
   return _select(calls[0], local_target(), executor).config
 
 
+def _with_config(executor: Executor, op: Callable, structs_of: Callable, traced: Callable,
+                 mapped: Callable) -> Callable:
+  """``mapped(op)`` with one config per argument shapes, pinned after one selection.
+
+  ``structs_of(args)`` gives the abstract arguments that ``traced`` (a function
+  of ``op``) is traced at to find the config: the op is never run on a sample.
+  """
+  cache: dict = {}
+
+  def wrapped(*args, **kwargs):
+    structs = structs_of(args)
+    key = (tuple(structs), tuple(sorted(kwargs.items())))
+    if key not in cache:
+      cache[key] = _select_once(executor, traced(op), structs, kwargs)
+    with executor:
+      return mapped(functools.partial(op, config=cache[key], **kwargs))(*args)
+
+  return wrapped
+
+
+def _struct(a, drop_axis: Optional[int] = None) -> jax.ShapeDtypeStruct:
+  shape = list(jax.numpy.shape(a))
+  if drop_axis is not None:
+    del shape[drop_axis]
+  return jax.ShapeDtypeStruct(tuple(shape), jax.numpy.result_type(a))
+
+
 def vmap_with_config(executor: Executor, op: Callable, in_axes=0) -> Callable:
   """``jax.vmap(op, in_axes)`` with one config, selected from the batched shapes.
 
@@ -136,37 +155,15 @@ def vmap_with_config(executor: Executor, op: Callable, in_axes=0) -> Callable:
   kernel sees after vmap folds the batch axis in (the op is traced, never
   run on a sample), then pinned for the mapped call.
   """
-  cache: dict = {}
-
-  def wrapped(*args, **kwargs):
-    structs = [jax.ShapeDtypeStruct(jax.numpy.shape(a), jax.numpy.result_type(a)) for a in args]
-    key = (tuple(structs), tuple(sorted(kwargs.items())))
-    if key not in cache:
-      vmapped = lambda *a, **k: jax.vmap(functools.partial(op, **k), in_axes=in_axes)(*a)
-      cache[key] = _select_once(executor, vmapped, structs, kwargs)
-    with executor:
-      return jax.vmap(functools.partial(op, config=cache[key], **kwargs), in_axes=in_axes)(*args)
-
-  return wrapped
+  vmapped = lambda op: lambda *a, **k: jax.vmap(functools.partial(op, **k), in_axes=in_axes)(*a)
+  return _with_config(executor, op, lambda args: [_struct(a) for a in args], vmapped,
+                      lambda f: jax.vmap(f, in_axes=in_axes))
 
 
 def pmap_with_config(executor: Executor, op: Callable, in_axes=0,
                      axis_name: str = "devices") -> Callable:
   """``jax.pmap(op, in_axes, axis_name)`` with one config, selected from per-device shapes."""
-  cache: dict = {}
-
-  def wrapped(*args, **kwargs):
-    structs = []
-    for a, axis in zip(args, _in_axes_per_leaf(args, in_axes)):
-      shape = list(jax.numpy.shape(a))
-      if axis is not None:
-        del shape[axis]
-      structs.append(jax.ShapeDtypeStruct(tuple(shape), jax.numpy.result_type(a)))
-    key = (tuple(structs), tuple(sorted(kwargs.items())))
-    if key not in cache:
-      cache[key] = _select_once(executor, op, structs, kwargs)
-    with executor:
-      return jax.pmap(functools.partial(op, config=cache[key], **kwargs), in_axes=in_axes,
-                      axis_name=axis_name)(*args)
-
-  return wrapped
+  per_device = lambda args: [_struct(a, axis)
+                             for a, axis in zip(args, _in_axes_per_leaf(args, in_axes))]
+  return _with_config(executor, op, per_device, lambda op: op,
+                      lambda f: jax.pmap(f, in_axes=in_axes, axis_name=axis_name))

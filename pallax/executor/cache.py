@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import functools
 import json
 import os
 import re
@@ -124,8 +125,12 @@ def _locked(lock_path: Path) -> Iterator[None]:
       fcntl.flock(lock, fcntl.LOCK_UN)
 
 
+@functools.lru_cache(maxsize=None)
 def shipped_defaults(device_kind: str, op: str, op_version: int) -> dict[str, dict[str, Any]]:
-  """Configs shipped in the package: ``pallax/executor/defaults/<device-kind>/<op>.json``."""
+  """Configs shipped in the package: ``pallax/executor/defaults/<device-kind>/<op>.json``.
+
+  Package data does not change while the process runs, so each file is read once.
+  """
   res = resources.files("pallax.executor").joinpath("defaults", slug(device_kind), f"{op}.json")
   if not res.is_file():
     return {}

@@ -36,7 +36,8 @@ from pallax import _jax_private
 from pallax.executor import autotune as autotune_lib
 from pallax.executor.cache import DiskCache, shipped_defaults
 from pallax.executor.config import KernelConfig
-from pallax.executor.registry import (KernelSpec, describe_avals, kernel_spec, xla_allowed)
+from pallax.executor.registry import (KernelSpec, describe_avals, kernel_spec, platform_of,
+                                      xla_allowed)
 
 log = logging.getLogger("pallax.executor")
 
@@ -79,7 +80,7 @@ def current_scope() -> Scope:
 
 
 def _device_kind(target: str) -> str:
-  platform = "cpu" if target.startswith("interpret-") else target
+  platform = platform_of(target)
   kind = _local_device_kind(platform)
   if kind is not None:
     return kind
@@ -98,8 +99,7 @@ def _local_device_kind(platform: str) -> Optional[str]:
 
 
 def _target_runs_here(target: str) -> bool:
-  platform = "cpu" if target.startswith("interpret-") else target
-  return _local_device_kind(platform) is not None
+  return _local_device_kind(platform_of(target)) is not None
 
 
 def cache_key(spec: KernelSpec, avals: Sequence[Any], target: str, params: Mapping) -> str:

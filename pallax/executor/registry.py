@@ -17,6 +17,16 @@ _BACKEND = {"cpu": "triton", "cuda": "triton", "rocm": "triton", "tpu": "mosaic_
             "interpret-triton": "triton", "interpret-mosaic_tpu": "mosaic_tpu"}
 
 
+def target_of(platform: str, interpret: Optional[str]) -> str:
+  """The target of a call lowered for ``platform`` with the interpret switch at ``interpret``."""
+  return f"interpret-{interpret}" if interpret else platform
+
+
+def platform_of(target: str) -> str:
+  """The platform whose devices run ``target``: interpreted kernels run on the CPU."""
+  return "cpu" if target.startswith("interpret-") else target
+
+
 def kernel_backend(target: str) -> str:
   """The Pallas backend whose kernel a ``"pallas"`` config runs on ``target``."""
   return _BACKEND[target]

@@ -15,6 +15,7 @@ import pytest
 
 import pallax
 from pallax.executor import Executor
+from pallax.executor.registry import TARGETS
 from pallax.kernels.matmul import (TPU_VMEM_BYTES, TRITON_SMEM_BYTES, MatmulConfig, Problem,
                                    matmul_candidates, matmul_heuristic, matmul_supports)
 from pallax.op import bind
@@ -129,8 +130,7 @@ def test_heuristic_picks_smaller_tiles_for_small_m():
   assert folded.block_m == 128
 
 
-@pytest.mark.parametrize("target", ["cpu", "cuda", "rocm", "tpu", "interpret-triton",
-                                    "interpret-mosaic_tpu"])
+@pytest.mark.parametrize("target", TARGETS)
 def test_candidates_are_legal(target):
   avals = _avals((300, 1000), (1000, 520), jnp.bfloat16)
   params = _params(out_dtype=jnp.bfloat16)

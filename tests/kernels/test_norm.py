@@ -11,6 +11,7 @@ import jax.numpy as jnp
 import pytest
 
 import pallax
+from pallax.executor.registry import TARGETS
 from pallax.kernels.norm import NormConfig, norm_candidates, norm_heuristic, norm_supports
 from tests.helpers import CALL_TARGET, lower_text
 
@@ -74,8 +75,7 @@ def test_heuristic_respects_backend_rules(shape, dtype):
   assert norm_heuristic([aval], "interpret-triton").implementation == "pallas"
 
 
-@pytest.mark.parametrize("target", ["cpu", "cuda", "rocm", "tpu", "interpret-triton",
-                                    "interpret-mosaic_tpu"])
+@pytest.mark.parametrize("target", TARGETS)
 def test_candidates_are_legal(target):
   aval = jax.ShapeDtypeStruct((300, 1000), jnp.bfloat16)
   candidates = norm_candidates([aval], target)

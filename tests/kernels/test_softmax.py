@@ -17,6 +17,7 @@ import pytest
 
 import pallax
 from pallax.executor import Executor
+from pallax.executor.registry import TARGETS
 from pallax.kernels.softmax import (OPS, SoftmaxConfig, softmax_candidates, softmax_heuristic,
                                     softmax_supports)
 from tests.helpers import CALL_TARGET, lower_text, rand
@@ -25,7 +26,6 @@ from tests.helpers import CALL_TARGET, lower_text, rand
 # configs reduce over several column blocks.
 SHAPES = [(3, 96), (2, 5, 200), (37, 1000), (1, 7), (300, 20000)]
 DTYPES = [jnp.float32, jnp.bfloat16]
-TARGETS = ["cpu", "cuda", "rocm", "tpu", "interpret-triton", "interpret-mosaic_tpu"]
 
 
 def _loss(x, m):
