@@ -17,23 +17,21 @@ from typing import Sequence
 
 from jax.interpreters import batching
 
-from pallax.batching_utils import NOT_MAPPED, at_axis, axis_size
+from pallax.batching_utils import NOT_MAPPED, at_axis, axis_size, batch_first
 
 
 def _rowwise_batching_rule(prim, row_operands: Sequence[int], weight_operands: Sequence[int],
                            weight_results: Sequence[int], args, bdims, **params):
-  size = axis_size(args, bdims)
   w0 = weight_operands[0]
   groups = args[w0].ndim - 1 - (bdims[w0] is not NOT_MAPPED)
   weight_mapped = any(bdims[i] is not NOT_MAPPED for i in weight_operands)
-  args = list(args)
   if not weight_mapped and not weight_results:
+    size, args = axis_size(args, bdims), list(args)
     for i in row_operands:
       args[i] = at_axis(args[i], bdims[i], size, groups)
     out_axis = groups
   else:
-    args = [at_axis(a, d, size, 0) for a, d in zip(args, bdims)]
-    out_axis = 0
+    args, out_axis = batch_first(args, bdims), 0
   outs = prim.bind(*args, **params)
   return outs, [out_axis] * len(outs)
 

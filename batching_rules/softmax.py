@@ -12,12 +12,11 @@ import functools
 
 from jax.interpreters import batching
 
-from pallax.batching_utils import at_axis, axis_size
+from pallax.batching_utils import batch_first
 
 
 def _rows_batching_rule(prim, args, bdims, **params):
-  size = axis_size(args, bdims)
-  outs = prim.bind(*(at_axis(a, d, size, 0) for a, d in zip(args, bdims)), **params)
+  outs = prim.bind(*batch_first(args, bdims), **params)
   return outs, [0] * len(outs)
 
 

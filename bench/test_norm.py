@@ -7,7 +7,6 @@ side. ``fused_add_rms_norm`` is compared with plain jnp and with the unfused
 random cotangent per output (arguments, not constants), so neither side can
 fold the backward away.
 """
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -27,19 +26,11 @@ OPS = {
 CASES = [(op, impl) for op, (_, impls) in OPS.items() for impl in impls]
 
 
-def _fwd_bwd(fn, n):
-  """``value_and_grad`` of ``sum(out * c)`` over the outputs; the ``c`` follow the n inputs."""
-  def loss(*a):
-    outs = jax.tree.leaves(fn(*a[:n]))
-    return sum(jnp.sum(o.astype(jnp.float32) * c) for o, c in zip(outs, a[n:]))
-  return jax.value_and_grad(loss, tuple(range(n)))
-
-
 @pytest.mark.parametrize("op, impl", CASES, ids=[f"{o}-{i}" for o, i in CASES])
 @pytest.mark.parametrize("mode", ["fwd", "fwd+bwd"])
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=lambda d: jnp.dtype(d).name)
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
-def test_norm(bench, op, impl, mode, dtype, shape):
+def test_norm(bench, fwd_bwd, op, impl, mode, dtype, shape):
   names, impls = OPS[op]
   rng = np.random.default_rng(0)
   make = {"x": lambda: rng.standard_normal(shape), "r": lambda: rng.standard_normal(shape),
@@ -51,4 +42,4 @@ def test_norm(bench, op, impl, mode, dtype, shape):
   else:
     cotangents = [jnp.asarray(rng.standard_normal(shape), jnp.float32)
                   for _ in range(2 if op == "fused_add_rms_norm" else 1)]
-    bench(_fwd_bwd(impls[impl], len(args)), *args, *cotangents)
+    bench(fwd_bwd(impls[impl], len(args)), *args, *cotangents)

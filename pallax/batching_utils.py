@@ -13,6 +13,12 @@ def axis_size(args, bdims) -> int:
   return next(a.shape[d] for a, d in zip(args, bdims) if d is not NOT_MAPPED)
 
 
+def batch_first(args, bdims) -> list[jax.Array]:
+  """Every operand with its mapped axis (broadcast where unmapped) in front."""
+  size = axis_size(args, bdims)
+  return [at_axis(a, d, size, 0) for a, d in zip(args, bdims)]
+
+
 def at_axis(a: jax.Array, bdim, size: int, axis: int) -> jax.Array:
   """``a`` with its mapped axis (or a broadcast one, if unmapped) at ``axis``."""
   if bdim is NOT_MAPPED:
