@@ -32,6 +32,16 @@ def f64(a) -> np.ndarray:
                     np.float64)
 
 
+def to64(a):
+  """``f64(a)`` as a jnp array (float64 under ``x64()``); None passes through."""
+  return None if a is None else jnp.asarray(f64(a))
+
+
+def as64(*arrays) -> list:
+  """``to64`` of each array."""
+  return [to64(a) for a in arrays]
+
+
 def rel_err(got, want) -> float:
   got, want = f64(got), f64(want)
   assert got.shape == want.shape, (got.shape, want.shape)
@@ -47,9 +57,22 @@ def assert_close(got, want, dtype, what: str = "") -> None:
   assert err < tol, f"{what}: relative error {err:.3g} >= {tol:g} ({jnp.dtype(dtype).name})"
 
 
+def assert_close_neginf(got, want, *, rtol: float, atol: float) -> None:
+  """Equal -inf entries (masked log_softmax), close wherever ``want`` is finite."""
+  np.testing.assert_array_equal(np.isneginf(got), np.isneginf(want))
+  finite = np.isfinite(want)
+  np.testing.assert_allclose(np.asarray(got)[finite], np.asarray(want)[finite],
+                             rtol=rtol, atol=atol)
+
+
 def x64():
   """float64 enabled (for the references) inside the block."""
   return jax.enable_x64(True)
+
+
+def mesh_4x2(axis_type=jax.sharding.AxisType.Auto) -> jax.sharding.Mesh:
+  """A (4, 2) mesh with axes ("a", "b") over the 8 fake CPU devices."""
+  return jax.make_mesh((4, 2), ("a", "b"), axis_types=(axis_type,) * 2)
 
 
 # Lowering for other platforms -------------------------------------------------
@@ -90,3 +113,9 @@ def batched(rng: np.random.Generator, axis, size: int, shape, draw=None):
 def example(a, axis, i: int):
   """Example ``i`` of a batch stacked at ``axis`` (None: the shared value)."""
   return a if axis is None else jnp.take(a, i, axis=axis)
+
+
+def loop_stack(fn, args, in_axes, size: int):
+  """``fn`` on each of ``size`` examples of ``args``, outputs stacked (what vmap should give)."""
+  outs = [fn(*(example(x, ax, i) for x, ax in zip(args, in_axes))) for i in range(size)]
+  return jax.tree.map(lambda *xs: jnp.stack(xs), *outs)

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 import pallax
-from tests.helpers import PATHS, batched, example, on_path, rand
+from tests.helpers import PATHS, batched, example, loop_stack, lower_text, on_path, rand
 
 M, K, N = 3, 20, 6
 
@@ -32,11 +32,6 @@ def _data(rng, in_axes, size, example):
           batched(rng, in_axes[2], size, (N,)))
 
 
-def _loop(fn, args, in_axes, size):
-  outs = [fn(*(example(x, ax, i) for x, ax in zip(args, in_axes))) for i in range(size)]
-  return jax.tree.map(lambda *xs: jnp.stack(xs), *outs)
-
-
 @pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("in_axes", IN_AXES, ids=str)
 @pytest.mark.parametrize("example", ["matrices", "batched_both"])
@@ -46,7 +41,7 @@ def test_vmap_matches_loop(path, in_axes, example):
   args = _data(rng, in_axes, size, example)
   with on_path(path):
     got = jax.jit(jax.vmap(_op, in_axes=in_axes))(*args)
-    want = _loop(_op, args, in_axes, size)
+    want = loop_stack(_op, args, in_axes, size)
   np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
 
 
@@ -61,7 +56,7 @@ def test_vmap_of_grad_matches_loop(path, in_axes):
   g = jax.grad(lambda a, b, bias: jnp.sum(_op(a, b, bias) * c), (0, 1, 2))
   with on_path(path):
     got = jax.jit(jax.vmap(g, in_axes=in_axes))(*args)
-    want = _loop(g, args, in_axes, size)
+    want = loop_stack(g, args, in_axes, size)
   for x, y in zip(got, want):
     np.testing.assert_allclose(x, y, rtol=2e-5, atol=2e-5)
 
@@ -72,7 +67,7 @@ def test_grad_of_vmap_sums_over_the_batch(in_axes):
   size = 3
   args = _data(rng, in_axes, size, "matrices")
   loss = lambda *args: jnp.sum(jax.vmap(_op, in_axes=in_axes)(*args) ** 2)
-  loop_loss = lambda *args: sum(jnp.sum(y ** 2) for y in _loop(_op, args, in_axes, size))
+  loop_loss = lambda *args: sum(jnp.sum(y ** 2) for y in loop_stack(_op, args, in_axes, size))
   got = jax.jit(jax.grad(loss, (0, 1, 2)))(*args)
   want = jax.grad(loop_loss, (0, 1, 2))(*args)
   for x, y in zip(got, want):
@@ -86,7 +81,7 @@ def test_vmap_of_jvp_matches_loop(in_axes):
   args, tangents = _data(rng, in_axes, size, "matrices"), _data(rng, in_axes, size, "matrices")
   f = lambda a, b, bias, ad, bd, biasd: jax.jvp(_op, (a, b, bias), (ad, bd, biasd))[1]
   got = jax.vmap(f, in_axes=in_axes + in_axes)(*args, *tangents)
-  want = _loop(f, args + tangents, in_axes + in_axes, size)
+  want = loop_stack(f, args + tangents, in_axes + in_axes, size)
   np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
 
 
@@ -101,10 +96,8 @@ def test_nested_vmap(outer, inner):
   got = jax.jit(f)(a, b)
   for i in range(b1):
     for j in range(b2):
-      ai = a[i] if outer[0] is not None else a
-      aij = ai[j] if inner[0] is not None else ai
-      bi = b[i] if outer[1] is not None else b
-      bij = bi[j] if inner[1] is not None else bi
+      aij = example(example(a, outer[0], i), inner[0], j)
+      bij = example(example(b, outer[1], i), inner[1], j)
       np.testing.assert_allclose(got[i, j], pallax.matmul(aij, bij), rtol=1e-5, atol=1e-5)
   names = [e.primitive.name for e in jax.make_jaxpr(f)(a, b).jaxpr.eqns]
   assert names.count("matmul") == 1 and "broadcast_in_dim" not in names, names
@@ -136,7 +129,7 @@ def test_vmapped_vectors_times_shared_weight_are_one_gemm():
   (eqn,) = [e for e in jax.make_jaxpr(f)(vectors, weight).jaxpr.eqns
             if e.primitive.name == "matmul"]
   assert eqn.params["a_batch"] == (True,) and eqn.params["b_batch"] == (False,)
-  text = jax.jit(f).trace(vectors, weight).lower(lowering_platforms=("cuda",)).as_text()
+  text = lower_text(f, "cuda", vectors, weight)
   (call,) = re.findall(r"custom_call @__gpu\$xla\.gpu\.triton\(.*", text)
   # The kernel sees the folded [256, 1024] matrix and runs a (256/128) x (4096/128) grid.
   assert "tensor<256x1024xf32>, tensor<1024x4096xf32>) -> tensor<256x4096xf32>" in call
@@ -150,7 +143,7 @@ def test_vmapped_b_is_a_grid_axis():
   a = jax.ShapeDtypeStruct((100, 64), jnp.float32)
   b = jax.ShapeDtypeStruct((5, 64, 300), jnp.float32)
   f = jax.vmap(pallax.matmul, in_axes=(None, 0))
-  text = jax.jit(f).trace(a, b).lower(lowering_platforms=("cuda",)).as_text()
+  text = lower_text(f, "cuda", a, b)
   (call,) = re.findall(r"custom_call @__gpu\$xla\.gpu\.triton\(.*", text)
   assert "tensor<100x64xf32>, tensor<5x64x300xf32>) -> tensor<5x100x300xf32>" in call
   assert "grid_x = 5 : i32, grid_y = 1 : i32, grid_z = 3" in call  # (batch, M/128, N/128)
@@ -161,7 +154,7 @@ def test_vmapped_a_with_batched_shared_b_folds_into_m():
   a = jax.ShapeDtypeStruct((64, 2, 1, 32), jnp.float32)   # 64 examples of (2, 1, 32)
   b = jax.ShapeDtypeStruct((2, 32, 128), jnp.float32)
   f = jax.vmap(pallax.matmul, in_axes=(0, None))
-  text = jax.jit(f).trace(a, b).lower(lowering_platforms=("cuda",)).as_text()
+  text = lower_text(f, "cuda", a, b)
   (call,) = re.findall(r"custom_call @__gpu\$xla\.gpu\.triton\(.*", text)
   assert "tensor<2x64x32xf32>, tensor<2x32x128xf32>) -> tensor<2x64x128xf32>" in call
 

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import pallax
-from tests.helpers import PATHS, batched, example, on_path, rand
+from tests.helpers import PATHS, batched, example, loop_stack, on_path, rand
 
 H = 24
 X_SHAPE = (3, H)  # one example's x
@@ -28,8 +28,7 @@ def test_vmap_matches_loop(path, in_axes):
   f = lambda x, w: pallax.rms_norm(x, w, offset=0.5)
   with on_path(path):
     got = jax.jit(jax.vmap(f, in_axes=in_axes))(x, w)
-    want = jnp.stack([f(example(x, in_axes[0], i), example(w, in_axes[1], i))
-                      for i in range(size)])
+    want = loop_stack(f, (x, w), in_axes, size)
   np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
 
 
@@ -46,9 +45,9 @@ def test_vmap_of_grad_matches_loop(path, in_axes):
   g = jax.grad(loss, (0, 1))
   with on_path(path):
     got = jax.jit(jax.vmap(g, in_axes=in_axes))(x, w)
-    want = [g(example(x, in_axes[0], i), example(w, in_axes[1], i)) for i in range(size)]
+    want = loop_stack(g, (x, w), in_axes, size)
   for k in range(2):
-    np.testing.assert_allclose(got[k], jnp.stack([wt[k] for wt in want]), rtol=2e-5, atol=2e-5)
+    np.testing.assert_allclose(got[k], want[k], rtol=2e-5, atol=2e-5)
 
 
 @pytest.mark.parametrize("in_axes", IN_AXES[:3], ids=str)
@@ -59,8 +58,7 @@ def test_vmap_of_jvp_matches_loop(in_axes):
   w, wd = (batched(rng, in_axes[1], size, (H,)) for _ in range(2))
   f = lambda x, w, xd, wd: jax.jvp(pallax.rms_norm, (x, w), (xd, wd))[1]
   got = jax.vmap(f, in_axes=in_axes + in_axes)(x, w, xd, wd)
-  want = jnp.stack([f(*(example(a, ax, i) for a, ax in zip((x, w, xd, wd), in_axes + in_axes)))
-                    for i in range(size)])
+  want = loop_stack(f, (x, w, xd, wd), in_axes + in_axes, size)
   np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
 
 
@@ -75,10 +73,8 @@ def test_nested_vmap(outer, inner):
   got = jax.jit(f)(x, w)
   for i in range(b1):
     for j in range(b2):
-      xi = x[i] if outer[0] is not None else x
-      xij = xi[j] if inner[0] is not None else xi
-      wi = w[i] if outer[1] is not None else w
-      wij = wi[j] if inner[1] is not None else wi
+      xij = example(example(x, outer[0], i), inner[0], j)
+      wij = example(example(w, outer[1], i), inner[1], j)
       np.testing.assert_allclose(got[i, j], pallax.rms_norm(xij, wij), rtol=1e-6, atol=1e-6)
   jaxpr = jax.make_jaxpr(f)(x, w).jaxpr
   assert [e.primitive.name for e in jaxpr.eqns].count("rms_norm_fwd") == 1
@@ -139,11 +135,9 @@ def test_family_vmap_of_value_and_grad_matches_loop(op, in_axes, path):
 
   with on_path(path):
     got = jax.jit(jax.vmap(value_and_grad, in_axes=in_axes))(*args)
-    want = [value_and_grad(*(example(a, ax, i) for a, ax in zip(args, in_axes)))
-            for i in range(size)]
+    want = jax.tree.leaves(loop_stack(value_and_grad, args, in_axes, size))
   for k, leaf in enumerate(jax.tree.leaves(got)):
-    stacked = jnp.stack([jax.tree.leaves(w)[k] for w in want])
-    np.testing.assert_allclose(leaf, stacked, rtol=2e-5, atol=2e-5)
+    np.testing.assert_allclose(leaf, want[k], rtol=2e-5, atol=2e-5)
   jaxpr = jax.make_jaxpr(jax.vmap(value_and_grad, in_axes=in_axes))(*args).jaxpr
   names = [e.primitive.name for e in jaxpr.eqns]
   assert names.count(f"{op}_fwd") == 1 and names.count(f"{op}_bwd") == 1, names

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 import pallax
-from tests.helpers import PATHS, batched, example, on_path, rand
+from tests.helpers import PATHS, assert_close_neginf, batched, example, loop_stack, on_path, rand
 
 X_SHAPE = (3, 24)  # one example's x (and where=)
 OPS = (pallax.softmax, pallax.log_softmax)
@@ -21,10 +21,6 @@ def _batched(rng, axis, size, shape, mask=False):
   draw = ((lambda s: jnp.asarray(rng.random(s) < 0.7)) if mask
           else (lambda s: rand(rng, s, scale=2.0)))
   return batched(rng, axis, size, shape, draw)
-
-
-def _loop(f, args, in_axes, size):
-  return [f(*(example(a, ax, i) for a, ax in zip(args, in_axes))) for i in range(size)]
 
 
 def _primitive_names(jaxpr) -> list[str]:
@@ -41,14 +37,6 @@ def _primitive_names(jaxpr) -> list[str]:
   return names
 
 
-def _assert_close_nan_aware(got, want):
-  """Equal -inf entries (masked log_softmax), close elsewhere."""
-  np.testing.assert_array_equal(np.isneginf(got), np.isneginf(want))
-  finite = np.isfinite(want)
-  np.testing.assert_allclose(np.asarray(got)[finite], np.asarray(want)[finite],
-                             rtol=2e-5, atol=2e-5)
-
-
 # (x, where) in_axes; the softmax axis of each example is its last.
 IN_AXES = [(0, None), (None, 0), (0, 0), (1, None), (-1, 0), (2, 0), (-2, None), (2, -1)]
 
@@ -63,8 +51,8 @@ def test_vmap_matches_loop(path, in_axes):
   for op in OPS:
     with on_path(path):
       got = jax.jit(jax.vmap(lambda x, w: op(x, where=w), in_axes=in_axes))(x, w)
-      want = jnp.stack(_loop(lambda x, w: op(x, where=w), (x, w), in_axes, size))
-    _assert_close_nan_aware(got, want)
+      want = loop_stack(lambda x, w: op(x, where=w), (x, w), in_axes, size)
+    assert_close_neginf(got, want, rtol=2e-5, atol=2e-5)
 
 
 @pytest.mark.parametrize("path", PATHS)
@@ -77,7 +65,7 @@ def test_vmap_over_any_axis_without_mask(path, in_axes, axis):
     f = lambda x: op(x, axis=axis)
     with on_path(path):
       got = jax.jit(jax.vmap(f, in_axes=in_axes))(x)
-      want = jnp.stack(_loop(f, (x,), (in_axes,), 5))
+      want = loop_stack(f, (x,), (in_axes,), 5)
     np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
 
 
@@ -93,7 +81,7 @@ def test_vmap_of_grad_matches_loop(path, in_axes):
     g = jax.grad(lambda x, w: jnp.sum(jnp.where(w, op(x, where=w), 0) * c))
     with on_path(path):
       got = jax.jit(jax.vmap(g, in_axes=in_axes))(x, w)
-      want = jnp.stack(_loop(g, (x, w), in_axes, size))
+      want = loop_stack(g, (x, w), in_axes, size)
     np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5)
 
 
@@ -108,7 +96,7 @@ def test_vmap_of_jvp_matches_loop(in_axes):
   for op in OPS:
     f = lambda x, xd, w: jax.jvp(lambda x: op(x, where=w), (x,), (xd,))[1]
     got = jax.jit(jax.vmap(f, in_axes=in_axes))(x, xd, w)
-    want = jnp.stack(_loop(f, (x, xd, w), in_axes, size))
+    want = loop_stack(f, (x, xd, w), in_axes, size)
     np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5)
 
 
@@ -125,11 +113,9 @@ def test_nested_vmap(outer, inner):
     got = jax.jit(f)(x, w)
     for i in range(b1):
       for j in range(b2):
-        xi = x[i] if outer[0] is not None else x
-        wi = w[i] if outer[1] is not None else w
-        xij = xi[j] if inner[0] is not None else xi
-        wij = wi[j] if inner[1] is not None else wi
-        _assert_close_nan_aware(got[i, j], op(xij, where=wij))
+        xij = example(example(x, outer[0], i), inner[0], j)
+        wij = example(example(w, outer[1], i), inner[1], j)
+        assert_close_neginf(got[i, j], op(xij, where=wij), rtol=2e-5, atol=2e-5)
     names = _primitive_names(jax.make_jaxpr(f)(x, w).jaxpr)
     assert names.count(f"{op.__name__}_fwd") == 1, names
 

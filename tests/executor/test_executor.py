@@ -8,7 +8,6 @@ from typing import ClassVar
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import pytest
 
 import pallax

@@ -14,7 +14,7 @@ import pytest
 import pallax
 from pallax.executor import Executor
 from pallax.tuning import kernel_calls
-from tests.helpers import rand
+from tests.helpers import lower_text, rand
 
 CFG8 = pallax.NormConfig(block_rows=8)
 
@@ -83,7 +83,7 @@ def test_hlo_identical_selected_or_pinned():
   structs = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in (x, w)]
   cuda = pallax.default_executor().select("rms_norm_fwd", structs, "cuda",
                                           {"eps": 1e-6, "offset": 0.0}).config
-  lower = lambda f: body(jax.jit(f).trace(*structs).lower(lowering_platforms=("cuda",)).as_text())
+  lower = lambda f: body(lower_text(f, "cuda", *structs))
   assert lower(pallax.rms_norm) == lower(functools.partial(pallax.rms_norm, config=cuda))
 
 

@@ -11,7 +11,7 @@ import pytest
 from jax import lax
 
 import pallax
-from tests.helpers import FLOAT_DTYPES, PATHS, assert_close, f64, on_path, rand, x64
+from tests.helpers import FLOAT_DTYPES, PATHS, as64, assert_close, lower_text, on_path, rand, to64, x64
 
 # (a shape, b shape, bias?, activation): M = 1 and 7, K = 33 (not a multiple of
 # any block), N = 200, batched a with a shared b (folded into M), batch dims on
@@ -57,10 +57,6 @@ def matmul_ref(a, b, bias=None, activation=None):
   return _act_ref(activation, z)
 
 
-def _as64(*arrays):
-  return [None if a is None else jnp.asarray(f64(a)) for a in arrays]
-
-
 def _inputs(case, dtype, seed=0):
   a_shape, b_shape, with_bias, activation = CASES[case]
   rng = np.random.default_rng(seed)
@@ -83,7 +79,7 @@ def test_forward(path, case, dtype):
   want_shape = jnp.matmul(a, b).shape
   assert y.shape == want_shape and y.dtype == dtype
   with x64():
-    want = jax.jit(functools.partial(matmul_ref, activation=activation))(*_as64(a, b, bias))
+    want = jax.jit(functools.partial(matmul_ref, activation=activation))(*as64(a, b, bias))
     assert_close(y, want, dtype, "forward")
 
 
@@ -100,7 +96,7 @@ def test_vjp(path, case, dtype):
     assert g.dtype == p.dtype and g.shape == p.shape
   with x64():
     ref = lambda *args: matmul_ref(*args[:2], *args[2:] or [None], activation)
-    want = jax.jit(_vjp(ref))(tuple(_as64(*primals)), *_as64(ct))
+    want = jax.jit(_vjp(ref))(tuple(as64(*primals)), *as64(ct))
     for g, w, name in zip(grads, want, ("da", "db", "dbias")):
       assert_close(g, w, dtype, name)
 
@@ -122,8 +118,8 @@ def test_jvp(path, case, dtype):
     y, y_dot = jax.jit(lambda p, t: jax.jvp(_op(activation), p, t))(primals, tangents)
   with x64():
     ref = lambda a, b, bias: matmul_ref(a, b, bias, activation)
-    y_ref, y_dot_ref = jax.jit(lambda p, t: jax.jvp(ref, p, t))(tuple(_as64(*primals)),
-                                                                tuple(_as64(*tangents)))
+    y_ref, y_dot_ref = jax.jit(lambda p, t: jax.jvp(ref, p, t))(tuple(as64(*primals)),
+                                                                tuple(as64(*tangents)))
     assert_close(y, y_ref, dtype, "primal")
     assert_close(y_dot, y_dot_ref, dtype, "tangent")
 
@@ -147,7 +143,7 @@ def test_jacobians_and_hessian_vector_products(path, activation):
         jnp.vdot(g, t) for g, t in zip(jax.grad(loss, args)(*p), v)), args))(a, b, bias)
     hess = jax.jit(jax.hessian(loss, 1))(a, b, bias)
   with x64():
-    p64, v64, c64 = _as64(a, b, bias), _as64(*v), _as64(c)[0]
+    p64, v64, c64 = as64(a, b, bias), as64(*v), to64(c)
     ref = lambda a, b, bias: matmul_ref(a, b, bias, activation)
     ref_loss = lambda a, b, bias: jnp.sum(jnp.sin(ref(a, b, bias)) * c64)
     jac_ref = jax.jacrev(ref, args)(*p64)
@@ -194,7 +190,7 @@ def test_shared_weight_gradient_is_one_product():
   assert db.params["contract_batch"] == 1
   assert [v.aval.shape for v in db.invars] == [(3, 4, 16), (3, 4, 8)]
   assert db.outvars[0].aval.shape == (16, 8)  # no per-example gradients to sum
-  text = jax.jit(grad).trace(b).lower(lowering_platforms=("cuda",)).as_text()
+  text = lower_text(grad, "cuda", b)
   assert "tensor<12x16xf32>, tensor<12x8xf32>) -> tensor<16x8xf32>" in text
 
 
@@ -216,7 +212,7 @@ def test_preferred_element_type_and_mixed_dtypes(path):
   assert y.dtype == jnp.float32 and mixed.dtype == jnp.float32 and narrow.dtype == jnp.bfloat16
   assert [g.dtype for g in grads] == [jnp.bfloat16, jnp.bfloat16, jnp.float32]
   with x64():
-    a64, b64, bias64 = _as64(a, b, bias)
+    a64, b64, bias64 = as64(a, b, bias)
     assert_close(y, matmul_ref(a64, b64, bias64, "silu"), jnp.float32, "preferred float32")
     assert_close(mixed, matmul_ref(a64, b64), jnp.float32, "mixed dtypes")
     assert_close(narrow, matmul_ref(a64, b64), jnp.bfloat16, "bfloat16 result")
@@ -238,7 +234,7 @@ def test_shapes_and_dtypes_follow_jnp_matmul(a_shape, b_shape):
     got, want = pallax.matmul(a, b), jnp.matmul(a, b)
     assert got.shape == want.shape and got.dtype == want.dtype
     with x64():
-      assert_close(got, matmul_ref(*_as64(a, b)), got.dtype, f"{da}@{db}")
+      assert_close(got, matmul_ref(*as64(a, b)), got.dtype, f"{da}@{db}")
 
 
 @pytest.mark.parametrize("precision", ["highest", lax.Precision.HIGHEST, ("highest", "highest")],
@@ -296,7 +292,7 @@ def test_pinned_config_with_tails_in_every_dim(path):
            else pallax.MatmulConfig(block_m=128, block_n=128, block_k=128))
   deep = dataclasses.replace(small, block_k=512)  # one K step, larger than K
   with x64():
-    want = matmul_ref(*_as64(a, b, bias), "gelu")
+    want = matmul_ref(*as64(a, b, bias), "gelu")
   with on_path(path):
     for config in (small, deep):
       y = jax.jit(lambda a, b, bias: pallax.matmul(

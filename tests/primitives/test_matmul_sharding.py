@@ -14,7 +14,7 @@ import pytest
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 import pallax
-from tests.helpers import PATHS, on_path, rand
+from tests.helpers import PATHS, mesh_4x2, on_path, rand
 
 M, K, N = 16, 32, 24
 
@@ -28,10 +28,6 @@ CASES = {
     "k": ((M, K), (K, N), P(None, "a"), P("a"), P(None, None), True),
     "batched_b": ((8, M, K), (8, K, N), P("a"), P("a", None, "b"), P("a", None, "b"), False),
 }
-
-
-def _mesh(axis_type=AxisType.Auto):
-  return jax.make_mesh((4, 2), ("a", "b"), axis_types=(axis_type,) * 2)
 
 
 def _op(a, b, bias):
@@ -54,7 +50,7 @@ def _data(case, seed=0):
 @pytest.mark.parametrize("case", list(CASES))
 @pytest.mark.parametrize("axis_type", [AxisType.Auto, AxisType.Explicit], ids=str)
 def test_sharded_jit_has_no_all_gather(path, case, axis_type):
-  mesh = _mesh(axis_type)
+  mesh = mesh_4x2(axis_type)
   _, _, a_spec, b_spec, out_spec, summed = CASES[case]
   a, b, bias, c = _data(case)
   a_s = jax.device_put(a, NamedSharding(mesh, a_spec))
@@ -84,7 +80,7 @@ def test_sharded_jit_has_no_all_gather(path, case, axis_type):
 
 def test_sharded_k_sums_before_the_epilogue():
   """relu(sum of partials + bias), not the sum of per-device relu(partial + bias)."""
-  mesh = _mesh()
+  mesh = mesh_4x2()
   a, b, bias, _ = _data("k", seed=1)
   a_s = jax.device_put(a, NamedSharding(mesh, P(None, ("a", "b"))))
   b_s = jax.device_put(b, NamedSharding(mesh, P(("a", "b"))))
@@ -96,7 +92,7 @@ def test_sharded_k_sums_before_the_epilogue():
 
 
 def test_uneven_shards_fall_back_to_replication():
-  mesh = _mesh()
+  mesh = mesh_4x2()
   rng = np.random.default_rng(2)
   a, b, bias, c = rand(rng, (6, 10)), rand(rng, (10, 5)), rand(rng, (5,)), rand(rng, (6, 5))
 
@@ -126,7 +122,7 @@ def test_pmap(path):
 
 @pytest.mark.parametrize("path", PATHS)
 def test_shard_map_forward_and_grad(path):
-  mesh = _mesh()
+  mesh = mesh_4x2()
   a, b, bias, c = _data("batch", seed=4)
 
   def sharded_loss(a, b, bias, c):

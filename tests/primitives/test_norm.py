@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 import pallax
-from tests.helpers import FLOAT_DTYPES, PATHS, assert_close, on_path, rand, x64
+from tests.helpers import FLOAT_DTYPES, PATHS, as64, assert_close, on_path, rand, to64, x64
 
 # Odd shapes: hidden not a power of two (96, 200, 1000), rows not a multiple of
 # any block, extra leading dims, a single row.
@@ -22,11 +22,6 @@ def rms_norm_ref(x, w, eps=1e-6, offset=0.0):
   x = jnp.asarray(x, jnp.float64)
   y = x / jnp.sqrt(jnp.mean(x * x, axis=-1, keepdims=True) + eps)
   return y if w is None else y * (offset + jnp.asarray(w, jnp.float64))
-
-
-def _as64(*arrays):
-  return [None if a is None else jnp.asarray(np.asarray(a, np.float32), jnp.float64)
-          if a.dtype == jnp.bfloat16 else jnp.asarray(a, jnp.float64) for a in arrays]
 
 
 def _inputs(shape, dtype, seed=0):
@@ -45,7 +40,7 @@ def test_forward(path, dtype, shape):
     y_now = jax.jit(pallax.rms_norm)(x)
   assert y.dtype == dtype and y.shape == shape
   with x64():
-    x64_, w64 = _as64(x, w)
+    x64_, w64 = as64(x, w)
     assert_close(y, rms_norm_ref(x64_, w64), dtype, "weight")
     assert_close(y_off, rms_norm_ref(x64_, w64, 1e-3, 1.0), dtype, "offset=1")
     assert_close(y_now, rms_norm_ref(x64_, None), dtype, "no weight")
@@ -62,8 +57,8 @@ def test_vjp(path, dtype, shape):
     dx, dw = jax.jit(vjp)(dy)
   assert dx.dtype == dtype and dw.dtype == dtype
   with x64():
-    _, vjp_ref = jax.vjp(lambda x, w: rms_norm_ref(x, w, offset=0.5), *_as64(x, w))
-    dx_ref, dw_ref = vjp_ref(*_as64(dy))
+    _, vjp_ref = jax.vjp(lambda x, w: rms_norm_ref(x, w, offset=0.5), *as64(x, w))
+    dx_ref, dw_ref = vjp_ref(*as64(dy))
     assert_close(dx, dx_ref, dtype, "dx")
     assert_close(dw, dw_ref, dtype, "dweight")
 
@@ -77,7 +72,7 @@ def test_jvp(path, dtype, shape):
   with on_path(path):
     y, yd = jax.jit(lambda *a: jax.jvp(pallax.rms_norm, a[:2], a[2:]))(x, w, xd, wd)
   with x64():
-    y_ref, yd_ref = jax.jvp(rms_norm_ref, tuple(_as64(x, w)), tuple(_as64(xd, wd)))
+    y_ref, yd_ref = jax.jvp(rms_norm_ref, tuple(as64(x, w)), tuple(as64(xd, wd)))
     assert_close(y, y_ref, dtype, "primal")
     assert_close(yd, yd_ref, dtype, "tangent")
 
@@ -100,8 +95,8 @@ def test_jacobians_and_hessian_vector_products(path):
         jnp.vdot(g, t) for g, t in zip(jax.grad(ours, (0, 1))(x, w), v)), (0, 1)))(x, w)
     hess = jax.jit(jax.hessian(ours, 0))(x, w)
   with x64():
-    x64_, w64 = _as64(x, w)
-    v64, c64 = _as64(*v), _as64(c)[0]
+    x64_, w64 = as64(x, w)
+    v64, c64 = as64(*v), to64(c)
     ref = lambda x, w: jnp.sum(jnp.sin(rms_norm_ref(x, w, offset=0.25)) * c64)
     jac_ref = jax.jacrev(rms_norm_ref, (0, 1))(x64_, w64)
     hvp_ref = jax.jvp(jax.grad(ref, (0, 1)), (x64_, w64), tuple(v64))[1]
@@ -148,7 +143,7 @@ def test_weight_dtype_differs_from_x():
   dw = jax.grad(lambda w: pallax.rms_norm(x, w).astype(jnp.float32).sum())(w)
   assert dw.dtype == jnp.float32
   with x64():
-    assert_close(y, rms_norm_ref(*_as64(x, w)), jnp.bfloat16, "mixed dtypes")
+    assert_close(y, rms_norm_ref(*as64(x, w)), jnp.bfloat16, "mixed dtypes")
 
 
 def test_pinned_config_gives_same_result():
@@ -224,7 +219,7 @@ def test_large_hidden_interpreted(path):
     y, vjp = jax.vjp(pallax.rms_norm, x, w)
     dx, dw = vjp(dy)
   with x64():
-    y_ref, vjp_ref = jax.vjp(rms_norm_ref, *_as64(x, w))
-    dx_ref, dw_ref = vjp_ref(*_as64(dy))
+    y_ref, vjp_ref = jax.vjp(rms_norm_ref, *as64(x, w))
+    dx_ref, dw_ref = vjp_ref(*as64(dy))
     for got, want, name in ((y, y_ref, "y"), (dx, dx_ref, "dx"), (dw, dw_ref, "dweight")):
       assert_close(got, want, jnp.bfloat16, name)

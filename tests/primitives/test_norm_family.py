@@ -11,13 +11,9 @@ import pytest
 
 import pallax
 from pallax.kernels import norm as norm_kernels
-from tests.helpers import FLOAT_DTYPES, PATHS, assert_close, on_path, rand, x64
+from tests.helpers import FLOAT_DTYPES, PATHS, assert_close, on_path, rand, to64, x64
 
 SHAPES = [(3, 96), (2, 5, 200), (37, 1000), (1, 7)]
-
-
-def _f64(a):
-  return jnp.asarray(np.asarray(jnp.asarray(a, jnp.float32), np.float64))
 
 
 def layer_norm_ref(x, w=None, b=None, eps=1e-5):
@@ -76,9 +72,9 @@ def test_forward_and_vjp(op, path, dtype, shape):
     grads = jax.jit(vjp)(cts)
   assert all(o.dtype == dtype for o in jax.tree.leaves(out))
   with x64():
-    want, vjp_ref = jax.vjp(case.ref, *map(_f64, args))
+    want, vjp_ref = jax.vjp(case.ref, *map(to64, args))
     _close_trees(out, want, dtype, "output")
-    _close_trees(grads, vjp_ref(jax.tree.map(_f64, cts)), dtype, "gradient")
+    _close_trees(grads, vjp_ref(jax.tree.map(to64, cts)), dtype, "gradient")
 
 
 @pytest.mark.parametrize("form", ["small", "large"])
@@ -95,8 +91,8 @@ def test_both_forms_of_the_xla_backward(op, dtype, form, monkeypatch):
   grads = jax.jit(vjp)(cts)
   jax.clear_caches()
   with x64():
-    _, vjp_ref = jax.vjp(case.ref, *map(_f64, args))
-    _close_trees(grads, vjp_ref(jax.tree.map(_f64, cts)), dtype, "gradient")
+    _, vjp_ref = jax.vjp(case.ref, *map(to64, args))
+    _close_trees(grads, vjp_ref(jax.tree.map(to64, cts)), dtype, "gradient")
 
 
 @pytest.mark.parametrize("path", PATHS)
@@ -109,7 +105,7 @@ def test_jvp(op, path, dtype):
   with on_path(path):
     out, out_dot = jax.jit(lambda p, t: jax.jvp(case.fn, p, t))(args, tangents)
   with x64():
-    want, want_dot = jax.jvp(case.ref, tuple(map(_f64, args)), tuple(map(_f64, tangents)))
+    want, want_dot = jax.jvp(case.ref, tuple(map(to64, args)), tuple(map(to64, tangents)))
     _close_trees(out, want, dtype, "primal")
     _close_trees(out_dot, want_dot, dtype, "tangent")
 
@@ -133,11 +129,11 @@ def test_hessian_vector_products(op, path):
         jnp.vdot(g, t) for g, t in zip(jax.grad(loss(case.fn, cs), argnums)(*a), v)), argnums))(*args)
     jac = jax.jit(jax.jacfwd(case.fn, argnums))(*args)
   with x64():
-    args64, v64, cs64 = map(_f64, args), tuple(map(_f64, v)), jax.tree.map(_f64, cs)
+    args64, v64, cs64 = map(to64, args), tuple(map(to64, v)), jax.tree.map(to64, cs)
     want = jax.jvp(jax.grad(loss(case.ref, cs64), argnums), tuple(args64), v64)[1]
     _close_trees(fwd_over_rev, want, jnp.float32, "forward-over-reverse")
     _close_trees(rev_over_rev, want, jnp.float32, "reverse-over-reverse")
-    _close_trees(jac, jax.jacrev(case.ref, argnums)(*map(_f64, args)), jnp.float32, "jacobian")
+    _close_trees(jac, jax.jacrev(case.ref, argnums)(*map(to64, args)), jnp.float32, "jacobian")
 
 
 @pytest.mark.parametrize("path", PATHS)
@@ -147,7 +143,7 @@ def test_layer_norm_without_weight_or_bias(path):
     got = [pallax.layer_norm(x), pallax.layer_norm(x, w), pallax.layer_norm(x, bias=b)]
     g = jax.grad(lambda x, b: jnp.sum(pallax.layer_norm(x, bias=b) ** 3), (0, 1))(x, b)
   with x64():
-    x64_, w64, b64 = map(_f64, (x, w, b))
+    x64_, w64, b64 = map(to64, (x, w, b))
     for out, want in zip(got, [layer_norm_ref(x64_), layer_norm_ref(x64_, w64),
                                layer_norm_ref(x64_, None, b64)]):
       assert_close(out, want, jnp.float32, "layer_norm variant")
@@ -182,7 +178,7 @@ def test_fused_add_rms_norm_matches_unfused_and_promotes():
   g = jax.grad(loss, (0, 1, 2))(x, r, w)
   with x64():
     want = jax.grad(lambda x, r, w: jnp.sum(jnp.sin(add_rms_ref(x, r, w)[0])) +
-                    jnp.sum(add_rms_ref(x, r, w)[1] ** 2), (0, 1, 2))(*map(_f64, (x, r, w)))
+                    jnp.sum(add_rms_ref(x, r, w)[1] ** 2), (0, 1, 2))(*map(to64, (x, r, w)))
     _close_trees(g, want, jnp.float32, "grad through both outputs")
 
 

@@ -13,11 +13,7 @@ import pytest
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 import pallax
-from tests.helpers import PATHS, on_path, rand
-
-
-def _mesh(axis_type=AxisType.Auto):
-  return jax.make_mesh((4, 2), ("a", "b"), axis_types=(axis_type,) * 2)
+from tests.helpers import PATHS, mesh_4x2, on_path, rand
 
 
 def _data(seed=0, shape=(8, 4, 200)):
@@ -33,7 +29,7 @@ def _loss(x, w, c):
 @pytest.mark.parametrize("spec", [P("a"), P("a", "b"), P(("a", "b")), P(None, "a")], ids=str)
 @pytest.mark.parametrize("axis_type", [AxisType.Auto, AxisType.Explicit], ids=str)
 def test_sharded_jit_has_no_all_gather(path, spec, axis_type):
-  mesh = _mesh(axis_type)
+  mesh = mesh_4x2(axis_type)
   x, w, c = _data()
   xs = jax.device_put(x, NamedSharding(mesh, spec))
   cs = jax.device_put(c, NamedSharding(mesh, spec))
@@ -57,7 +53,7 @@ def test_sharded_jit_has_no_all_gather(path, spec, axis_type):
 
 
 def test_hidden_sharded_input_is_replicated_not_wrong():
-  mesh = _mesh()
+  mesh = mesh_4x2()
   x, w, _ = _data(1)
   xs = jax.device_put(x, NamedSharding(mesh, P(None, None, "a")))
   np.testing.assert_allclose(jax.jit(pallax.rms_norm)(xs, w), pallax.rms_norm(x, w),
@@ -65,7 +61,7 @@ def test_hidden_sharded_input_is_replicated_not_wrong():
 
 
 def test_uneven_shards_fall_back_to_replication():
-  mesh = _mesh()
+  mesh = mesh_4x2()
   x, w, c = _data(2, shape=(6, 5, 40))  # 6 rows over 4 devices: uneven
 
   def loss(x, w, c):
@@ -93,7 +89,7 @@ def test_pmap(path):
 
 @pytest.mark.parametrize("path", PATHS)
 def test_shard_map_forward_and_grad(path):
-  mesh = _mesh()
+  mesh = mesh_4x2()
   x, w, c = _data(4)
 
   def sharded_loss(x, w, c):
@@ -112,7 +108,7 @@ def test_shard_map_forward_and_grad(path):
 @pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("op", ["layer_norm", "fused_add_rms_norm"])
 def test_family_sharded_jit_has_no_all_gather(op, path):
-  mesh = _mesh()
+  mesh = mesh_4x2()
   x, w, c = _data(5)
   fn = {"layer_norm": lambda x, w: pallax.layer_norm(x, w, w * 0.5),
         "fused_add_rms_norm": lambda x, w: pallax.fused_add_rms_norm(x, c, w)}[op]

@@ -7,6 +7,8 @@ it, and the result is still right.
 """
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -14,13 +16,9 @@ import pytest
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 import pallax
-from tests.helpers import PATHS, on_path, rand
+from tests.helpers import PATHS, assert_close_neginf, mesh_4x2, on_path, rand
 
 OPS = (pallax.softmax, pallax.log_softmax)
-
-
-def _mesh(axis_type=AxisType.Auto):
-  return jax.make_mesh((4, 2), ("a", "b"), axis_types=(axis_type,) * 2)
 
 
 def _data(seed=0, shape=(8, 4, 200)):
@@ -32,18 +30,14 @@ def _loss(op):
   return lambda x, m, c: jnp.sum(jnp.where(m, op(x, where=m), 0) * c)
 
 
-def _close(got, want):
-  np.testing.assert_array_equal(np.isneginf(got), np.isneginf(want))
-  finite = np.isfinite(want)
-  np.testing.assert_allclose(np.asarray(got)[finite], np.asarray(want)[finite],
-                             rtol=1e-5, atol=1e-6)
+_close = functools.partial(assert_close_neginf, rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("spec", [P("a"), P("a", "b"), P(("a", "b")), P(None, "a")], ids=str)
 @pytest.mark.parametrize("axis_type", [AxisType.Auto, AxisType.Explicit], ids=str)
 def test_sharded_jit_has_no_all_gather(path, spec, axis_type):
-  mesh = _mesh(axis_type)
+  mesh = mesh_4x2(axis_type)
   x, m, c = _data()
   xs, ms, cs = (jax.device_put(a, NamedSharding(mesh, spec)) for a in (x, m, c))
   for op in OPS:
@@ -63,7 +57,7 @@ def test_sharded_jit_has_no_all_gather(path, spec, axis_type):
 @pytest.mark.parametrize("axis", [-1, 0], ids=str)
 def test_softmax_axis_sharded_is_replicated_not_wrong(axis):
   """Sharding the softmax axis (last, or a moved leading one) gathers it; results match."""
-  mesh = _mesh()
+  mesh = mesh_4x2()
   x, m, _ = _data(1)
   spec = P(None, None, "a") if axis == -1 else P("a")
   xs, ms = (jax.device_put(a, NamedSharding(mesh, spec)) for a in (x, m))
@@ -72,7 +66,7 @@ def test_softmax_axis_sharded_is_replicated_not_wrong(axis):
 
 
 def test_uneven_shards_fall_back_to_replication():
-  mesh = _mesh()
+  mesh = mesh_4x2()
   x, m, c = _data(2, shape=(6, 5, 40))  # 6 rows over 4 devices: uneven
 
   for op in OPS:
@@ -97,7 +91,7 @@ def test_pmap(path):
 
 @pytest.mark.parametrize("path", PATHS)
 def test_shard_map_forward_and_grad(path):
-  mesh = _mesh()
+  mesh = mesh_4x2()
   x, m, c = _data(4)
   mask = m[0, 0]  # one (200,) mask, replicated: broadcast over the sharded rows
 
