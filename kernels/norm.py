@@ -179,8 +179,24 @@ def _sum_to_weight(v: jax.Array, w_ndim: int) -> jax.Array:
   return jnp.sum(v, axis=tuple(range(w_ndim - 1, v.ndim - 1)))
 
 
+# Up to this many elements of x the XLA programs take the forms autodiff of
+# plain jnp takes; beyond, forms that write less memory. XLA:CPU fuses them
+# differently, and neither wins at every size (bench/test_norm.py):
+# * backward: ``dx = g*r + xc * s`` with dw from ``xc*r`` below, the factored
+#   ``r * (g - xc * r^2 * mean(g * xc))`` above. rms_norm fwd+bwd measured
+#   1.02-1.07x plain jnp at 1024x1024 with the first (1.15x with the second);
+#   at 4096x1024 and 8192x4096 the second 0.8-0.9x, the first 0.9-1.0x.
+# * fused_add_rms_norm forward: ``h = x + r`` in x's dtype below (XLA may keep
+#   the float32 sum for the statistics, as for plain jnp); above, the float32
+#   sum rounded to h's dtype first, so a 16-bit h is the only copy written
+#   (half the bytes of plain jnp in bf16 from 4096x1024 on).
+_CACHE_SIZED_ELEMENTS = 1 << 20
+
+
 def _add(x, r):
-  """``x + r`` rounded to x's dtype, as plain jnp computes it."""
+  """``x + r`` in x's dtype (see ``_CACHE_SIZED_ELEMENTS``)."""
+  if x.size <= _CACHE_SIZED_ELEMENTS:
+    return x + r
   return (x.astype(stat_dtype(x.dtype)) + r.astype(stat_dtype(x.dtype))).astype(x.dtype)
 
 
@@ -234,13 +250,6 @@ def norm_jvp_xla(*args, kind: NormKind, offset: float):
   return [out[n] for n in results]
 
 
-# Up to this many elements of x, the backward program takes the form autodiff
-# of plain jnp takes (dx = g*r + xc * s, dw from xc*r); beyond, the factored
-# ``r * (g - xc * r^2 * mean(g * xc))``. XLA:CPU fuses the two differently.
-# With random cotangents (bench/test_norm.py) rms_norm fwd+bwd measured
-# 1.02-1.07x plain jnp at 1024x1024 with the first and 1.15x with the second;
-# at 4096x1024 and 8192x4096 the second measured 0.8-0.9x, the first 0.9-1.0x.
-_SMALL_BWD_ELEMENTS = 1 << 20
 
 
 def norm_bwd_xla(*args, kind: NormKind, offset: float):
@@ -250,7 +259,7 @@ def norm_bwd_xla(*args, kind: NormKind, offset: float):
   st = stat_dtype(x.dtype)
   (xc, r), dy = _centered(a, st), a["dy"].astype(st)
   g = dy * (_weight_like_x(w, x.ndim).astype(st) + offset)
-  if x.size <= _SMALL_BWD_ELEMENTS:
+  if x.size <= _CACHE_SIZED_ELEMENTS:
     # dx = g*r + xc * (sum(g*xc) * -r^3/H), the form autodiff of plain jnp takes.
     dx = g * r + xc * (jnp.sum(g * xc, axis=-1, keepdims=True) * (r * r * r) / -x.shape[-1])
     if kind.center:

@@ -80,9 +80,9 @@ def test_forward_and_vjp(op, path, dtype, shape):
 @pytest.mark.parametrize("form", ["small", "large"])
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=lambda d: jnp.dtype(d).name)
 @pytest.mark.parametrize("op", list(CASES))
-def test_both_forms_of_the_xla_backward(op, dtype, form, monkeypatch):
-  """The XLA backward program picks its form of dx by size; both match the reference."""
-  monkeypatch.setattr(norm_kernels, "_SMALL_BWD_ELEMENTS", 1 << 62 if form == "small" else 0)
+def test_both_forms_of_the_xla_programs(op, dtype, form, monkeypatch):
+  """The XLA programs pick their forms by size (``_CACHE_SIZED_ELEMENTS``); both are right."""
+  monkeypatch.setattr(norm_kernels, "_CACHE_SIZED_ELEMENTS", 1 << 62 if form == "small" else 0)
   jax.clear_caches()  # programs traced under the other form must not be reused
   case = CASES[op]
   args, rng = _args(case, (2, 5, 200), dtype, seed=5)
@@ -91,7 +91,8 @@ def test_both_forms_of_the_xla_backward(op, dtype, form, monkeypatch):
   grads = jax.jit(vjp)(cts)
   jax.clear_caches()
   with x64():
-    _, vjp_ref = jax.vjp(case.ref, *map(to64, args))
+    want, vjp_ref = jax.vjp(case.ref, *map(to64, args))
+    _close_trees(out, want, dtype, "output")
     _close_trees(grads, vjp_ref(jax.tree.map(to64, cts)), dtype, "gradient")
 
 
