@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import contextlib
+import itertools
 
 import jax
 import jax.numpy as jnp
@@ -119,3 +120,31 @@ def loop_stack(fn, args, in_axes, size: int):
   """``fn`` on each of ``size`` examples of ``args``, outputs stacked (what vmap should give)."""
   outs = [fn(*(example(x, ax, i) for x, ax in zip(args, in_axes))) for i in range(size)]
   return jax.tree.map(lambda *xs: jnp.stack(xs), *outs)
+
+
+# (outer, inner) in_axes of two-argument vmap(vmap(f, inner), outer) tests,
+# and the outer and inner batch sizes.
+NESTED_IN_AXES = list(itertools.product([(0, None), (None, 0), (0, 0)], repeat=2))
+NESTED_SIZES = (2, 3)
+
+
+def nested_shape(outer, inner, arg: int, shape) -> tuple[int, ...]:
+  """Shape of argument ``arg`` of a nested vmap: its mapped batch dims, then ``shape``."""
+  b1, b2 = NESTED_SIZES
+  return (b1,) * (outer[arg] is not None) + (b2,) * (inner[arg] is not None) + tuple(shape)
+
+
+def check_nested_vmap(fn, args, outer, inner, assert_close):
+  """Jitted ``vmap(vmap(fn, inner), outer)`` against ``fn`` per (i, j) example.
+
+  ``assert_close(got, want)`` compares one example; returns the nested map's
+  jaxpr for the caller's primitive-count check.
+  """
+  f = jax.vmap(jax.vmap(fn, in_axes=inner), in_axes=outer)
+  got = jax.jit(f)(*args)
+  b1, b2 = NESTED_SIZES
+  for i in range(b1):
+    for j in range(b2):
+      ij = [example(example(a, o, i), n, j) for a, o, n in zip(args, outer, inner)]
+      assert_close(got[i, j], fn(*ij))
+  return jax.make_jaxpr(f)(*args).jaxpr

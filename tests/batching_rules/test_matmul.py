@@ -1,7 +1,7 @@
 """vmap of matmul: matches a loop over examples and stays one primitive."""
 from __future__ import annotations
 
-import itertools
+import functools
 import re
 
 import jax
@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 
 import pallax
-from tests.helpers import PATHS, batched, example, loop_stack, lower_text, on_path, rand
+from tests.helpers import (NESTED_IN_AXES, PATHS, batched, check_nested_vmap, loop_stack,
+                           lower_text, nested_shape, on_path, rand)
 
 M, K, N = 3, 20, 6
 
@@ -85,21 +86,14 @@ def test_vmap_of_jvp_matches_loop(in_axes):
   np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("outer, inner", list(itertools.product(
-    [(0, None), (None, 0), (0, 0)], repeat=2)), ids=str)
+@pytest.mark.parametrize("outer, inner", NESTED_IN_AXES, ids=str)
 def test_nested_vmap(outer, inner):
   rng = np.random.default_rng(4)
-  b1, b2 = 2, 3
-  a = rand(rng, (b1,) * (outer[0] is not None) + (b2,) * (inner[0] is not None) + (M, K))
-  b = rand(rng, (b1,) * (outer[1] is not None) + (b2,) * (inner[1] is not None) + (K, N))
-  f = jax.vmap(jax.vmap(pallax.matmul, in_axes=inner), in_axes=outer)
-  got = jax.jit(f)(a, b)
-  for i in range(b1):
-    for j in range(b2):
-      aij = example(example(a, outer[0], i), inner[0], j)
-      bij = example(example(b, outer[1], i), inner[1], j)
-      np.testing.assert_allclose(got[i, j], pallax.matmul(aij, bij), rtol=1e-5, atol=1e-5)
-  names = [e.primitive.name for e in jax.make_jaxpr(f)(a, b).jaxpr.eqns]
+  a = rand(rng, nested_shape(outer, inner, 0, (M, K)))
+  b = rand(rng, nested_shape(outer, inner, 1, (K, N)))
+  close = functools.partial(np.testing.assert_allclose, rtol=1e-5, atol=1e-5)
+  jaxpr = check_nested_vmap(pallax.matmul, (a, b), outer, inner, close)
+  names = [e.primitive.name for e in jaxpr.eqns]
   assert names.count("matmul") == 1 and "broadcast_in_dim" not in names, names
 
 

@@ -1,7 +1,7 @@
 """vmap of rms_norm: matches a loop over examples and stays one primitive."""
 from __future__ import annotations
 
-import itertools
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 
 import pallax
-from tests.helpers import PATHS, batched, example, loop_stack, on_path, rand
+from tests.helpers import (NESTED_IN_AXES, PATHS, batched, check_nested_vmap, loop_stack,
+                           nested_shape, on_path, rand)
 
 H = 24
 X_SHAPE = (3, H)  # one example's x
@@ -62,21 +63,13 @@ def test_vmap_of_jvp_matches_loop(in_axes):
   np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("outer, inner", list(itertools.product([(0, None), (None, 0), (0, 0)],
-                                                                 repeat=2)), ids=str)
+@pytest.mark.parametrize("outer, inner", NESTED_IN_AXES, ids=str)
 def test_nested_vmap(outer, inner):
   rng = np.random.default_rng(3)
-  b1, b2 = 2, 3
-  x = rand(rng, (b1,) * (outer[0] is not None) + (b2,) * (inner[0] is not None) + X_SHAPE)
-  w = rand(rng, (b1,) * (outer[1] is not None) + (b2,) * (inner[1] is not None) + (H,))
-  f = jax.vmap(jax.vmap(pallax.rms_norm, in_axes=inner), in_axes=outer)
-  got = jax.jit(f)(x, w)
-  for i in range(b1):
-    for j in range(b2):
-      xij = example(example(x, outer[0], i), inner[0], j)
-      wij = example(example(w, outer[1], i), inner[1], j)
-      np.testing.assert_allclose(got[i, j], pallax.rms_norm(xij, wij), rtol=1e-6, atol=1e-6)
-  jaxpr = jax.make_jaxpr(f)(x, w).jaxpr
+  x = rand(rng, nested_shape(outer, inner, 0, X_SHAPE))
+  w = rand(rng, nested_shape(outer, inner, 1, (H,)))
+  close = functools.partial(np.testing.assert_allclose, rtol=1e-6, atol=1e-6)
+  jaxpr = check_nested_vmap(pallax.rms_norm, (x, w), outer, inner, close)
   assert [e.primitive.name for e in jaxpr.eqns].count("rms_norm_fwd") == 1
 
 

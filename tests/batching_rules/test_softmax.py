@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import collections
-import itertools
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 
 import pallax
-from tests.helpers import PATHS, assert_close_neginf, batched, example, loop_stack, on_path, rand
+from tests.helpers import (NESTED_IN_AXES, PATHS, assert_close_neginf, batched, check_nested_vmap,
+                           loop_stack, nested_shape, on_path, rand)
 
 X_SHAPE = (3, 24)  # one example's x (and where=)
 OPS = (pallax.softmax, pallax.log_softmax)
@@ -100,23 +101,15 @@ def test_vmap_of_jvp_matches_loop(in_axes):
     np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5)
 
 
-@pytest.mark.parametrize("outer, inner", list(itertools.product([(0, None), (None, 0), (0, 0)],
-                                                                 repeat=2)), ids=str)
+@pytest.mark.parametrize("outer, inner", NESTED_IN_AXES, ids=str)
 def test_nested_vmap(outer, inner):
   rng = np.random.default_rng(4)
-  b1, b2 = 2, 3
-  lead = lambda i: (b1,) * (outer[i] is not None) + (b2,) * (inner[i] is not None)
-  x = rand(rng, lead(0) + X_SHAPE)
-  w = jnp.asarray(rng.random(lead(1) + X_SHAPE) < 0.7)
+  x = rand(rng, nested_shape(outer, inner, 0, X_SHAPE))
+  w = jnp.asarray(rng.random(nested_shape(outer, inner, 1, X_SHAPE)) < 0.7)
+  close = functools.partial(assert_close_neginf, rtol=2e-5, atol=2e-5)
   for op in OPS:
-    f = jax.vmap(jax.vmap(lambda x, w: op(x, where=w), in_axes=inner), in_axes=outer)
-    got = jax.jit(f)(x, w)
-    for i in range(b1):
-      for j in range(b2):
-        xij = example(example(x, outer[0], i), inner[0], j)
-        wij = example(example(w, outer[1], i), inner[1], j)
-        assert_close_neginf(got[i, j], op(xij, where=wij), rtol=2e-5, atol=2e-5)
-    names = _primitive_names(jax.make_jaxpr(f)(x, w).jaxpr)
+    jaxpr = check_nested_vmap(lambda x, w: op(x, where=w), (x, w), outer, inner, close)
+    names = _primitive_names(jaxpr)
     assert names.count(f"{op.__name__}_fwd") == 1, names
 
 
