@@ -2,13 +2,17 @@
 
 Target: a warm in-memory selection under 20 microseconds.
 """
+
 import jax
 import jax.numpy as jnp
 
 import pallax  # noqa: F401  (registers the kernels)
 from pallax.executor import Executor
 
-AVALS = [jax.ShapeDtypeStruct((4096, 1024), jnp.bfloat16), jax.ShapeDtypeStruct((1024,), jnp.bfloat16)]
+AVALS = [
+  jax.ShapeDtypeStruct((4096, 1024), jnp.bfloat16),
+  jax.ShapeDtypeStruct((1024,), jnp.bfloat16),
+]
 PARAMS = {"eps": 1e-6, "offset": 0.0}
 
 

@@ -1,19 +1,25 @@
 """Timing kernel candidates on this device.
 
-Each candidate config is compiled once, warmed up and timed on fresh random
-inputs of the call's avals (never the user's data, never zeros); the median
-of several runs is its time. Candidates that fail to compile or run are
-skipped and the reason recorded. Tuning runs in a worker thread, so that it
-is outside any JAX trace even when it is triggered from inside a lowering.
+One tuning call draws random inputs of the call's avals once (never the
+user's data, never zeros), compiles every candidate config in a thread pool
+(compiles dominate tuning time, and XLA releases the GIL while it compiles),
+then times the compiled candidates one at a time, so that timings never
+overlap, all on those same inputs: the median of several runs after warm-up is
+a candidate's time. Candidates that fail to compile or run are skipped and the
+reason recorded. Tuning runs in a worker thread, so that it is outside any JAX
+trace even when it is triggered from inside a lowering.
 """
+
 from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
+import os
 import statistics
 import sys
 import time
-from typing import Any, Callable, Optional, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any, Optional, TextIO
 
 import jax
 import jax.numpy as jnp
@@ -21,8 +27,8 @@ import numpy as np
 
 from pallax.executor.config import KernelConfig
 
-# measure(config) -> seconds; raises if the candidate cannot run.
-Measure = Callable[[KernelConfig], float]
+# timer(config) -> seconds, raising for a candidate that cannot run.
+Timer = Callable[[KernelConfig], float]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -31,6 +37,24 @@ class TuneResult:
   time_s: float
   timings: tuple[tuple[KernelConfig, float], ...]
   failures: tuple[tuple[KernelConfig, str], ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class Benchmark:
+  """How ``tune`` times candidates.
+
+  Attributes:
+    compile: ``config -> compiled``, called for every candidate at once in a
+      thread pool; raises for a candidate that cannot compile.
+    time: ``(compiled, inputs) -> seconds``, called for one candidate at a
+      time; raises for a candidate that cannot run.
+    inputs: ``() -> inputs``, called once per tuning call, outside any trace:
+      every candidate is timed on these.
+  """
+
+  compile: Callable[[KernelConfig], Any]
+  time: Callable[[Any, Any], float]
+  inputs: Callable[[], Any] = tuple
 
 
 def random_inputs(avals: Sequence[Any], seed: int) -> list[jax.Array]:
@@ -61,43 +85,100 @@ def median_time(fn: Callable, args: Sequence[Any], *, warmup: int = 2, repeats: 
   return statistics.median(times)
 
 
-def wall_clock_measure(make_fn: Callable[[KernelConfig], Callable],
-                       avals: Sequence[Any]) -> Measure:
-  """The default ``Measure``: compile ``make_fn(config)`` once, then ``median_time``."""
+def wall_clock_benchmark(
+  make_fn: Callable[[KernelConfig], Callable], avals: Sequence[Any], *, seed: int = 0
+) -> Benchmark:
+  """The default ``Benchmark``: ``make_fn(config)`` compiled for ``avals``, then ``median_time``.
 
-  def measure(config: KernelConfig) -> float:
-    structs = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in avals]
-    compiled = jax.jit(make_fn(config)).lower(*structs).compile()
-    return median_time(compiled, random_inputs(avals, seed=len(str(config))))
-
-  return measure
-
-
-def tune(op: str, candidates: Sequence[KernelConfig], measure: Measure, *,
-         progress_after_s: float = 1.0, stream=None) -> TuneResult:
-  """Times every candidate (in a worker thread) and returns the fastest."""
-  with concurrent.futures.ThreadPoolExecutor(1) as pool:
-    return pool.submit(_tune, op, candidates, measure, progress_after_s,
-                       stream or sys.stderr).result()
+  Args:
+    make_fn: ``config -> function of the operands`` running the kernel with that config.
+    avals: the operands' avals.
+    seed: seeds the random inputs, drawn once per tuning call.
+  """
+  structs = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in avals]
+  return Benchmark(
+    compile=lambda config: jax.jit(make_fn(config)).lower(*structs).compile(),
+    time=median_time,
+    inputs=lambda: random_inputs(avals, seed),
+  )
 
 
-def _tune(op, candidates, measure, progress_after_s, stream) -> TuneResult:
+def timer_benchmark(timer: Timer) -> Benchmark:
+  """A ``Benchmark`` whose ``timer(config)`` stands for compiling and timing (for tests)."""
+  return Benchmark(compile=lambda config: config, time=lambda config, inputs: timer(config))
+
+
+def tune(
+  op: str,
+  candidates: Sequence[KernelConfig],
+  benchmark: Benchmark,
+  *,
+  progress_after_s: float = 1.0,
+  stream: Optional[TextIO] = None,
+  compile_threads: Optional[int] = None,
+) -> TuneResult:
+  """Times every candidate (in a worker thread) and returns the fastest.
+
+  Args:
+    op: the kernel's name, for messages.
+    candidates: the configs to time.
+    benchmark: how to compile and time them.
+    progress_after_s: once tuning has taken this long, a progress line goes to
+      ``stream`` after each compiled and each timed candidate.
+    stream: where progress goes (default stderr).
+    compile_threads: how many candidates compile at once (default: one per CPU).
+
+  Raises:
+    RuntimeError: no candidate compiled and ran.
+  """
+  with concurrent.futures.ThreadPoolExecutor(1) as worker:
+    return worker.submit(
+      _tune,
+      op,
+      candidates,
+      benchmark,
+      progress_after_s,
+      stream or sys.stderr,
+      compile_threads or os.cpu_count() or 1,
+    ).result()
+
+
+def _failure(err: Exception) -> str:
+  return f"{type(err).__name__}: {err}".splitlines()[0][:300]
+
+
+def _tune(op, candidates, benchmark, progress_after_s, stream, compile_threads) -> TuneResult:
   start = time.perf_counter()
-  timings, failures = [], []
-  best: Optional[tuple[KernelConfig, float]] = None
-  for i, config in enumerate(candidates):
+
+  def progress(message: str) -> None:
+    if time.perf_counter() - start > progress_after_s:
+      print(f"pallax autotune {op}: {message}", file=stream, flush=True)
+
+  inputs = benchmark.inputs()
+  with concurrent.futures.ThreadPoolExecutor(compile_threads) as pool:
+    futures = {pool.submit(benchmark.compile, config): config for config in candidates}
+    for done, _ in enumerate(concurrent.futures.as_completed(futures), 1):
+      progress(f"candidate {done}/{len(futures)} compiled")
+  compiled, failures = [], []
+  for future, config in futures.items():
     try:
-      seconds = measure(config)
+      compiled.append((config, future.result()))
     except Exception as err:  # noqa: BLE001 - any failure disqualifies the candidate
-      failures.append((config, f"{type(err).__name__}: {err}".splitlines()[0][:300]))
+      failures.append((config, _failure(err)))
+
+  timings = []
+  best: Optional[tuple[KernelConfig, float]] = None
+  for i, (config, executable) in enumerate(compiled):
+    try:
+      seconds = benchmark.time(executable, inputs)
+    except Exception as err:  # noqa: BLE001 - any failure disqualifies the candidate
+      failures.append((config, _failure(err)))
     else:
       timings.append((config, seconds))
       if best is None or seconds < best[1]:
         best = (config, seconds)
-    if time.perf_counter() - start > progress_after_s:
-      so_far = f"best {best[1] * 1e6:.1f} us {best[0]}" if best else "no candidate ran yet"
-      print(f"pallax autotune {op}: candidate {i + 1}/{len(candidates)}, {so_far}",
-            file=stream, flush=True)
+    so_far = f"best {best[1] * 1e6:.1f} us {best[0]}" if best else "no candidate ran yet"
+    progress(f"candidate {i + 1}/{len(compiled)}, {so_far}")
   if best is None:
     reasons = "; ".join(f"{c}: {r}" for c, r in failures)
     raise RuntimeError(f"pallax autotune {op}: no candidate ran ({reasons})")

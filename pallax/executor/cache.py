@@ -8,6 +8,7 @@ other's entries and readers never see half a file. A corrupt, truncated or
 other-version file is ignored with one warning; an unwritable directory makes
 the cache memory-only with one warning. Nothing here ever fails a kernel call.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -18,9 +19,10 @@ import os
 import re
 import tempfile
 import warnings
+from collections.abc import Iterator
 from importlib import resources
 from pathlib import Path
-from typing import Any, Iterator, Optional
+from typing import Any, Optional
 
 FORMAT = 1
 
@@ -48,17 +50,19 @@ def _parse(text: str, op: str, op_version: int, where: str) -> dict[str, dict[st
   """The entries of a cache file's text; {} (with a warning) if unusable."""
   try:
     data = json.loads(text)
-    ok = (isinstance(data, dict) and isinstance(data.get("entries"), dict)
-          and data.get("op") == op)
+    ok = isinstance(data, dict) and isinstance(data.get("entries"), dict) and data.get("op") == op
   except json.JSONDecodeError:
     ok = False
   if not ok:
     _warn_once(where, f"pallax: ignoring corrupt config cache file {where}")
     return {}
   if data.get("format") != FORMAT or data.get("op_version") != op_version:
-    _warn_once(where, f"pallax: ignoring config cache file {where} written for "
-                      f"format {data.get('format')} / {op} version {data.get('op_version')} "
-                      f"(this pallax: format {FORMAT} / version {op_version})")
+    _warn_once(
+      where,
+      f"pallax: ignoring config cache file {where} written for "
+      f"format {data.get('format')} / {op} version {data.get('op_version')} "
+      f"(this pallax: format {FORMAT} / version {op_version})",
+    )
     return {}
   return data["entries"]
 
@@ -84,8 +88,9 @@ class DiskCache:
       return {}
     return _parse(text, op, op_version, str(path))
 
-  def store(self, device_kind: str, op: str, op_version: int,
-            entries: dict[str, dict[str, Any]]) -> bool:
+  def store(
+    self, device_kind: str, op: str, op_version: int, entries: dict[str, dict[str, Any]]
+  ) -> bool:
     """Merges ``entries`` into the file; False (memory-only from now on) if it cannot."""
     if not self.writable:
       return False
@@ -110,8 +115,11 @@ class DiskCache:
       return True
     except OSError as err:
       self.writable = False
-      _warn_once(str(self.directory), f"pallax: config cache {self.directory} is not "
-                                      f"writable ({err}); keeping tuned configs in memory only")
+      _warn_once(
+        str(self.directory),
+        f"pallax: config cache {self.directory} is not "
+        f"writable ({err}); keeping tuned configs in memory only",
+      )
       return False
 
 
@@ -125,7 +133,7 @@ def _locked(lock_path: Path) -> Iterator[None]:
       fcntl.flock(lock, fcntl.LOCK_UN)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def shipped_defaults(device_kind: str, op: str, op_version: int) -> dict[str, dict[str, Any]]:
   """Configs shipped in the package: ``pallax/executor/defaults/<device-kind>/<op>.json``.
 

@@ -6,6 +6,7 @@ names its implementation: ``"pallas"`` (the kernel; interpreted on CPU) or
 ``"xla"`` (the op's XLA program), so choosing between them is config selection
 like any other.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -28,19 +29,23 @@ class KernelConfig:
 
   def __post_init__(self):
     if self.implementation not in IMPLEMENTATIONS:
-      raise ValueError(f"{type(self).__name__}.implementation must be one of "
-                       f"{IMPLEMENTATIONS}, got {self.implementation!r}")
+      raise ValueError(
+        f"{type(self).__name__}.implementation must be one of "
+        f"{IMPLEMENTATIONS}, got {self.implementation!r}"
+      )
     for name in self.positive_fields:
       value = getattr(self, name)
       if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-        raise ValueError(
-            f"{type(self).__name__}.{name} must be a positive int, got {value!r}")
+        raise ValueError(f"{type(self).__name__}.{name} must be a positive int, got {value!r}")
 
   def __str__(self) -> str:
     if self.implementation == "xla":
       return "xla"
-    fields = ", ".join(f"{f.name}={getattr(self, f.name)}" for f in dataclasses.fields(self)
-                       if f.name != "implementation")
+    fields = ", ".join(
+      f"{f.name}={getattr(self, f.name)}"
+      for f in dataclasses.fields(self)
+      if f.name != "implementation"
+    )
     return f"pallas({fields})"
 
   def to_dict(self) -> dict[str, Any]:

@@ -12,14 +12,22 @@ in this order (design.md section 3):
    heuristic, ``"autotune"`` times the candidates on this device and stores
    the winner, ``"error"`` raises ``LookupError``.
 
-A selected ``"pallas"`` config the kernel cannot run (say float64 on TPU) is
-replaced by the XLA program, visibly: a log line and a note in ``explain``.
+The XLA program is the executor's business, not the kernels': a kernel's spec
+describes only its kernel (``"pallas"`` configs). The executor picks the XLA
+program by heuristic on ``cpu`` (interpreted kernels are for testing, not
+speed), adds it to the autotuning candidates wherever it may run, and never
+asks a kernel whether it supports an ``"xla"`` config: the XLA program runs
+every call. A selected ``"pallas"`` config the kernel cannot run (say float64
+on TPU) is replaced by the XLA program, visibly: a log line and a note in
+``explain``. Under the interpret switch the executor never picks the XLA
+program (a pinned ``"xla"`` config still runs it).
 Heuristic picks are never written to disk; pinned configs never stored.
 
 Which executor and overlays apply is a JAX config flag in the trace context, so
 entering an overlay re-traces jitted functions; persistent changes (override,
 policy, default executor) clear JAX's caches.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -28,7 +36,8 @@ import functools
 import logging
 import os
 import threading
-from typing import Any, Callable, Iterator, Mapping, Optional, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import Any, Optional
 
 import jax
 
@@ -36,8 +45,13 @@ from pallax import _jax_private
 from pallax.executor import autotune as autotune_lib
 from pallax.executor.cache import DiskCache, shipped_defaults
 from pallax.executor.config import KernelConfig
-from pallax.executor.registry import (KernelSpec, describe_avals, kernel_spec, platform_of,
-                                      xla_allowed)
+from pallax.executor.registry import (
+  KernelSpec,
+  describe_avals,
+  kernel_spec,
+  platform_of,
+  xla_allowed,
+)
 
 log = logging.getLogger("pallax.executor")
 
@@ -47,6 +61,7 @@ POLICIES = ("heuristic", "autotune", "error")
 @dataclasses.dataclass(frozen=True)
 class Selection:
   """The outcome of one selection, as ``pallax.explain`` shows it."""
+
   op: str
   key: str
   target: str
@@ -63,16 +78,19 @@ class Selection:
 @dataclasses.dataclass(frozen=True)
 class Scope:
   """What a traced op call carries to its lowering: the executor and overlays in force."""
-  executor: Optional["Executor"] = None
+
+  executor: Optional[Executor] = None
   overlays: tuple[tuple[str, KernelConfig], ...] = ()
 
-  def resolve(self) -> "Executor":
+  def resolve(self) -> Executor:
     return self.executor if self.executor is not None else default_executor()
 
 
 _SCOPE = _jax_private.object_flag(
-    "pallax_executor_scope", Scope(),
-    help="The pallax executor and config overlays in force (set by their context managers).")
+  "pallax_executor_scope",
+  Scope(),
+  help="The pallax executor and config overlays in force (set by their context managers).",
+)
 
 
 def current_scope() -> Scope:
@@ -90,7 +108,7 @@ def _device_kind(target: str) -> str:
   return f"{platform} (no device)"
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _local_device_kind(platform: str) -> Optional[str]:
   try:
     return jax.devices(platform)[0].device_kind
@@ -100,6 +118,41 @@ def _local_device_kind(platform: str) -> Optional[str]:
 
 def _target_runs_here(target: str) -> bool:
   return _local_device_kind(platform_of(target)) is not None
+
+
+def heuristic_config(
+  spec: KernelSpec, avals: Sequence[Any], target: str, params: Mapping
+) -> KernelConfig:
+  """The kernel's heuristic config; on ``cpu``, the XLA program with it."""
+  config = spec.heuristic(avals, target, **params)
+  return dataclasses.replace(config, implementation="xla") if target == "cpu" else config
+
+
+def candidate_configs(
+  spec: KernelSpec, avals: Sequence[Any], target: str, params: Mapping
+) -> list[KernelConfig]:
+  """The kernel's autotuning candidates and, where it may run, the XLA program (once).
+
+  A candidate XLA config from the kernel's own list stands for the XLA program
+  if there is one; otherwise it is the heuristic's config made ``"xla"``.
+  """
+  configs = list(dict.fromkeys(spec.candidates(avals, target, **params)))
+  kernels = [c for c in configs if c.implementation != "xla"]
+  if not xla_allowed(target):
+    return kernels
+  xla = next((c for c in configs if c.implementation == "xla"), None)
+  if xla is None:
+    xla = dataclasses.replace(spec.heuristic(avals, target, **params), implementation="xla")
+  return kernels + [xla]
+
+
+def unsupported_reason(
+  spec: KernelSpec, avals: Sequence[Any], target: str, config: KernelConfig, params: Mapping
+) -> Optional[str]:
+  """Why ``config`` cannot run this call, if it cannot: the XLA program always can."""
+  if config.implementation == "xla":
+    return None
+  return spec.supports(avals, target, config, **params)
 
 
 def cache_key(spec: KernelSpec, avals: Sequence[Any], target: str, params: Mapping) -> str:
@@ -119,8 +172,12 @@ class Executor:
       seconds``, raising for a candidate that cannot run (for tests).
   """
 
-  def __init__(self, policy: Optional[str] = None, cache_dir=None,
-               timer: Optional[Callable[[KernelConfig], float]] = None):
+  def __init__(
+    self,
+    policy: Optional[str] = None,
+    cache_dir=None,
+    timer: Optional[autotune_lib.Timer] = None,
+  ):
     self._policy = self._check_policy(policy or os.environ.get("PALLAX_POLICY", "heuristic"))
     self.disk = None if cache_dir is False else DiskCache(cache_dir)
     self.timer = timer
@@ -158,7 +215,7 @@ class Executor:
     jax.clear_caches()
 
   @contextlib.contextmanager
-  def overlay(self, configs: Mapping[str, KernelConfig]) -> Iterator["Executor"]:
+  def overlay(self, configs: Mapping[str, KernelConfig]) -> Iterator[Executor]:
     """Within the block, kernel ``op`` uses ``configs[op]`` (after pins)."""
     for op, config in configs.items():
       self._check_config(kernel_spec(op), config)
@@ -168,11 +225,11 @@ class Executor:
       yield self
 
   @contextlib.contextmanager
-  def _as_current(self) -> Iterator["Executor"]:
+  def _as_current(self) -> Iterator[Executor]:
     with _SCOPE(Scope(self)):
       yield self
 
-  def __enter__(self) -> "Executor":
+  def __enter__(self) -> Executor:
     cm = self._as_current()
     self._entered.__dict__.setdefault("stack", []).append(cm)
     return cm.__enter__()
@@ -188,22 +245,33 @@ class Executor:
   @staticmethod
   def _check_config(spec: KernelSpec, config: KernelConfig) -> None:
     if not isinstance(config, spec.config_cls):
-      raise TypeError(f"config for {spec.op} must be a {spec.config_cls.__name__}, "
-                      f"got {type(config).__name__}")
+      raise TypeError(
+        f"config for {spec.op} must be a {spec.config_cls.__name__}, got {type(config).__name__}"
+      )
 
   # -- selection ---------------------------------------------------------------
 
-  def select(self, op: str, avals: Sequence[Any], target: str, params: Mapping, *,
-             pinned: Optional[KernelConfig] = None,
-             overlays: Sequence[tuple[str, KernelConfig]] = (),
-             make_fn: Optional[Callable[[KernelConfig], Callable]] = None,
-             dry_run: bool = False) -> Selection:
+  def select(
+    self,
+    op: str,
+    avals: Sequence[Any],
+    target: str,
+    params: Mapping,
+    *,
+    pinned: Optional[KernelConfig] = None,
+    overlays: Sequence[tuple[str, KernelConfig]] = (),
+    make_fn: Optional[Callable[[KernelConfig], Callable]] = None,
+    dry_run: bool = False,
+  ) -> Selection:
     """The config of one kernel call.
 
     Args:
-      op: kernel name. avals: its operands' final avals. target: see
-        ``registry.TARGETS``. params: its static params.
-      pinned: the call's ``config=``. overlays: the scope's overlays.
+      op: kernel name.
+      avals: its operands' final avals.
+      target: see ``registry.TARGETS``.
+      params: its static params.
+      pinned: the call's ``config=``.
+      overlays: the scope's overlays.
       make_fn: ``config -> function of the operands`` running the kernel with
         that config, for autotuning.
       dry_run: never autotune (``explain``).
@@ -223,33 +291,38 @@ class Executor:
       hit = self._memory.get((kind, key))
       if hit is not None:
         return hit
-      for source, entries in (("disk", self._disk_entries(kind, spec)),
-                              ("default", shipped_defaults(kind, spec.op, spec.version))):
+      for source, entries in (
+        ("disk", self._disk_entries(kind, spec)),
+        ("default", shipped_defaults(kind, spec.op, spec.version)),
+      ):
         config = self._from_entry(spec, entries.get(key))
         if config is not None:
           chosen = self._validated(spec, avals, target, params, make(config, source))
           self._memory[(kind, key)] = dataclasses.replace(chosen, source="memory")
           return chosen
       if self.policy == "error":
-        raise LookupError(f"pallax: no cached config for {key} on {kind!r} and the executor "
-                          f"policy is 'error' (autotune it with pallax.autotune)")
+        raise LookupError(
+          f"pallax: no cached config for {key} on {kind!r} and the executor "
+          f"policy is 'error' (autotune it with pallax.autotune)"
+        )
       if self.policy == "autotune" and not dry_run:
         if make_fn is not None and _target_runs_here(target):
           return self._tune(spec, avals, target, params, key, kind, make_fn)
         note = f"autotune needs a {target} device here; used the heuristic"
       else:
         note = ""
-      heuristic = spec.heuristic(avals, target, **params)
+      heuristic = heuristic_config(spec, avals, target, params)
       return self._validated(spec, avals, target, params, make(heuristic, "heuristic", note))
 
   def _validated(self, spec, avals, target, params, chosen: Selection, strict=False) -> Selection:
     """``chosen``, or the XLA program if its kernel cannot run this call."""
-    reason = spec.supports(avals, target, chosen.config, **params)
+    reason = unsupported_reason(spec, avals, target, chosen.config, params)
     if reason is None:
       return chosen
     if strict:
-      raise ValueError(f"pallax: {chosen.source} config {chosen.config} cannot run "
-                       f"{spec.op} on {target}: {reason}")
+      raise ValueError(
+        f"pallax: {chosen.source} config {chosen.config} cannot run {spec.op} on {target}: {reason}"
+      )
     if not xla_allowed(target):
       raise NotImplementedError(f"pallax: {spec.op} has no {target} kernel for this call: {reason}")
     note = f"pallas skipped: {reason}; running the XLA program"
@@ -280,34 +353,61 @@ class Executor:
   def _tune(self, spec, avals, target, params, key, kind, make_fn) -> Selection:
     candidates = []
     failures = []
-    for config in spec.candidates(avals, target, **params):
-      reason = spec.supports(avals, target, config, **params)
+    for config in candidate_configs(spec, avals, target, params):
+      reason = unsupported_reason(spec, avals, target, config, params)
       if reason is None:
         candidates.append(config)
       else:
         failures.append((config, f"not supported: {reason}"))
-    measure = self.timer or autotune_lib.wall_clock_measure(make_fn, avals)
-    result = autotune_lib.tune(spec.op, candidates, measure)
+    if self.timer is not None:
+      benchmark = autotune_lib.timer_benchmark(self.timer)
+    else:
+      benchmark = autotune_lib.wall_clock_benchmark(make_fn, avals)
+    result = autotune_lib.tune(spec.op, candidates, benchmark)
     result = dataclasses.replace(result, failures=tuple(failures) + result.failures)
-    chosen = Selection(spec.op, key, target, kind, result.best, "autotune",
-                       f"fastest of {len(result.timings)} candidates "
-                       f"({len(result.failures)} skipped): {result.time_s * 1e6:.1f} us")
+    chosen = Selection(
+      spec.op,
+      key,
+      target,
+      kind,
+      result.best,
+      "autotune",
+      f"fastest of {len(result.timings)} candidates "
+      f"({len(result.failures)} skipped): {result.time_s * 1e6:.1f} us",
+    )
     self._memory[(kind, key)] = dataclasses.replace(chosen, source="memory")
     self.tune_log.append((chosen, result))
     if self.disk is not None:
-      entry = {"config": result.best.to_dict(), "time_s": result.time_s,
-               "candidates": len(result.timings), "skipped": len(result.failures)}
+      entry = {
+        "config": result.best.to_dict(),
+        "time_s": result.time_s,
+        "candidates": len(result.timings),
+        "skipped": len(result.failures),
+      }
       self._disk_entries(kind, spec)[key] = entry
       self.disk.store(kind, spec.op, spec.version, {key: entry})
     return chosen
 
-  def tune(self, op: str, avals: Sequence[Any], target: str, params: Mapping,
-           make_fn: Callable[[KernelConfig], Callable]) -> Selection:
+  def tune(
+    self,
+    op: str,
+    avals: Sequence[Any],
+    target: str,
+    params: Mapping,
+    make_fn: Callable[[KernelConfig], Callable],
+  ) -> Selection:
     """Autotunes one kernel call now, whatever is cached, and stores the winner."""
     spec = kernel_spec(op)
     with self._lock:
-      return self._tune(spec, avals, target, params, cache_key(spec, avals, target, params),
-                        _device_kind(target), make_fn)
+      return self._tune(
+        spec,
+        avals,
+        target,
+        params,
+        cache_key(spec, avals, target, params),
+        _device_kind(target),
+        make_fn,
+      )
 
 
 _default: Optional[Executor] = None

@@ -1,14 +1,17 @@
-"""Executor tools for users: explain, autotune, vmap/pmap with one config.
+"""The public executor tools: explain, autotune, vmap_with_config, pmap_with_config.
 
 All of them find the kernel calls of a function by tracing it (never by
 running it on data), so they see the final shapes each kernel gets.
 """
+
 from __future__ import annotations
 
 import functools
-from typing import Any, Callable, Iterator, Optional, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any, Optional
 
 import jax
+from jax.extend.core import Jaxpr, JaxprEqn, jaxprs_in_params
 
 from pallax.executor import Executor, Selection, default_executor
 from pallax.executor.registry import target_of
@@ -25,25 +28,14 @@ def local_target() -> str:
   return target_of(platform, interpret_backend())
 
 
-def _sub_jaxprs(value) -> Iterator[Any]:
-  if isinstance(value, jax.extend.core.ClosedJaxpr):
-    yield value.jaxpr
-  elif isinstance(value, jax.extend.core.Jaxpr):
-    yield value
-  elif isinstance(value, (tuple, list)):
-    for v in value:
-      yield from _sub_jaxprs(v)
-
-
-def kernel_calls(jaxpr) -> list:
+def kernel_calls(jaxpr: Jaxpr) -> list[JaxprEqn]:
   """Every equation of ``jaxpr`` (nested jaxprs included) that runs a pallax kernel."""
   calls = []
   for eqn in jaxpr.eqns:
     if isinstance(eqn.primitive, KernelPrimitive) and eqn.primitive.has_kernel:
       calls.append(eqn)
-    for value in eqn.params.values():
-      for sub in _sub_jaxprs(value):
-        calls.extend(kernel_calls(sub))
+    for sub in jaxprs_in_params(eqn.params):
+      calls.extend(kernel_calls(sub))
   return calls
 
 
@@ -53,10 +45,17 @@ def _trace(fn: Callable, args, kwargs) -> list:
 
 def _select(eqn, target: str, executor: Optional[Executor] = None, **kw) -> Selection:
   """The selection for kernel call ``eqn`` (a traced equation of a pallax primitive)."""
-  return select_config(eqn.primitive, [v.aval for v in eqn.invars], target,
-                       op_params(eqn.params), config=eqn.params["config"],
-                       interpret=eqn.params["interpret"], scope=eqn.params["executor"],
-                       executor=executor, **kw)
+  return select_config(
+    eqn.primitive,
+    [v.aval for v in eqn.invars],
+    target,
+    op_params(eqn.params),
+    config=eqn.params["config"],
+    interpret=eqn.params["interpret"],
+    scope=eqn.params["executor"],
+    executor=executor,
+    **kw,
+  )
 
 
 class Report(list):
@@ -98,8 +97,15 @@ def autotune(fn: Callable, *args, executor: Optional[Executor] = None, **kwargs)
     key = (eqn.primitive.name, tuple(avals), tuple(sorted(params.items())))
     if key not in seen:
       seen.add(key)
-      report.append(executor.tune(eqn.primitive.name, avals, target, params,
-                                  kernel_runner(eqn.primitive, params, eqn.params["interpret"])))
+      report.append(
+        executor.tune(
+          eqn.primitive.name,
+          avals,
+          target,
+          params,
+          kernel_runner(eqn.primitive, params, eqn.params["interpret"]),
+        )
+      )
   return report
 
 
@@ -121,8 +127,9 @@ def _select_once(executor: Executor, fn: Callable, structs, kwargs):
   return _select(calls[0], local_target(), executor).config
 
 
-def _with_config(executor: Executor, op: Callable, structs_of: Callable, traced: Callable,
-                 mapped: Callable) -> Callable:
+def _with_config(
+  executor: Executor, op: Callable, structs_of: Callable, traced: Callable, mapped: Callable
+) -> Callable:
   """``mapped(op)`` with one config per argument shapes, pinned after one selection.
 
   ``structs_of(args)`` gives the abstract arguments that ``traced`` (a function
@@ -156,14 +163,26 @@ def vmap_with_config(executor: Executor, op: Callable, in_axes=0) -> Callable:
   run on a sample), then pinned for the mapped call.
   """
   vmapped = lambda op: lambda *a, **k: jax.vmap(functools.partial(op, **k), in_axes=in_axes)(*a)
-  return _with_config(executor, op, lambda args: [_struct(a) for a in args], vmapped,
-                      lambda f: jax.vmap(f, in_axes=in_axes))
+  return _with_config(
+    executor,
+    op,
+    lambda args: [_struct(a) for a in args],
+    vmapped,
+    lambda f: jax.vmap(f, in_axes=in_axes),
+  )
 
 
-def pmap_with_config(executor: Executor, op: Callable, in_axes=0,
-                     axis_name: str = "devices") -> Callable:
+def pmap_with_config(
+  executor: Executor, op: Callable, in_axes=0, axis_name: str = "devices"
+) -> Callable:
   """``jax.pmap(op, in_axes, axis_name)`` with one config, selected from per-device shapes."""
-  per_device = lambda args: [_struct(a, axis)
-                             for a, axis in zip(args, _in_axes_per_leaf(args, in_axes))]
-  return _with_config(executor, op, per_device, lambda op: op,
-                      lambda f: jax.pmap(f, in_axes=in_axes, axis_name=axis_name))
+  per_device = lambda args: [
+    _struct(a, axis) for a, axis in zip(args, _in_axes_per_leaf(args, in_axes))
+  ]
+  return _with_config(
+    executor,
+    op,
+    per_device,
+    lambda op: op,
+    lambda f: jax.pmap(f, in_axes=in_axes, axis_name=axis_name),
+  )

@@ -1,4 +1,5 @@
 """The persistent cache: corrupt files, other versions, no permission, concurrency."""
+
 from __future__ import annotations
 
 import json
@@ -36,8 +37,15 @@ def test_cache_dir_from_environment(monkeypatch, tmp_path):
   assert slug("NVIDIA H100 80GB HBM3") == "nvidia_h100_80gb_hbm3"
 
 
-@pytest.mark.parametrize("text", ["{not json", '{"format": 1, "op": "op", "entr', "[]",
-                                  '{"format": 1, "op": "other", "op_version": 1, "entries": {}}'])
+@pytest.mark.parametrize(
+  "text",
+  [
+    "{not json",
+    '{"format": 1, "op": "op", "entr',
+    "[]",
+    '{"format": 1, "op": "other", "op_version": 1, "entries": {}}',
+  ],
+)
 def test_corrupt_file_is_ignored_with_one_warning(tmp_path, text):
   cache = DiskCache(tmp_path)
   path = cache.path(KIND, "op")
@@ -53,8 +61,9 @@ def test_corrupt_file_is_ignored_with_one_warning(tmp_path, text):
   assert set(cache.load(KIND, "op", 1)) == {"key3"}
 
 
-@pytest.mark.parametrize("header", [{"format": FORMAT + 1, "op_version": 1},
-                                    {"format": FORMAT, "op_version": 2}])
+@pytest.mark.parametrize(
+  "header", [{"format": FORMAT + 1, "op_version": 1}, {"format": FORMAT, "op_version": 2}]
+)
 def test_other_version_is_ignored_with_a_warning(tmp_path, header):
   cache = DiskCache(tmp_path)
   path = cache.path(KIND, "op")
@@ -75,13 +84,16 @@ def test_unwritable_dir_falls_back_to_memory(tmp_path):
 
 
 def test_unwritable_dir_keeps_tuned_config_in_memory(tmp_path):
-  from tests.executor.test_executor import AVALS, PARAMS, FakeConfig, fake_timer
   from pallax.executor import Executor
+  from tests.executor.test_executor import AVALS, PARAMS, FakeConfig, fake_timer
 
   blocker = tmp_path / "file"
   blocker.write_text("x")
-  ex = Executor(policy="autotune", cache_dir=blocker / "cache",
-                timer=fake_timer({FakeConfig(block=2): 1.0, FakeConfig(block=4): 0.5}))
+  ex = Executor(
+    policy="autotune",
+    cache_dir=blocker / "cache",
+    timer=fake_timer({FakeConfig(block=2): 1.0, FakeConfig(block=4): 0.5}),
+  )
   with pytest.warns(RuntimeWarning, match="not writable"):
     chosen = ex.select("fake_op", AVALS, "cpu", PARAMS, make_fn=lambda c: None)
   assert chosen.config.block == 4
@@ -99,9 +111,13 @@ for j in range(25):  # many writes per process, so that they overlap
 
 
 def test_eight_processes_writing_at_once(tmp_path):
-  procs = [subprocess.Popen([sys.executable, "-c", _WRITER, str(tmp_path), str(i)],
-                            env={**os.environ, "JAX_PLATFORMS": "cpu"})
-           for i in range(8)]
+  procs = [
+    subprocess.Popen(
+      [sys.executable, "-c", _WRITER, str(tmp_path), str(i)],
+      env={**os.environ, "JAX_PLATFORMS": "cpu"},
+    )
+    for i in range(8)
+  ]
   assert [p.wait(timeout=120) for p in procs] == [0] * 8
   entries = DiskCache(tmp_path).load(KIND, "op", 1)
   assert set(entries) == {f"key{i}_{j}" for i in range(8) for j in range(25)}

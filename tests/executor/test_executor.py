@@ -1,8 +1,10 @@
-"""The selection chain, the policies and the autotuner, with a fake timer."""
+"""The selection chain, the policies, the XLA program's place and the autotuner (fake timers)."""
+
 from __future__ import annotations
 
 import dataclasses
 import io
+import threading
 import time
 from typing import ClassVar
 
@@ -23,16 +25,54 @@ class FakeConfig(KernelConfig):
   positive_fields: ClassVar[tuple[str, ...]] = ("block",)
 
 
-CANDIDATES = [FakeConfig(block=b) for b in (1, 2, 4, 8)] + [FakeConfig(block=1, implementation="xla")]
+CANDIDATES = [FakeConfig(block=b) for b in (1, 2, 4, 8)] + [
+  FakeConfig(block=1, implementation="xla")
+]
 SPEC = KernelSpec(
-    "fake_op", FakeConfig,
-    heuristic=lambda avals, target, **p: FakeConfig(block=2),
-    candidates=lambda avals, target, **p: CANDIDATES,
-    # block 8 "cannot run" this call: it must be skipped, visibly.
-    supports=lambda avals, target, config, **p: "block 8 too big" if config.block == 8 else None)
+  "fake_op",
+  FakeConfig,
+  heuristic=lambda avals, target, **p: FakeConfig(block=2),
+  candidates=lambda avals, target, **p: CANDIDATES,
+  # block 8 "cannot run" this call: it must be skipped, visibly.
+  supports=lambda avals, target, config, **p: "block 8 too big" if config.block == 8 else None,
+)
 register_kernel(SPEC)
+
 AVALS = [jax.ShapeDtypeStruct((16, 32), jnp.float32)]
 PARAMS = {"eps": 1e-6}
+
+
+def _kernel_only_supports(avals, target, config, **p):
+  assert config.implementation == "pallas", f"the kernel was asked about {config}"
+  return None
+
+
+# A kernel as it describes itself to the executor: its heuristic picks the
+# kernel on every target, it lists no XLA candidate, and it is never asked
+# about an XLA config.
+KERNEL_ONLY = KernelSpec(
+  "kernel_only_op",
+  FakeConfig,
+  heuristic=lambda avals, target, **p: FakeConfig(block=2),
+  candidates=lambda avals, target, **p: [FakeConfig(block=b) for b in (1, 2, 4)],
+  supports=_kernel_only_supports,
+)
+register_kernel(KERNEL_ONLY)
+# The same kernel as kernel modules used to describe it: the XLA program by
+# heuristic on CPU, and an XLA candidate of its own where XLA may run.
+LEGACY = KernelSpec(
+  "legacy_op",
+  FakeConfig,
+  heuristic=lambda avals, target, **p: FakeConfig(
+    block=2, implementation="xla" if target == "cpu" else "pallas"
+  ),
+  candidates=lambda avals, target, **p: (
+    [FakeConfig(block=b) for b in (1, 2, 4)]
+    + ([] if target.startswith("interpret-") else [FakeConfig(block=1, implementation="xla")])
+  ),
+  supports=lambda avals, target, config, **p: None,
+)
+register_kernel(LEGACY)
 
 
 def fake_timer(times, calls=None):
@@ -42,6 +82,7 @@ def fake_timer(times, calls=None):
     if config not in times:
       raise RuntimeError(f"{config} failed to compile")
     return times[config]
+
   return timer
 
 
@@ -51,16 +92,19 @@ def _select(ex, **kw):
 
 def _write_disk(ex, config, key=None):
   key = key or cache_key(SPEC, AVALS, "cpu", PARAMS)
-  ex.disk.store(jax.devices("cpu")[0].device_kind, "fake_op", SPEC.version,
-                {key: {"config": config.to_dict()}})
+  ex.disk.store(
+    jax.devices("cpu")[0].device_kind, "fake_op", SPEC.version, {key: {"config": config.to_dict()}}
+  )
 
 
 def test_chain_order(tmp_path, monkeypatch):
   kind = jax.devices("cpu")[0].device_kind
   key = cache_key(SPEC, AVALS, "cpu", PARAMS)
-  monkeypatch.setattr(executor_lib, "shipped_defaults",
-                      lambda k, op, v: {key: {"config": FakeConfig(block=16).to_dict()}}
-                      if op == "fake_op" else {})
+  monkeypatch.setattr(
+    executor_lib,
+    "shipped_defaults",
+    lambda k, op, v: {key: {"config": FakeConfig(block=16).to_dict()}} if op == "fake_op" else {},
+  )
   ex = Executor(cache_dir=tmp_path)
   assert (_select(ex).source, _select(ex).config.block) == ("default", 16)
 
@@ -98,8 +142,12 @@ def test_error_policy_raises_on_miss(tmp_path):
   with pytest.raises(LookupError, match="fake_op"):
     _select(ex)
   _write_disk(ex, FakeConfig(block=4))
-  assert Executor(policy="error", cache_dir=tmp_path).select(
-      "fake_op", AVALS, "cpu", PARAMS).config.block == 4
+  assert (
+    Executor(policy="error", cache_dir=tmp_path)
+    .select("fake_op", AVALS, "cpu", PARAMS)
+    .config.block
+    == 4
+  )
 
 
 def test_bad_policy():
@@ -108,15 +156,19 @@ def test_bad_policy():
 
 
 def test_autotune_picks_fastest_and_skips_failures(tmp_path):
-  times = {FakeConfig(block=1): 3.0, FakeConfig(block=2): 2.0, FakeConfig(block=4): 0.5,
-           # block 8 is unsupported; the XLA candidate "fails to compile".
-           FakeConfig(block=8): 0.1}
+  times = {
+    FakeConfig(block=1): 3.0,
+    FakeConfig(block=2): 2.0,
+    FakeConfig(block=4): 0.5,
+    # block 8 is unsupported; the XLA candidate "fails to compile".
+    FakeConfig(block=8): 0.1,
+  }
   calls = []
   ex = Executor(policy="autotune", cache_dir=tmp_path, timer=fake_timer(times, calls))
   chosen = _select(ex)
   assert (chosen.source, chosen.config) == ("autotune", FakeConfig(block=4))
   assert FakeConfig(block=8) not in calls  # never timed
-  (_, result), = ex.tune_log
+  ((_, result),) = ex.tune_log
   reasons = dict(result.failures)
   assert "block 8 too big" in reasons[FakeConfig(block=8)]
   assert "failed to compile" in reasons[FakeConfig(block=1, implementation="xla")]
@@ -154,9 +206,12 @@ def test_unsupported_selection_falls_back_to_xla_visibly(tmp_path):
     _select(ex, pinned=FakeConfig(block=8))
   # Under the interpret switch the XLA program is no alternative: a clear error.
   ex2 = Executor(cache_dir=tmp_path)
-  ex2.disk.store(jax.devices("cpu")[0].device_kind, "fake_op", SPEC.version,
-                 {cache_key(SPEC, AVALS, "interpret-triton", PARAMS):
-                  {"config": FakeConfig(block=8).to_dict()}})
+  ex2.disk.store(
+    jax.devices("cpu")[0].device_kind,
+    "fake_op",
+    SPEC.version,
+    {cache_key(SPEC, AVALS, "interpret-triton", PARAMS): {"config": FakeConfig(block=8).to_dict()}},
+  )
   with pytest.raises(NotImplementedError, match="block 8 too big"):
     ex2.select("fake_op", AVALS, "interpret-triton", PARAMS)
 
@@ -173,7 +228,7 @@ def test_wrong_config_type():
 def test_progress_on_stderr_only_for_long_runs():
   timer = fake_timer({c: 1e-3 for c in CANDIDATES})
   quiet = io.StringIO()
-  autotune_lib.tune("fake_op", CANDIDATES, timer, stream=quiet)
+  autotune_lib.tune("fake_op", CANDIDATES, autotune_lib.timer_benchmark(timer), stream=quiet)
   assert quiet.getvalue() == ""
 
   def slow(config):
@@ -181,7 +236,8 @@ def test_progress_on_stderr_only_for_long_runs():
     return timer(config)
 
   loud = io.StringIO()
-  autotune_lib.tune("fake_op", CANDIDATES, slow, progress_after_s=0.01, stream=loud)
+  slow_benchmark = autotune_lib.timer_benchmark(slow)
+  autotune_lib.tune("fake_op", CANDIDATES, slow_benchmark, progress_after_s=0.01, stream=loud)
   lines = loud.getvalue().splitlines()
   assert lines and all(line.startswith("pallax autotune fake_op: candidate") for line in lines)
   assert "5/5" in lines[-1] and "best" in lines[-1]
@@ -192,3 +248,120 @@ def test_random_inputs_are_random_and_nonzero():
   a, b = autotune_lib.random_inputs(avals, seed=0)
   assert a.dtype == jnp.bfloat16 and b.dtype == jnp.int32
   assert float(jnp.std(a.astype(jnp.float32))) > 0.5 and bool(jnp.all(b != 0))
+
+
+@pytest.mark.parametrize("op", ["kernel_only_op", "legacy_op"])
+def test_heuristic_picks_the_xla_program_on_cpu_only(op):
+  ex = Executor(cache_dir=False)
+  on_cpu = ex.select(op, AVALS, "cpu", PARAMS)
+  assert (on_cpu.source, on_cpu.config) == ("heuristic", FakeConfig(block=2, implementation="xla"))
+  for target in ("cuda", "tpu", "interpret-triton"):
+    assert ex.select(op, AVALS, target, PARAMS).config == FakeConfig(block=2), target
+
+
+# The kernel's own XLA candidate if it lists one, else the heuristic's config made "xla".
+@pytest.mark.parametrize("op, xla_block", [("kernel_only_op", 2), ("legacy_op", 1)])
+def test_autotune_candidates_hold_the_xla_program_once_where_it_may_run(op, xla_block):
+  calls = []
+
+  def timer(config):
+    calls.append(config)
+    return 0.5 if config.implementation == "xla" else config.block
+
+  ex = Executor(policy="autotune", cache_dir=False, timer=timer)
+  chosen = ex.select(op, AVALS, "cpu", PARAMS, make_fn=lambda cfg: None)
+  assert (chosen.source, chosen.implementation) == ("autotune", "xla")
+  assert [c.block for c in calls if c.implementation == "pallas"] == [1, 2, 4]
+  assert [c for c in calls if c.implementation == "xla"] == [
+    FakeConfig(block=xla_block, implementation="xla")
+  ]
+  # Under the interpret switch the XLA program is no candidate.
+  calls.clear()
+  chosen = ex.select(op, AVALS, "interpret-triton", PARAMS, make_fn=lambda cfg: None)
+  assert chosen.config == FakeConfig(block=1)
+  assert calls == [FakeConfig(block=b) for b in (1, 2, 4)]
+
+
+def test_xla_configs_are_accepted_without_asking_the_kernel(tmp_path):
+  xla = FakeConfig(block=8, implementation="xla")
+  ex = Executor(cache_dir=tmp_path)
+  for target in ("cpu", "tpu", "interpret-mosaic_tpu"):
+    chosen = ex.select("kernel_only_op", AVALS, target, PARAMS, pinned=xla)
+    assert (chosen.source, chosen.config) == ("pinned", xla)
+    overlays = (("kernel_only_op", xla),)
+    chosen = ex.select("kernel_only_op", AVALS, target, PARAMS, overlays=overlays)
+    assert (chosen.source, chosen.config) == ("overlay", xla)
+  ex.override("kernel_only_op", xla)
+  assert ex.select("kernel_only_op", AVALS, "tpu", PARAMS).config == xla
+  ex.override("kernel_only_op", None)
+  key = cache_key(KERNEL_ONLY, AVALS, "tpu", PARAMS)
+  ex.disk.store("tpu (no device)", "kernel_only_op", 1, {key: {"config": xla.to_dict()}})
+  chosen = Executor(cache_dir=tmp_path).select("kernel_only_op", AVALS, "tpu", PARAMS)
+  assert (chosen.source, chosen.config, chosen.note) == ("disk", xla, "")
+
+
+def test_wall_clock_tuning_compiles_everything_first_then_times_on_the_same_inputs(monkeypatch):
+  events = []
+
+  def make_fn(config):
+    def fn(x):
+      events.append(("compile", config))
+      if config.block == 4:
+        raise ValueError("block 4 does not tile")
+      return x * config.block
+
+    return fn
+
+  def median_time(fn, args):
+    events.append(("time", args))
+    jax.block_until_ready(fn(*args))
+    return 1e-3 * len(events)
+
+  monkeypatch.setattr(autotune_lib, "median_time", median_time)
+  ex = Executor(policy="autotune", cache_dir=False)
+  chosen = ex.select("kernel_only_op", AVALS, "cpu", PARAMS, make_fn=make_fn)
+  ((_, result),) = ex.tune_log
+  assert [kind for kind, _ in events] == ["compile"] * 4 + ["time"] * 3
+  assert [config for config, _ in result.timings] == [
+    FakeConfig(block=1),
+    FakeConfig(block=2),
+    FakeConfig(block=2, implementation="xla"),
+  ]
+  assert result.failures == ((FakeConfig(block=4), "ValueError: block 4 does not tile"),)
+  assert chosen.config == FakeConfig(block=1)
+  (first, *others) = [args for kind, args in events if kind == "time"]
+  assert all(args is first for args in others), "every candidate gets the same arrays"
+  (x,) = first
+  assert x.shape == AVALS[0].shape and float(jnp.std(x)) > 0.5
+
+
+def test_candidates_compile_concurrently_then_time_one_at_a_time():
+  both_compiling = threading.Barrier(2, timeout=60)
+  events, timing = [], []
+
+  def compile_(config):
+    if config.block == 8:
+      raise RuntimeError("no such tiling")
+    both_compiling.wait()  # passes only while the other candidate compiles too
+    events.append(("compiled", config))
+    return config
+
+  def time_(config, inputs):
+    timing.append(config)
+    assert len(timing) == 1, "timings overlap"
+    time.sleep(0.01)
+    timing.pop()
+    events.append(("timed", config, inputs))
+    return float(config.block)
+
+  inputs = object()
+  benchmark = autotune_lib.Benchmark(compile=compile_, time=time_, inputs=lambda: inputs)
+  candidates = [FakeConfig(block=b) for b in (2, 1, 8)]
+  result = autotune_lib.tune("fake_op", candidates, benchmark, compile_threads=2)
+  assert [e[0] for e in events] == ["compiled"] * 2 + ["timed"] * 2
+  assert [e[1:] for e in events[2:]] == [
+    (FakeConfig(block=2), inputs),
+    (FakeConfig(block=1), inputs),
+  ]
+  assert result.best == FakeConfig(block=1)
+  assert result.failures == ((FakeConfig(block=8), "RuntimeError: no such tiling"),)

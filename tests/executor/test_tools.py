@@ -1,4 +1,5 @@
 """Executor end to end with rms_norm: autotune, explain, overlays, vmap/pmap helpers."""
+
 from __future__ import annotations
 
 import functools
@@ -10,10 +11,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.sharding import PartitionSpec as P
 
 import pallax
 from pallax.executor import Executor
-from pallax.tuning import kernel_calls
+from pallax.executor.tools import kernel_calls
 from tests.helpers import lower_text, rand
 
 CFG8 = pallax.NormConfig(block_rows=8)
@@ -27,6 +29,30 @@ def _xw(shape=(64, 128), seed=0):
 def _has_grid_loop(fn, *args) -> bool:
   """Whether ``fn`` lowers to an interpreted kernel (a while loop over the grid)."""
   return "stablehlo.while" in jax.jit(fn).lower(*args).as_text()
+
+
+def test_kernel_calls_finds_kernels_in_nested_jaxprs():
+  x, w = _xw((8, 128))
+  norm = lambda x: pallax.rms_norm(x, w)
+  identity = jax.custom_vjp(norm)
+  identity.defvjp(lambda x: (norm(x), None), lambda _, g: (g,))
+  mesh = jax.make_mesh((2,), ("i",), axis_types=(jax.sharding.AxisType.Auto,))
+  nested = {
+    "jit": jax.jit(norm),
+    "scan": lambda x: jax.lax.scan(lambda c, row: (c, norm(row[None])), 0.0, x)[1],
+    "cond": lambda x: jax.lax.cond(x.sum() > 0, norm, lambda x: x, x),
+    "while": lambda x: jax.lax.while_loop(lambda x: x.sum() > 0, norm, x),
+    "custom_vjp": identity,
+    "shard_map": jax.shard_map(norm, mesh=mesh, in_specs=P("i"), out_specs=P("i")),
+    "jit(scan(cond))": jax.jit(
+      lambda x: jax.lax.scan(
+        lambda c, row: (c, jax.lax.cond(c > 0, norm, lambda r: r, row[None])), 1.0, x
+      )[1]
+    ),
+  }
+  for name, fn in nested.items():
+    calls = kernel_calls(jax.make_jaxpr(fn)(x).jaxpr)
+    assert [eqn.primitive.name for eqn in calls] == ["rms_norm_fwd"], name
 
 
 def test_real_autotune_on_cpu_then_fresh_process_hits_cache(tmp_path):
@@ -81,8 +107,11 @@ def test_hlo_identical_selected_or_pinned():
     pinned = jax.jit(functools.partial(pallax.rms_norm, config=chosen.config)).lower(x, w).as_text()
   assert body(selected) == body(pinned)
   structs = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in (x, w)]
-  cuda = pallax.default_executor().select("rms_norm_fwd", structs, "cuda",
-                                          {"eps": 1e-6, "offset": 0.0}).config
+  cuda = (
+    pallax.default_executor()
+    .select("rms_norm_fwd", structs, "cuda", {"eps": 1e-6, "offset": 0.0})
+    .config
+  )
   lower = lambda f: body(lower_text(f, "cuda", *structs))
   assert lower(pallax.rms_norm) == lower(functools.partial(pallax.rms_norm, config=cuda))
 
@@ -129,9 +158,13 @@ def test_executor_call_style():
 
 def test_float64_on_tpu_runs_the_xla_program_visibly():
   with jax.enable_x64(True):
-    structs = [jax.ShapeDtypeStruct((16, 128), jnp.float64), jax.ShapeDtypeStruct((128,), jnp.float64)]
-    chosen = Executor(cache_dir=False).select("rms_norm_fwd", structs, "tpu",
-                                              {"eps": 1e-6, "offset": 0.0})
+    structs = [
+      jax.ShapeDtypeStruct((16, 128), jnp.float64),
+      jax.ShapeDtypeStruct((128,), jnp.float64),
+    ]
+    chosen = Executor(cache_dir=False).select(
+      "rms_norm_fwd", structs, "tpu", {"eps": 1e-6, "offset": 0.0}
+    )
     assert chosen.implementation == "xla" and "float64" in chosen.note
     text = jax.jit(pallax.rms_norm).trace(*structs).lower(lowering_platforms=("tpu",)).as_text()
     assert "tpu_custom_call" not in text
@@ -164,8 +197,11 @@ def test_vmap_with_config_selects_once_from_batched_shapes(in_axes):
     f = pallax.vmap_with_config(ex, op, in_axes=in_axes)
     y1, y2 = f(xb, w), f(xb, w)
     want = jax.vmap(pallax.rms_norm, in_axes=in_axes)(xb, w)
-    pinned = [e.params["config"] for e in jax.make_jaxpr(f)(xb, w).eqns
-              if e.primitive.name == "rms_norm_fwd"]
+    pinned = [
+      e.params["config"]
+      for e in jax.make_jaxpr(f)(xb, w).eqns
+      if e.primitive.name == "rms_norm_fwd"
+    ]
     batched = pallax.explain(jax.vmap(pallax.rms_norm, in_axes=in_axes), xb, w)[0].config
   assert op.concrete_calls == 0, "the op must never run on a sample"
   assert selections.count(None) == 1, "selected once, then pinned"
