@@ -13,16 +13,13 @@ every other case it is placed first, a batch axis of the kernel grid.
 """
 from __future__ import annotations
 
-import functools
 from typing import Sequence
 
 import jax.numpy as jnp
-from jax.interpreters import batching
-
 from pallax.batching_utils import NOT_MAPPED
 
 
-def _matmul_batching_rule(prim, args, bdims, *, a_batch: Sequence[bool],
+def matmul_rule(prim, args, bdims, *, a_batch: Sequence[bool],
                           b_batch: Sequence[bool], bias_batch: Sequence[bool],
                           transpose_a: bool, **params):
   mapped = [d is not NOT_MAPPED for d in bdims]
@@ -42,8 +39,3 @@ def _matmul_batching_rule(prim, args, bdims, *, a_batch: Sequence[bool],
   outs = prim.bind(*args, a_batch=new[0], b_batch=new[1], bias_batch=new[2],
                    transpose_a=transpose_a, **params)
   return outs, [pos] * len(outs)
-
-
-def register(prim) -> None:
-  """Registers the matmul batching rule for ``prim``."""
-  batching.primitive_batchers[prim] = functools.partial(_matmul_batching_rule, prim)

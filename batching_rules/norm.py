@@ -10,35 +10,37 @@ rows' leading dims). The vmapped axis is folded in one of two ways:
   the axis becomes a new leading group dim of every operand, unmapped operands
   broadcast along it.
 """
+
 from __future__ import annotations
 
-import functools
-from typing import Sequence
+from typing import Callable, Sequence
 
+import jax.numpy as jnp
 from jax.interpreters import batching
 
-from pallax.batching_utils import NOT_MAPPED, at_axis, axis_size, batch_first
+from pallax.batching_utils import NOT_MAPPED, axis_size
 
 
-def _rowwise_batching_rule(prim, row_operands: Sequence[int], weight_operands: Sequence[int],
-                           weight_results: Sequence[int], args, bdims, **params):
-  w0 = weight_operands[0]
-  groups = args[w0].ndim - 1 - (bdims[w0] is not NOT_MAPPED)
-  weight_mapped = any(bdims[i] is not NOT_MAPPED for i in weight_operands)
-  if not weight_mapped and not weight_results:
+def rowwise(*, row_operands: Sequence[int], weight_operands: Sequence[int],
+            weight_results: Sequence[int] = ()) -> Callable:
+  """The row-folding batching rule of a norm primitive with these operand roles."""
+
+  def rule(prim, args, bdims, **params):
     size, args = axis_size(args, bdims), list(args)
-    for i in row_operands:
-      args[i] = at_axis(args[i], bdims[i], size, groups)
-    out_axis = groups
-  else:
-    args, out_axis = batch_first(args, bdims), 0
-  outs = prim.bind(*args, **params)
-  return outs, [out_axis] * len(outs)
+    w0 = weight_operands[0]
+    groups = args[w0].ndim - 1 - (bdims[w0] is not NOT_MAPPED)
+    weight_mapped = any(bdims[i] is not NOT_MAPPED for i in weight_operands)
+    if not weight_mapped and not weight_results:
+      for i in row_operands:
+        if bdims[i] is NOT_MAPPED:
+          args[i] = batching.broadcast(args[i], size, groups, None)
+        else:
+          args[i] = jnp.moveaxis(args[i], bdims[i], groups)
+      out_axis = groups
+    else:
+      args = [batching.bdim_at_front(a, d, size) for a, d in zip(args, bdims)]
+      out_axis = 0
+    outs = prim.bind(*args, **params)
+    return outs, [out_axis] * len(outs)
 
-
-def register_rowwise(prim, *, row_operands: Sequence[int], weight_operands: Sequence[int],
-                     weight_results: Sequence[int] = ()) -> None:
-  """Registers the row-folding batching rule for ``prim``."""
-  batching.primitive_batchers[prim] = functools.partial(
-      _rowwise_batching_rule, prim, tuple(row_operands), tuple(weight_operands),
-      tuple(weight_results))
+  return rule

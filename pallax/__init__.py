@@ -10,7 +10,7 @@ from pallax.interpret import interpret
 from pallax.primitives.matmul import MatmulConfig, matmul
 from pallax.primitives.norm import NormConfig, fused_add_rms_norm, layer_norm, rms_norm
 from pallax.primitives.softmax import SoftmaxConfig, log_softmax, softmax
-from pallax.tuning import autotune, explain, pmap_with_config, vmap_with_config
+from pallax.executor.tools import autotune, explain, pmap_with_config, vmap_with_config
 
 __version__ = "0.1.0"
 

@@ -1,18 +1,25 @@
-"""The op framework: one call turns an op's pieces into a JAX primitive.
+"""The op framework: the declarations that turn an op's pieces into JAX primitives.
 
-An op provides its abstract eval, its XLA program, its Pallas kernel and the
-einsum-like dimension labels of its operands; ``define_primitive`` builds
+An op author writes the pieces (abstract eval, XLA program, Pallas kernels per
+backend, sharding dims, batching rule) and declares them here, once:
 
-* the public primitive (the one users' jaxprs hold; JVP, transpose and batching
-  rules are registered on it), whose lowering wraps the kernel primitive in
-  ``custom_partitioning`` so that sharded inputs are partitioned, not gathered;
-* the kernel primitive, lowered per platform as the executor's config says:
-  the XLA program, or the Pallas kernel (Triton on ``cuda``/``rocm``, Mosaic
-  on ``tpu``, interpreted on ``cpu``); by default the XLA program on CPU and
-  the kernels elsewhere, and the interpreted kernel on any platform when the
-  interpret switch is on (``pallax.interpret``). Pallas' interpreter fills padding and unwritten
-  outputs with NaN, so a kernel that leaves elements unwritten, or lets padded
-  rows or columns leak into a reduction, fails the tests.
+* ``define_primitive(name, PrimitiveSpec(...))`` builds one primitive: the
+  public primitive (the one users' jaxprs hold), whose lowering wraps the
+  kernel primitive in ``custom_partitioning`` so that sharded inputs are
+  partitioned, not gathered; and the kernel primitive, lowered per platform as
+  the executor's config says: the XLA program, or the Pallas kernel (Triton on
+  ``cuda``/``rocm``, Mosaic on ``tpu``, interpreted on ``cpu``). It registers
+  the batching rule and the kernel's ``KernelSpec`` under ``name`` with the
+  executor, so a kernel cannot be left unregistered or registered under
+  another name. Pallas' interpreter fills padding and unwritten outputs with
+  NaN, so a kernel that leaves elements unwritten, or lets padded rows or
+  columns leak into a reduction, fails the tests.
+* ``define_residual_op(name, fwd=..., tangent=..., bwd=..., ...)`` builds the
+  forward, tangent and backward primitives of an op with residuals and
+  registers its AD: the JVP, the transpose (the backward kernel) and the
+  second-order JVPs (design.md section 2).
+* ``Kernel.of_family`` reads a ``kernels/<family>/`` package: the kernel
+  function of each backend module and the config space of ``config.py``.
 
 Every primitive has ``multiple_results=True`` and three framework params, set
 by ``bind`` when the public function is traced: ``config`` (None or a pinned
@@ -27,17 +34,18 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import jax
 from jax.experimental.custom_partitioning import SdyShardingRule, custom_partitioning
 from jax.extend.core import Primitive
-from jax.interpreters import ad, mlir
+from jax.interpreters import ad, batching, mlir
 from jax.sharding import NamedSharding, PartitionSpec
 
 from pallax import _jax_private
-from pallax.executor import Scope, Selection, current_scope
-from pallax.executor.registry import PLATFORMS, interpreted, kernel_backend, target_of
+from pallax.executor import KernelConfig, KernelSpec, Scope, Selection, current_scope
+from pallax.executor.registry import (PLATFORMS, interpreted, kernel_backend, register_kernel,
+                                      target_of)
 from pallax.interpret import interpret_backend
 
 FRAMEWORK_PARAMS = ("config", "interpret", "executor")
@@ -65,6 +73,61 @@ class Dims:
   per_shard: Callable[..., Sequence[Any]] | None = None
 
 
+@dataclasses.dataclass(frozen=True)
+class Kernel:
+  """An op's Pallas kernel and what it tells the executor.
+
+  impls: per Pallas backend (``"triton"``, ``"mosaic_tpu"``), the kernel
+    ``(*arrays, config, interpret, **params) -> [array]`` (``interpret`` goes
+    to ``pallas_call`` as is).
+  config_cls, heuristic, candidates, supports, version: the kernel's
+    ``KernelSpec`` without its name, which is the primitive's (see
+    ``registry.KernelSpec``). They describe the kernel only: the executor adds
+    the XLA program as a choice of its own.
+  """
+  impls: Mapping[str, Callable[..., Sequence[jax.Array]]]
+  config_cls: type[KernelConfig]
+  heuristic: Callable[..., KernelConfig]
+  candidates: Callable[..., Sequence[KernelConfig]]
+  supports: Callable[..., str | None]
+  version: int = 1
+
+  @classmethod
+  def of_family(cls, name: str, *, config: Any, backends: Mapping[str, Any], **bound) -> Kernel:
+    """The kernel ``name`` of a ``kernels/<family>/`` package.
+
+    Args:
+      name: the kernel function's name in each backend module.
+      config: the family's ``config`` module: ``CONFIG_CLS``, ``heuristic``,
+        ``candidates``, ``supports`` (and optionally ``VERSION``).
+      backends: Pallas backend name -> the family's module for it.
+      **bound: static arguments bound to every backend's kernel function.
+    """
+    impls = {b: functools.partial(getattr(m, name), **bound) for b, m in backends.items()}
+    return cls(impls, config.CONFIG_CLS, config.heuristic, config.candidates, config.supports,
+               getattr(config, "VERSION", 1))
+
+
+@dataclasses.dataclass(frozen=True)
+class PrimitiveSpec:
+  """Everything ``define_primitive`` needs to build one primitive.
+
+  abstract_eval: ``(*avals, **params) -> [aval]``; build outputs with
+    ``derived_aval`` so sharding and manual-axis information is kept.
+  xla: ``(*arrays, **params) -> [array]``, plain jnp; the CPU lowering.
+  kernel: the Pallas kernel, or None where the XLA program runs on every
+    platform.
+  dims: ``(*avals, **params) -> Dims``, the sharding description.
+  batching: ``(prim, args, dims, **params) -> (outs, out_dims)``, the vmap
+    rule (from ``pallax.batching_rules``).
+  """
+  abstract_eval: Callable[..., Sequence[Any]]
+  xla: Callable[..., Sequence[jax.Array]]
+  kernel: Kernel | None
+  dims: Callable[..., Dims]
+  batching: Callable[..., tuple[Sequence[Any], Sequence[Any]]]
+
+
 class KernelPrimitive(Primitive):
   """A pallax primitive: knows its XLA program and its kernel primitive."""
 
@@ -73,48 +136,43 @@ class KernelPrimitive(Primitive):
   has_kernel: bool  # False where the XLA program runs on every platform
 
 
-def define_primitive(
-    name: str, *,
-    abstract_eval: Callable[..., Sequence[Any]],
-    xla_impl: Callable[..., Sequence[jax.Array]],
-    kernel_impl: Callable[..., Sequence[jax.Array]] | None,
-    dims: Callable[..., Dims],
-) -> KernelPrimitive:
-  """Builds the public and the kernel primitive of one op.
+def define_primitive(name: str, spec: PrimitiveSpec) -> KernelPrimitive:
+  """Builds the public and the kernel primitive of one op and registers its rules.
+
+  The kernel's ``KernelSpec`` is registered with the executor under ``name``,
+  so the op's name is written once: here.
 
   Args:
     name: primitive name, also the executor's op name.
-    abstract_eval: ``(*avals, **params) -> [aval]``; build outputs with
-      ``derived_aval`` so sharding and manual-axis information is kept.
-    xla_impl: ``(*arrays, **params) -> [array]``, plain jnp; the CPU lowering.
-    kernel_impl: ``(*arrays, config, backend, interpret, **params) -> [array]``,
-      the Pallas kernel (``interpret`` goes to ``pallas_call`` as is); None
-      where the op runs its XLA program on every platform.
-    dims: ``(*avals, **params) -> Dims``, the sharding description.
+    spec: the primitive's pieces.
   """
   kernel = Primitive(name + "_kernel")
   prim = KernelPrimitive(name)
-  prim.xla_impl, prim.kernel, prim.has_kernel = xla_impl, kernel, kernel_impl is not None
+  prim.xla_impl, prim.kernel, prim.has_kernel = spec.xla, kernel, spec.kernel is not None
   for p in (prim, kernel):
     p.multiple_results = True
     p.def_impl(functools.partial(_jax_private.apply_primitive, p))
-    p.def_abstract_eval(abstract_eval)
+    p.def_abstract_eval(spec.abstract_eval)
     _jax_private.require_devices_during_lowering(p)
+  if spec.kernel is not None:
+    k = spec.kernel
+    register_kernel(KernelSpec(name, k.config_cls, k.heuristic, k.candidates, k.supports,
+                               k.version))
+  batching.primitive_batchers[prim] = functools.partial(spec.batching, prim)
 
   def xla_lowering(ctx, *args, **params):
-    return mlir.lower_fun(functools.partial(xla_impl, **params),
-                          multiple_results=True)(ctx, *args)
+    return mlir.lower_fun(functools.partial(spec.xla, **params), multiple_results=True)(ctx, *args)
 
   def platform_lowering(platform):
     def rule(ctx, *args, config, interpret, executor, **params):
-      if kernel_impl is None:
+      if spec.kernel is None:
         return xla_lowering(ctx, *args, **params)
       target = target_of(platform, interpret)
       chosen = select_config(prim, ctx.avals_in, target, params, config=config,
                              interpret=interpret, scope=executor)
       if chosen.implementation == "xla":
         return xla_lowering(ctx, *args, **params)
-      fn = functools.partial(kernel_impl, config=chosen.config, backend=kernel_backend(target),
+      fn = functools.partial(spec.kernel.impls[kernel_backend(target)], config=chosen.config,
                              interpret=interpreted(target), **params)
       with _jax_private.without_vma_checks():
         return mlir.lower_fun(fn, multiple_results=True)(_unvarying(ctx), *args)
@@ -124,11 +182,89 @@ def define_primitive(
     mlir.register_lowering(kernel, platform_lowering(platform), platform=platform)
 
   def partitioned_lowering(ctx, *args, **params):
-    fn = _partitioned(kernel, dims(*ctx.avals_in, **params), params)
+    fn = _partitioned(kernel, spec.dims(*ctx.avals_in, **params), params)
     return mlir.lower_fun(fn, multiple_results=True)(ctx, *args)
 
   mlir.register_lowering(prim, partitioned_lowering)
   return prim
+
+
+@dataclasses.dataclass(frozen=True)
+class ResidualOp:
+  """The primitives of an op defined by ``define_residual_op``."""
+  fwd: KernelPrimitive
+  tangent: KernelPrimitive
+  bwd: KernelPrimitive
+
+
+def define_residual_op(
+    name: str, *, fwd: PrimitiveSpec, tangent: PrimitiveSpec, bwd: PrimitiveSpec | None = None,
+    linear: slice, tangent_operands: Callable[..., Sequence[Any]],
+    residual_tangents: Callable[..., Sequence[Any]] | None = None,
+    fwd_only_params: Sequence[str] = ()) -> ResidualOp:
+  """Defines an op's forward, tangent and backward primitives and their AD rules.
+
+  The pattern of design.md section 2: the forward primitive returns the
+  residuals its derivatives need; its JVP binds the tangent primitive, which is
+  linear in a block of its operands; the transpose of the tangent primitive is
+  the backward primitive. ``grad`` thus costs one forward and one backward
+  kernel, ``jvp`` one forward and one tangent kernel. Second-order AD
+  (HVPs, ``jacfwd`` of ``grad``) differentiates the XLA programs of the tangent
+  and backward primitives.
+
+  The contract between the three primitives:
+
+  * ``tangent``'s operands are residuals (primal operands or forward results)
+    with one contiguous block, ``linear``, of tangents, in which it is linear;
+    its results are the tangents of the forward's first results.
+  * ``bwd`` takes ``tangent``'s operands with the ``linear`` block replaced by
+    the cotangents of ``tangent``'s results, and returns one cotangent per
+    operand of the ``linear`` block, in order.
+  * Without ``bwd`` the tangent primitive is its own transpose (softmax).
+
+  The primitives are named ``{name}_fwd``, ``{name}_jvp`` and ``{name}_bwd``
+  (``{name}_fwd`` and ``{name}_bwd`` when the tangent is its own transpose).
+
+  Args:
+    name: the op's name, the prefix of its primitives' names.
+    fwd, tangent, bwd: the three primitives.
+    linear: the block of ``tangent``'s operands it is linear in.
+    tangent_operands: ``(primals, outs, tangents) -> operands`` of ``tangent``
+      from the forward's operands, its results and its operands' tangents
+      (symbolic zeros included: ``instantiate`` those used).
+    residual_tangents: ``(primals, outs, operands) -> tangents`` of the
+      forward results after those ``tangent`` returns (statistics), from the
+      tangent's ``operands``; needed where the forward has such results.
+    fwd_only_params: the forward's params that the other two do not take.
+  """
+  fwd_p = define_primitive(f"{name}_fwd", fwd)
+  tangent_p = define_primitive(f"{name}_{'bwd' if bwd is None else 'jvp'}", tangent)
+  bwd_p = tangent_p if bwd is None else define_primitive(f"{name}_bwd", bwd)
+
+  def fwd_jvp_rule(primals, tangents, **params):
+    outs = fwd_p.bind(*primals, **params)
+    operands = list(tangent_operands(primals, outs, tangents))
+    shared = {k: v for k, v in params.items() if k not in fwd_only_params}
+    out_tangents = list(tangent_p.bind(*operands, **shared))
+    if residual_tangents is not None:
+      out_tangents += residual_tangents(primals, outs, operands)
+    return outs, out_tangents
+
+  def tangent_transpose_rule(cts, *args, **params):
+    block = range(len(args))[linear]
+    wanted = [i in block and ad.is_undefined_primal(a) for i, a in enumerate(args)]
+    if any(ad.is_undefined_primal(a) for i, a in enumerate(args) if i not in block):
+      raise NotImplementedError(f"{tangent_p.name} is linear in operands {linear} only")
+    if all(type(ct) is ad.Zero for ct in cts):
+      return [ad.Zero(a.aval) if w else None for w, a in zip(wanted, args)]
+    grads = bwd_p.bind(*args[:block.start], *instantiate(cts), *args[block.stop:], **params)
+    return [grads[i - block.start] if w else None for i, w in enumerate(wanted)]
+
+  ad.primitive_jvps[fwd_p] = fwd_jvp_rule
+  ad.primitive_transposes[tangent_p] = tangent_transpose_rule
+  for p in {tangent_p, bwd_p}:
+    _register_jvp_by_xla(p)
+  return ResidualOp(fwd_p, tangent_p, bwd_p)
 
 
 def select_config(prim: KernelPrimitive, avals: Sequence[Any], target: str, params: dict, *,
@@ -258,7 +394,7 @@ def instantiate(tangents: Sequence[Any]) -> list:
   return [ad.instantiate_zeros(t) for t in tangents]
 
 
-def register_jvp_by_xla(prim: KernelPrimitive) -> None:
+def _register_jvp_by_xla(prim: KernelPrimitive) -> None:
   """JVP of ``prim`` by differentiating its XLA program.
 
   Used for the secondary primitives (tangent and backward kernels), whose

@@ -1,11 +1,13 @@
 """Small helpers shared by the kernels."""
 from __future__ import annotations
 
+import dataclasses
 from typing import Optional
 
 import jax
 import jax.numpy as jnp
 from jax import lax
+from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 
@@ -69,3 +71,51 @@ def store(ref, value: jax.Array, bounds: Optional[jax.Array] = None) -> None:
 def triton_compiler_params(config) -> pltriton.CompilerParams:
   """Triton launch parameters from a config's ``num_warps`` and ``num_stages``."""
   return pltriton.CompilerParams(num_warps=config.num_warps, num_stages=config.num_stages)
+
+
+@dataclasses.dataclass(frozen=True)
+class RowBlocks:
+  """A ``(rows, cols)`` array cut into ``(block_rows, block_cols)`` blocks.
+
+  The view the row-wise kernels (norms, softmax) share. On Triton blocks are
+  powers of two, no larger than the array needs, and overhang its edges (the
+  kernels mask them with ``rows_in_bounds`` / ``cols_in_bounds``); on Mosaic
+  TPU a block is no larger than its dim and partial blocks are padded by
+  Mosaic itself.
+  """
+  rows: int
+  cols: int
+  block_rows: int
+  block_cols: int
+
+  @classmethod
+  def of(cls, rows: int, cols: int, block_rows: int, block_cols: Optional[int],
+         backend: str) -> "RowBlocks":
+    """The blocks of a ``(rows, cols)`` array; ``block_cols=None``: whole rows."""
+    if backend == "triton":
+      wide = next_pow2(cols)
+      return cls(rows, cols, min(block_rows, next_pow2(rows)),
+                 wide if block_cols is None else min(block_cols, wide))
+    return cls(rows, cols, min(block_rows, rows),
+               cols if block_cols is None else min(block_cols, cols))
+
+  @property
+  def row_blocks(self) -> int:
+    return pl.cdiv(self.rows, self.block_rows)
+
+  @property
+  def col_blocks(self) -> int:
+    return pl.cdiv(self.cols, self.block_cols)
+
+  @property
+  def block(self) -> tuple[int, int]:
+    return (self.block_rows, self.block_cols)
+
+  def rows_in_bounds(self, row_block, shape=None) -> Optional[jax.Array]:
+    """Which rows of a block of ``shape`` (default: one block) lie inside the array."""
+    return in_bounds(row_block, self.block_rows, self.rows, shape or self.block, 0)
+
+  def cols_in_bounds(self, col_block, shape=None) -> Optional[jax.Array]:
+    """Which columns of a block of ``shape`` (default: one block) lie inside the array."""
+    shape = shape or self.block
+    return in_bounds(col_block, self.block_cols, self.cols, shape, len(shape) - 1)

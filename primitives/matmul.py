@@ -37,8 +37,9 @@ from jax.interpreters import ad
 from pallax.batching_rules import matmul as matmul_batching
 from pallax.kernels import matmul as kernels
 from pallax.kernels.matmul import ACTIVATIONS, MatmulConfig
-from pallax.op import Dims, bind, define_primitive, derived_aval, full_spec, match_manual_axes
-from pallax.selfcheck import SelfCheck, register
+from pallax.activations import activate, activation_derivative
+from pallax.op import (Dims, PrimitiveSpec, bind, define_primitive, derived_aval, full_spec,
+                       match_manual_axes)
 from pallax.validation import check_array, check_config, check_floating
 
 __all__ = ["matmul", "matmul_reference", "MatmulConfig", "ACTIVATIONS"]
@@ -124,9 +125,9 @@ def _matmul_dims(a, b, *bias, a_batch, b_batch, bias_batch, contract_batch, tran
               per_shard=per_shard)
 
 
-matmul_p = define_primitive(
-    "matmul", abstract_eval=_matmul_abstract_eval, xla_impl=kernels.matmul_xla,
-    kernel_impl=kernels.matmul_pallas, dims=_matmul_dims)
+matmul_p = define_primitive("matmul", PrimitiveSpec(
+    abstract_eval=_matmul_abstract_eval, xla=kernels.matmul_xla, kernel=kernels.KERNEL,
+    dims=_matmul_dims, batching=matmul_batching.matmul_rule))
 
 
 # ----------------------------------------------------------------------------
@@ -135,8 +136,7 @@ matmul_p = define_primitive(
 
 def _activation_derivative(activation: str, z: jax.Array) -> jax.Array:
   """``act'(z)`` elementwise, in the accumulation dtype."""
-  z = z.astype(kernels.acc_dtype(z.dtype))
-  return jax.jvp(functools.partial(kernels.activate, activation), (z,), (jnp.ones_like(z),))[1]
+  return activation_derivative(activation, z.astype(kernels.acc_dtype(z.dtype)))
 
 
 def _matmul_jvp_rule(primals, tangents, *, activation, save_preactivation, **params):
@@ -243,7 +243,6 @@ def _matmul_transpose_rule(cts, a, b, *bias, a_batch, b_batch, contract_batch, a
 
 ad.primitive_jvps[matmul_p] = _matmul_jvp_rule
 ad.primitive_transposes[matmul_p] = _matmul_transpose_rule
-matmul_batching.register(matmul_p)
 
 
 # ----------------------------------------------------------------------------
@@ -362,18 +361,4 @@ def matmul_reference(a: jax.Array, b: jax.Array, *, bias: Optional[jax.Array] = 
   y = jnp.matmul(a, b, precision=precision, preferred_element_type=preferred_element_type)
   if bias is not None:
     y = y + bias.astype(y.dtype)
-  return kernels.activate(activation, y)
-
-
-def _selfcheck_args(rng: np.random.Generator, dtype, small: bool):
-  m, k, n = (37, 200, 96) if small else (512, 1024, 1024)
-  a = jnp.asarray(rng.standard_normal((m, k)), dtype)
-  b = jnp.asarray(rng.standard_normal((k, n)) / np.sqrt(k), dtype)
-  bias = jnp.asarray(rng.standard_normal(n), dtype)
-  return a, b, bias
-
-
-register(SelfCheck(
-    "matmul", make_args=_selfcheck_args,
-    op=lambda a, b, bias: matmul(a, b, bias=bias, activation="gelu"),
-    reference=lambda a, b, bias: matmul_reference(a, b, bias=bias, activation="gelu")))
+  return activate(activation, y)

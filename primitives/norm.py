@@ -31,10 +31,10 @@ from jax.interpreters import ad
 from pallax.batching_rules import norm as norm_batching
 from pallax.kernels import norm as kernels
 from pallax.kernels.norm import CATEGORY, ROW, STAT, WEIGHT, NormConfig, NormKind
-from pallax.op import (Dims, bind, define_primitive, derived_aval, full_spec, instantiate,
-                       match_manual_axes, register_jvp_by_xla)
+from pallax.kernels.norm import xla as norm_xla
+from pallax.op import (Dims, PrimitiveSpec, ResidualOp, bind, define_residual_op, derived_aval,
+                       full_spec, instantiate, match_manual_axes)
 from pallax.pallas_utils import stat_dtype
-from pallax.selfcheck import SelfCheck, register
 from pallax.validation import check_array, check_config, check_floating, check_static_float
 
 __all__ = ["rms_norm", "layer_norm", "fused_add_rms_norm", "NormConfig", "rms_norm_reference",
@@ -42,12 +42,12 @@ __all__ = ["rms_norm", "layer_norm", "fused_add_rms_norm", "NormConfig", "rms_no
 
 
 # ----------------------------------------------------------------------------
-# Shapes and shardings, from the operand and result names.
+# Shapes, shardings and batching, from the operand and result names.
 
 
 def _norm_abstract_eval(operands, results, *avals, **params):
-  a = dict(zip(operands, avals))
-  x, w = a["x"], a["w"]
+  aval = dict(zip(operands, avals))
+  x, w = aval["x"], aval["w"]
   stat = derived_aval(x, x.shape[:-1], stat_dtype(x.dtype), full_spec(x)[:-1])
   by_category = {ROW: x.update(weak_type=False), STAT: stat, WEIGHT: w.update(weak_type=False)}
   return [by_category[CATEGORY[n]] for n in results]
@@ -55,95 +55,67 @@ def _norm_abstract_eval(operands, results, *avals, **params):
 
 def _norm_dims(operands, results, *avals, **params) -> Dims:
   """Rows (x's leading dims) shard freely; the hidden dim ``h`` is replicated."""
-  a = dict(zip(operands, avals))
-  rows = tuple(f"r{i}" for i in range(a["x"].ndim - 1))
-  factors = {ROW: rows + ("h",), STAT: rows, WEIGHT: rows[:a["w"].ndim - 1] + ("h",)}
+  aval = dict(zip(operands, avals))
+  rows = tuple(f"r{i}" for i in range(aval["x"].ndim - 1))
+  factors = {ROW: rows + ("h",), STAT: rows, WEIGHT: rows[:aval["w"].ndim - 1] + ("h",)}
   return Dims(operands=tuple(factors[CATEGORY[n]] for n in operands),
               results=tuple(factors[CATEGORY[n]] for n in results), replicated=("h",))
 
 
-_IMPLEMENTATIONS = {
-    "fwd": (kernels.norm_fwd_xla, kernels.norm_fwd_pallas),
-    # The tangent runs as its XLA program on every platform (forward-mode AD
-    # only; under grad it is transposed into the backward kernel, never run).
-    "jvp": (kernels.norm_jvp_xla, None),
-    "bwd": (kernels.norm_bwd_xla, kernels.norm_bwd_pallas),
-}
+_XLA = {"fwd": norm_xla.norm_fwd, "jvp": norm_xla.norm_jvp, "bwd": norm_xla.norm_bwd}
 
 
-def _define(op: str, kind: NormKind, stage: str):
+def _stage(kind: NormKind, stage: str) -> PrimitiveSpec:
   operands, results = kind.names(stage)
-  xla_impl, kernel_impl = _IMPLEMENTATIONS[stage]
-  prim = define_primitive(
-      f"{op}_{stage}",
-      abstract_eval=functools.partial(_norm_abstract_eval, operands, results),
-      xla_impl=functools.partial(xla_impl, kind=kind),
-      kernel_impl=kernel_impl and functools.partial(kernel_impl, kind=kind),
-      dims=functools.partial(_norm_dims, operands, results))
   index = lambda names, category: tuple(i for i, n in enumerate(names) if CATEGORY[n] == category)
-  norm_batching.register_rowwise(
-      prim, row_operands=index(operands, ROW) + index(operands, STAT),
-      weight_operands=index(operands, WEIGHT), weight_results=index(results, WEIGHT))
-  return prim
+  return PrimitiveSpec(
+      abstract_eval=functools.partial(_norm_abstract_eval, operands, results),
+      xla=functools.partial(_XLA[stage], kind=kind),
+      # The tangent runs as its XLA program on every platform (forward-mode AD
+      # only; under grad it is transposed into the backward kernel, never run).
+      kernel=None if stage == "jvp" else kernels.kernel(stage, kind),
+      dims=functools.partial(_norm_dims, operands, results),
+      batching=norm_batching.rowwise(
+          row_operands=index(operands, ROW) + index(operands, STAT),
+          weight_operands=index(operands, WEIGHT), weight_results=index(results, WEIGHT)))
 
 
-# ----------------------------------------------------------------------------
-# Autodiff, written once over the names.
-
-
-def _norm_fwd_jvp_rule(kind, fwd_p, jvp_p, primals, tangents, *, eps, offset, **fw):
+def _tangent_operands(kind, primals, outs, tangents):
+  """The tangent stage's operands: residuals, then the tangents of x (h) and the weights."""
   operands, results = kind.names("fwd")
-  a, t = dict(zip(operands, primals)), dict(zip(operands, instantiate(tangents)))
-  outs = fwd_p.bind(*primals, eps=eps, offset=offset, **fw)
-  o = dict(zip(results, outs))
-  x, x_dot = (o["h"], t["x"] + t["r"]) if kind.residual else (a["x"], t["x"])
-  args = {"x": x, "w": a["w"], "mean": o.get("mean"), "rstd": o["rstd"], "x_dot": x_dot,
-          "w_dot": t["w"], "b_dot": t.get("b")}
-  jvp_operands, jvp_results = kind.names("jvp")
-  tangent = dict(zip(jvp_results, jvp_p.bind(*[args[n] for n in jvp_operands],
-                                             offset=offset, **fw)))
-  # Tangents of the statistics: needed by second-order AD, which differentiates
-  # the backward primitive with respect to them.
-  rstd = o["rstd"]
-  xf, xdf = x.astype(rstd.dtype), x_dot.astype(rstd.dtype)
-  out_tangents = {"y": tangent["y_dot"], "h": tangent.get("h_dot")}
+  primal, out = dict(zip(operands, primals)), dict(zip(results, outs))
+  tangent = dict(zip(operands, instantiate(tangents)))
+  named = {**primal, **out, "w_dot": tangent["w"], "b_dot": tangent.get("b"), "x_dot": tangent["x"]}
+  if kind.residual:
+    named.update(x=out["h"], x_dot=tangent["x"] + tangent["residual"])
+  return [named[n] for n in kind.names("jvp")[0]]
+
+
+def _stat_tangents(kind, primals, outs, operands):
+  """Tangents of the statistics, for second-order AD (which differentiates the
+  backward stage with respect to them)."""
+  arg = dict(zip(kind.names("jvp")[0], operands))
+  rstd = arg["rstd"]
+  xf, x_dot = arg["x"].astype(rstd.dtype), arg["x_dot"].astype(rstd.dtype)
+  stat_tangents = []
   if kind.center:
-    out_tangents["mean"] = jnp.mean(xdf, axis=-1)
-    xf, xdf = xf - o["mean"][..., None], xdf - out_tangents["mean"][..., None]
-  out_tangents["rstd"] = -rstd ** 3 * jnp.mean(xf * xdf, axis=-1)
-  return outs, [out_tangents[n] for n in results]
+    mean_dot = jnp.mean(x_dot, axis=-1)
+    xf, x_dot = xf - arg["mean"][..., None], x_dot - mean_dot[..., None]
+    stat_tangents.append(mean_dot)
+  return stat_tangents + [-rstd ** 3 * jnp.mean(xf * x_dot, axis=-1)]
 
 
-_LINEAR = {"x_dot": "dx", "w_dot": "dw", "b_dot": "db"}
+def _define_op(name: str, kind: NormKind) -> ResidualOp:
+  return define_residual_op(
+      name, fwd=_stage(kind, "fwd"), tangent=_stage(kind, "jvp"), bwd=_stage(kind, "bwd"),
+      linear=slice(len(kind.residuals()), None),
+      tangent_operands=functools.partial(_tangent_operands, kind),
+      residual_tangents=functools.partial(_stat_tangents, kind), fwd_only_params=("eps",))
 
 
-def _norm_jvp_transpose_rule(kind, bwd_p, cts, *args, offset, **fw):
-  operands, results = kind.names("jvp")
-  a, c = dict(zip(operands, args)), dict(zip(results, cts))
-  wanted = [n in _LINEAR and ad.is_undefined_primal(arg) for n, arg in zip(operands, args)]
-  if all(type(ct) is ad.Zero for ct in cts):
-    return [ad.Zero(arg.aval) if w else None for w, arg in zip(wanted, args)]
-  c = dict(zip(results, instantiate(cts)))
-  bwd_args = {**a, "dy": c["y_dot"], "dh": c.get("h_dot")}
-  bwd_operands, bwd_results = kind.names("bwd")
-  grads = dict(zip(bwd_results, bwd_p.bind(*[bwd_args[n] for n in bwd_operands],
-                                           offset=offset, **fw)))
-  return [grads[_LINEAR[n]] if w else None for n, w in zip(operands, wanted)]
-
-
-def _define_op(op: str, kind: NormKind):
-  fwd_p, jvp_p, bwd_p = (_define(op, kind, stage) for stage in ("fwd", "jvp", "bwd"))
-  ad.primitive_jvps[fwd_p] = functools.partial(_norm_fwd_jvp_rule, kind, fwd_p, jvp_p)
-  ad.primitive_transposes[jvp_p] = functools.partial(_norm_jvp_transpose_rule, kind, bwd_p)
-  register_jvp_by_xla(jvp_p)
-  register_jvp_by_xla(bwd_p)
-  return fwd_p, jvp_p, bwd_p
-
-
-rms_norm_fwd_p, rms_norm_jvp_p, rms_norm_bwd_p = _define_op("rms_norm", kernels.RMS)
-layer_norm_fwd_p, layer_norm_jvp_p, layer_norm_bwd_p = _define_op("layer_norm", kernels.LAYER)
-fused_add_rms_norm_fwd_p, fused_add_rms_norm_jvp_p, fused_add_rms_norm_bwd_p = _define_op(
-    "fused_add_rms_norm", kernels.ADD_RMS)
+rms_norm_p = _define_op("rms_norm", kernels.RMS)
+layer_norm_p = _define_op("layer_norm", kernels.LAYER)
+fused_add_rms_norm_p = _define_op("fused_add_rms_norm", kernels.ADD_RMS)
 
 
 # ----------------------------------------------------------------------------
@@ -192,7 +164,7 @@ def rms_norm(x: jax.Array, weight: Optional[jax.Array] = None, *, eps: float = 1
   offset = check_static_float("rms_norm", "offset", offset)
   check_config("rms_norm", config, NormConfig)
   weight, offset = _scale("rms_norm", x, weight, offset)
-  y, _ = bind(rms_norm_fwd_p, *match_manual_axes(x, weight), eps=eps, offset=offset,
+  y, _ = bind(rms_norm_p.fwd, *match_manual_axes(x, weight), eps=eps, offset=offset,
               config=config)
   return y
 
@@ -226,7 +198,7 @@ def layer_norm(x: jax.Array, weight: Optional[jax.Array] = None,
     bias = _check_vector(op, "bias", bias, x.shape[-1], x.shape)
   common = jnp.result_type(weight, bias)
   weight, bias = weight.astype(common), bias.astype(common)
-  y, _, _ = bind(layer_norm_fwd_p, *match_manual_axes(x, weight, bias), eps=eps,
+  y, _, _ = bind(layer_norm_p.fwd, *match_manual_axes(x, weight, bias), eps=eps,
                  offset=offset, config=config)
   return y
 
@@ -260,7 +232,7 @@ def fused_add_rms_norm(x: jax.Array, residual: jax.Array, weight: Optional[jax.A
   offset = check_static_float(op, "offset", offset)
   check_config(op, config, NormConfig)
   weight, offset = _scale(op, x, weight, offset)
-  y, h, _ = bind(fused_add_rms_norm_fwd_p, *match_manual_axes(x, residual, weight), eps=eps,
+  y, h, _ = bind(fused_add_rms_norm_p.fwd, *match_manual_axes(x, residual, weight), eps=eps,
                  offset=offset, config=config)
   return y, h
 
@@ -300,21 +272,3 @@ def fused_add_rms_norm_reference(x: jax.Array, residual: jax.Array,
   """``fused_add_rms_norm`` in plain jnp: the unfused ``x + r`` then ``rms_norm``."""
   h = x + residual
   return rms_norm_reference(h, weight, eps=eps, offset=offset), h
-
-
-def _selfcheck_args(*vectors: str):
-  def make(rng: np.random.Generator, dtype, small: bool):
-    rows, hidden = (37, 200) if small else (4096, 1024)
-    x = jnp.asarray(rng.standard_normal((rows, hidden)), dtype)
-    rest = {"x": x, "residual": jnp.asarray(rng.standard_normal((rows, hidden)), dtype),
-            "weight": jnp.asarray(1.0 + 0.5 * rng.standard_normal(hidden), dtype),
-            "bias": jnp.asarray(0.5 * rng.standard_normal(hidden), dtype)}
-    return tuple(rest[n] for n in vectors)
-  return make
-
-
-register(SelfCheck("rms_norm", _selfcheck_args("x", "weight"), rms_norm, rms_norm_reference))
-register(SelfCheck("layer_norm", _selfcheck_args("x", "weight", "bias"), layer_norm,
-                   layer_norm_reference))
-register(SelfCheck("fused_add_rms_norm", _selfcheck_args("x", "residual", "weight"),
-                   fused_add_rms_norm, fused_add_rms_norm_reference))

@@ -33,14 +33,12 @@ from typing import Optional, Sequence, Union
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.interpreters import ad
 
 from pallax.batching_rules import softmax as softmax_batching
 from pallax.kernels import softmax as kernels
 from pallax.kernels.softmax import SoftmaxConfig
-from pallax.op import (Dims, bind, define_primitive, instantiate, match_manual_axes,
-                       register_jvp_by_xla)
-from pallax.selfcheck import SelfCheck, register
+from pallax.kernels.softmax import xla as softmax_xla
+from pallax.op import Dims, PrimitiveSpec, bind, define_residual_op, instantiate, match_manual_axes
 from pallax.validation import check_config, check_floating
 
 __all__ = ["softmax", "log_softmax", "SoftmaxConfig"]
@@ -66,53 +64,25 @@ def _like_second(*avals, **params):
   return [avals[1].update(weak_type=False)]
 
 
-def _define(name: str, abstract_eval):
-  """The primitive ``name``, its XLA program and kernel taken from kernels/softmax.py."""
-  return define_primitive(name, abstract_eval=abstract_eval,
-                          xla_impl=getattr(kernels, f"{name}_xla"),
-                          kernel_impl=getattr(kernels, f"{name}_pallas"), dims=_dims)
+def _stage(name: str, abstract_eval) -> PrimitiveSpec:
+  """The primitive ``name``: its XLA program and kernel taken from kernels/softmax."""
+  return PrimitiveSpec(abstract_eval=abstract_eval, xla=getattr(softmax_xla, name),
+                       kernel=kernels.kernel(name), dims=_dims, batching=softmax_batching.rows)
 
 
-softmax_fwd_p = _define("softmax_fwd", _like_first)
-softmax_bwd_p = _define("softmax_bwd", _like_second)
-log_softmax_fwd_p = _define("log_softmax_fwd", _like_first)
-log_softmax_jvp_p = _define("log_softmax_jvp", _like_second)
-log_softmax_bwd_p = _define("log_softmax_bwd", _like_second)
+def _tangent_operands(primals, outs, tangents):
+  """``(out, x_dot, [mask])``: the mask is bool, it has no tangent and gets no cotangent."""
+  _, *mask = primals
+  return [outs[0], *instantiate(tangents[:1]), *mask]
 
 
-# ----------------------------------------------------------------------------
-# Autodiff. The mask is bool: it has no tangent and gets no cotangent.
-
-
-def _fwd_jvp_rule(fwd, tangent, primals, tangents, **params):
-  """JVP of a forward primitive ``(x, [mask])``: itself, then its tangent primitive."""
-  x, *mask = primals
-  (x_dot,) = instantiate(tangents[:1])
-  (out,) = fwd.bind(x, *mask, **params)
-  return [out], tangent.bind(out, x_dot, *mask, **params)
-
-
-def _tangent_transpose_rule(transposed, cts, primal, tangent, *mask, **params):
-  """Transpose of a tangent primitive ``(primal, tangent, [mask])``, linear in ``tangent``."""
-  (ct,) = cts
-  assert not ad.is_undefined_primal(primal), "linear in the tangent operand only"
-  if type(ct) is ad.Zero:
-    return [None, ad.Zero(tangent.aval), *[None] * len(mask)]
-  return [None, *transposed.bind(primal, ct, *mask, **params), *[None] * len(mask)]
-
-
-for _fwd, _tangent, _bwd in ((softmax_fwd_p, softmax_bwd_p, softmax_bwd_p),
-                             (log_softmax_fwd_p, log_softmax_jvp_p, log_softmax_bwd_p)):
-  ad.primitive_jvps[_fwd] = functools.partial(_fwd_jvp_rule, _fwd, _tangent)
-  ad.primitive_transposes[_tangent] = functools.partial(_tangent_transpose_rule, _bwd)
-
-# Second order (HVPs, jacfwd of grad) differentiates the XLA programs.
-for _prim in (softmax_bwd_p, log_softmax_jvp_p, log_softmax_bwd_p):
-  register_jvp_by_xla(_prim)
-
-for _prim in (softmax_fwd_p, softmax_bwd_p, log_softmax_fwd_p, log_softmax_jvp_p,
-              log_softmax_bwd_p):
-  softmax_batching.register_rows(_prim)
+_residual_op = functools.partial(define_residual_op, linear=slice(1, 2),
+                                 tangent_operands=_tangent_operands)
+softmax_p = _residual_op("softmax", fwd=_stage("softmax_fwd", _like_first),
+                         tangent=_stage("softmax_bwd", _like_second))
+log_softmax_p = _residual_op("log_softmax", fwd=_stage("log_softmax_fwd", _like_first),
+                             tangent=_stage("log_softmax_jvp", _like_second),
+                             bwd=_stage("log_softmax_bwd", _like_second))
 
 
 # ----------------------------------------------------------------------------
@@ -189,7 +159,7 @@ def softmax(x: jax.Array, axis: Axis = -1, *, where: Optional[jax.Array] = None,
   Returns:
     An array of ``x``'s shape and dtype.
   """
-  return _call("softmax", softmax_fwd_p, x, axis, where, config)
+  return _call("softmax", softmax_p.fwd, x, axis, where, config)
 
 
 def log_softmax(x: jax.Array, axis: Axis = -1, *, where: Optional[jax.Array] = None,
@@ -206,15 +176,4 @@ def log_softmax(x: jax.Array, axis: Axis = -1, *, where: Optional[jax.Array] = N
   Returns:
     An array of ``x``'s shape and dtype.
   """
-  return _call("log_softmax", log_softmax_fwd_p, x, axis, where, config)
-
-
-def _selfcheck_args(rng: np.random.Generator, dtype, small: bool):
-  rows, cols = (37, 300) if small else (4096, 1024)
-  return (jnp.asarray(3 * rng.standard_normal((rows, cols)), dtype),)
-
-
-register(SelfCheck("softmax", make_args=_selfcheck_args, op=softmax,
-                   reference=jax.nn.softmax))
-register(SelfCheck("log_softmax", make_args=_selfcheck_args, op=log_softmax,
-                   reference=jax.nn.log_softmax))
+  return _call("log_softmax", log_softmax_p.fwd, x, axis, where, config)

@@ -148,3 +148,20 @@ def check_nested_vmap(fn, args, outer, inner, assert_close):
       ij = [example(example(a, o, i), n, j) for a, o, n in zip(args, outer, inner)]
       assert_close(got[i, j], fn(*ij))
   return jax.make_jaxpr(f)(*args).jaxpr
+
+
+def executor_view(op: str):
+  """Kernel ``op``'s heuristic, candidates and support check as the executor applies them.
+
+  The kernel modules describe only their kernels; the executor adds the XLA
+  program (by heuristic on cpu, as a candidate where it may run, always
+  supported). Returns ``(heuristic, candidates, supports)`` with the kernel
+  modules' old signatures.
+  """
+  from pallax.executor.executor import candidate_configs, heuristic_config, unsupported_reason
+  from pallax.executor.registry import kernel_spec
+
+  spec = kernel_spec(op)
+  return (lambda avals, target, **p: heuristic_config(spec, avals, target, p),
+          lambda avals, target, **p: candidate_configs(spec, avals, target, p),
+          lambda avals, target, config, **p: unsupported_reason(spec, avals, target, config, p))

@@ -42,18 +42,6 @@ def xla_allowed(target: str) -> bool:
   return not target.startswith("interpret-")
 
 
-def xla_on_cpu(pallas_heuristic: Callable[..., KernelConfig]) -> Callable[..., KernelConfig]:
-  """A heuristic from a kernel's block-size heuristic ``(avals, backend, **params)``.
-
-  It picks the kernel on accelerators and under the interpret switch, and the
-  XLA program on CPU (interpreted kernels are for testing, not speed).
-  """
-  def heuristic(avals: Sequence[Any], target: str, **params) -> KernelConfig:
-    config = pallas_heuristic(avals, kernel_backend(target), **params)
-    return dataclasses.replace(config, implementation="xla") if target == "cpu" else config
-  return heuristic
-
-
 @dataclasses.dataclass(frozen=True)
 class KernelSpec:
   """One kernel's contract with the executor.
@@ -77,6 +65,14 @@ _SPECS: dict[str, KernelSpec] = {}
 
 
 def register_kernel(spec: KernelSpec) -> None:
+  """Registers ``spec`` under ``spec.op``; ``pallax.op.define_primitive`` does it for ops.
+
+  Raises:
+    ValueError: another spec is registered under the same name.
+  """
+  known = _SPECS.get(spec.op)
+  if known is not None and known != spec:
+    raise ValueError(f"a kernel is already registered as {spec.op!r}: op names must be unique")
   _SPECS[spec.op] = spec
 
 

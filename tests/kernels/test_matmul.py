@@ -16,11 +16,13 @@ import pytest
 import pallax
 from pallax.executor import Executor
 from pallax.executor.registry import TARGETS
-from pallax.kernels.matmul import (TPU_VMEM_BYTES, TRITON_SMEM_BYTES, MatmulConfig, Problem,
-                                   matmul_candidates, matmul_heuristic, matmul_supports)
+from pallax.kernels.matmul import TPU_VMEM_BYTES, TRITON_SMEM_BYTES, MatmulConfig, Problem
 from pallax.op import bind
 from pallax.primitives.matmul import matmul_p
-from tests.helpers import CALL_TARGET, assert_close, f64, lower_text, on_path, rand, x64
+from tests.helpers import (CALL_TARGET, assert_close, executor_view, f64, lower_text, on_path,
+                           rand, x64)
+
+matmul_heuristic, matmul_candidates, matmul_supports = executor_view("matmul")
 
 SHAPES = [((7, 33), (33, 200)), ((1, 33), (33, 200)), ((2, 5, 33), (33, 200)),
           ((2, 5, 33), (2, 33, 17)), ((300, 1000), (1000, 520))]

@@ -12,8 +12,10 @@ import pytest
 
 import pallax
 from pallax.executor.registry import TARGETS
-from pallax.kernels.norm import NormConfig, norm_candidates, norm_heuristic, norm_supports
-from tests.helpers import CALL_TARGET, lower_text
+from pallax.kernels.norm import NormConfig
+from tests.helpers import CALL_TARGET, executor_view, lower_text
+
+norm_heuristic, norm_candidates, norm_supports = executor_view("rms_norm_fwd")
 
 SHAPES = [(3, 96), (2, 5, 200), (37, 1000), (1, 7), (300, 4096)]
 DTYPES = [jnp.float32, jnp.bfloat16]

@@ -18,9 +18,10 @@ import pytest
 import pallax
 from pallax.executor import Executor
 from pallax.executor.registry import TARGETS
-from pallax.kernels.softmax import (OPS, SoftmaxConfig, softmax_candidates, softmax_heuristic,
-                                    softmax_supports)
-from tests.helpers import CALL_TARGET, lower_text, rand
+from pallax.kernels.softmax import OPS, SoftmaxConfig
+from tests.helpers import CALL_TARGET, executor_view, lower_text, rand
+
+softmax_heuristic, softmax_candidates, softmax_supports = executor_view("softmax_fwd")
 
 # (300, 20000): rows longer than the widest default block, so the default
 # configs reduce over several column blocks.

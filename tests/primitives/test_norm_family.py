@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 import pallax
-from pallax.kernels import norm as norm_kernels
+from pallax.kernels.norm import xla as norm_xla
 from tests.helpers import FLOAT_DTYPES, PATHS, assert_close, on_path, rand, to64, x64
 
 SHAPES = [(3, 96), (2, 5, 200), (37, 1000), (1, 7)]
@@ -81,8 +81,8 @@ def test_forward_and_vjp(op, path, dtype, shape):
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=lambda d: jnp.dtype(d).name)
 @pytest.mark.parametrize("op", list(CASES))
 def test_both_forms_of_the_xla_programs(op, dtype, form, monkeypatch):
-  """The XLA programs pick their forms by size (``_CACHE_SIZED_ELEMENTS``); both are right."""
-  monkeypatch.setattr(norm_kernels, "_CACHE_SIZED_ELEMENTS", 1 << 62 if form == "small" else 0)
+  """The XLA programs pick their forms by size (``CACHE_SIZED_ELEMENTS``); both are right."""
+  monkeypatch.setattr(norm_xla, "CACHE_SIZED_ELEMENTS", 1 << 62 if form == "small" else 0)
   jax.clear_caches()  # programs traced under the other form must not be reused
   case = CASES[op]
   args, rng = _args(case, (2, 5, 200), dtype, seed=5)

@@ -1,0 +1,129 @@
+"""What the matmul kernels of both backends share: block specs, tile maths, the call.
+
+The kernels fold the trailing batch dims that only ``a`` has (not ``b``, not
+``bias``) into M, so that a vmapped ``a`` times a shared weight is one
+``[V*M, K] @ [K, N]`` GEMM, and the contracted batch dims into K; the other
+batch dims are grid axes. Folding happens per device, after sharding. Each
+backend (``triton.py``, ``mosaic_tpu.py``) plans its blocks, grid and kernel.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+
+from pallax.kernels.matmul.config import MatmulConfig
+from pallax.kernels.matmul.layout import Problem, acc_dtype
+from pallax.kernels.matmul.xla import epilogue
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+  """A backend's kernel for one problem.
+
+  blocks: ``(bm, bn, bk)`` of the operands' block specs.
+  grid: the grid axes after the batch axes.
+  kernel: the kernel function.
+  call_args: more ``pallas_call`` arguments (compiler params, scratch).
+  k_steps: whether the grid's last axis walks K (else a block holds all of K).
+  """
+  blocks: tuple[int, int, int]
+  grid: tuple[int, ...]
+  kernel: Callable
+  call_args: dict[str, Any]
+  k_steps: bool
+
+
+def _spec(mask: Sequence[bool], block: tuple[int, ...], index) -> pl.BlockSpec:
+  """A block spec: the operand's batch dims squeezed, ``index(i, j[, k])`` for the rest.
+
+  The grid is ``(*batch, i, j[, k])``; the operand reads the batch dims it has.
+  """
+  nb = len(mask)
+
+  def index_map(*ids):
+    return (*(ids[d] for d in range(nb) if mask[d]), *index(*ids[nb:]))
+
+  return pl.BlockSpec((*(None,) * sum(mask), *block), index_map)
+
+
+def _block_specs(a_batch, b_batch, bias_batch, blocks: tuple[int, int, int], transpose_a: bool,
+                 transpose_b: bool, k_steps: bool) -> tuple[list[pl.BlockSpec], pl.BlockSpec]:
+  """Specs of ``a``, ``b``, ``bias`` and the outputs for ``(bm, bn, bk)`` blocks.
+
+  With ``k_steps`` the grid's last axis walks K; otherwise ``bk`` is all of K.
+  """
+  bm, bn, bk = blocks
+  k = (lambda ids: ids[2]) if k_steps else (lambda ids: 0)
+  in_specs = [
+      _spec(a_batch, (bk, bm) if transpose_a else (bm, bk),
+            lambda *ids: (k(ids), ids[0]) if transpose_a else (ids[0], k(ids))),
+      _spec(b_batch, (bn, bk) if transpose_b else (bk, bn),
+            lambda *ids: (ids[1], k(ids)) if transpose_b else (k(ids), ids[1])),
+      _spec(bias_batch, (1, bn), lambda *ids: (0, ids[1])),
+  ]
+  return in_specs, _spec((True,) * len(a_batch), (bm, bn), lambda *ids: ids[:2])
+
+
+def dot(a, b, transpose_a: bool, transpose_b: bool, precision, dtype) -> jax.Array:
+  """One tile product ``op(a) @ op(b)``, accumulated in ``dtype``."""
+  dims = (((0 if transpose_a else 1,), (1 if transpose_b else 0,)), ((), ()))
+  return lax.dot_general(a, b, dims, precision=precision, preferred_element_type=dtype)
+
+
+def tile_mask(rows_ok, cols_ok, shape):
+  """The mask of a 2-D tile from its row and column masks (None: all in range)."""
+  if rows_ok is None and cols_ok is None:
+    return None
+  rows = True if rows_ok is None else rows_ok[:, None]
+  cols = True if cols_ok is None else cols_ok[None, :]
+  return jnp.broadcast_to(rows & cols, shape)
+
+
+def matmul(a, b, *bias, a_batch, b_batch, bias_batch, contract_batch, transpose_a, transpose_b,
+           activation, out_dtype, precision, save_preactivation, config: MatmulConfig,
+           interpret, plan: Callable[..., Plan]):
+  """The Pallas kernel of one call, on the backend whose ``plan`` is given.
+
+  The operands are reshaped so that folded batch dims join M (and contracted
+  ones K); ``plan(prob, config, kernel_args, acc_dtype)`` gives the backend's
+  blocks, grid, kernel and ``pallas_call`` arguments.
+  """
+  masks = dict(a_batch=a_batch, b_batch=b_batch, bias_batch=bias_batch,
+               contract_batch=contract_batch)
+  prob = Problem.of([x.shape for x in (a, b, *bias)], transpose_a=transpose_a,
+                    transpose_b=transpose_b, **masks)
+  out_shape = prob.batch + (prob.rows, prob.n)
+  outputs = 1 + save_preactivation
+  if math.prod(out_shape) == 0:
+    return [jnp.zeros(out_shape, out_dtype)] * outputs
+  if prob.k == 0:
+    return epilogue(jnp.zeros(out_shape, acc_dtype(a.dtype, b.dtype)), *bias,
+                    bias_batch=bias_batch, activation=activation, out_dtype=out_dtype,
+                    save_preactivation=save_preactivation)
+  nb = len(prob.grid_batch)
+  if contract_batch:  # contiguous with K (transpose_a, not transpose_b): fold into K
+    a = a.reshape(a.shape[:sum(a_batch)] + (prob.k, prob.m))
+    b = b.reshape(b.shape[:sum(b_batch)] + (prob.k, prob.n))
+  if prob.fold:
+    a = a.reshape(a.shape[:sum(a_batch) - prob.fold] + (prob.m, prob.k))
+  a_batch, b_batch, bias_batch = (m[:nb] for m in (a_batch, b_batch, bias_batch))
+  bias = [x.reshape(x.shape[:-1] + (1, prob.n)) for x in bias]
+  kernel_args = dict(prob=prob, has_bias=bool(bias), transpose_a=transpose_a,
+                     transpose_b=transpose_b, activation=activation, precision=precision,
+                     save_preactivation=save_preactivation)
+  result = jax.ShapeDtypeStruct(prob.grid_batch + (prob.m, prob.n), out_dtype)
+  p = plan(prob, config, kernel_args, acc_dtype(a.dtype, b.dtype))
+  in_specs, out_spec = _block_specs(a_batch, b_batch, bias_batch, p.blocks, transpose_a,
+                                    transpose_b, k_steps=p.k_steps)
+  outs = pl.pallas_call(
+      p.kernel, grid=prob.grid_batch + p.grid, in_specs=in_specs[:2 + len(bias)],
+      out_specs=[out_spec] * outputs, out_shape=[result] * outputs, interpret=interpret,
+      name="matmul", **p.call_args,
+  )(a, b, *bias)
+  return [o.reshape(out_shape) for o in outs]

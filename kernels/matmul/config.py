@@ -1,0 +1,186 @@
+"""The matmul kernel's config: ``MatmulConfig``, heuristic, autotuning space, legality."""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, ClassVar, Optional, Sequence
+
+import jax.numpy as jnp
+from jax import lax
+
+from pallax.executor.config import KernelConfig
+from pallax.executor.registry import interpreted, kernel_backend
+from pallax.kernels.matmul.layout import Problem, problem_of
+from pallax.pallas_utils import next_pow2, sublanes
+
+
+@dataclasses.dataclass(frozen=True)
+class MatmulConfig(KernelConfig):
+  """Tile sizes of the matmul kernel.
+
+  block_m, block_n: the output tile; block_k: the K step. Triton: powers of
+    two >= 16. TPU: multiples of 128 (a block at least as large as its dim
+    covers the whole dim).
+  num_warps, num_stages: Triton launch parameters (ignored on TPU).
+  """
+  block_m: int
+  block_n: int
+  block_k: int
+  num_warps: int = 4
+  num_stages: int = 3
+  positive_fields: ClassVar[tuple[str, ...]] = (
+      "block_m", "block_n", "block_k", "num_warps", "num_stages")
+
+
+# ----------------------------------------------------------------------------
+# Configs: heuristic, autotuning space, legality.
+
+# On-chip memory the tiles may use: Triton's shared memory for the operand
+# tiles of all pipeline stages (fits every GPU since V100), and TPU VMEM for
+# the double-buffered tiles plus the accumulator (the default scoped VMEM
+# limit is 16 MiB on v5e, 32 MiB on v6e).
+TRITON_SMEM_BYTES = 96 * 1024
+TPU_VMEM_BYTES = 12 * 1024 * 1024
+_LANES = 128
+
+
+def _triton_smem(config: MatmulConfig, itemsize: int) -> int:
+  c = config
+  return c.num_stages * (c.block_m * c.block_k + c.block_k * c.block_n) * itemsize
+
+
+def _tpu_vmem(bm: int, bn: int, bk: int, in_itemsize: int, out_itemsize: int,
+              outputs: int) -> int:
+  return 2 * ((bm * bk + bk * bn) * in_itemsize + outputs * bm * bn * out_itemsize) \
+      + 4 * bm * bn
+
+
+def _clamp_pow2(n: int, lo: int, hi: int) -> int:
+  return max(lo, min(hi, next_pow2(n)))
+
+
+def _triton_heuristic(prob: Problem, itemsize: int) -> MatmulConfig:
+  """Output tiles up to 128x128, smaller for small M (or N); 3 stages if they fit."""
+  bm = _clamp_pow2(prob.m, 16, 128)
+  bn = _clamp_pow2(prob.n, 16, 128)
+  bk = _clamp_pow2(prob.k, 16, 64 if itemsize <= 2 else 32)
+  config = MatmulConfig(block_m=bm, block_n=bn, block_k=bk,
+                        num_warps=8 if bm * bn >= 128 * 128 else 4, num_stages=3)
+  while _triton_smem(config, itemsize) > TRITON_SMEM_BYTES and config.num_stages > 1:
+    config = dataclasses.replace(config, num_stages=config.num_stages - 1)
+  return config
+
+
+def _tpu_fit(dim: int, target: int) -> int:
+  """A TPU block: the whole dim if it is no larger than ``target``, else ``target``."""
+  return dim if dim <= target else target
+
+
+def _tpu_heuristic(prob: Problem, in_itemsize: int, out_itemsize: int,
+                   outputs: int) -> MatmulConfig:
+  """512-wide tiles (whole dims when smaller), shrunk until they fit VMEM."""
+  bm, bn, bk = 512, 512, 512
+  while _tpu_vmem(_tpu_fit(prob.m, bm), _tpu_fit(prob.n, bn), _tpu_fit(prob.k, bk),
+                  in_itemsize, out_itemsize, outputs) > TPU_VMEM_BYTES:
+    if bk > _LANES:
+      bk //= 2
+    elif bm >= bn and bm > _LANES:
+      bm //= 2
+    else:
+      bn //= 2
+  return MatmulConfig(block_m=bm, block_n=bn, block_k=bk)
+
+
+def _itemsizes(avals, params) -> tuple[int, int]:
+  in_size = max(jnp.dtype(a.dtype).itemsize for a in avals[:2])
+  return in_size, jnp.dtype(params["out_dtype"]).itemsize
+
+
+def _backend_heuristic(avals, backend: str, **params) -> MatmulConfig:
+  prob = problem_of(avals, params)
+  in_size, out_size = _itemsizes(avals, params)
+  if backend == "triton":
+    return _triton_heuristic(prob, in_size)
+  return _tpu_heuristic(prob, in_size, out_size, 1 + params["save_preactivation"])
+
+
+def heuristic(avals: Sequence[Any], target: str, **params) -> MatmulConfig:
+  """The kernel's config for this call: see ``_backend_heuristic``."""
+  return _backend_heuristic(avals, kernel_backend(target), **params)
+
+
+def candidates(avals: Sequence[Any], target: str, **params) -> list[MatmulConfig]:
+  """The autotuning space: tile shapes (and warps, stages on Triton), plus the XLA program."""
+  backend = kernel_backend(target)
+  base = _backend_heuristic(avals, backend, **params)
+  prob = problem_of(avals, params)
+  in_size, out_size = _itemsizes(avals, params)
+  if interpreted(target):  # interpreted kernels are slow: two tilings
+    smaller = dataclasses.replace(base, block_k=max(16 if backend == "triton" else _LANES,
+                                                    base.block_k // 2))
+    out = list(dict.fromkeys([base, smaller]))
+  elif backend == "triton":
+    out = [MatmulConfig(block_m=bm, block_n=bn, block_k=bk, num_warps=w, num_stages=s)
+           for bm in (16, 32, 64, 128) if bm <= max(16, next_pow2(prob.m))
+           for bn in (32, 64, 128, 256) if bn <= max(32, next_pow2(prob.n))
+           for bk in (32, 64) if bk <= max(32, next_pow2(prob.k))
+           for w in (4, 8) if w == 4 or bm * bn >= 64 * 128
+           for s in (2, 3, 4)]
+    out = [c for c in out if _triton_smem(c, in_size) <= TRITON_SMEM_BYTES]
+  else:
+    outputs = 1 + params["save_preactivation"]
+    out = [MatmulConfig(block_m=bm, block_n=bn, block_k=bk)
+           for bm in (128, 256, 512) for bn in (128, 256, 512) for bk in (128, 256, 512)
+           if _tpu_vmem(_tpu_fit(prob.m, bm), _tpu_fit(prob.n, bn), _tpu_fit(prob.k, bk),
+                        in_size, out_size, outputs) <= TPU_VMEM_BYTES]
+  out = [c for c in out if supports(avals, target, c, **params) is None] or [base]
+  return out
+
+
+def mosaic_blocks(prob: Problem, config: MatmulConfig) -> tuple[int, int, int]:
+  """TPU block sizes: a block at least as large as its dim is the whole dim."""
+  return (min(config.block_m, prob.m), min(config.block_n, prob.n), min(config.block_k, prob.k))
+
+
+def _mosaic_tiling_error(name: str, block: tuple[int, int], shape: tuple[int, int],
+                         dtype) -> Optional[str]:
+  rows, cols = block
+  sub = sublanes(dtype)
+  if (rows % sub and rows != shape[0]) or (cols % _LANES and cols != shape[1]):
+    return (f"the {name} block {block} of {shape} must be divisible by ({sub}, {_LANES}) "
+            f"or equal the array's dims on TPU")
+  return None
+
+
+def supports(avals: Sequence[Any], target: str, config: MatmulConfig,
+                    **params) -> Optional[str]:
+  """Why ``config`` cannot run this call on ``target``, if it cannot."""
+  a, b = avals[:2]
+  if jnp.float64 in (a.dtype, b.dtype, params["out_dtype"]):
+    return "float64 has no Pallas matmul kernel"
+  backend = kernel_backend(target)
+  blocks = (config.block_m, config.block_n, config.block_k)
+  if backend == "triton":
+    if any(x < 16 or x & (x - 1) for x in blocks):
+      return f"blocks {blocks} must be powers of two >= 16 on Triton"
+    return None
+  precision = params["precision"]
+  if precision is not None and (precision[0] != precision[1]
+                                or precision[0] not in (lax.Precision.DEFAULT,
+                                                        lax.Precision.HIGHEST)):
+    return f"precision {precision} has no Mosaic TPU lowering (DEFAULT or HIGHEST only)"
+  prob = problem_of(avals, params)
+  bm, bn, bk = mosaic_blocks(prob, config)
+  ta, tb = params["transpose_a"], params["transpose_b"]
+  checks = [
+      ("a", (bk, bm) if ta else (bm, bk), (prob.k, prob.m) if ta else (prob.m, prob.k), a.dtype),
+      ("b", (bn, bk) if tb else (bk, bn), (prob.n, prob.k) if tb else (prob.k, prob.n), b.dtype),
+      ("output", (bm, bn), (prob.m, prob.n), params["out_dtype"]),
+  ]
+  for name, block, shape, dtype in checks:
+    error = _mosaic_tiling_error(name, block, shape, dtype)
+    if error:
+      return error
+  return None
+
+
+CONFIG_CLS = MatmulConfig

@@ -1,0 +1,28 @@
+"""Normalisation implementations: XLA programs and Pallas kernels.
+
+One implementation serves ``rms_norm``, ``layer_norm`` and
+``fused_add_rms_norm``, told apart by a static ``NormKind`` (``kind.py``).
+Each op has a forward stage (outputs plus the statistics the backward needs),
+a tangent stage (forward-mode AD; an XLA program on every platform) and a
+backward stage.
+
+* ``config.py``: ``NormConfig``, its heuristic, autotuning space and legality;
+* ``xla.py``: the XLA programs (the CPU path);
+* ``common.py``: the kernel bodies, run by ``triton.py`` and ``mosaic_tpu.py``.
+"""
+
+from __future__ import annotations
+
+from pallax.kernels.norm import config, mosaic_tpu, triton
+from pallax.kernels.norm.config import NormConfig
+from pallax.kernels.norm.kind import ADD_RMS, CATEGORY, LAYER, RMS, ROW, STAT, WEIGHT, NormKind
+from pallax.op import Kernel
+
+__all__ = ["NormConfig", "NormKind", "RMS", "LAYER", "ADD_RMS", "CATEGORY", "ROW", "STAT",
+           "WEIGHT", "kernel"]
+
+
+def kernel(stage: str, kind: NormKind) -> Kernel:
+  """The Pallas kernel of ``stage`` (``"fwd"`` or ``"bwd"``) for ``kind``."""
+  return Kernel.of_family(f"norm_{stage}", config=config, kind=kind,
+                          backends={"triton": triton, "mosaic_tpu": mosaic_tpu})

@@ -1,0 +1,104 @@
+"""The norm kernels' config: ``NormConfig``, heuristic, autotuning space, legality.
+
+Every norm op, forward and backward, shares one config class: the kernels
+differ in what they compute per row block, not in how rows are blocked.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, ClassVar, Optional, Sequence
+
+import jax.numpy as jnp
+
+from pallax.executor.config import KernelConfig
+from pallax.executor.registry import interpreted, kernel_backend
+from pallax.pallas_utils import next_pow2, sublanes
+
+
+@dataclasses.dataclass(frozen=True)
+class NormConfig(KernelConfig):
+  """Block sizes of the norm kernels (every op, forward and backward).
+
+  implementation: ``"pallas"`` (the kernel) or ``"xla"`` (the XLA program).
+  block_rows: rows per program (power of two on Triton; multiple of the
+    sublane tile, or all rows, on TPU).
+  num_warps, num_stages: Triton launch parameters (ignored on TPU).
+  """
+
+  block_rows: int
+  num_warps: int = 4
+  num_stages: int = 1
+  positive_fields: ClassVar[tuple[str, ...]] = ("block_rows", "num_warps", "num_stages")
+
+
+def _rows_hidden(avals) -> tuple[int, int]:
+  x = avals[0]
+  return max(1, math.prod(x.shape[:-1])), x.shape[-1]
+
+
+def _backend_heuristic(avals, backend: str) -> NormConfig:
+  """Rows per block so that one block of x holds about 16K (Triton) or 512K (TPU) elements."""
+  rows, hidden = _rows_hidden(avals)
+  if backend == "triton":
+    block_hidden = next_pow2(hidden)
+    block_rows = max(1, min(next_pow2(rows), 16384 // block_hidden, 64))
+    num_warps = max(1, min(16, block_hidden * block_rows // 1024))
+    return NormConfig(block_rows=block_rows, num_warps=next_pow2(num_warps))
+  sub = sublanes(avals[0].dtype)
+  fit = max(sub, (524288 // hidden) // sub * sub)
+  return NormConfig(block_rows=min(fit, 1024))
+
+
+def heuristic(avals: Sequence[Any], target: str, **params) -> NormConfig:
+  """The kernel's config for this call: see ``_backend_heuristic``."""
+  return _backend_heuristic(avals, kernel_backend(target))
+
+
+def candidates(avals: Sequence[Any], target: str, **params) -> list[NormConfig]:
+  """The autotuning space: block rows (and warps on Triton)."""
+  rows, hidden = _rows_hidden(avals)
+  backend = kernel_backend(target)
+  if interpreted(target):  # interpreted kernels are slow: a few block sizes
+    base = _backend_heuristic(avals, backend)
+    blocks = sorted({base.block_rows, max(1, base.block_rows // 4)})
+    return [dataclasses.replace(base, block_rows=b) for b in blocks]
+  if backend == "triton":
+    block_hidden = next_pow2(hidden)
+    out = [
+      NormConfig(block_rows=b, num_warps=w)
+      for b in (1, 2, 4, 8, 16, 32, 64)
+      if b <= next_pow2(rows) and b * block_hidden <= 65536
+      for w in (2, 4, 8, 16)
+      if w * 32 <= b * block_hidden
+    ]
+  else:
+    sub = sublanes(avals[0].dtype)
+    out = [
+      NormConfig(block_rows=b)
+      for b in (sub, 2 * sub, 4 * sub, 8 * sub, 256, 512, 1024)
+      if b % sub == 0 and b * hidden <= 2**21
+    ]
+  return out or [_backend_heuristic(avals, backend)]
+
+
+def supports(avals: Sequence[Any], target: str, config: NormConfig, **params) -> Optional[str]:
+  """Why the kernel cannot run this call on ``target`` with ``config``, if it cannot."""
+  rows, _ = _rows_hidden(avals)
+  dtype = avals[0].dtype
+  if kernel_backend(target) == "mosaic_tpu":
+    if dtype == jnp.float64:
+      return "float64 has no Mosaic TPU kernel"
+    sub = sublanes(dtype)
+    if config.block_rows < rows and config.block_rows % sub:
+      return (
+        f"block_rows={config.block_rows} must be a multiple of {sub} on TPU "
+        f"(or cover all {rows} rows)"
+      )
+  elif config.block_rows & (config.block_rows - 1):
+    return f"block_rows={config.block_rows} must be a power of two on Triton"
+  return None
+
+
+CONFIG_CLS = NormConfig

@@ -1,0 +1,58 @@
+"""The softmax XLA programs: the CPU path and the float64 reference's twin.
+
+Every program works on the last axis of operands of one shape; ``mask`` (the
+``where=`` argument) is an optional trailing bool operand. Arithmetic is in
+float32 (float64 for float64 inputs); outputs have the input's dtype.
+"""
+from __future__ import annotations
+
+import jax.numpy as jnp
+
+from pallax.pallas_utils import masked, stat_dtype
+
+
+def _shifted(x, mask):
+  """``x - max(x)`` over the unmasked entries, in the stats dtype (masked: -inf).
+
+  The max is exact in any dtype, so it is taken in the input's, as jax.nn does.
+  """
+  x = masked(x, mask, -jnp.inf)
+  m = jnp.max(x, axis=-1, keepdims=True, initial=-jnp.inf)
+  st = stat_dtype(x.dtype)
+  return x.astype(st) - m.astype(st)
+
+
+def softmax_fwd(x, mask=None):
+  e = jnp.exp(_shifted(x, mask))
+  y = e / jnp.sum(e, axis=-1, keepdims=True)
+  return [masked(y, mask, 0).astype(x.dtype)]
+
+
+def log_softmax_fwd(x, mask=None):
+  s = _shifted(x, mask)
+  z = s - jnp.log(jnp.sum(jnp.exp(s), axis=-1, keepdims=True))
+  return [masked(z, mask, -jnp.inf).astype(x.dtype)]
+
+
+def softmax_bwd(y, v, mask=None):
+  """``y * (v - sum(y * v))`` (masked: 0): softmax's (symmetric) Jacobian times ``v``."""
+  st = stat_dtype(y.dtype)
+  yf, vf = y.astype(st), v.astype(st)
+  s = jnp.sum(masked(yf * vf, mask, 0), axis=-1, keepdims=True)
+  return [masked(yf * (vf - s), mask, 0).astype(v.dtype)]
+
+
+def log_softmax_jvp(z, t, mask=None):
+  """``t - sum(softmax * t)`` (masked: 0): log_softmax's Jacobian times ``t``."""
+  st = stat_dtype(z.dtype)
+  tf = t.astype(st)
+  s = jnp.sum(masked(jnp.exp(z.astype(st)) * tf, mask, 0), axis=-1, keepdims=True)
+  return [masked(tf - s, mask, 0).astype(t.dtype)]
+
+
+def log_softmax_bwd(z, g, mask=None):
+  """``g - softmax * sum(g)`` (masked: 0): the transposed Jacobian times ``g``."""
+  st = stat_dtype(z.dtype)
+  gf = masked(g.astype(st), mask, 0)
+  dx = gf - jnp.exp(z.astype(st)) * jnp.sum(gf, axis=-1, keepdims=True)
+  return [masked(dx, mask, 0).astype(g.dtype)]
