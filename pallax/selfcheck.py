@@ -1,26 +1,45 @@
 """The self-check behind ``python -m pallax``.
 
-Each op registers a ``SelfCheck``: how to make inputs, its float64 reference
-and its plain-JAX formulation. ``run`` reports, per op and dtype, on this
-machine: the backend and implementation chosen, the kernel config, the max
-relative error against the float64 reference (forward and gradient) and the
-time relative to plain JAX; then the same numerics for both interpreted
-kernels. It returns False if any error is over its tolerance.
+``CHECKS`` is the table of ops checked: per op, how to make inputs, its float64
+reference and its plain-JAX formulation. ``run`` reports, per op and dtype, on
+this machine: the backend and implementation chosen, the kernel config, the
+max relative error against the float64 reference (forward and gradient) and
+the time relative to plain JAX; then the same numerics for both interpreted
+kernels. It returns False if any error is over its tolerance. ``quick=True``
+uses the small sizes everywhere.
+
+The time column is the median over interleaved pairs of calls of pallax's time
+over plain JAX's, with a 95% confidence interval; see ``measure_ratio`` for
+the rule, and for when it prints ``unreliable`` instead.
 """
+
 from __future__ import annotations
 
+import contextlib
 import dataclasses
-import statistics
+import functools
+import math
 import sys
-from typing import Callable, Optional, Sequence, TextIO
+import time
+from collections.abc import Callable, Sequence
+from typing import Optional, TextIO
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pallax.executor.autotune import median_time
+from pallax.executor.tools import explain
 from pallax.interpret import BACKENDS, interpret
-from pallax.tuning import explain
+from pallax.primitives.matmul import matmul, matmul_reference
+from pallax.primitives.norm import (
+  fused_add_rms_norm,
+  fused_add_rms_norm_reference,
+  layer_norm,
+  layer_norm_reference,
+  rms_norm,
+  rms_norm_reference,
+)
+from pallax.primitives.softmax import log_softmax, softmax
 
 # Max relative error (max|got - want| / max|want|) against float64.
 TOLERANCE = {"float32": 1e-5, "bfloat16": 1e-2, "float16": 1e-2}
@@ -30,10 +49,11 @@ TOLERANCE = {"float32": 1e-5, "bfloat16": 1e-2, "float16": 1e-2}
 class SelfCheck:
   """One op's self-check.
 
-  make_args: ``(rng, dtype, small) -> args``; ``small`` for interpret runs.
+  make_args: ``(rng, dtype, small) -> args``; ``small`` for interpret runs and quick mode.
   op: the pallax function. reference: the same maths in plain jnp; run in
     float64 it is the oracle, in the input dtype it is the timing baseline.
   """
+
   name: str
   make_args: Callable[[np.random.Generator, jnp.dtype, bool], Sequence[jax.Array]]
   op: Callable
@@ -41,61 +61,279 @@ class SelfCheck:
   dtypes: tuple = (jnp.float32, jnp.bfloat16)
 
 
-_CHECKS: list[SelfCheck] = []
+# ---------------------------------------------------------------------------- the table
 
 
-def register(check: SelfCheck) -> None:
-  _CHECKS.append(check)
+def _norm_args(*names: str) -> Callable:
+  """Argument maker for the norms: ``names`` among x, residual, weight, bias."""
+
+  def make(rng: np.random.Generator, dtype, small: bool) -> tuple[jax.Array, ...]:
+    rows, hidden = (37, 200) if small else (4096, 1024)
+    x = jnp.asarray(rng.standard_normal((rows, hidden)), dtype)
+    rest = {
+      "x": x,
+      "residual": jnp.asarray(rng.standard_normal((rows, hidden)), dtype),
+      "weight": jnp.asarray(1.0 + 0.5 * rng.standard_normal(hidden), dtype),
+      "bias": jnp.asarray(0.5 * rng.standard_normal(hidden), dtype),
+    }
+    return tuple(rest[n] for n in names)
+
+  return make
+
+
+def _softmax_args(rng: np.random.Generator, dtype, small: bool) -> tuple[jax.Array]:
+  rows, cols = (37, 300) if small else (4096, 1024)
+  return (jnp.asarray(3 * rng.standard_normal((rows, cols)), dtype),)
+
+
+def _matmul_args(rng: np.random.Generator, dtype, small: bool) -> tuple[jax.Array, ...]:
+  m, k, n = (37, 200, 96) if small else (512, 1024, 1024)
+  a = jnp.asarray(rng.standard_normal((m, k)), dtype)
+  b = jnp.asarray(rng.standard_normal((k, n)) / np.sqrt(k), dtype)
+  bias = jnp.asarray(rng.standard_normal(n), dtype)
+  return a, b, bias
+
+
+def _matmul_gelu(a: jax.Array, b: jax.Array, bias: jax.Array) -> jax.Array:
+  return matmul(a, b, bias=bias, activation="gelu")
+
+
+def _matmul_gelu_reference(a: jax.Array, b: jax.Array, bias: jax.Array) -> jax.Array:
+  return matmul_reference(a, b, bias=bias, activation="gelu")
+
+
+# Every op's self-check, in report order.
+CHECKS: tuple[SelfCheck, ...] = (
+  SelfCheck("matmul", _matmul_args, _matmul_gelu, _matmul_gelu_reference),
+  SelfCheck("rms_norm", _norm_args("x", "weight"), rms_norm, rms_norm_reference),
+  SelfCheck("layer_norm", _norm_args("x", "weight", "bias"), layer_norm, layer_norm_reference),
+  SelfCheck(
+    "fused_add_rms_norm",
+    _norm_args("x", "residual", "weight"),
+    fused_add_rms_norm,
+    fused_add_rms_norm_reference,
+  ),
+  SelfCheck("softmax", _softmax_args, softmax, jax.nn.softmax),
+  SelfCheck("log_softmax", _softmax_args, log_softmax, jax.nn.log_softmax),
+)
+
+
+# ---------------------------------------------------------------------------- numerics
+
+
+def _f64(a) -> np.ndarray:
+  """``a`` as a float64 numpy array, converted on the host (no op to compile)."""
+  return np.asarray(a).astype(np.float64)
 
 
 def _rel_err(got, want) -> float:
-  got = np.asarray(jnp.asarray(got, jnp.float32) if got.dtype == jnp.bfloat16 else got, np.float64)
-  want = np.asarray(want, np.float64)
+  got, want = _f64(got), _f64(want)
   if not np.all(np.isfinite(got)):
     return float("inf")
   return float(np.max(np.abs(got - want)) / max(np.max(np.abs(want)), 1e-30))
 
 
-def _to64(a):
-  return jnp.asarray(np.asarray(jnp.asarray(a, jnp.float32), np.float64))
+@functools.cache
+def _outputs_and_grads(fn: Callable) -> Callable:
+  """Jitted ``(args, cots) -> (output leaves, VJP of cots wrt every arg)``: one compile per shape.
+
+  Cached per ``fn``, so the rows of one op (and the float64 reference of all
+  its rows) share their compilations.
+  """
+
+  def outputs_and_grads(args, cots):
+    outs, vjp = jax.vjp(fn, *args)
+    leaves, tree = jax.tree.flatten(outs)
+    return leaves, vjp(jax.tree.unflatten(tree, [c.astype(o.dtype) for c, o in zip(cots, leaves)]))
+
+  return jax.jit(outputs_and_grads)
 
 
-def _loss(fn, cots):
-  """``sum(out * cot)`` over every output leaf: its gradient is the VJP with ``cots``."""
-  def loss(*args):
-    outs = jax.tree.leaves(fn(*args))
-    return sum(jnp.sum(o.astype(cot.dtype) * cot) for o, cot in zip(outs, cots))
-  return loss
+def _errors(check: SelfCheck, args, backend: Optional[str] = None) -> tuple[float, float]:
+  """Forward and gradient (wrt every arg) relative errors vs float64.
 
-
-def _errors(check: SelfCheck, args) -> tuple[float, float]:
-  """Forward and gradient (wrt every arg) relative errors vs float64."""
+  ``backend``: run the op as that interpreted kernel. The float64 reference runs
+  outside the switch (which is part of the jit cache key) so all rows share it.
+  """
   rng = np.random.default_rng(1)
-  outs = jax.tree.leaves(jax.jit(check.op)(*args))
-  cots = [jnp.asarray(rng.standard_normal(o.shape), jnp.float32) for o in outs]
-  argnums = tuple(range(len(args)))
-  grads = jax.jit(jax.grad(_loss(check.op, cots), argnums))(*args)
+  shapes = jax.tree.leaves(jax.eval_shape(check.op, *args))
+  cots = [jnp.asarray(rng.standard_normal(o.shape), jnp.float32) for o in shapes]
+  with interpret(backend) if backend else contextlib.nullcontext():
+    outs, grads = _outputs_and_grads(check.op)(tuple(args), cots)
   with jax.enable_x64(True):
-    args64, cots64 = [_to64(a) for a in args], [_to64(c) for c in cots]
-    wants = jax.tree.leaves(check.reference(*args64))
-    want_grads = jax.grad(_loss(check.reference, cots64), argnums)(*args64)
-    fwd = max(_rel_err(o, w) for o, w in zip(outs, wants))
-    grad = max(_rel_err(g, w) for g, w in zip(grads, want_grads))
+    args64 = tuple(jnp.asarray(_f64(a)) for a in args)
+    cots64 = [jnp.asarray(_f64(c)) for c in cots]
+    wants, want_grads = _outputs_and_grads(check.reference)(args64, cots64)
+  fwd = max(_rel_err(o, w) for o, w in zip(outs, wants))
+  grad = max(_rel_err(g, w) for g, w in zip(grads, want_grads))
   return fwd, grad
 
 
-def _time_ratio(check: SelfCheck, args, pairs: int = 21) -> float:
-  """pallax's time over plain JAX's: the median over interleaved pairs of calls.
+# ---------------------------------------------------------------------------- timing
 
-  Alternating the two cancels the load drift of a shared machine, which
-  otherwise swamps differences of a few percent.
+# One interleaved pair of calls: ``time_pair(i) -> (pallax seconds, plain-JAX seconds)``.
+PairTimer = Callable[[int], tuple[float, float]]
+# Makes the ``PairTimer`` of ``(op, reference, args)``; ``run`` takes a fake one in tests.
+PairTimerFactory = Callable[[Callable, Callable, Sequence[jax.Array]], PairTimer]
+
+MIN_PAIRS = 15  # never judge on fewer pairs
+MAX_PAIRS = 200  # cap per row
+BUDGET_S = 3.0  # cap per row: seconds spent inside the timed calls
+TARGET = 0.02  # stop early once the 95% interval of the median is within +-2%
+UNRELIABLE = 0.05  # wider than +-5% when stopped: "unreliable"
+FAST_AGREE = 0.10  # the fastest-tenth ratio must be within 10% of the median ratio
+_Z95 = 1.96
+
+
+@dataclasses.dataclass(frozen=True)
+class Timing:
+  """Interleaved pair timings of pallax (``ours``) and plain JAX (``plain``), in seconds."""
+
+  ours: tuple[float, ...]
+  plain: tuple[float, ...]
+
+  @property
+  def pairs(self) -> int:
+    return len(self.ours)
+
+  @property
+  def ratios(self) -> np.ndarray:
+    """Per-pair ratios ``ours / plain``, sorted."""
+    return np.sort(np.asarray(self.ours, np.float64) / np.asarray(self.plain, np.float64))
+
+  @property
+  def ratio(self) -> float:
+    """The median per-pair ratio: the figure reported."""
+    return float(np.median(self.ratios))
+
+  @property
+  def interval(self) -> tuple[float, float]:
+    """Distribution-free ~95% confidence interval of the median ratio.
+
+    The order statistics of ranks ``n/2 -+ 1.96 sqrt(n)/2`` (the sign test's
+    interval), so it holds for the skewed, bimodal ratios of a loaded machine.
+    """
+    r, n = self.ratios, self.pairs
+    half = _Z95 * math.sqrt(n) / 2
+    lo = min(max(round(n / 2 - half) - 1, 0), n - 1)
+    hi = max(min(round(n / 2 + 1 + half) - 1, n - 1), 0)
+    return float(r[lo]), float(r[hi])
+
+  @property
+  def half_width(self) -> float:
+    """The interval's larger side, relative to the median ratio."""
+    lo, hi = self.interval
+    return max(hi - self.ratio, self.ratio - lo) / self.ratio
+
+  @property
+  def fast_ratio(self) -> float:
+    """Pallax's 10th-percentile time over plain JAX's: the ratio of the undisturbed calls."""
+    return float(np.percentile(self.ours, 10) / np.percentile(self.plain, 10))
+
+  @property
+  def reliable(self) -> bool:
+    """Tight interval, and the median and fastest-tenth ratios agree (see ``measure_ratio``)."""
+    return (
+      self.pairs >= MIN_PAIRS
+      and self.half_width <= UNRELIABLE
+      and abs(math.log(self.fast_ratio / self.ratio)) <= math.log1p(FAST_AGREE)
+    )
+
+  def __str__(self) -> str:
+    """``0.98x ±0.02`` (median ratio, interval half-width), or ``unreliable``."""
+    if not self.reliable:
+      return "unreliable"
+    return f"{self.ratio:.2f}x ±{self.half_width * self.ratio:.2f}"
+
+  def detail(self) -> str:
+    """Every statistic behind the verdict, for the note of an unreliable row."""
+    lo, hi = self.interval
+    return (
+      f"median {self.ratio:.2f}x [{lo:.2f}, {hi:.2f}] over {self.pairs} pairs, "
+      f"fastest-tenth {self.fast_ratio:.2f}x"
+    )
+
+
+def measure_ratio(
+  time_pair: PairTimer,
+  *,
+  min_pairs: int = MIN_PAIRS,
+  max_pairs: int = MAX_PAIRS,
+  budget_s: float = BUDGET_S,
+) -> Timing:
+  """Times interleaved pairs until the median ratio is tight or a cap is hit.
+
+  The rule. Pair ``i`` times one call of each (the order alternating between
+  pairs) and gives the ratio pallax / plain JAX; the two calls of a pair see
+  nearly the same machine load, so their ratio cancels the load drift that
+  swamps a few percent otherwise. The figure is the median ratio; its ~95%
+  interval is distribution-free (``Timing.interval``), as the ratios of a
+  loaded machine are skewed and often bimodal (a call preempted or not). After
+  ``min_pairs`` pairs it stops as soon as the interval is within ±``TARGET``
+  (2%) of the median, else at ``max_pairs`` pairs or once ``budget_s`` seconds
+  have been spent in the timed calls. It is then ``unreliable`` if
+
+  * the interval is wider than ±``UNRELIABLE`` (5%) of the median: the column
+    is read for differences of a few percent to tens of percent (pallax's XLA
+    programs against plain jnp), and a wider interval cannot even tell 1.10x
+    from parity; or
+  * the fastest-tenth ratio (10th percentile of pallax's times over plain's,
+    a robust form of min/min, which hangs on one lucky call) differs from the
+    median ratio by more than ``FAST_AGREE`` (10%). On a quiet machine most
+    calls run near the fastest, so the two agree; apart, they say that load
+    slows one side more than the other (e.g. a program that uses both cores
+    losing one), a bias that a tight interval cannot reveal.
+
+  A wrong figure is worse than none: on a busy machine most rows may read
+  ``unreliable``; rerun on a quiet one.
+
+  Args:
+    time_pair: ``time_pair(i) -> (pallax seconds, plain seconds)`` for pair ``i``.
+    min_pairs: pairs always taken.
+    max_pairs: pairs at most.
+    budget_s: stop once the timed calls have taken this many seconds in all.
+
+  Returns:
+    The ``Timing`` of every pair taken; ``str()`` of it is the report's cell.
   """
-  ours, plain = jax.jit(check.op), jax.jit(check.reference)
+  ours: list[float] = []
+  plain: list[float] = []
+  spent = 0.0
+  while True:
+    a, b = time_pair(len(ours))
+    ours.append(a)
+    plain.append(b)
+    spent += a + b
+    if len(ours) < min_pairs:
+      continue
+    timing = Timing(tuple(ours), tuple(plain))
+    if timing.half_width <= TARGET or len(ours) >= max_pairs or spent >= budget_s:
+      return timing
+
+
+def wall_clock_pairs(op: Callable, reference: Callable, args: Sequence[jax.Array]) -> PairTimer:
+  """The real ``PairTimer``: jits and warms up both, then times one call of each per pair."""
+  ours, plain = jax.jit(op), jax.jit(reference)
   for fn in (ours, plain):
-    median_time(fn, args, repeats=1)  # compile and warm up
-  return statistics.median(median_time(ours, args, warmup=0, repeats=1)
-                           / median_time(plain, args, warmup=0, repeats=1)
-                           for _ in range(pairs))
+    for _ in range(3):  # compile and warm up
+      jax.block_until_ready(fn(*args))
+
+  def once(fn: Callable) -> float:
+    start = time.perf_counter()
+    jax.block_until_ready(fn(*args))
+    return time.perf_counter() - start
+
+  def time_pair(i: int) -> tuple[float, float]:
+    if i % 2:
+      plain_s = once(plain)
+      return once(ours), plain_s
+    ours_s = once(ours)
+    return ours_s, once(plain)
+
+  return time_pair
+
+
+# ---------------------------------------------------------------------------- the report
 
 
 def _implementation(check: SelfCheck, args) -> tuple[str, str]:
@@ -105,39 +343,84 @@ def _implementation(check: SelfCheck, args) -> tuple[str, str]:
   return f"{chosen.implementation} ({chosen.source})", config
 
 
-def run(out: TextIO = sys.stdout, checks: Optional[Sequence[SelfCheck]] = None) -> bool:
-  """Prints the report for ``checks`` (default: every registered op); True when
-  every error is within tolerance."""
+def run(
+  out: TextIO = sys.stdout,
+  checks: Optional[Sequence[SelfCheck]] = None,
+  *,
+  quick: bool = False,
+  pair_timer: PairTimerFactory = wall_clock_pairs,
+) -> bool:
+  """Prints the self-check report.
+
+  Args:
+    out: where to print.
+    checks: the ops to check; default ``CHECKS``, every op.
+    quick: the small sizes everywhere (the interpret sizes), not only for the
+      interpreted kernels: seconds instead of a minute or two; the times are
+      then mostly dispatch overhead.
+    pair_timer: makes the pair timer of ``(op, reference, args)``; see
+      ``measure_ratio`` for how the time column is computed from it.
+
+  Returns:
+    True when every error is within tolerance (the times do not count).
+  """
   ok = True
   device = jax.devices()[0]
-  print(f"pallax self-check on {device.platform} ({device.device_kind}), jax {jax.__version__}",
-        file=out)
-  header = f"{'op':<18} {'dtype':<9} {'implementation':<22} {'fwd err':>9} {'grad err':>9} " \
-           f"{'tol':>6} {'time vs jax':>11}  config"
+  sizes = "small sizes (--quick)" if quick else "full sizes"
+  print(
+    f"pallax self-check on {device.platform} ({device.device_kind}), jax {jax.__version__}, "
+    f"{sizes}",
+    file=out,
+  )
+  header = (
+    f"{'op':<18} {'dtype':<9} {'implementation':<22} {'fwd err':>9} {'grad err':>9} "
+    f"{'tol':>6} {'time vs jax':>12}  config"
+  )
   print(header, file=out)
   print("-" * len(header), file=out)
   rng = np.random.default_rng(0)
+  unreliable = False
 
-  def row(name, dtype, impl, fwd, grad, ratio, config):
-    nonlocal ok
+  def row(name, dtype, impl, fwd, grad, timing, config):
+    nonlocal ok, unreliable
     tol = TOLERANCE[jnp.dtype(dtype).name]
     good = fwd < tol and grad < tol
     ok &= good
-    print(f"{name:<18} {jnp.dtype(dtype).name:<9} {impl:<22} {fwd:9.2e} {grad:9.2e} {tol:6.0e} "
-          f"{ratio:>11}  {config}{'' if good else '   <-- FAIL'}", file=out)
+    notes = "" if good else "   <-- FAIL"
+    if timing is not None and not timing.reliable:
+      unreliable = True
+      notes += f"   (time: {timing.detail()})"
+    print(
+      f"{name:<18} {jnp.dtype(dtype).name:<9} {impl:<22} {fwd:9.2e} {grad:9.2e} {tol:6.0e} "
+      f"{'n/a' if timing is None else str(timing):>12}  {config}{notes}",
+      file=out,
+    )
 
-  for check in _CHECKS if checks is None else checks:
+  for check in CHECKS if checks is None else checks:
     for dtype in check.dtypes:
-      args = check.make_args(rng, dtype, False)
+      args = check.make_args(rng, dtype, quick)
       impl, config = _implementation(check, args)
       fwd, grad = _errors(check, args)
-      row(check.name, dtype, impl, fwd, grad, f"{_time_ratio(check, args):.2f}x", config)
+      timing = measure_ratio(pair_timer(check.op, check.reference, args))
+      row(check.name, dtype, impl, fwd, grad, timing, config)
     for backend in BACKENDS:
       for dtype in check.dtypes:
         args = check.make_args(rng, dtype, True)
+        fwd, grad = _errors(check, args, backend)
         with interpret(backend):
-          fwd, grad = _errors(check, args)
           _, config = _implementation(check, args)
-        row(check.name, dtype, f"interpret-{backend}", fwd, grad, "n/a", config)
+        row(check.name, dtype, f"interpret-{backend}", fwd, grad, None, config)
+  print("-" * len(header), file=out)
+  print(
+    "time vs jax: pallax's time over plain JAX's, the median over interleaved pairs of calls "
+    "± its 95% interval",
+    file=out,
+  )
+  if unreliable:
+    print(
+      f"unreliable: that interval is wider than ±{UNRELIABLE:.0%}, or the fastest tenth of the "
+      f"calls gives a ratio over {FAST_AGREE:.0%} off: a busy machine?",
+      file=out,
+    )
   print("all ops within tolerance" if ok else "SOME OPS ARE WRONG", file=out)
   return ok
