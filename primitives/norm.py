@@ -10,10 +10,11 @@ rms_norm; the others alike):
 * ``rms_norm_bwd`` -> ``dx`` and the weight (and bias) gradients: the
   backward kernel.
 
-``grad`` thus costs one forward and one backward kernel. Second-order AD
-differentiates the XLA programs of the tangent and backward primitives.
-Operands and results are named (``kernels.norm.NormKind.names``), and every
-rule here is written once over those names. Weight-like operands may carry
+Each op is declared with ``define_residual_op``: ``grad`` thus costs one
+forward and one backward kernel, and second-order AD differentiates the XLA
+programs of the tangent and backward primitives. Operands and results are
+named (``kernels.norm.NormKind.names``), and every rule here is written once
+over those names. Weight-like operands may carry
 leading group dims that prefix ``x``'s leading dims: that is how vmapping over
 the weight stays one kernel (see batching_rules/norm.py).
 """

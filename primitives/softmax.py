@@ -3,20 +3,21 @@
 The primitives reduce over the last axis of operands of one shape; the public
 functions move the softmax axes there and back. ``mask`` is the ``where=``
 argument as an optional trailing bool operand, absent without one (so the
-common call reads nothing extra). Following design.md section 2, each forward
-primitive returns the residual its backward needs, which is its output:
+common call reads nothing extra). Each op is declared with
+``define_residual_op`` (design.md section 2); its forward primitive returns
+the residual its backward needs, which is its output:
 
-* ``softmax_fwd_p (x, [mask]) -> (y,)``: the forward kernel.
-* ``softmax_bwd_p (y, v, [mask]) -> (y * (v - sum(y * v)),)``: softmax's
+* ``softmax_fwd (x, [mask]) -> (y,)``: the forward kernel.
+* ``softmax_bwd (y, v, [mask]) -> (y * (v - sum(y * v)),)``: softmax's
   Jacobian is symmetric (masked: projected by the mask on both sides), so this
   one primitive, linear in ``v``, is both the tangent (``v = x_dot``) and, as
   its own transpose, the backward kernel. The mask is needed although masked
   ``y`` are 0: in a NaN row (only -inf, or a +inf) jax's gradient is 0, not
   NaN, at masked entries.
-* ``log_softmax_fwd_p (x, [mask]) -> (z,)``: the forward kernel.
-* ``log_softmax_jvp_p (z, t, [mask]) -> (t - sum(exp(z) * t),)``: the tangent,
+* ``log_softmax_fwd (x, [mask]) -> (z,)``: the forward kernel.
+* ``log_softmax_jvp (z, t, [mask]) -> (t - sum(exp(z) * t),)``: the tangent,
   linear in ``t``; its transpose is
-* ``log_softmax_bwd_p (z, g, [mask]) -> (g - exp(z) * sum(g),)``: the backward
+* ``log_softmax_bwd (z, g, [mask]) -> (g - exp(z) * sum(g),)``: the backward
   kernel (both 0 where masked).
 
 ``grad`` thus costs one forward and one backward kernel, and ``jvp`` one
