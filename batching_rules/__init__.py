@@ -1,1 +1,1 @@
-"""pallax.batching_rules"""
+"""pallax.batching_rules."""

@@ -13,7 +13,7 @@ rows' leading dims). The vmapped axis is folded in one of two ways:
 
 from __future__ import annotations
 
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 import jax.numpy as jnp
 from jax.interpreters import batching
@@ -21,8 +21,9 @@ from jax.interpreters import batching
 from pallax.batching_utils import NOT_MAPPED, axis_size
 
 
-def rowwise(*, row_operands: Sequence[int], weight_operands: Sequence[int],
-            weight_results: Sequence[int] = ()) -> Callable:
+def rowwise(
+  *, row_operands: Sequence[int], weight_operands: Sequence[int], weight_results: Sequence[int] = ()
+) -> Callable:
   """The row-folding batching rule of a norm primitive with these operand roles."""
 
   def rule(prim, args, bdims, **params):

@@ -1,5 +1,6 @@
 """Benchmark helpers: jitted callables that block until their result is ready, and
 the forward+backward loss every bench uses."""
+
 import jax
 import jax.numpy as jnp
 import pytest
@@ -40,6 +41,7 @@ def fwd_bwd():
     def loss(*a):
       outs = jax.tree.leaves(fn(*a[:n]))
       return sum(jnp.sum(o.astype(jnp.float32) * c) for o, c in zip(outs, a[n:]))
+
     return jax.value_and_grad(loss, tuple(range(n)))
 
   return make

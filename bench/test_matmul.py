@@ -4,13 +4,14 @@ Run: ``pytest bench/test_matmul.py --benchmark-group-by=param:shape,param:epilog
 Each group then holds the pallax and plain-jnp timings of one case side by side.
 Shapes are ``(M, K, N)``: ``[M, K] @ [K, N]``.
 """
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from pallax.primitives.matmul import matmul_reference
 
 import pallax
-from pallax.primitives.matmul import matmul_reference
 
 SHAPES = [(512, 512, 512), (2048, 2048, 2048), (8192, 1024, 4096)]
 EPILOGUES = {"none": {}, "bias+gelu": {"activation": "gelu"}}
@@ -27,7 +28,7 @@ def _inputs(m, k, n, dtype, seed=0):
 
 def _rounds(m, k, n) -> int:
   """Fewer rounds for the large products (seconds per call on a CPU)."""
-  return 30 if m * k * n <= 2 ** 30 else 10
+  return 30 if m * k * n <= 2**30 else 10
 
 
 @pytest.mark.parametrize("impl", list(IMPLS))
@@ -44,17 +45,18 @@ def test_matmul(bench, impl, mode, epilogue, dtype, shape):
   else:
     fn = lambda a, b, bias: op(a, b)
   if mode == "fwd+bwd":
-    fn = jax.value_and_grad(lambda *args, f=fn: jnp.sum(f(*args).astype(jnp.float32)),
-                            (0, 1, 2) if kwargs else (0, 1))
+    fn = jax.value_and_grad(
+      lambda *args, f=fn: jnp.sum(f(*args).astype(jnp.float32)), (0, 1, 2) if kwargs else (0, 1)
+    )
   bench(fn, a, b, bias, rounds=_rounds(*shape))
 
 
 VMAP_IMPLS = {
-    # 256 vectors, vmapped against a shared weight: one folded GEMM.
-    "pallax_vmap": jax.vmap(pallax.matmul, in_axes=(0, None)),
-    # The same product written as one call.
-    "pallax_explicit": pallax.matmul,
-    "jnp_explicit": jnp.matmul,
+  # 256 vectors, vmapped against a shared weight: one folded GEMM.
+  "pallax_vmap": jax.vmap(pallax.matmul, in_axes=(0, None)),
+  # The same product written as one call.
+  "pallax_explicit": pallax.matmul,
+  "jnp_explicit": jnp.matmul,
 }
 
 

@@ -7,21 +7,30 @@ side. ``fused_add_rms_norm`` is compared with plain jnp and with the unfused
 random cotangent per output (arguments, not constants), so neither side can
 fold the backward away.
 """
+
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from pallax.primitives.norm import (
+  fused_add_rms_norm_reference,
+  layer_norm_reference,
+  rms_norm_reference,
+)
 
 import pallax
-from pallax.primitives.norm import (fused_add_rms_norm_reference, layer_norm_reference,
-                                    rms_norm_reference)
 
 SHAPES = [(1024, 1024), (4096, 1024), (8192, 4096)]
 OPS = {
-    "rms_norm": (("x", "w"), {"pallax": pallax.rms_norm, "jnp": rms_norm_reference}),
-    "layer_norm": (("x", "w", "b"), {"pallax": pallax.layer_norm, "jnp": layer_norm_reference}),
-    "fused_add_rms_norm": (("x", "r", "w"), {
-        "pallax": pallax.fused_add_rms_norm, "jnp": fused_add_rms_norm_reference,
-        "unfused": lambda x, r, w: (pallax.rms_norm(x + r, w), x + r)}),
+  "rms_norm": (("x", "w"), {"pallax": pallax.rms_norm, "jnp": rms_norm_reference}),
+  "layer_norm": (("x", "w", "b"), {"pallax": pallax.layer_norm, "jnp": layer_norm_reference}),
+  "fused_add_rms_norm": (
+    ("x", "r", "w"),
+    {
+      "pallax": pallax.fused_add_rms_norm,
+      "jnp": fused_add_rms_norm_reference,
+      "unfused": lambda x, r, w: (pallax.rms_norm(x + r, w), x + r),
+    },
+  ),
 }
 CASES = [(op, impl) for op, (_, impls) in OPS.items() for impl in impls]
 
@@ -33,13 +42,18 @@ CASES = [(op, impl) for op, (_, impls) in OPS.items() for impl in impls]
 def test_norm(bench, fwd_bwd, op, impl, mode, dtype, shape):
   names, impls = OPS[op]
   rng = np.random.default_rng(0)
-  make = {"x": lambda: rng.standard_normal(shape), "r": lambda: rng.standard_normal(shape),
-          "w": lambda: 1 + 0.5 * rng.standard_normal(shape[-1]),
-          "b": lambda: 0.5 * rng.standard_normal(shape[-1])}
+  make = {
+    "x": lambda: rng.standard_normal(shape),
+    "r": lambda: rng.standard_normal(shape),
+    "w": lambda: 1 + 0.5 * rng.standard_normal(shape[-1]),
+    "b": lambda: 0.5 * rng.standard_normal(shape[-1]),
+  }
   args = [jnp.asarray(make[n](), dtype) for n in names]
   if mode == "fwd":
     bench(impls[impl], *args)
   else:
-    cotangents = [jnp.asarray(rng.standard_normal(shape), jnp.float32)
-                  for _ in range(2 if op == "fused_add_rms_norm" else 1)]
+    cotangents = [
+      jnp.asarray(rng.standard_normal(shape), jnp.float32)
+      for _ in range(2 if op == "fused_add_rms_norm" else 1)
+    ]
     bench(fwd_bwd(impls[impl], len(args)), *args, *cotangents)

@@ -6,6 +6,7 @@ Each group then holds the pallax and jax.nn timings of one case side by side.
 The forward+backward loss takes a random cotangent (an argument, not a
 constant), so neither side can fold the backward away.
 """
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -14,8 +15,10 @@ import pytest
 import pallax
 
 SHAPES = [(1024, 1024), (4096, 1024), (8192, 4096)]
-IMPLS = {"softmax": {"pallax": pallax.softmax, "jax.nn": jax.nn.softmax},
-         "log_softmax": {"pallax": pallax.log_softmax, "jax.nn": jax.nn.log_softmax}}
+IMPLS = {
+  "softmax": {"pallax": pallax.softmax, "jax.nn": jax.nn.softmax},
+  "log_softmax": {"pallax": pallax.log_softmax, "jax.nn": jax.nn.log_softmax},
+}
 
 
 @pytest.mark.parametrize("impl", ["pallax", "jax.nn"])

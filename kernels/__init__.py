@@ -1,1 +1,1 @@
-"""pallax.kernels"""
+"""pallax.kernels."""

@@ -4,22 +4,35 @@ Performance-critical ops written as Pallas kernels (GPU/TPU) with a tuned XLA
 program as the CPU path, each one a real JAX primitive so that jit, grad, jvp,
 vmap, pmap and shard_map all work.
 """
+
 from pallax.autobatch import autobatch
 from pallax.executor import Executor, KernelConfig, default_executor, set_default_executor
+from pallax.executor.tools import autotune, explain, pmap_with_config, vmap_with_config
 from pallax.interpret import interpret
 from pallax.primitives.matmul import MatmulConfig, matmul
 from pallax.primitives.norm import NormConfig, fused_add_rms_norm, layer_norm, rms_norm
 from pallax.primitives.softmax import SoftmaxConfig, log_softmax, softmax
-from pallax.executor.tools import autotune, explain, pmap_with_config, vmap_with_config
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "rms_norm", "layer_norm", "fused_add_rms_norm", "NormConfig",
-    "softmax", "log_softmax", "SoftmaxConfig",
-    "matmul", "MatmulConfig",
-    "autobatch",
-    "interpret",
-    "Executor", "KernelConfig", "default_executor", "set_default_executor",
-    "autotune", "explain", "vmap_with_config", "pmap_with_config",
+  "rms_norm",
+  "layer_norm",
+  "fused_add_rms_norm",
+  "NormConfig",
+  "softmax",
+  "log_softmax",
+  "SoftmaxConfig",
+  "matmul",
+  "MatmulConfig",
+  "autobatch",
+  "interpret",
+  "Executor",
+  "KernelConfig",
+  "default_executor",
+  "set_default_executor",
+  "autotune",
+  "explain",
+  "vmap_with_config",
+  "pmap_with_config",
 ]

@@ -3,9 +3,11 @@
 Each name below has no public JAX API (jax 0.10.2). Keep every private access
 here, so that a JAX upgrade touches a single file.
 """
+
 from __future__ import annotations
 
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 from jax._src import config as _config
 from jax._src import dispatch as _dispatch
@@ -32,8 +34,9 @@ def enum_flag(name: str, values: Sequence[str], default: str, help: str):
   Switching it (context manager or ``jax.config.update``) makes already-jitted
   functions re-trace and re-lower instead of reusing a stale executable.
   """
-  return _config.enum_state(name, list(values), default, help,
-                            include_in_jit_key=True, include_in_trace_context=True)
+  return _config.enum_state(
+    name, list(values), default, help, include_in_jit_key=True, include_in_trace_context=True
+  )
 
 
 def without_vma_checks():
@@ -49,5 +52,6 @@ def without_vma_checks():
 
 def object_flag(name: str, default, help: str):
   """A JAX config flag holding any hashable object, part of the trace context."""
-  return _config.string_or_object_state(name, default, help, include_in_jit_key=True,
-                                        include_in_trace_context=True)
+  return _config.string_or_object_state(
+    name, default, help, include_in_jit_key=True, include_in_trace_context=True
+  )

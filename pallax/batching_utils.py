@@ -1,5 +1,8 @@
-"""Helpers shared by the batching rules (JAX's public ones cover the rest:
-``jax.interpreters.batching.bdim_at_front`` and ``broadcast``)."""
+"""Helpers shared by the batching rules.
+
+JAX's public ones cover the rest: ``jax.interpreters.batching.bdim_at_front``
+and ``broadcast``.
+"""
 
 from __future__ import annotations
 

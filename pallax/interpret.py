@@ -5,33 +5,46 @@ makes every pallax op lower to its Pallas kernel run with ``interpret=True``,
 on any platform, so the GPU/TPU kernel code is exercised on a CPU. The flag is
 part of JAX's jit cache key: toggling it re-lowers jitted functions.
 """
+
 from __future__ import annotations
 
 import contextlib
 import os
-from typing import Iterator, Literal, Optional
+from collections.abc import Iterator
+from typing import Literal, Optional
 
 from pallax._jax_private import enum_flag
 
 Backend = Literal["triton", "mosaic_tpu"]
 BACKENDS: tuple[str, ...] = ("triton", "mosaic_tpu")
 
-_ENV_ALIASES = {"": "off", "0": "off", "off": "off", "false": "off",
-                "1": "triton", "true": "triton", "gpu": "triton", "triton": "triton",
-                "tpu": "mosaic_tpu", "mosaic_tpu": "mosaic_tpu"}
+_ENV_ALIASES = {
+  "": "off",
+  "0": "off",
+  "off": "off",
+  "false": "off",
+  "1": "triton",
+  "true": "triton",
+  "gpu": "triton",
+  "triton": "triton",
+  "tpu": "mosaic_tpu",
+  "mosaic_tpu": "mosaic_tpu",
+}
 
 
 def _default_from_env() -> str:
   raw = os.environ.get("PALLAX_INTERPRET", "").strip().lower()
   if raw not in _ENV_ALIASES:
-    raise ValueError(
-        f"PALLAX_INTERPRET={raw!r} is not understood; use 0, 1, triton or tpu")
+    raise ValueError(f"PALLAX_INTERPRET={raw!r} is not understood; use 0, 1, triton or tpu")
   return _ENV_ALIASES[raw]
 
 
 _MODE = enum_flag(
-    "pallax_interpret_mode", ("off",) + BACKENDS, _default_from_env(),
-    help="Run pallax ops as interpreted Pallas kernels (off, triton, mosaic_tpu).")
+  "pallax_interpret_mode",
+  ("off",) + BACKENDS,
+  _default_from_env(),
+  help="Run pallax ops as interpreted Pallas kernels (off, triton, mosaic_tpu).",
+)
 
 
 @contextlib.contextmanager

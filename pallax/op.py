@@ -30,11 +30,13 @@ changes with them. The kernel's config is selected at lowering time, from the
 final (vmapped, per-shard) shapes. Rules that bind further primitives pass all
 three on.
 """
+
 from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any, Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
 import jax
 from jax.experimental.custom_partitioning import SdyShardingRule, custom_partitioning
@@ -44,8 +46,13 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from pallax import _jax_private
 from pallax.executor import KernelConfig, KernelSpec, Scope, Selection, current_scope
-from pallax.executor.registry import (PLATFORMS, interpreted, kernel_backend, register_kernel,
-                                      target_of)
+from pallax.executor.registry import (
+  PLATFORMS,
+  interpreted,
+  kernel_backend,
+  register_kernel,
+  target_of,
+)
 from pallax.interpret import interpret_backend
 
 FRAMEWORK_PARAMS = ("config", "interpret", "executor")
@@ -67,6 +74,7 @@ class Dims:
   ``psum(x, i)`` sums ``x`` across the devices that result ``i`` is summed
   over. None: the kernel runs and its results are summed as they are.
   """
+
   operands: tuple[tuple[str, ...], ...]
   results: tuple[tuple[str, ...], ...]
   replicated: tuple[str, ...] = ()
@@ -85,6 +93,7 @@ class Kernel:
     ``registry.KernelSpec``). They describe the kernel only: the executor adds
     the XLA program as a choice of its own.
   """
+
   impls: Mapping[str, Callable[..., Sequence[jax.Array]]]
   config_cls: type[KernelConfig]
   heuristic: Callable[..., KernelConfig]
@@ -104,8 +113,14 @@ class Kernel:
       **bound: static arguments bound to every backend's kernel function.
     """
     impls = {b: functools.partial(getattr(m, name), **bound) for b, m in backends.items()}
-    return cls(impls, config.CONFIG_CLS, config.heuristic, config.candidates, config.supports,
-               getattr(config, "VERSION", 1))
+    return cls(
+      impls,
+      config.CONFIG_CLS,
+      config.heuristic,
+      config.candidates,
+      config.supports,
+      getattr(config, "VERSION", 1),
+    )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -121,6 +136,7 @@ class PrimitiveSpec:
   batching: ``(prim, args, dims, **params) -> (outs, out_dims)``, the vmap
     rule (from ``pallax.batching_rules``).
   """
+
   abstract_eval: Callable[..., Sequence[Any]]
   xla: Callable[..., Sequence[jax.Array]]
   kernel: Kernel | None
@@ -156,8 +172,9 @@ def define_primitive(name: str, spec: PrimitiveSpec) -> KernelPrimitive:
     _jax_private.require_devices_during_lowering(p)
   if spec.kernel is not None:
     k = spec.kernel
-    register_kernel(KernelSpec(name, k.config_cls, k.heuristic, k.candidates, k.supports,
-                               k.version))
+    register_kernel(
+      KernelSpec(name, k.config_cls, k.heuristic, k.candidates, k.supports, k.version)
+    )
   batching.primitive_batchers[prim] = functools.partial(spec.batching, prim)
 
   def xla_lowering(ctx, *args, **params):
@@ -168,14 +185,20 @@ def define_primitive(name: str, spec: PrimitiveSpec) -> KernelPrimitive:
       if spec.kernel is None:
         return xla_lowering(ctx, *args, **params)
       target = target_of(platform, interpret)
-      chosen = select_config(prim, ctx.avals_in, target, params, config=config,
-                             interpret=interpret, scope=executor)
+      chosen = select_config(
+        prim, ctx.avals_in, target, params, config=config, interpret=interpret, scope=executor
+      )
       if chosen.implementation == "xla":
         return xla_lowering(ctx, *args, **params)
-      fn = functools.partial(spec.kernel.impls[kernel_backend(target)], config=chosen.config,
-                             interpret=interpreted(target), **params)
+      fn = functools.partial(
+        spec.kernel.impls[kernel_backend(target)],
+        config=chosen.config,
+        interpret=interpreted(target),
+        **params,
+      )
       with _jax_private.without_vma_checks():
         return mlir.lower_fun(fn, multiple_results=True)(_unvarying(ctx), *args)
+
     return rule
 
   for platform in PLATFORMS:
@@ -192,16 +215,23 @@ def define_primitive(name: str, spec: PrimitiveSpec) -> KernelPrimitive:
 @dataclasses.dataclass(frozen=True)
 class ResidualOp:
   """The primitives of an op defined by ``define_residual_op``."""
+
   fwd: KernelPrimitive
   tangent: KernelPrimitive
   bwd: KernelPrimitive
 
 
 def define_residual_op(
-    name: str, *, fwd: PrimitiveSpec, tangent: PrimitiveSpec, bwd: PrimitiveSpec | None = None,
-    linear: slice, tangent_operands: Callable[..., Sequence[Any]],
-    residual_tangents: Callable[..., Sequence[Any]] | None = None,
-    fwd_only_params: Sequence[str] = ()) -> ResidualOp:
+  name: str,
+  *,
+  fwd: PrimitiveSpec,
+  tangent: PrimitiveSpec,
+  bwd: PrimitiveSpec | None = None,
+  linear: slice,
+  tangent_operands: Callable[..., Sequence[Any]],
+  residual_tangents: Callable[..., Sequence[Any]] | None = None,
+  fwd_only_params: Sequence[str] = (),
+) -> ResidualOp:
   """Defines an op's forward, tangent and backward primitives and their AD rules.
 
   The pattern of design.md section 2: the forward primitive returns the
@@ -227,7 +257,9 @@ def define_residual_op(
 
   Args:
     name: the op's name, the prefix of its primitives' names.
-    fwd, tangent, bwd: the three primitives.
+    fwd: the forward primitive.
+    tangent: the tangent primitive.
+    bwd: the backward primitive; None when ``tangent`` is its own transpose.
     linear: the block of ``tangent``'s operands it is linear in.
     tangent_operands: ``(primals, outs, tangents) -> operands`` of ``tangent``
       from the forward's operands, its results and its operands' tangents
@@ -257,7 +289,7 @@ def define_residual_op(
       raise NotImplementedError(f"{tangent_p.name} is linear in operands {linear} only")
     if all(type(ct) is ad.Zero for ct in cts):
       return [ad.Zero(a.aval) if w else None for w, a in zip(wanted, args)]
-    grads = bwd_p.bind(*args[:block.start], *instantiate(cts), *args[block.stop:], **params)
+    grads = bwd_p.bind(*args[: block.start], *instantiate(cts), *args[block.stop :], **params)
     return [grads[i - block.start] if w else None for i, w in enumerate(wanted)]
 
   ad.primitive_jvps[fwd_p] = fwd_jvp_rule
@@ -267,21 +299,39 @@ def define_residual_op(
   return ResidualOp(fwd_p, tangent_p, bwd_p)
 
 
-def select_config(prim: KernelPrimitive, avals: Sequence[Any], target: str, params: dict, *,
-                  config, interpret, scope: Scope, executor=None, **kw) -> Selection:
+def select_config(
+  prim: KernelPrimitive,
+  avals: Sequence[Any],
+  target: str,
+  params: dict,
+  *,
+  config,
+  interpret,
+  scope: Scope,
+  executor=None,
+  **kw,
+) -> Selection:
   """The executor's selection for one call of ``prim`` (its framework params given apart).
 
   ``executor`` defaults to the one in ``scope``; ``kw`` goes to ``Executor.select``.
   """
   return (executor or scope.resolve()).select(
-      prim.name, avals, target, params, pinned=config, overlays=scope.overlays,
-      make_fn=kernel_runner(prim, params, interpret), **kw)
+    prim.name,
+    avals,
+    target,
+    params,
+    pinned=config,
+    overlays=scope.overlays,
+    make_fn=kernel_runner(prim, params, interpret),
+    **kw,
+  )
 
 
 def kernel_runner(prim: KernelPrimitive, params: dict, interpret) -> Callable:
   """``config -> function`` running ``prim``'s kernel with that config (for autotuning)."""
-  return lambda cfg: functools.partial(prim.kernel.bind, config=cfg, interpret=interpret,
-                                       executor=Scope(), **params)
+  return lambda cfg: functools.partial(
+    prim.kernel.bind, config=cfg, interpret=interpret, executor=Scope(), **params
+  )
 
 
 def _unvarying(ctx):
@@ -308,8 +358,7 @@ def _partitioned(kernel: Primitive, dims: Dims, params: dict) -> Callable:
   def shardings(mesh, arg_shapes):
     factors = _factor_axes(mesh, dims, arg_shapes)
     spec = lambda names: NamedSharding(mesh, PartitionSpec(*(factors.get(f) for f in names)))
-    return (factors, tuple(spec(d) for d in dims.operands),
-            tuple(spec(d) for d in dims.results))
+    return (factors, tuple(spec(d) for d in dims.operands), tuple(spec(d) for d in dims.results))
 
   def infer_sharding_from_operands(mesh, arg_shapes, result_shape):
     return shardings(mesh, arg_shapes)[2]
@@ -318,8 +367,10 @@ def _partitioned(kernel: Primitive, dims: Dims, params: dict) -> Callable:
     factors, arg_shardings, out_shardings = shardings(mesh, arg_shapes)
     in_factors = {f for d in dims.operands for f in d}
 
-    summed = [tuple(a for f in sorted(in_factors - set(names)) for a in factors.get(f) or ())
-              for names in dims.results]
+    summed = [
+      tuple(a for f in sorted(in_factors - set(names)) for a in factors.get(f) or ())
+      for names in dims.results
+    ]
 
     def psum(x, i):
       return jax.lax.psum(x, summed[i]) if summed[i] else x
@@ -332,11 +383,14 @@ def _partitioned(kernel: Primitive, dims: Dims, params: dict) -> Callable:
     return mesh, lower_fn, out_shardings, arg_shardings
 
   call.def_partition(
-      partition=partition,
-      infer_sharding_from_operands=infer_sharding_from_operands,
-      sharding_rule=SdyShardingRule(
-          operand_mappings=dims.operands, result_mappings=dims.results,
-          need_replication_factors=dims.replicated))
+    partition=partition,
+    infer_sharding_from_operands=infer_sharding_from_operands,
+    sharding_rule=SdyShardingRule(
+      operand_mappings=dims.operands,
+      result_mappings=dims.results,
+      need_replication_factors=dims.replicated,
+    ),
+  )
   return call
 
 
@@ -368,8 +422,9 @@ def _factor_axes(mesh, dims: Dims, arg_shapes) -> dict[str, tuple[str, ...]]:
 
 def bind(prim: Primitive, *args, config=None, **params) -> list:
   """Binds ``prim`` from a public function: adds the framework params."""
-  return prim.bind(*args, config=config, interpret=interpret_backend(),
-                   executor=current_scope(), **params)
+  return prim.bind(
+    *args, config=config, interpret=interpret_backend(), executor=current_scope(), **params
+  )
 
 
 def op_params(params: dict) -> dict:
@@ -401,9 +456,13 @@ def _register_jvp_by_xla(prim: KernelPrimitive) -> None:
   derivatives are only needed for second-order AD (Hessian-vector products,
   ``jacfwd`` of ``grad``).
   """
+
   def jvp(primals, tangents, **params):
-    outs, out_tangents = jax.jvp(functools.partial(prim.xla_impl, **op_params(params)),
-                                 tuple(primals), tuple(instantiate(tangents)))
+    outs, out_tangents = jax.jvp(
+      functools.partial(prim.xla_impl, **op_params(params)),
+      tuple(primals),
+      tuple(instantiate(tangents)),
+    )
     return list(outs), list(out_tangents)
 
   ad.primitive_jvps[prim] = jvp
@@ -419,5 +478,7 @@ def match_manual_axes(*args: jax.Array) -> list[jax.Array]:
   """
   varying = [frozenset(getattr(jax.typeof(a).mat, "varying", ())) for a in args]
   union = frozenset().union(*varying)
-  return [jax.lax.pcast(a, tuple(sorted(union - v)), to="varying") if union - v else a
-          for a, v in zip(args, varying)]
+  return [
+    jax.lax.pcast(a, tuple(sorted(union - v)), to="varying") if union - v else a
+    for a, v in zip(args, varying)
+  ]

@@ -1,4 +1,5 @@
 """Small helpers shared by the kernels."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -83,21 +84,28 @@ class RowBlocks:
   TPU a block is no larger than its dim and partial blocks are padded by
   Mosaic itself.
   """
+
   rows: int
   cols: int
   block_rows: int
   block_cols: int
 
   @classmethod
-  def of(cls, rows: int, cols: int, block_rows: int, block_cols: Optional[int],
-         backend: str) -> "RowBlocks":
+  def of(
+    cls, rows: int, cols: int, block_rows: int, block_cols: Optional[int], backend: str
+  ) -> RowBlocks:
     """The blocks of a ``(rows, cols)`` array; ``block_cols=None``: whole rows."""
     if backend == "triton":
       wide = next_pow2(cols)
-      return cls(rows, cols, min(block_rows, next_pow2(rows)),
-                 wide if block_cols is None else min(block_cols, wide))
-    return cls(rows, cols, min(block_rows, rows),
-               cols if block_cols is None else min(block_cols, cols))
+      return cls(
+        rows,
+        cols,
+        min(block_rows, next_pow2(rows)),
+        wide if block_cols is None else min(block_cols, wide),
+      )
+    return cls(
+      rows, cols, min(block_rows, rows), cols if block_cols is None else min(block_cols, cols)
+    )
 
   @property
   def row_blocks(self) -> int:

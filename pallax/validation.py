@@ -3,6 +3,7 @@
 Errors name the op, the argument and what was seen, and are raised before
 anything is bound, so users never see a deep XLA error instead.
 """
+
 from __future__ import annotations
 
 import numbers
@@ -14,8 +15,7 @@ import jax.numpy as jnp
 def check_floating(op: str, name: str, a: jax.Array) -> None:
   """TypeError unless ``a`` has a floating dtype."""
   if not jnp.issubdtype(a.dtype, jnp.floating):
-    raise TypeError(f"{op}: {name} must have a floating dtype, got {a.dtype} "
-                    f"(shape {a.shape})")
+    raise TypeError(f"{op}: {name} must have a floating dtype, got {a.dtype} (shape {a.shape})")
 
 
 def check_array(op: str, name: str, x) -> jax.Array:
@@ -35,8 +35,11 @@ def check_config(op: str, config, cls: type) -> None:
 
 def check_static_float(op: str, name: str, value, *, minimum: float | None = None) -> float:
   """``value`` as a Python float; it must be a concrete number, not a traced array."""
-  if isinstance(value, jax.core.Tracer) or not isinstance(value, numbers.Real) \
-      or isinstance(value, bool):
+  if (
+    isinstance(value, jax.core.Tracer)
+    or not isinstance(value, numbers.Real)
+    or isinstance(value, bool)
+  ):
     raise TypeError(f"{op}: {name} must be a static Python number, got {type(value).__name__}")
   value = float(value)
   if minimum is not None and not value >= minimum:

@@ -1,1 +1,1 @@
-"""pallax.primitives"""
+"""pallax.primitives."""

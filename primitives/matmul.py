@@ -23,6 +23,7 @@ Sharding: batch dims and M shard freely, a sharded N shards the result, and a
 sharded K is contracted per device and the float32 partial products are
 summed across devices (an all-reduce) before the epilogue.
 """
+
 from __future__ import annotations
 
 import functools
@@ -33,13 +34,20 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 from jax.interpreters import ad
-
 from pallax.batching_rules import matmul as matmul_batching
 from pallax.kernels import matmul as kernels
 from pallax.kernels.matmul import ACTIVATIONS, MatmulConfig
+
 from pallax.activations import activate, activation_derivative
-from pallax.op import (Dims, PrimitiveSpec, bind, define_primitive, derived_aval, full_spec,
-                       match_manual_axes)
+from pallax.op import (
+  Dims,
+  PrimitiveSpec,
+  bind,
+  define_primitive,
+  derived_aval,
+  full_spec,
+  match_manual_axes,
+)
 from pallax.validation import check_array, check_config, check_floating
 
 __all__ = ["matmul", "matmul_reference", "MatmulConfig", "ACTIVATIONS"]
@@ -49,22 +57,21 @@ __all__ = ["matmul", "matmul_reference", "MatmulConfig", "ACTIVATIONS"]
 # Shapes and shardings.
 
 
-def _result_spec(a, b, *bias, a_batch, b_batch, bias_batch, contract_batch, transpose_a,
-                 transpose_b) -> list:
-  """The result's sharding: each batch dim's from the first operand that has it, M's
-  from ``a``, N's from ``b``.
+def _result_spec(a, b, *bias, **params) -> list:
+  """The result's sharding: each batch dim's from the first operand that has it.
 
-  A mesh axis already used by an earlier dim is dropped (a result dim
-  cannot be sharded twice over one axis).
+  M's comes from ``a``, N's from ``b``. A mesh axis already used by an earlier
+  dim is dropped (a result dim cannot be sharded twice over one axis).
   """
-  lead = -2 - contract_batch
-  specs = [iter(full_spec(a)[:lead]), iter(full_spec(b)[:lead])] + [iter(full_spec(x)[:-1]) for x in bias]
+  lead = -2 - params["contract_batch"]
+  specs = [iter(full_spec(a)[:lead]), iter(full_spec(b)[:lead])]
+  specs += [iter(full_spec(x)[:-1]) for x in bias]
   spec = []
-  for has in zip(a_batch, b_batch, bias_batch):
+  for has in zip(params["a_batch"], params["b_batch"], params["bias_batch"]):
     found = [next(it) for it, h in zip(specs, has) if h]
     spec.append(found[0])
-  spec.append(full_spec(a)[-1 if transpose_a else -2])
-  spec.append(full_spec(b)[-2 if transpose_b else -1])
+  spec.append(full_spec(a)[-1 if params["transpose_a"] else -2])
+  spec.append(full_spec(b)[-2 if params["transpose_b"] else -1])
   used: set = set()
   for i, axes in enumerate(spec):
     names = {axes} if isinstance(axes, str) else set(axes or ())
@@ -74,60 +81,70 @@ def _result_spec(a, b, *bias, a_batch, b_batch, bias_batch, contract_batch, tran
   return spec
 
 
-def _matmul_abstract_eval(a, b, *bias, a_batch, b_batch, bias_batch, contract_batch, transpose_a,
-                          transpose_b, out_dtype, save_preactivation, **params):
-  if contract_batch and (not transpose_a or transpose_b):
+def _matmul_abstract_eval(a, b, *bias, out_dtype, **params):
+  if params["contract_batch"] and (not params["transpose_a"] or params["transpose_b"]):
     raise ValueError("matmul_p: contracted batch dims need transpose_a and not transpose_b")
-  masks = dict(a_batch=a_batch, b_batch=b_batch, bias_batch=bias_batch,
-               contract_batch=contract_batch)
-  batch = kernels.output_batch([x.shape for x in (a, b, *bias)], **masks)
-  m = a.shape[-1] if transpose_a else a.shape[-2]
-  n = b.shape[-2] if transpose_b else b.shape[-1]
-  spec = _result_spec(a, b, *bias, transpose_a=transpose_a, transpose_b=transpose_b, **masks)
-  return [derived_aval(a, batch + (m, n), out_dtype, spec)] * (1 + save_preactivation)
+  prob = kernels.Problem.of([x.shape for x in (a, b, *bias)], **params)
+  spec = _result_spec(a, b, *bias, **params)
+  result = derived_aval(a, prob.batch + (prob.rows, prob.n), out_dtype, spec)
+  return [result] * (1 + params["save_preactivation"])
 
 
 def _product(prim, a, b, *, a_batch, b_batch, **params) -> jax.Array:
-  """``op(a) @ op(b)`` without epilogue, with size-1 dims for the batch dims only the bias
-  has (they broadcast against the bias)."""
+  """``op(a) @ op(b)`` without epilogue.
+
+  The batch dims only the bias has get size 1 (they broadcast against the bias).
+  """
   kept = [i for i, has in enumerate(zip(a_batch, b_batch)) if any(has)]
-  (out,) = prim.bind(a, b, a_batch=tuple(a_batch[i] for i in kept),
-                     b_batch=tuple(b_batch[i] for i in kept), bias_batch=(False,) * len(kept),
-                     **dict(params, activation=None, save_preactivation=False))
+  no_epilogue = dict(
+    params, bias_batch=(False,) * len(kept), activation=None, save_preactivation=False
+  )
+  (out,) = prim.bind(
+    a,
+    b,
+    a_batch=tuple(a_batch[i] for i in kept),
+    b_batch=tuple(b_batch[i] for i in kept),
+    **no_epilogue,
+  )
   missing = tuple(i for i in range(len(a_batch)) if i not in kept)
   return jnp.expand_dims(out, missing) if missing else out
 
 
-def _matmul_per_shard(psum, a, b, *bias, bias_batch, activation, out_dtype, save_preactivation,
-                      **params):
-  """Sharded K: this device's partial product, summed across devices in float32, then the
-  epilogue (bias and activation must see the whole sum)."""
-  partial = _product(matmul_p.kernel, a, b, out_dtype=kernels.acc_dtype(a.dtype, b.dtype),
-                     **params)
-  return kernels.epilogue(psum(partial, 0), *bias, bias_batch=bias_batch, activation=activation,
-                          out_dtype=out_dtype, save_preactivation=save_preactivation)
+def _matmul_per_shard(psum, a, b, *bias, out_dtype, **params):
+  """Sharded K: this device's partial product, summed across devices, then the epilogue.
+
+  The sum is in float32: the bias and the activation must see the whole sum.
+  """
+  product, epilogue_params = kernels.split_params(params)
+  acc = kernels.acc_dtype(a.dtype, b.dtype)
+  partial = _product(matmul_p.kernel, a, b, out_dtype=acc, **product)
+  return kernels.epilogue(psum(partial, 0), *bias, out_dtype=out_dtype, **epilogue_params)
 
 
-def _matmul_dims(a, b, *bias, a_batch, b_batch, bias_batch, contract_batch, transpose_a,
-                 transpose_b, save_preactivation, **params) -> Dims:
-  batch = tuple(f"b{i}" for i in range(len(a_batch)))
-  contracted = tuple(f"c{i}" for i in range(contract_batch))
-  pick = lambda mask: tuple(f for f, has in zip(batch, mask) if has)
-  operands = (pick(a_batch) + contracted + (("k", "m") if transpose_a else ("m", "k")),
-              pick(b_batch) + contracted + (("n", "k") if transpose_b else ("k", "n")))
+def _matmul_dims(a, b, *bias, **params) -> Dims:
+  batch = tuple(f"b{i}" for i in range(len(params["a_batch"])))
+  contracted = tuple(f"c{i}" for i in range(params["contract_batch"]))
+  pick = lambda mask: tuple(f for f, has in zip(batch, params[mask]) if has)
+  operands = (
+    pick("a_batch") + contracted + (("k", "m") if params["transpose_a"] else ("m", "k")),
+    pick("b_batch") + contracted + (("n", "k") if params["transpose_b"] else ("k", "n")),
+  )
   if bias:
-    operands += (pick(bias_batch) + ("n",),)
-  per_shard = functools.partial(
-      _matmul_per_shard, a_batch=a_batch, b_batch=b_batch, bias_batch=bias_batch,
-      contract_batch=contract_batch, transpose_a=transpose_a, transpose_b=transpose_b,
-      save_preactivation=save_preactivation, **params)
-  return Dims(operands=operands, results=(batch + ("m", "n"),) * (1 + save_preactivation),
-              per_shard=per_shard)
+    operands += (pick("bias_batch") + ("n",),)
+  results = (batch + ("m", "n"),) * (1 + params["save_preactivation"])
+  return Dims(operands, results, per_shard=functools.partial(_matmul_per_shard, **params))
 
 
-matmul_p = define_primitive("matmul", PrimitiveSpec(
-    abstract_eval=_matmul_abstract_eval, xla=kernels.matmul_xla, kernel=kernels.KERNEL,
-    dims=_matmul_dims, batching=matmul_batching.matmul_rule))
+matmul_p = define_primitive(
+  "matmul",
+  PrimitiveSpec(
+    abstract_eval=_matmul_abstract_eval,
+    xla=kernels.matmul_xla,
+    kernel=kernels.KERNEL,
+    dims=_matmul_dims,
+    batching=matmul_batching.matmul_rule,
+  ),
+)
 
 
 # ----------------------------------------------------------------------------
@@ -142,8 +159,9 @@ def _activation_derivative(activation: str, z: jax.Array) -> jax.Array:
 def _matmul_jvp_rule(primals, tangents, *, activation, save_preactivation, **params):
   a, b, *bias = primals
   a_dot, b_dot, *bias_dot = tangents
-  outs = matmul_p.bind(a, b, *bias, activation=activation,
-                       save_preactivation=activation is not None, **params)
+  outs = matmul_p.bind(
+    a, b, *bias, activation=activation, save_preactivation=activation is not None, **params
+  )
   y, z = outs[0], outs[-1]  # z is y itself without an activation
   product = {k: v for k, v in params.items() if k != "bias_batch"}
   terms = []
@@ -155,8 +173,11 @@ def _matmul_jvp_rule(primals, tangents, *, activation, save_preactivation, **par
     # Broadcast in the accumulation dtype: its transpose, the bias gradient,
     # then sums in float32 too.
     wide = bias_dot[0].astype(kernels.acc_dtype(bias_dot[0].dtype))
-    terms.append(jnp.broadcast_to(kernels.bias_like(wide, params["bias_batch"], y.ndim),
-                                  y.shape).astype(y.dtype))
+    terms.append(
+      jnp.broadcast_to(kernels.bias_like(wide, params["bias_batch"], y.ndim), y.shape).astype(
+        y.dtype
+      )
+    )
   primals_out = [y, z] if save_preactivation else [y]
   if not terms:
     return primals_out, [ad.Zero.from_primal_value(x) for x in primals_out]
@@ -179,62 +200,87 @@ def _sum_batch_dims(x: jax.Array, keep, dtype) -> jax.Array:
 # cotangent have (the cotangent lacks exactly the contracted ones).
 
 
-def _transpose_lhs(ct, b, a_aval, *, a_batch, b_batch, ct_batch, transpose_a, transpose_b,
-                   **params):
-  """``dA = dC @ op(b)^T`` (``op(b) @ dC^T`` for a transposed ``a``), summed over the batch
-  dims ``a`` lacks."""
+def _plain_product(lhs, rhs, batches, transposes, **params) -> jax.Array:
+  """``matmul_p`` of ``lhs`` and ``rhs`` with these batch masks and transpose flags."""
+  (out,) = matmul_p.bind(
+    lhs,
+    rhs,
+    a_batch=batches[0],
+    b_batch=batches[1],
+    transpose_a=transposes[0],
+    transpose_b=transposes[1],
+    **params,
+  )
+  return out
+
+
+def _transpose_lhs(
+  ct, b, a_aval, *, a_batch, b_batch, ct_batch, transpose_a, transpose_b, **params
+):
+  """``dA = dC @ op(b)^T`` (``op(b) @ dC^T`` for a transposed ``a``).
+
+  Summed over the batch dims ``a`` lacks.
+  """
   dtype = a_aval.dtype if all(a_batch) else kernels.acc_dtype(a_aval.dtype)
   params.update(bias_batch=(False,) * len(a_batch), contract_batch=0, out_dtype=dtype)
   if transpose_a:
-    (da,) = matmul_p.bind(b, ct, a_batch=b_batch, b_batch=ct_batch, transpose_a=transpose_b,
-                          transpose_b=True, **params)
+    da = _plain_product(b, ct, (b_batch, ct_batch), (transpose_b, True), **params)
   else:
-    (da,) = matmul_p.bind(ct, b, a_batch=ct_batch, b_batch=b_batch, transpose_a=False,
-                          transpose_b=not transpose_b, **params)
+    da = _plain_product(ct, b, (ct_batch, b_batch), (False, not transpose_b), **params)
   return _sum_batch_dims(da, a_batch, a_aval.dtype)
 
 
-def _transpose_rhs(ct, a, b_aval, *, a_batch, b_batch, ct_batch, transpose_a, transpose_b,
-                   **params):
-  """``dB = op(a)^T @ dC`` (``dC^T @ op(a)`` for a transposed ``b``), summed over the batch
-  dims ``b`` lacks.
+def _transpose_rhs(
+  ct, a, b_aval, *, a_batch, b_batch, ct_batch, transpose_a, transpose_b, **params
+):
+  """``dB = op(a)^T @ dC`` (``dC^T @ op(a)`` for a transposed ``b``).
 
-  The trailing batch dims ``b`` lacks are contiguous with M in ``a`` and
-  ``dC``, so the product contracts them with M: a weight shared by a batch
-  gets its gradient from one GEMM, per device, never a reshape of sharded
-  dims.
+  Summed over the batch dims ``b`` lacks. The trailing batch dims ``b`` lacks
+  are contiguous with M in ``a`` and ``dC``, so the product contracts them
+  with M: a weight shared by a batch gets its gradient from one GEMM, per
+  device, never a reshape of sharded dims.
   """
   contract = 0
   if not transpose_a:
-    while (contract < len(b_batch) and not b_batch[-1 - contract] and ct_batch[-1 - contract]
-           and a_batch[-1 - contract]):
+    while (
+      contract < len(b_batch)
+      and not b_batch[-1 - contract]
+      and ct_batch[-1 - contract]
+      and a_batch[-1 - contract]
+    ):
       contract += 1
   kept = len(b_batch) - contract
   a_batch, b_batch, ct_batch = a_batch[:kept], b_batch[:kept], ct_batch[:kept]
   dtype = b_aval.dtype if all(b_batch) else kernels.acc_dtype(b_aval.dtype)
   params.update(bias_batch=(False,) * kept, contract_batch=contract, out_dtype=dtype)
   if transpose_b:
-    (db,) = matmul_p.bind(ct, a, a_batch=ct_batch, b_batch=a_batch, transpose_a=True,
-                          transpose_b=transpose_a, **params)
+    db = _plain_product(ct, a, (ct_batch, a_batch), (True, transpose_a), **params)
   else:
-    (db,) = matmul_p.bind(a, ct, a_batch=a_batch, b_batch=ct_batch, transpose_a=not transpose_a,
-                          transpose_b=False, **params)
+    db = _plain_product(a, ct, (a_batch, ct_batch), (not transpose_a, False), **params)
   return _sum_batch_dims(db, b_batch, b_aval.dtype)
 
 
-def _matmul_transpose_rule(cts, a, b, *bias, a_batch, b_batch, contract_batch, activation,
-                           save_preactivation, **params):
+def _matmul_transpose_rule(
+  cts, a, b, *bias, a_batch, b_batch, contract_batch, activation, save_preactivation, **params
+):
   if bias or activation is not None or save_preactivation:
-    raise NotImplementedError("matmul with a bias or an activation is not linear in a or b; "
-                              "only the plain products of its JVP are transposed")
+    raise NotImplementedError(
+      "matmul with a bias or an activation is not linear in a or b; "
+      "only the plain products of its JVP are transposed"
+    )
   (ct,) = cts
   undefined = [ad.is_undefined_primal(x) for x in (a, b)]
   if type(ct) is ad.Zero:
     return [ad.Zero(x.aval) if u else None for x, u in zip((a, b), undefined)]
   contracted = (True,) * contract_batch
-  params = dict(params, a_batch=a_batch + contracted, b_batch=b_batch + contracted,
-                ct_batch=(True,) * len(a_batch) + (False,) * contract_batch, activation=None,
-                save_preactivation=False)
+  params = dict(
+    params,
+    a_batch=a_batch + contracted,
+    b_batch=b_batch + contracted,
+    ct_batch=(True,) * len(a_batch) + (False,) * contract_batch,
+    activation=None,
+    save_preactivation=False,
+  )
   params.pop("bias_batch")
   if undefined[0]:
     return [_transpose_lhs(ct, b, a.aval, **params), None]
@@ -260,9 +306,11 @@ def _check_precision(precision):
       return tuple(lax.Precision(p) for p in precision)
   except ValueError:
     pass
-  raise ValueError(f"matmul: precision must be None, a lax.Precision or its name "
-                   f"({', '.join(p.name.lower() for p in lax.Precision)}), or a pair of them; "
-                   f"got {precision!r}")
+  raise ValueError(
+    f"matmul: precision must be None, a lax.Precision or its name "
+    f"({', '.join(p.name.lower() for p in lax.Precision)}), or a pair of them; "
+    f"got {precision!r}"
+  )
 
 
 def _batch_masks(a_dims, b_dims, a_shape, b_shape):
@@ -270,8 +318,10 @@ def _batch_masks(a_dims, b_dims, a_shape, b_shape):
   try:
     batch = np.broadcast_shapes(a_dims, b_dims)
   except ValueError:
-    raise ValueError(f"matmul: the batch dims of a {a_dims} and b {b_dims} do not broadcast "
-                     f"(a of shape {a_shape}, b of shape {b_shape})") from None
+    raise ValueError(
+      f"matmul: the batch dims of a {a_dims} and b {b_dims} do not broadcast "
+      f"(a of shape {a_shape}, b of shape {b_shape})"
+    ) from None
 
   def has(dims):
     pad = len(batch) - len(dims)
@@ -280,9 +330,16 @@ def _batch_masks(a_dims, b_dims, a_shape, b_shape):
   return batch, has(a_dims), has(b_dims)
 
 
-def matmul(a: jax.Array, b: jax.Array, *, bias: Optional[jax.Array] = None,
-           activation: Optional[str] = None, preferred_element_type=None, precision=None,
-           config: Optional[MatmulConfig] = None) -> jax.Array:
+def matmul(
+  a: jax.Array,
+  b: jax.Array,
+  *,
+  bias: Optional[jax.Array] = None,
+  activation: Optional[str] = None,
+  preferred_element_type=None,
+  precision=None,
+  config: Optional[MatmulConfig] = None,
+) -> jax.Array:
   """``activation(a @ b + bias)`` as one kernel, like ``jnp.matmul`` plus an epilogue.
 
   Products accumulate in float32 (float64 for float64 inputs); the bias and the
@@ -312,16 +369,19 @@ def matmul(a: jax.Array, b: jax.Array, *, bias: Optional[jax.Array] = None,
   if not jnp.issubdtype(out_dtype, jnp.floating):
     raise TypeError(f"matmul: preferred_element_type must be a floating dtype, got {out_dtype}")
   if activation is not None and activation not in ACTIVATIONS:
-    raise ValueError(f"matmul: activation must be one of {(None,) + ACTIVATIONS}, "
-                     f"got {activation!r}")
+    raise ValueError(
+      f"matmul: activation must be one of {(None,) + ACTIVATIONS}, got {activation!r}"
+    )
   precision = _check_precision(precision)
   check_config("matmul", config, MatmulConfig)
   a2 = a[None] if a.ndim == 1 else a
   b2 = b[:, None] if b.ndim == 1 else b
   if a2.shape[-1] != b2.shape[-2]:
     where = "length" if b.ndim == 1 else "second-to-last dim"
-    raise ValueError(f"matmul: a's last dim ({a.shape[-1]}) must equal b's {where} "
-                     f"({b2.shape[-2]}); got a of shape {a.shape} and b of shape {b.shape}")
+    raise ValueError(
+      f"matmul: a's last dim ({a.shape[-1]}) must equal b's {where} "
+      f"({b2.shape[-2]}); got a of shape {a.shape} and b of shape {b.shape}"
+    )
   batch, a_batch, b_batch = _batch_masks(a2.shape[:-2], b2.shape[:-2], a.shape, b.shape)
   args = [a2, b2]
   if bias is not None:
@@ -330,19 +390,31 @@ def matmul(a: jax.Array, b: jax.Array, *, bias: Optional[jax.Array] = None,
     if b.ndim == 1:
       raise ValueError(f"matmul: bias needs a matrix b with an N dim; got b of shape {b.shape}")
     if bias.shape != (b.shape[-1],):
-      raise ValueError(f"matmul: bias must have shape (N,) = ({b.shape[-1]},) for b of shape "
-                       f"{b.shape}; got bias of shape {bias.shape}")
+      raise ValueError(
+        f"matmul: bias must have shape (N,) = ({b.shape[-1]},) for b of shape "
+        f"{b.shape}; got bias of shape {bias.shape}"
+      )
     args.append(bias)
   # Drop the broadcast dims: an operand lacking a batch dim is shared along it.
   for i, mask in enumerate((a_batch, b_batch)):
     kept = tuple(size for size, has in zip(batch, mask) if has)
     args[i] = args[i].astype(dtype).reshape(kept + args[i].shape[-2:])
   args = match_manual_axes(*args)
-  (y,) = bind(matmul_p, *args, a_batch=a_batch, b_batch=b_batch,
-              bias_batch=(False,) * len(batch), contract_batch=0, transpose_a=False,
-              transpose_b=False,
-              activation=activation, out_dtype=out_dtype, precision=precision,
-              save_preactivation=False, config=config)
+  (y,) = bind(
+    matmul_p,
+    *args,
+    a_batch=a_batch,
+    b_batch=b_batch,
+    bias_batch=(False,) * len(batch),
+    contract_batch=0,
+    transpose_a=False,
+    transpose_b=False,
+    activation=activation,
+    out_dtype=out_dtype,
+    precision=precision,
+    save_preactivation=False,
+    config=config,
+  )
   if a.ndim == 1:
     y = y[..., 0, :]
   if b.ndim == 1:
@@ -350,15 +422,20 @@ def matmul(a: jax.Array, b: jax.Array, *, bias: Optional[jax.Array] = None,
   return y
 
 
-def matmul_reference(a: jax.Array, b: jax.Array, *, bias: Optional[jax.Array] = None,
-                     activation: Optional[str] = None, preferred_element_type=None,
-                     precision=None) -> jax.Array:
+def matmul_reference(
+  a: jax.Array,
+  b: jax.Array,
+  bias: Optional[jax.Array] = None,
+  activation: Optional[str] = None,
+  **matmul_kwargs,
+) -> jax.Array:
   """The plain-jnp formulation of ``matmul``: ``jnp.matmul``, then the unfused epilogue.
 
   The baseline ``bench/`` and ``python -m pallax`` time against, and, fed
-  float64 inputs, the self-check's oracle.
+  float64 inputs, the self-check's oracle. ``matmul_kwargs``
+  (``preferred_element_type``, ``precision``) go to ``jnp.matmul``.
   """
-  y = jnp.matmul(a, b, precision=precision, preferred_element_type=preferred_element_type)
+  y = jnp.matmul(a, b, **matmul_kwargs)
   if bias is not None:
     y = y + bias.astype(y.dtype)
   return activate(activation, y)

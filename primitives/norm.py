@@ -18,6 +18,7 @@ over those names. Weight-like operands may carry
 leading group dims that prefix ``x``'s leading dims: that is how vmapping over
 the weight stays one kernel (see batching_rules/norm.py).
 """
+
 from __future__ import annotations
 
 import functools
@@ -25,21 +26,35 @@ from typing import Optional
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax import lax
-from jax.interpreters import ad
-
 from pallax.batching_rules import norm as norm_batching
 from pallax.kernels import norm as kernels
 from pallax.kernels.norm import CATEGORY, ROW, STAT, WEIGHT, NormConfig, NormKind
 from pallax.kernels.norm import xla as norm_xla
-from pallax.op import (Dims, PrimitiveSpec, ResidualOp, bind, define_residual_op, derived_aval,
-                       full_spec, instantiate, match_manual_axes)
+
+from pallax.op import (
+  Dims,
+  PrimitiveSpec,
+  ResidualOp,
+  bind,
+  define_residual_op,
+  derived_aval,
+  full_spec,
+  instantiate,
+  match_manual_axes,
+)
 from pallax.pallas_utils import stat_dtype
 from pallax.validation import check_array, check_config, check_floating, check_static_float
 
-__all__ = ["rms_norm", "layer_norm", "fused_add_rms_norm", "NormConfig", "rms_norm_reference",
-           "layer_norm_reference", "fused_add_rms_norm_reference"]
+__all__ = [
+  "rms_norm",
+  "layer_norm",
+  "fused_add_rms_norm",
+  "NormConfig",
+  "rms_norm_reference",
+  "layer_norm_reference",
+  "fused_add_rms_norm_reference",
+]
 
 
 # ----------------------------------------------------------------------------
@@ -58,9 +73,12 @@ def _norm_dims(operands, results, *avals, **params) -> Dims:
   """Rows (x's leading dims) shard freely; the hidden dim ``h`` is replicated."""
   aval = dict(zip(operands, avals))
   rows = tuple(f"r{i}" for i in range(aval["x"].ndim - 1))
-  factors = {ROW: rows + ("h",), STAT: rows, WEIGHT: rows[:aval["w"].ndim - 1] + ("h",)}
-  return Dims(operands=tuple(factors[CATEGORY[n]] for n in operands),
-              results=tuple(factors[CATEGORY[n]] for n in results), replicated=("h",))
+  factors = {ROW: rows + ("h",), STAT: rows, WEIGHT: rows[: aval["w"].ndim - 1] + ("h",)}
+  return Dims(
+    operands=tuple(factors[CATEGORY[n]] for n in operands),
+    results=tuple(factors[CATEGORY[n]] for n in results),
+    replicated=("h",),
+  )
 
 
 _XLA = {"fwd": norm_xla.norm_fwd, "jvp": norm_xla.norm_jvp, "bwd": norm_xla.norm_bwd}
@@ -70,15 +88,18 @@ def _stage(kind: NormKind, stage: str) -> PrimitiveSpec:
   operands, results = kind.names(stage)
   index = lambda names, category: tuple(i for i, n in enumerate(names) if CATEGORY[n] == category)
   return PrimitiveSpec(
-      abstract_eval=functools.partial(_norm_abstract_eval, operands, results),
-      xla=functools.partial(_XLA[stage], kind=kind),
-      # The tangent runs as its XLA program on every platform (forward-mode AD
-      # only; under grad it is transposed into the backward kernel, never run).
-      kernel=None if stage == "jvp" else kernels.kernel(stage, kind),
-      dims=functools.partial(_norm_dims, operands, results),
-      batching=norm_batching.rowwise(
-          row_operands=index(operands, ROW) + index(operands, STAT),
-          weight_operands=index(operands, WEIGHT), weight_results=index(results, WEIGHT)))
+    abstract_eval=functools.partial(_norm_abstract_eval, operands, results),
+    xla=functools.partial(_XLA[stage], kind=kind),
+    # The tangent runs as its XLA program on every platform (forward-mode AD
+    # only; under grad it is transposed into the backward kernel, never run).
+    kernel=None if stage == "jvp" else kernels.kernel(stage, kind),
+    dims=functools.partial(_norm_dims, operands, results),
+    batching=norm_batching.rowwise(
+      row_operands=index(operands, ROW) + index(operands, STAT),
+      weight_operands=index(operands, WEIGHT),
+      weight_results=index(results, WEIGHT),
+    ),
+  )
 
 
 def _tangent_operands(kind, primals, outs, tangents):
@@ -93,8 +114,11 @@ def _tangent_operands(kind, primals, outs, tangents):
 
 
 def _stat_tangents(kind, primals, outs, operands):
-  """Tangents of the statistics, for second-order AD (which differentiates the
-  backward stage with respect to them)."""
+  """Tangents of the statistics.
+
+  Second-order AD needs them: it differentiates the backward stage with respect
+  to them.
+  """
   arg = dict(zip(kind.names("jvp")[0], operands))
   rstd = arg["rstd"]
   xf, x_dot = arg["x"].astype(rstd.dtype), arg["x_dot"].astype(rstd.dtype)
@@ -103,15 +127,20 @@ def _stat_tangents(kind, primals, outs, operands):
     mean_dot = jnp.mean(x_dot, axis=-1)
     xf, x_dot = xf - arg["mean"][..., None], x_dot - mean_dot[..., None]
     stat_tangents.append(mean_dot)
-  return stat_tangents + [-rstd ** 3 * jnp.mean(xf * x_dot, axis=-1)]
+  return stat_tangents + [-(rstd**3) * jnp.mean(xf * x_dot, axis=-1)]
 
 
 def _define_op(name: str, kind: NormKind) -> ResidualOp:
   return define_residual_op(
-      name, fwd=_stage(kind, "fwd"), tangent=_stage(kind, "jvp"), bwd=_stage(kind, "bwd"),
-      linear=slice(len(kind.residuals()), None),
-      tangent_operands=functools.partial(_tangent_operands, kind),
-      residual_tangents=functools.partial(_stat_tangents, kind), fwd_only_params=("eps",))
+    name,
+    fwd=_stage(kind, "fwd"),
+    tangent=_stage(kind, "jvp"),
+    bwd=_stage(kind, "bwd"),
+    linear=slice(len(kind.residuals()), None),
+    tangent_operands=functools.partial(_tangent_operands, kind),
+    residual_tangents=functools.partial(_stat_tangents, kind),
+    fwd_only_params=("eps",),
+  )
 
 
 rms_norm_p = _define_op("rms_norm", kernels.RMS)
@@ -127,8 +156,10 @@ def _check_vector(op: str, name: str, v, hidden: int, x_shape) -> jax.Array:
   v = jnp.asarray(v)
   check_floating(op, name, v)
   if v.shape != (hidden,):
-    raise ValueError(f"{op}: {name} must have shape (hidden,) = ({hidden},) for x of shape "
-                     f"{x_shape}; got {name} of shape {v.shape}")
+    raise ValueError(
+      f"{op}: {name} must have shape (hidden,) = ({hidden},) for x of shape "
+      f"{x_shape}; got {name} of shape {v.shape}"
+    )
   return v
 
 
@@ -141,8 +172,14 @@ def _scale(op: str, x: jax.Array, weight, offset: float) -> tuple[jax.Array, flo
   return _check_vector(op, "weight", weight, x.shape[-1], x.shape), offset
 
 
-def rms_norm(x: jax.Array, weight: Optional[jax.Array] = None, *, eps: float = 1e-6,
-             offset: float = 0.0, config: Optional[NormConfig] = None) -> jax.Array:
+def rms_norm(
+  x: jax.Array,
+  weight: Optional[jax.Array] = None,
+  *,
+  eps: float = 1e-6,
+  offset: float = 0.0,
+  config: Optional[NormConfig] = None,
+) -> jax.Array:
   """Root-mean-square normalisation over the last axis.
 
   ``y = x / sqrt(mean(x**2, axis=-1) + eps) * (offset + weight)``, with the
@@ -165,14 +202,18 @@ def rms_norm(x: jax.Array, weight: Optional[jax.Array] = None, *, eps: float = 1
   offset = check_static_float("rms_norm", "offset", offset)
   check_config("rms_norm", config, NormConfig)
   weight, offset = _scale("rms_norm", x, weight, offset)
-  y, _ = bind(rms_norm_p.fwd, *match_manual_axes(x, weight), eps=eps, offset=offset,
-              config=config)
+  y, _ = bind(rms_norm_p.fwd, *match_manual_axes(x, weight), eps=eps, offset=offset, config=config)
   return y
 
 
-def layer_norm(x: jax.Array, weight: Optional[jax.Array] = None,
-               bias: Optional[jax.Array] = None, *, eps: float = 1e-5,
-               config: Optional[NormConfig] = None) -> jax.Array:
+def layer_norm(
+  x: jax.Array,
+  weight: Optional[jax.Array] = None,
+  bias: Optional[jax.Array] = None,
+  *,
+  eps: float = 1e-5,
+  config: Optional[NormConfig] = None,
+) -> jax.Array:
   """Layer normalisation over the last axis.
 
   ``y = (x - mean) / sqrt(var + eps) * weight + bias`` with the mean and the
@@ -199,14 +240,21 @@ def layer_norm(x: jax.Array, weight: Optional[jax.Array] = None,
     bias = _check_vector(op, "bias", bias, x.shape[-1], x.shape)
   common = jnp.result_type(weight, bias)
   weight, bias = weight.astype(common), bias.astype(common)
-  y, _, _ = bind(layer_norm_p.fwd, *match_manual_axes(x, weight, bias), eps=eps,
-                 offset=offset, config=config)
+  y, _, _ = bind(
+    layer_norm_p.fwd, *match_manual_axes(x, weight, bias), eps=eps, offset=offset, config=config
+  )
   return y
 
 
-def fused_add_rms_norm(x: jax.Array, residual: jax.Array, weight: Optional[jax.Array] = None,
-                       *, eps: float = 1e-6, offset: float = 0.0,
-                       config: Optional[NormConfig] = None) -> tuple[jax.Array, jax.Array]:
+def fused_add_rms_norm(
+  x: jax.Array,
+  residual: jax.Array,
+  weight: Optional[jax.Array] = None,
+  *,
+  eps: float = 1e-6,
+  offset: float = 0.0,
+  config: Optional[NormConfig] = None,
+) -> tuple[jax.Array, jax.Array]:
   """``new_residual = x + residual`` and ``rms_norm(new_residual, weight)`` in one pass.
 
   The forward kernel reads ``x`` and ``residual`` once and writes both outputs;
@@ -214,9 +262,13 @@ def fused_add_rms_norm(x: jax.Array, residual: jax.Array, weight: Optional[jax.A
   gradient, so gradients flowing through both outputs cost one kernel too.
 
   Args:
-    x, residual: floating arrays of the same shape ``(..., hidden)``; their
-      dtypes are promoted like ``x + residual``.
-    weight, eps, offset, config: as for ``rms_norm``.
+    x: floating array ``(..., hidden)``.
+    residual: floating array of ``x``'s shape; the dtypes of ``x`` and
+      ``residual`` are promoted like ``x + residual``.
+    weight: optional ``(hidden,)`` scale, as for ``rms_norm``.
+    eps: as for ``rms_norm``.
+    offset: as for ``rms_norm``.
+    config: as for ``rms_norm``.
 
   Returns:
     ``(normed, new_residual)``, both of the promoted dtype.
@@ -225,16 +277,22 @@ def fused_add_rms_norm(x: jax.Array, residual: jax.Array, weight: Optional[jax.A
   x, residual = check_array(op, "x", x), jnp.asarray(residual)
   check_floating(op, "residual", residual)
   if residual.shape != x.shape:
-    raise ValueError(f"{op}: residual must have the shape of x {x.shape}; "
-                     f"got residual of shape {residual.shape}")
+    raise ValueError(
+      f"{op}: residual must have the shape of x {x.shape}; got residual of shape {residual.shape}"
+    )
   common = jnp.result_type(x, residual)
   x, residual = x.astype(common), residual.astype(common)
   eps = check_static_float(op, "eps", eps, minimum=0.0)
   offset = check_static_float(op, "offset", offset)
   check_config(op, config, NormConfig)
   weight, offset = _scale(op, x, weight, offset)
-  y, h, _ = bind(fused_add_rms_norm_p.fwd, *match_manual_axes(x, residual, weight), eps=eps,
-                 offset=offset, config=config)
+  y, h, _ = bind(
+    fused_add_rms_norm_p.fwd,
+    *match_manual_axes(x, residual, weight),
+    eps=eps,
+    offset=offset,
+    config=config,
+  )
   return y, h
 
 
@@ -243,8 +301,9 @@ def fused_add_rms_norm(x: jax.Array, residual: jax.Array, weight: Optional[jax.A
 # (fed float64) the self-check's oracles.
 
 
-def rms_norm_reference(x: jax.Array, weight: Optional[jax.Array] = None, *,
-                       eps: float = 1e-6, offset: float = 0.0) -> jax.Array:
+def rms_norm_reference(
+  x: jax.Array, weight: Optional[jax.Array] = None, *, eps: float = 1e-6, offset: float = 0.0
+) -> jax.Array:
   """``rms_norm`` in plain jnp."""
   xf = x.astype(stat_dtype(x.dtype))
   y = xf * lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
@@ -253,8 +312,13 @@ def rms_norm_reference(x: jax.Array, weight: Optional[jax.Array] = None, *,
   return y.astype(x.dtype)
 
 
-def layer_norm_reference(x: jax.Array, weight: Optional[jax.Array] = None,
-                         bias: Optional[jax.Array] = None, *, eps: float = 1e-5) -> jax.Array:
+def layer_norm_reference(
+  x: jax.Array,
+  weight: Optional[jax.Array] = None,
+  bias: Optional[jax.Array] = None,
+  *,
+  eps: float = 1e-5,
+) -> jax.Array:
   """``layer_norm`` in plain jnp."""
   xf = x.astype(stat_dtype(x.dtype))
   mean = jnp.mean(xf, axis=-1, keepdims=True)
@@ -267,9 +331,13 @@ def layer_norm_reference(x: jax.Array, weight: Optional[jax.Array] = None,
   return y.astype(x.dtype)
 
 
-def fused_add_rms_norm_reference(x: jax.Array, residual: jax.Array,
-                                 weight: Optional[jax.Array] = None, *, eps: float = 1e-6,
-                                 offset: float = 0.0) -> tuple[jax.Array, jax.Array]:
-  """``fused_add_rms_norm`` in plain jnp: the unfused ``x + r`` then ``rms_norm``."""
+def fused_add_rms_norm_reference(
+  x: jax.Array, residual: jax.Array, *args, **kwargs
+) -> tuple[jax.Array, jax.Array]:
+  """``fused_add_rms_norm`` in plain jnp: the unfused ``x + residual`` then ``rms_norm``.
+
+  ``args`` and ``kwargs`` (``weight``, ``eps``, ``offset``) are
+  ``rms_norm_reference``'s.
+  """
   h = x + residual
-  return rms_norm_reference(h, weight, eps=eps, offset=offset), h
+  return rms_norm_reference(h, *args, **kwargs), h

@@ -24,27 +24,31 @@ the residual its backward needs, which is its output:
 forward and one tangent kernel. Second-order AD differentiates the XLA
 programs of the tangent and backward primitives.
 """
+
 from __future__ import annotations
 
 import functools
 import math
 import numbers
-from typing import Optional, Sequence, Union
+from collections.abc import Sequence
+from typing import Optional, Union
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-
 from pallax.batching_rules import softmax as softmax_batching
 from pallax.kernels import softmax as kernels
 from pallax.kernels.softmax import SoftmaxConfig
 from pallax.kernels.softmax import xla as softmax_xla
+
 from pallax.op import Dims, PrimitiveSpec, bind, define_residual_op, instantiate, match_manual_axes
 from pallax.validation import check_config, check_floating
 
 __all__ = ["softmax", "log_softmax", "SoftmaxConfig"]
 
 Axis = Union[int, Sequence[int], None]
+Mask = Optional[jax.Array]
+Config = Optional[SoftmaxConfig]
 
 
 # ----------------------------------------------------------------------------
@@ -67,8 +71,13 @@ def _like_second(*avals, **params):
 
 def _stage(name: str, abstract_eval) -> PrimitiveSpec:
   """The primitive ``name``: its XLA program and kernel taken from kernels/softmax."""
-  return PrimitiveSpec(abstract_eval=abstract_eval, xla=getattr(softmax_xla, name),
-                       kernel=kernels.kernel(name), dims=_dims, batching=softmax_batching.rows)
+  return PrimitiveSpec(
+    abstract_eval=abstract_eval,
+    xla=getattr(softmax_xla, name),
+    kernel=kernels.kernel(name),
+    dims=_dims,
+    batching=softmax_batching.rows,
+  )
 
 
 def _tangent_operands(primals, outs, tangents):
@@ -77,13 +86,18 @@ def _tangent_operands(primals, outs, tangents):
   return [outs[0], *instantiate(tangents[:1]), *mask]
 
 
-_residual_op = functools.partial(define_residual_op, linear=slice(1, 2),
-                                 tangent_operands=_tangent_operands)
-softmax_p = _residual_op("softmax", fwd=_stage("softmax_fwd", _like_first),
-                         tangent=_stage("softmax_bwd", _like_second))
-log_softmax_p = _residual_op("log_softmax", fwd=_stage("log_softmax_fwd", _like_first),
-                             tangent=_stage("log_softmax_jvp", _like_second),
-                             bwd=_stage("log_softmax_bwd", _like_second))
+_residual_op = functools.partial(
+  define_residual_op, linear=slice(1, 2), tangent_operands=_tangent_operands
+)
+softmax_p = _residual_op(
+  "softmax", fwd=_stage("softmax_fwd", _like_first), tangent=_stage("softmax_bwd", _like_second)
+)
+log_softmax_p = _residual_op(
+  "log_softmax",
+  fwd=_stage("log_softmax_fwd", _like_first),
+  tangent=_stage("log_softmax_jvp", _like_second),
+  bwd=_stage("log_softmax_bwd", _like_second),
+)
 
 
 # ----------------------------------------------------------------------------
@@ -99,8 +113,9 @@ def _softmax_axes(op: str, axis: Axis, shape: tuple[int, ...]) -> tuple[int, ...
   try:
     axes = tuple(axes)
   except TypeError:
-    raise TypeError(f"{op}: axis must be an int, a tuple of ints or None, "
-                    f"got {type(axis).__name__}") from None
+    raise TypeError(
+      f"{op}: axis must be an int, a tuple of ints or None, got {type(axis).__name__}"
+    ) from None
   for a in axes:
     if isinstance(a, (bool, np.bool_)) or not isinstance(a, (numbers.Integral, np.integer)):
       raise TypeError(f"{op}: axis must be an int, a tuple of ints or None, got {axis!r}")
@@ -122,27 +137,30 @@ def _call(op: str, prim, x, axis: Axis, where, config) -> jax.Array:
   if where is not None:
     where = jnp.asarray(where)
     if where.dtype != jnp.bool_:
-      raise TypeError(f"{op}: where must be a boolean array, got {where.dtype} "
-                      f"(shape {where.shape})")
+      raise TypeError(
+        f"{op}: where must be a boolean array, got {where.dtype} (shape {where.shape})"
+      )
     try:
       broadcast = np.broadcast_shapes(where.shape, x.shape) == x.shape
     except ValueError:
       broadcast = False
     if not broadcast:
-      raise ValueError(f"{op}: where of shape {where.shape} does not broadcast to the shape "
-                       f"of x {x.shape}")
+      raise ValueError(
+        f"{op}: where of shape {where.shape} does not broadcast to the shape of x {x.shape}"
+      )
     operands.append(jnp.broadcast_to(where, x.shape))
   kept = tuple(d for d in range(x.ndim) if d not in axes)
   perm = kept + axes
   moved = tuple(x.shape[d] for d in perm)
-  rows_shape = moved[:len(kept)] + (math.prod(moved[len(kept):]),)
+  rows_shape = moved[: len(kept)] + (math.prod(moved[len(kept) :]),)
   operands = [jnp.transpose(a, perm).reshape(rows_shape) for a in operands]
   (out,) = bind(prim, *match_manual_axes(*operands), config=config)
   return jnp.transpose(out.reshape(moved), np.argsort(perm))
 
 
-def softmax(x: jax.Array, axis: Axis = -1, *, where: Optional[jax.Array] = None,
-            config: Optional[SoftmaxConfig] = None) -> jax.Array:
+def softmax(
+  x: jax.Array, axis: Axis = -1, *, where: Mask = None, config: Config = None
+) -> jax.Array:
   """Softmax over ``axis``, with ``jax.nn.softmax``'s semantics.
 
   ``exp(x - max(x)) / sum(exp(x - max(x)))`` with the arithmetic in float32
@@ -163,8 +181,9 @@ def softmax(x: jax.Array, axis: Axis = -1, *, where: Optional[jax.Array] = None,
   return _call("softmax", softmax_p.fwd, x, axis, where, config)
 
 
-def log_softmax(x: jax.Array, axis: Axis = -1, *, where: Optional[jax.Array] = None,
-                config: Optional[SoftmaxConfig] = None) -> jax.Array:
+def log_softmax(
+  x: jax.Array, axis: Axis = -1, *, where: Mask = None, config: Config = None
+) -> jax.Array:
   """Log-softmax over ``axis``, with ``jax.nn.log_softmax``'s semantics.
 
   ``(x - max(x)) - log(sum(exp(x - max(x))))`` with the arithmetic in float32

@@ -1,4 +1,5 @@
 """Shared test helpers: execution paths, random inputs, tolerances."""
+
 from __future__ import annotations
 
 import contextlib
@@ -29,8 +30,9 @@ def rand(rng: np.random.Generator, shape, dtype=jnp.float32, scale=1.0, shift=0.
 
 
 def f64(a) -> np.ndarray:
-  return np.asarray(jnp.asarray(a, jnp.float32) if jnp.asarray(a).dtype == jnp.bfloat16 else a,
-                    np.float64)
+  return np.asarray(
+    jnp.asarray(a, jnp.float32) if jnp.asarray(a).dtype == jnp.bfloat16 else a, np.float64
+  )
 
 
 def to64(a):
@@ -62,8 +64,9 @@ def assert_close_neginf(got, want, *, rtol: float, atol: float) -> None:
   """Equal -inf entries (masked log_softmax), close wherever ``want`` is finite."""
   np.testing.assert_array_equal(np.isneginf(got), np.isneginf(want))
   finite = np.isfinite(want)
-  np.testing.assert_allclose(np.asarray(got)[finite], np.asarray(want)[finite],
-                             rtol=rtol, atol=atol)
+  np.testing.assert_allclose(
+    np.asarray(got)[finite], np.asarray(want)[finite], rtol=rtol, atol=atol
+  )
 
 
 def x64():
@@ -79,8 +82,11 @@ def mesh_4x2(axis_type=jax.sharding.AxisType.Auto) -> jax.sharding.Mesh:
 # Lowering for other platforms -------------------------------------------------
 
 # The custom call each platform's Pallas kernels lower to.
-CALL_TARGET = {"cuda": "__gpu$xla.gpu.triton", "rocm": "__gpu$xla.gpu.triton",
-               "tpu": "tpu_custom_call"}
+CALL_TARGET = {
+  "cuda": "__gpu$xla.gpu.triton",
+  "rocm": "__gpu$xla.gpu.triton",
+  "tpu": "tpu_custom_call",
+}
 
 
 def _abstract_tpu_mesh():
@@ -162,6 +168,8 @@ def executor_view(op: str):
   from pallax.executor.registry import kernel_spec
 
   spec = kernel_spec(op)
-  return (lambda avals, target, **p: heuristic_config(spec, avals, target, p),
-          lambda avals, target, **p: candidate_configs(spec, avals, target, p),
-          lambda avals, target, config, **p: unsupported_reason(spec, avals, target, config, p))
+  return (
+    lambda avals, target, **p: heuristic_config(spec, avals, target, p),
+    lambda avals, target, **p: candidate_configs(spec, avals, target, p),
+    lambda avals, target, config, **p: unsupported_reason(spec, avals, target, config, p),
+  )

@@ -15,17 +15,32 @@ under AD. Contracted batch dims need ``transpose_a`` and not
 ``transpose_b``, which makes them contiguous with K in both operands: the
 gradient of a weight shared by a batch sums over the batch in the same GEMM.
 """
+
 from __future__ import annotations
 
-from pallax.activations import ACTIVATIONS
 from pallax.kernels.matmul import config, mosaic_tpu, triton
 from pallax.kernels.matmul.config import TPU_VMEM_BYTES, TRITON_SMEM_BYTES, MatmulConfig
 from pallax.kernels.matmul.layout import Problem, acc_dtype, bias_like, output_batch
-from pallax.kernels.matmul.xla import epilogue, matmul_xla
+from pallax.kernels.matmul.xla import epilogue, matmul_xla, split_params
+
+from pallax.activations import ACTIVATIONS
 from pallax.op import Kernel
 
-__all__ = ["ACTIVATIONS", "MatmulConfig", "Problem", "TPU_VMEM_BYTES", "TRITON_SMEM_BYTES",
-           "KERNEL", "acc_dtype", "bias_like", "epilogue", "matmul_xla", "output_batch"]
+__all__ = [
+  "ACTIVATIONS",
+  "MatmulConfig",
+  "Problem",
+  "TPU_VMEM_BYTES",
+  "TRITON_SMEM_BYTES",
+  "KERNEL",
+  "acc_dtype",
+  "bias_like",
+  "epilogue",
+  "matmul_xla",
+  "output_batch",
+  "split_params",
+]
 
-KERNEL = Kernel.of_family("matmul", config=config,
-                          backends={"triton": triton, "mosaic_tpu": mosaic_tpu})
+KERNEL = Kernel.of_family(
+  "matmul", config=config, backends={"triton": triton, "mosaic_tpu": mosaic_tpu}
+)

@@ -6,20 +6,23 @@ The kernels fold the trailing batch dims that only ``a`` has (not ``b``, not
 batch dims are grid axes. Folding happens per device, after sharding. Each
 backend (``triton.py``, ``mosaic_tpu.py``) plans its blocks, grid and kernel.
 """
+
 from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
-
 from pallax.kernels.matmul.config import MatmulConfig
 from pallax.kernels.matmul.layout import Problem, acc_dtype
-from pallax.kernels.matmul.xla import epilogue
+from pallax.kernels.matmul.xla import epilogue, split_params
+
+from pallax.activations import activate_in_kernel
 
 
 @dataclasses.dataclass(frozen=True)
@@ -32,6 +35,7 @@ class Plan:
   call_args: more ``pallas_call`` arguments (compiler params, scratch).
   k_steps: whether the grid's last axis walks K (else a block holds all of K).
   """
+
   blocks: tuple[int, int, int]
   grid: tuple[int, ...]
   kernel: Callable
@@ -52,8 +56,15 @@ def _spec(mask: Sequence[bool], block: tuple[int, ...], index) -> pl.BlockSpec:
   return pl.BlockSpec((*(None,) * sum(mask), *block), index_map)
 
 
-def _block_specs(a_batch, b_batch, bias_batch, blocks: tuple[int, int, int], transpose_a: bool,
-                 transpose_b: bool, k_steps: bool) -> tuple[list[pl.BlockSpec], pl.BlockSpec]:
+def _block_specs(
+  a_batch,
+  b_batch,
+  bias_batch,
+  blocks: tuple[int, int, int],
+  transpose_a: bool,
+  transpose_b: bool,
+  k_steps: bool,
+) -> tuple[list[pl.BlockSpec], pl.BlockSpec]:
   """Specs of ``a``, ``b``, ``bias`` and the outputs for ``(bm, bn, bk)`` blocks.
 
   With ``k_steps`` the grid's last axis walks K; otherwise ``bk`` is all of K.
@@ -61,16 +72,22 @@ def _block_specs(a_batch, b_batch, bias_batch, blocks: tuple[int, int, int], tra
   bm, bn, bk = blocks
   k = (lambda ids: ids[2]) if k_steps else (lambda ids: 0)
   in_specs = [
-      _spec(a_batch, (bk, bm) if transpose_a else (bm, bk),
-            lambda *ids: (k(ids), ids[0]) if transpose_a else (ids[0], k(ids))),
-      _spec(b_batch, (bn, bk) if transpose_b else (bk, bn),
-            lambda *ids: (ids[1], k(ids)) if transpose_b else (k(ids), ids[1])),
-      _spec(bias_batch, (1, bn), lambda *ids: (0, ids[1])),
+    _spec(
+      a_batch,
+      (bk, bm) if transpose_a else (bm, bk),
+      lambda *ids: (k(ids), ids[0]) if transpose_a else (ids[0], k(ids)),
+    ),
+    _spec(
+      b_batch,
+      (bn, bk) if transpose_b else (bk, bn),
+      lambda *ids: (ids[1], k(ids)) if transpose_b else (k(ids), ids[1]),
+    ),
+    _spec(bias_batch, (1, bn), lambda *ids: (0, ids[1])),
   ]
   return in_specs, _spec((True,) * len(a_batch), (bm, bn), lambda *ids: ids[:2])
 
 
-def dot(a, b, transpose_a: bool, transpose_b: bool, precision, dtype) -> jax.Array:
+def _dot(a, b, transpose_a: bool, transpose_b: bool, precision, dtype) -> jax.Array:
   """One tile product ``op(a) @ op(b)``, accumulated in ``dtype``."""
   dims = (((0 if transpose_a else 1,), (1 if transpose_b else 0,)), ((), ()))
   return lax.dot_general(a, b, dims, precision=precision, preferred_element_type=dtype)
@@ -85,45 +102,85 @@ def tile_mask(rows_ok, cols_ok, shape):
   return jnp.broadcast_to(rows & cols, shape)
 
 
-def matmul(a, b, *bias, a_batch, b_batch, bias_batch, contract_batch, transpose_a, transpose_b,
-           activation, out_dtype, precision, save_preactivation, config: MatmulConfig,
-           interpret, plan: Callable[..., Plan]):
+@dataclasses.dataclass(frozen=True)
+class KernelArgs:
+  """What a kernel body knows of its call besides its refs."""
+
+  prob: Problem
+  has_bias: bool
+  transpose_a: bool
+  transpose_b: bool
+  precision: Any
+  activation: Any
+  save_preactivation: bool
+
+  def product(self, a, b, dtype) -> jax.Array:
+    """One tile product ``op(a) @ op(b)``, accumulated in ``dtype``."""
+    return _dot(a, b, self.transpose_a, self.transpose_b, self.precision, dtype)
+
+  def finish(self, acc, bias, out_dtype) -> list[jax.Array]:
+    """The epilogue of a finished accumulator tile (bias: a list of 0 or 1 tile)."""
+    return epilogue(
+      acc,
+      *bias,
+      out_dtype=out_dtype,
+      activation_fn=activate_in_kernel,
+      bias_batch=(),
+      activation=self.activation,
+      save_preactivation=self.save_preactivation,
+    )
+
+
+def matmul(
+  a, b, *bias, out_dtype, config: MatmulConfig, interpret, plan: Callable[..., Plan], **params
+):
   """The Pallas kernel of one call, on the backend whose ``plan`` is given.
 
   The operands are reshaped so that folded batch dims join M (and contracted
   ones K); ``plan(prob, config, kernel_args, acc_dtype)`` gives the backend's
   blocks, grid, kernel and ``pallas_call`` arguments.
   """
-  masks = dict(a_batch=a_batch, b_batch=b_batch, bias_batch=bias_batch,
-               contract_batch=contract_batch)
-  prob = Problem.of([x.shape for x in (a, b, *bias)], transpose_a=transpose_a,
-                    transpose_b=transpose_b, **masks)
+  prob = Problem.of([x.shape for x in (a, b, *bias)], **params)
+  epilogue_params = split_params(params)[1]
   out_shape = prob.batch + (prob.rows, prob.n)
-  outputs = 1 + save_preactivation
+  outputs = 1 + params["save_preactivation"]
   if math.prod(out_shape) == 0:
     return [jnp.zeros(out_shape, out_dtype)] * outputs
+  acc = acc_dtype(a.dtype, b.dtype)
   if prob.k == 0:
-    return epilogue(jnp.zeros(out_shape, acc_dtype(a.dtype, b.dtype)), *bias,
-                    bias_batch=bias_batch, activation=activation, out_dtype=out_dtype,
-                    save_preactivation=save_preactivation)
+    return epilogue(jnp.zeros(out_shape, acc), *bias, out_dtype=out_dtype, **epilogue_params)
   nb = len(prob.grid_batch)
-  if contract_batch:  # contiguous with K (transpose_a, not transpose_b): fold into K
-    a = a.reshape(a.shape[:sum(a_batch)] + (prob.k, prob.m))
-    b = b.reshape(b.shape[:sum(b_batch)] + (prob.k, prob.n))
+  a_batch, b_batch, bias_batch = params["a_batch"], params["b_batch"], params["bias_batch"]
+  if params["contract_batch"]:  # contiguous with K (transpose_a, not transpose_b): fold into K
+    a = a.reshape(a.shape[: sum(a_batch)] + (prob.k, prob.m))
+    b = b.reshape(b.shape[: sum(b_batch)] + (prob.k, prob.n))
   if prob.fold:
-    a = a.reshape(a.shape[:sum(a_batch) - prob.fold] + (prob.m, prob.k))
+    a = a.reshape(a.shape[: sum(a_batch) - prob.fold] + (prob.m, prob.k))
   a_batch, b_batch, bias_batch = (m[:nb] for m in (a_batch, b_batch, bias_batch))
   bias = [x.reshape(x.shape[:-1] + (1, prob.n)) for x in bias]
-  kernel_args = dict(prob=prob, has_bias=bool(bias), transpose_a=transpose_a,
-                     transpose_b=transpose_b, activation=activation, precision=precision,
-                     save_preactivation=save_preactivation)
+  transpose_a, transpose_b = params["transpose_a"], params["transpose_b"]
+  kernel_args = KernelArgs(
+    prob,
+    bool(bias),
+    transpose_a,
+    transpose_b,
+    params["precision"],
+    params["activation"],
+    params["save_preactivation"],
+  )
   result = jax.ShapeDtypeStruct(prob.grid_batch + (prob.m, prob.n), out_dtype)
-  p = plan(prob, config, kernel_args, acc_dtype(a.dtype, b.dtype))
-  in_specs, out_spec = _block_specs(a_batch, b_batch, bias_batch, p.blocks, transpose_a,
-                                    transpose_b, k_steps=p.k_steps)
+  p = plan(prob, config, kernel_args, acc)
+  in_specs, out_spec = _block_specs(
+    a_batch, b_batch, bias_batch, p.blocks, transpose_a, transpose_b, k_steps=p.k_steps
+  )
   outs = pl.pallas_call(
-      p.kernel, grid=prob.grid_batch + p.grid, in_specs=in_specs[:2 + len(bias)],
-      out_specs=[out_spec] * outputs, out_shape=[result] * outputs, interpret=interpret,
-      name="matmul", **p.call_args,
+    p.kernel,
+    grid=prob.grid_batch + p.grid,
+    in_specs=in_specs[: 2 + len(bias)],
+    out_specs=[out_spec] * outputs,
+    out_shape=[result] * outputs,
+    interpret=interpret,
+    name="matmul",
+    **p.call_args,
   )(a, b, *bias)
   return [o.reshape(out_shape) for o in outs]

@@ -1,15 +1,17 @@
 """The matmul kernel's config: ``MatmulConfig``, heuristic, autotuning space, legality."""
+
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, ClassVar, Optional, Sequence
+from collections.abc import Sequence
+from typing import Any, Optional
 
 import jax.numpy as jnp
 from jax import lax
+from pallax.kernels.matmul.layout import Problem, problem_of
 
 from pallax.executor.config import KernelConfig
 from pallax.executor.registry import interpreted, kernel_backend
-from pallax.kernels.matmul.layout import Problem, problem_of
 from pallax.pallas_utils import next_pow2, sublanes
 
 
@@ -22,13 +24,12 @@ class MatmulConfig(KernelConfig):
     covers the whole dim).
   num_warps, num_stages: Triton launch parameters (ignored on TPU).
   """
+
   block_m: int
   block_n: int
   block_k: int
   num_warps: int = 4
   num_stages: int = 3
-  positive_fields: ClassVar[tuple[str, ...]] = (
-      "block_m", "block_n", "block_k", "num_warps", "num_stages")
 
 
 # ----------------------------------------------------------------------------
@@ -48,10 +49,8 @@ def _triton_smem(config: MatmulConfig, itemsize: int) -> int:
   return c.num_stages * (c.block_m * c.block_k + c.block_k * c.block_n) * itemsize
 
 
-def _tpu_vmem(bm: int, bn: int, bk: int, in_itemsize: int, out_itemsize: int,
-              outputs: int) -> int:
-  return 2 * ((bm * bk + bk * bn) * in_itemsize + outputs * bm * bn * out_itemsize) \
-      + 4 * bm * bn
+def _tpu_vmem(bm: int, bn: int, bk: int, in_itemsize: int, out_itemsize: int, outputs: int) -> int:
+  return 2 * ((bm * bk + bk * bn) * in_itemsize + outputs * bm * bn * out_itemsize) + 4 * bm * bn
 
 
 def _clamp_pow2(n: int, lo: int, hi: int) -> int:
@@ -63,8 +62,9 @@ def _triton_heuristic(prob: Problem, itemsize: int) -> MatmulConfig:
   bm = _clamp_pow2(prob.m, 16, 128)
   bn = _clamp_pow2(prob.n, 16, 128)
   bk = _clamp_pow2(prob.k, 16, 64 if itemsize <= 2 else 32)
-  config = MatmulConfig(block_m=bm, block_n=bn, block_k=bk,
-                        num_warps=8 if bm * bn >= 128 * 128 else 4, num_stages=3)
+  config = MatmulConfig(
+    block_m=bm, block_n=bn, block_k=bk, num_warps=8 if bm * bn >= 128 * 128 else 4, num_stages=3
+  )
   while _triton_smem(config, itemsize) > TRITON_SMEM_BYTES and config.num_stages > 1:
     config = dataclasses.replace(config, num_stages=config.num_stages - 1)
   return config
@@ -75,12 +75,22 @@ def _tpu_fit(dim: int, target: int) -> int:
   return dim if dim <= target else target
 
 
-def _tpu_heuristic(prob: Problem, in_itemsize: int, out_itemsize: int,
-                   outputs: int) -> MatmulConfig:
+def _tpu_heuristic(
+  prob: Problem, in_itemsize: int, out_itemsize: int, outputs: int
+) -> MatmulConfig:
   """512-wide tiles (whole dims when smaller), shrunk until they fit VMEM."""
   bm, bn, bk = 512, 512, 512
-  while _tpu_vmem(_tpu_fit(prob.m, bm), _tpu_fit(prob.n, bn), _tpu_fit(prob.k, bk),
-                  in_itemsize, out_itemsize, outputs) > TPU_VMEM_BYTES:
+  while (
+    _tpu_vmem(
+      _tpu_fit(prob.m, bm),
+      _tpu_fit(prob.n, bn),
+      _tpu_fit(prob.k, bk),
+      in_itemsize,
+      out_itemsize,
+      outputs,
+    )
+    > TPU_VMEM_BYTES
+  ):
     if bk > _LANES:
       bk //= 2
     elif bm >= bn and bm > _LANES:
@@ -115,23 +125,36 @@ def candidates(avals: Sequence[Any], target: str, **params) -> list[MatmulConfig
   prob = problem_of(avals, params)
   in_size, out_size = _itemsizes(avals, params)
   if interpreted(target):  # interpreted kernels are slow: two tilings
-    smaller = dataclasses.replace(base, block_k=max(16 if backend == "triton" else _LANES,
-                                                    base.block_k // 2))
+    smaller = dataclasses.replace(
+      base, block_k=max(16 if backend == "triton" else _LANES, base.block_k // 2)
+    )
     out = list(dict.fromkeys([base, smaller]))
   elif backend == "triton":
-    out = [MatmulConfig(block_m=bm, block_n=bn, block_k=bk, num_warps=w, num_stages=s)
-           for bm in (16, 32, 64, 128) if bm <= max(16, next_pow2(prob.m))
-           for bn in (32, 64, 128, 256) if bn <= max(32, next_pow2(prob.n))
-           for bk in (32, 64) if bk <= max(32, next_pow2(prob.k))
-           for w in (4, 8) if w == 4 or bm * bn >= 64 * 128
-           for s in (2, 3, 4)]
+    out = [
+      MatmulConfig(block_m=bm, block_n=bn, block_k=bk, num_warps=w, num_stages=s)
+      for bm in (16, 32, 64, 128)
+      if bm <= max(16, next_pow2(prob.m))
+      for bn in (32, 64, 128, 256)
+      if bn <= max(32, next_pow2(prob.n))
+      for bk in (32, 64)
+      if bk <= max(32, next_pow2(prob.k))
+      for w in (4, 8)
+      if w == 4 or bm * bn >= 64 * 128
+      for s in (2, 3, 4)
+    ]
     out = [c for c in out if _triton_smem(c, in_size) <= TRITON_SMEM_BYTES]
   else:
     outputs = 1 + params["save_preactivation"]
-    out = [MatmulConfig(block_m=bm, block_n=bn, block_k=bk)
-           for bm in (128, 256, 512) for bn in (128, 256, 512) for bk in (128, 256, 512)
-           if _tpu_vmem(_tpu_fit(prob.m, bm), _tpu_fit(prob.n, bn), _tpu_fit(prob.k, bk),
-                        in_size, out_size, outputs) <= TPU_VMEM_BYTES]
+    out = [
+      MatmulConfig(block_m=bm, block_n=bn, block_k=bk)
+      for bm in (128, 256, 512)
+      for bn in (128, 256, 512)
+      for bk in (128, 256, 512)
+      if _tpu_vmem(
+        _tpu_fit(prob.m, bm), _tpu_fit(prob.n, bn), _tpu_fit(prob.k, bk), in_size, out_size, outputs
+      )
+      <= TPU_VMEM_BYTES
+    ]
   out = [c for c in out if supports(avals, target, c, **params) is None] or [base]
   return out
 
@@ -141,18 +164,20 @@ def mosaic_blocks(prob: Problem, config: MatmulConfig) -> tuple[int, int, int]:
   return (min(config.block_m, prob.m), min(config.block_n, prob.n), min(config.block_k, prob.k))
 
 
-def _mosaic_tiling_error(name: str, block: tuple[int, int], shape: tuple[int, int],
-                         dtype) -> Optional[str]:
+def _mosaic_tiling_error(
+  name: str, block: tuple[int, int], shape: tuple[int, int], dtype
+) -> Optional[str]:
   rows, cols = block
   sub = sublanes(dtype)
   if (rows % sub and rows != shape[0]) or (cols % _LANES and cols != shape[1]):
-    return (f"the {name} block {block} of {shape} must be divisible by ({sub}, {_LANES}) "
-            f"or equal the array's dims on TPU")
+    return (
+      f"the {name} block {block} of {shape} must be divisible by ({sub}, {_LANES}) "
+      f"or equal the array's dims on TPU"
+    )
   return None
 
 
-def supports(avals: Sequence[Any], target: str, config: MatmulConfig,
-                    **params) -> Optional[str]:
+def supports(avals: Sequence[Any], target: str, config: MatmulConfig, **params) -> Optional[str]:
   """Why ``config`` cannot run this call on ``target``, if it cannot."""
   a, b = avals[:2]
   if jnp.float64 in (a.dtype, b.dtype, params["out_dtype"]):
@@ -164,17 +189,18 @@ def supports(avals: Sequence[Any], target: str, config: MatmulConfig,
       return f"blocks {blocks} must be powers of two >= 16 on Triton"
     return None
   precision = params["precision"]
-  if precision is not None and (precision[0] != precision[1]
-                                or precision[0] not in (lax.Precision.DEFAULT,
-                                                        lax.Precision.HIGHEST)):
+  if precision is not None and (
+    precision[0] != precision[1]
+    or precision[0] not in (lax.Precision.DEFAULT, lax.Precision.HIGHEST)
+  ):
     return f"precision {precision} has no Mosaic TPU lowering (DEFAULT or HIGHEST only)"
   prob = problem_of(avals, params)
   bm, bn, bk = mosaic_blocks(prob, config)
   ta, tb = params["transpose_a"], params["transpose_b"]
   checks = [
-      ("a", (bk, bm) if ta else (bm, bk), (prob.k, prob.m) if ta else (prob.m, prob.k), a.dtype),
-      ("b", (bn, bk) if tb else (bk, bn), (prob.n, prob.k) if tb else (prob.k, prob.n), b.dtype),
-      ("output", (bm, bn), (prob.m, prob.n), params["out_dtype"]),
+    ("a", (bk, bm) if ta else (bm, bk), (prob.k, prob.m) if ta else (prob.m, prob.k), a.dtype),
+    ("b", (bn, bk) if tb else (bk, bn), (prob.n, prob.k) if tb else (prob.k, prob.n), b.dtype),
+    ("output", (bm, bn), (prob.m, prob.n), params["out_dtype"]),
   ]
   for name, block, shape, dtype in checks:
     error = _mosaic_tiling_error(name, block, shape, dtype)

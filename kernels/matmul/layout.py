@@ -9,12 +9,13 @@ batch dim simply lacks it and is never broadcast in memory.
 ``contract_batch`` more batch dims, right before the matrix dims of ``a`` and
 ``b`` (and absent from the result), are contracted with K.
 """
+
 from __future__ import annotations
 
 import dataclasses
 import functools
 import math
-from typing import Sequence
+from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
@@ -25,16 +26,15 @@ def acc_dtype(*dtypes) -> jnp.dtype:
   return functools.reduce(jnp.promote_types, dtypes, jnp.dtype(jnp.float32))
 
 
-def output_batch(shapes: Sequence[tuple[int, ...]], *, a_batch, b_batch, bias_batch,
-                 contract_batch: int = 0, **params) -> tuple[int, ...]:
-  """The result's batch shape, from the shapes of ``(a, b[, bias])``.
+def output_batch(shapes: Sequence[tuple[int, ...]], **params) -> tuple[int, ...]:
+  """The result's batch shape, from the shapes of ``(a, b[, bias])`` and the call's params.
 
   Each dim's size comes from an operand that has it; a dim none of the given
   operands has (one only the bias has, when it is not given) has size 1.
   """
-  lead = -2 - contract_batch
+  lead = -2 - params.get("contract_batch", 0)
   sizes = [iter(shapes[0][:lead]), iter(shapes[1][:lead])] + [iter(s[:-1]) for s in shapes[2:]]
-  masks = (a_batch, b_batch, bias_batch)[:len(shapes)]
+  masks = (params["a_batch"], params["b_batch"], params["bias_batch"])[: len(shapes)]
   out = []
   for has in zip(*masks):
     found = [next(it) for it, h in zip(sizes, has) if h]
@@ -52,34 +52,39 @@ def bias_like(bias: jax.Array, bias_batch: Sequence[bool], ndim: int) -> jax.Arr
 @dataclasses.dataclass(frozen=True)
 class Problem:
   """The GEMM one call runs, after folding a's trailing batch dims into M."""
+
   batch: tuple[int, ...]  # the result's batch dims
-  fold: int               # how many trailing ones are folded into M
-  rows: int               # M of one example (before folding)
+  fold: int  # how many trailing ones are folded into M
+  rows: int  # M of one example (before folding)
   m: int
   n: int
   k: int
 
   @classmethod
-  def of(cls, shapes: Sequence[tuple[int, ...]], *, a_batch, b_batch, bias_batch, contract_batch,
-         transpose_a, transpose_b, **params) -> "Problem":
-    """The problem of a call with operands of ``shapes`` ``(a, b[, bias])``."""
-    batch = output_batch(shapes, a_batch=a_batch, b_batch=b_batch, bias_batch=bias_batch,
-                         contract_batch=contract_batch)
+  def of(cls, shapes: Sequence[tuple[int, ...]], **params) -> Problem:
+    """The problem of a call with operands of ``shapes`` ``(a, b[, bias])`` and ``params``."""
+    batch = output_batch(shapes, **params)
+    a_batch, b_batch, bias_batch = params["a_batch"], params["b_batch"], params["bias_batch"]
+    transpose_a = params["transpose_a"]
     a_shape, b_shape = shapes[:2]
     fold = 0
     if not transpose_a:
-      while (fold < len(batch) and a_batch[-1 - fold] and not b_batch[-1 - fold]
-             and not bias_batch[-1 - fold]):
+      while (
+        fold < len(batch)
+        and a_batch[-1 - fold]
+        and not b_batch[-1 - fold]
+        and not bias_batch[-1 - fold]
+      ):
         fold += 1
     rows = a_shape[-1] if transpose_a else a_shape[-2]
-    contracted = math.prod(a_shape[len(a_shape) - 2 - contract_batch:-2])
+    contracted = math.prod(a_shape[len(a_shape) - 2 - params["contract_batch"] : -2])
     k = contracted * (a_shape[-2] if transpose_a else a_shape[-1])
-    n = b_shape[-2] if transpose_b else b_shape[-1]
-    return cls(batch, fold, rows, rows * math.prod(batch[len(batch) - fold:]), n, k)
+    n = b_shape[-2] if params["transpose_b"] else b_shape[-1]
+    return cls(batch, fold, rows, rows * math.prod(batch[len(batch) - fold :]), n, k)
 
   @property
   def grid_batch(self) -> tuple[int, ...]:
-    return self.batch[:len(self.batch) - self.fold]
+    return self.batch[: len(self.batch) - self.fold]
 
 
 def problem_of(avals, params) -> Problem:

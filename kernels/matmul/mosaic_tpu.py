@@ -5,6 +5,7 @@ Each block is a whole dim or a multiple of 128 (TPU tiling); the K tail of the
 last step is zeroed in both operands, edge blocks of the output are clipped
 when written back.
 """
+
 from __future__ import annotations
 
 import functools
@@ -14,12 +15,9 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
-
-from pallax.activations import activate_in_kernel
 from pallax.kernels.matmul import common
 from pallax.kernels.matmul.config import MatmulConfig, mosaic_blocks
 from pallax.kernels.matmul.layout import Problem
-from pallax.kernels.matmul.xla import epilogue
 
 
 def _zero_k_tail(x: jax.Array, left, axis: int) -> jax.Array:
@@ -27,10 +25,10 @@ def _zero_k_tail(x: jax.Array, left, axis: int) -> jax.Array:
   return jnp.where(lax.broadcasted_iota(jnp.int32, x.shape, axis) < left, x, 0)
 
 
-def _kernel(a_ref, b_ref, *refs, prob: Problem, block_k: int, has_bias: bool,
-                   transpose_a, transpose_b, activation, precision, save_preactivation):
-  bias_ref = refs[0] if has_bias else None
-  out_refs, acc_ref = refs[has_bias:-1], refs[-1]
+def _kernel(a_ref, b_ref, *refs, args: common.KernelArgs, block_k: int):
+  prob = args.prob
+  bias_ref = refs[0] if args.has_bias else None
+  out_refs, acc_ref = refs[args.has_bias : -1], refs[-1]
   k_axis = len(prob.grid_batch) + 2
   s = pl.program_id(k_axis)
 
@@ -42,30 +40,31 @@ def _kernel(a_ref, b_ref, *refs, prob: Problem, block_k: int, has_bias: bool,
   a, b = a_ref[...].astype(compute), b_ref[...].astype(compute)
   if prob.k % block_k:  # the last step's block overhangs K: zero it in both operands
     left = prob.k - s * block_k
-    a = _zero_k_tail(a, left, 0 if transpose_a else 1)
-    b = _zero_k_tail(b, left, 1 if transpose_b else 0)
-  acc_ref[...] += common.dot(a, b, transpose_a, transpose_b, precision, acc_ref.dtype)
+    a = _zero_k_tail(a, left, 0 if args.transpose_a else 1)
+    b = _zero_k_tail(b, left, 1 if args.transpose_b else 0)
+  acc_ref[...] += args.product(a, b, acc_ref.dtype)
 
   @pl.when(s == pl.num_programs(k_axis) - 1)
   def _finish():
-    bias = [bias_ref[...]] if has_bias else []
-    outs = epilogue(acc_ref[...], *bias, bias_batch=(), activation=activation,
-                    out_dtype=out_refs[0].dtype, save_preactivation=save_preactivation,
-                    activation_fn=activate_in_kernel)
+    outs = args.finish(acc_ref[...], [bias_ref[...]] if args.has_bias else [], out_refs[0].dtype)
     for ref, value in zip(out_refs, outs):
       ref[...] = value
 
 
-def _plan(prob: Problem, config: MatmulConfig, kernel_args: dict, acc) -> common.Plan:
+def _plan(prob: Problem, config: MatmulConfig, args: common.KernelArgs, acc) -> common.Plan:
   """K as the last, sequential grid axis; the accumulator in VMEM scratch."""
   blocks = mosaic_blocks(prob, config)
   semantics = ("parallel",) * (len(prob.grid_batch) + 2) + ("arbitrary",)
   return common.Plan(
-      blocks=blocks, grid=tuple(pl.cdiv(d, x) for d, x in zip((prob.m, prob.n, prob.k), blocks)),
-      kernel=functools.partial(_kernel, block_k=blocks[2], **kernel_args),
-      call_args=dict(scratch_shapes=[pltpu.VMEM(blocks[:2], acc)],
-                     compiler_params=pltpu.CompilerParams(dimension_semantics=semantics)),
-      k_steps=True)
+    blocks=blocks,
+    grid=tuple(pl.cdiv(d, x) for d, x in zip((prob.m, prob.n, prob.k), blocks)),
+    kernel=functools.partial(_kernel, args=args, block_k=blocks[2]),
+    call_args=dict(
+      scratch_shapes=[pltpu.VMEM(blocks[:2], acc)],
+      compiler_params=pltpu.CompilerParams(dimension_semantics=semantics),
+    ),
+    k_steps=True,
+  )
 
 
 matmul = functools.partial(common.matmul, plan=_plan)

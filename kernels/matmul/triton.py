@@ -5,6 +5,7 @@ of two >= 16 (``tl.dot``'s minimum) and overhang odd dims; Pallas-Triton does
 not mask block edges, so loads and stores along a dim that is not a multiple
 of its block are masked (out-of-range K is loaded as zero in both operands).
 """
+
 from __future__ import annotations
 
 import functools
@@ -12,19 +13,17 @@ import functools
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
-
-from pallax.activations import activate_in_kernel
 from pallax.kernels.matmul import common
 from pallax.kernels.matmul.config import MatmulConfig
 from pallax.kernels.matmul.layout import Problem, acc_dtype
-from pallax.kernels.matmul.xla import epilogue
+
 from pallax.pallas_utils import in_bounds, load, store, triton_compiler_params
 
 
-def _kernel(a_ref, b_ref, *refs, prob: Problem, block_k: int, has_bias: bool,
-                   transpose_a, transpose_b, activation, precision, save_preactivation):
-  bias_ref = refs[0] if has_bias else None
-  out_refs = refs[has_bias:]
+def _kernel(a_ref, b_ref, *refs, args: common.KernelArgs, block_k: int):
+  prob, transpose_a, transpose_b = args.prob, args.transpose_a, args.transpose_b
+  bias_ref = refs[0] if args.has_bias else None
+  out_refs = refs[args.has_bias :]
   bm, bn = out_refs[0].shape
   rank = len(prob.grid_batch) + 2
   row_ok = in_bounds(pl.program_id(rank - 2), bm, prob.m, (bm,), 0)
@@ -45,26 +44,26 @@ def _kernel(a_ref, b_ref, *refs, prob: Problem, block_k: int, has_bias: bool,
     k_ok = in_bounds(s, block_k, prob.k, (block_k,), 0)
     a = load_tile(a_ref, s * block_k, k_ok, row_ok, k_first=transpose_a)
     b = load_tile(b_ref, s * block_k, k_ok, col_ok, k_first=not transpose_b)
-    return acc + common.dot(a, b, transpose_a, transpose_b, precision, acc.dtype)
+    return acc + args.product(a, b, acc.dtype)
 
-  acc = lax.fori_loop(0, pl.cdiv(prob.k, block_k), step,
-                      jnp.zeros((bm, bn), acc_dtype(a_ref.dtype, b_ref.dtype)))
+  acc = lax.fori_loop(
+    0, pl.cdiv(prob.k, block_k), step, jnp.zeros((bm, bn), acc_dtype(a_ref.dtype, b_ref.dtype))
+  )
   bias_mask = common.tile_mask(None, col_ok, (1, bn))
-  bias = [load(bias_ref, bias_mask)] if has_bias else []
-  outs = epilogue(acc, *bias, bias_batch=(), activation=activation,
-                  out_dtype=out_refs[0].dtype, save_preactivation=save_preactivation,
-                  activation_fn=activate_in_kernel)
+  outs = args.finish(acc, [load(bias_ref, bias_mask)] if args.has_bias else [], out_refs[0].dtype)
   for ref, value in zip(out_refs, outs):
     store(ref, value, common.tile_mask(row_ok, col_ok, (bm, bn)))
 
 
-def _plan(prob: Problem, config: MatmulConfig, kernel_args: dict, acc) -> common.Plan:
+def _plan(prob: Problem, config: MatmulConfig, args: common.KernelArgs, acc) -> common.Plan:
   """Whole-K panels; the kernel loops over K in ``block_k`` steps."""
   return common.Plan(
-      blocks=(config.block_m, config.block_n, prob.k),
-      grid=(pl.cdiv(prob.m, config.block_m), pl.cdiv(prob.n, config.block_n)),
-      kernel=functools.partial(_kernel, block_k=config.block_k, **kernel_args),
-      call_args=dict(compiler_params=triton_compiler_params(config)), k_steps=False)
+    blocks=(config.block_m, config.block_n, prob.k),
+    grid=(pl.cdiv(prob.m, config.block_m), pl.cdiv(prob.n, config.block_n)),
+    kernel=functools.partial(_kernel, args=args, block_k=config.block_k),
+    call_args=dict(compiler_params=triton_compiler_params(config)),
+    k_steps=False,
+  )
 
 
 matmul = functools.partial(common.matmul, plan=_plan)

@@ -16,13 +16,25 @@ from __future__ import annotations
 from pallax.kernels.norm import config, mosaic_tpu, triton
 from pallax.kernels.norm.config import NormConfig
 from pallax.kernels.norm.kind import ADD_RMS, CATEGORY, LAYER, RMS, ROW, STAT, WEIGHT, NormKind
+
 from pallax.op import Kernel
 
-__all__ = ["NormConfig", "NormKind", "RMS", "LAYER", "ADD_RMS", "CATEGORY", "ROW", "STAT",
-           "WEIGHT", "kernel"]
+__all__ = [
+  "NormConfig",
+  "NormKind",
+  "RMS",
+  "LAYER",
+  "ADD_RMS",
+  "CATEGORY",
+  "ROW",
+  "STAT",
+  "WEIGHT",
+  "kernel",
+]
 
 
 def kernel(stage: str, kind: NormKind) -> Kernel:
   """The Pallas kernel of ``stage`` (``"fwd"`` or ``"bwd"``) for ``kind``."""
-  return Kernel.of_family(f"norm_{stage}", config=config, kind=kind,
-                          backends={"triton": triton, "mosaic_tpu": mosaic_tpu})
+  return Kernel.of_family(
+    f"norm_{stage}", config=config, kind=kind, backends={"triton": triton, "mosaic_tpu": mosaic_tpu}
+  )

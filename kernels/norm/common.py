@@ -11,6 +11,7 @@ their compiler params: see ``triton.py`` and ``mosaic_tpu.py``.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from typing import Any, Optional
 
@@ -18,10 +19,10 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
-
 from pallax.kernels.norm import xla
 from pallax.kernels.norm.config import NormConfig
 from pallax.kernels.norm.kind import CATEGORY, ROW, STAT, WEIGHT, NormKind
+
 from pallax.pallas_utils import RowBlocks, and_masks, load, masked, stat_dtype, store
 
 
@@ -136,57 +137,69 @@ def _bwd_kernel(*refs, kind: NormKind, layout: Layout, offset):
     _store(ref["db"], jnp.sum(masked(dy, rows), axis=0, keepdims=True), layout, WEIGHT)
 
 
-def norm_fwd(*args, kind: NormKind, eps: float, offset: float, config: NormConfig,
-             backend: str, compiler_params: Any, interpret):
-  """The forward kernel on ``backend`` (called by ``triton.py`` / ``mosaic_tpu.py``)."""
-  operands, results = kind.names("fwd")
-  arg = dict(zip(operands, args))
-  x = arg["x"]
-  if x.size == 0:
-    return xla.norm_fwd(*args, kind=kind, eps=eps, offset=offset)
-  lay = Layout.of(x.shape, arg["w"].shape, config, backend)
-  st = stat_dtype(x.dtype)
-  outs = pl.pallas_call(
-    lambda *refs: _fwd_kernel(*refs, kind=kind, layout=lay, eps=eps, offset=offset),
-    grid=lay.grid,
-    in_specs=[lay.spec(CATEGORY[n]) for n in operands],
-    out_specs=[lay.spec(CATEGORY[n]) for n in results],
-    out_shape=[
-      jax.ShapeDtypeStruct(lay.view_shape(CATEGORY[n]), st if CATEGORY[n] == STAT else x.dtype)
-      for n in results
-    ],
-    compiler_params=compiler_params,
-    interpret=interpret,
-    name="norm_fwd",
-  )(*[arg[n].reshape(lay.view_shape(CATEGORY[n])) for n in operands])
-  shapes = {ROW: x.shape, STAT: x.shape[:-1]}
-  return [o.reshape(shapes[CATEGORY[n]]) for o, n in zip(outs, results)]
+def _fwd_outputs(lay: Layout, results, dtype, st):
+  """The forward's out specs and shapes: rows in ``dtype``, statistics in ``st``."""
+  specs = [lay.spec(CATEGORY[n]) for n in results]
+  shapes = [
+    jax.ShapeDtypeStruct(lay.view_shape(CATEGORY[n]), st if CATEGORY[n] == STAT else dtype)
+    for n in results
+  ]
+  return specs, shapes
 
 
-def norm_bwd(*args, kind: NormKind, offset: float, config: NormConfig, backend: str,
-             compiler_params: Any, interpret):
-  """The backward kernel on ``backend`` (called by ``triton.py`` / ``mosaic_tpu.py``)."""
-  operands, results = kind.names("bwd")
-  arg = dict(zip(operands, args))
-  x, w = arg["x"], arg["w"]
-  if x.size == 0:
-    return xla.norm_bwd(*args, kind=kind, offset=offset)
-  lay = Layout.of(x.shape, w.shape, config, backend)
-  st = stat_dtype(x.dtype)
+def _bwd_outputs(lay: Layout, results, dtype, st):
+  """The backward's out specs and shapes: ``dx``, then per-row-block partial weight sums."""
   b = lay.blocks
   partial = pl.BlockSpec((None, None, 1, b.block_cols), lambda g, i: (g, i, 0, 0))
   partial_shape = jax.ShapeDtypeStruct((lay.groups, b.row_blocks, 1, b.cols), st)
+  weights = len(results) - 1
+  return [lay.spec(ROW)] + [partial] * weights, [
+    jax.ShapeDtypeStruct(lay.view_shape(ROW), dtype)
+  ] + [partial_shape] * weights
+
+
+_STAGES = {
+  "fwd": (_fwd_kernel, _fwd_outputs, xla.norm_fwd),
+  "bwd": (_bwd_kernel, _bwd_outputs, xla.norm_bwd),
+}
+
+
+def norm_kernel(
+  stage: str,
+  *args,
+  kind: NormKind,
+  config: NormConfig,
+  backend: str,
+  compiler_params: Any,
+  interpret,
+  **scalars,
+):
+  """The ``stage`` (``"fwd"``, ``"bwd"``) kernel on ``backend``.
+
+  Called by ``triton.py`` and ``mosaic_tpu.py`` with their compiler params;
+  ``scalars`` are the stage's static params (``eps``, ``offset``).
+  """
+  body, outputs, xla_program = _STAGES[stage]
+  operands, results = kind.names(stage)
+  arg = dict(zip(operands, args))
+  x, w = arg["x"], arg["w"]
+  if x.size == 0:
+    return xla_program(*args, kind=kind, **scalars)
+  lay = Layout.of(x.shape, w.shape, config, backend)
+  out_specs, out_shape = outputs(lay, results, x.dtype, stat_dtype(x.dtype))
   outs = pl.pallas_call(
-    lambda *refs: _bwd_kernel(*refs, kind=kind, layout=lay, offset=offset),
+    functools.partial(body, kind=kind, layout=lay, **scalars),
     grid=lay.grid,
     in_specs=[lay.spec(CATEGORY[n]) for n in operands],
-    out_specs=[lay.spec(ROW)] + [partial] * (len(results) - 1),
-    out_shape=[jax.ShapeDtypeStruct(lay.view_shape(ROW), x.dtype)]
-    + [partial_shape] * (len(results) - 1),
+    out_specs=out_specs,
+    out_shape=out_shape,
     compiler_params=compiler_params,
     interpret=interpret,
-    name="norm_bwd",
+    name=f"norm_{stage}",
   )(*[arg[n].reshape(lay.view_shape(CATEGORY[n])) for n in operands])
-  # The weight-like results: sum the per-block partials.
+  if stage == "fwd":
+    shapes = {ROW: x.shape, STAT: x.shape[:-1]}
+    return [o.reshape(shapes[CATEGORY[n]]) for o, n in zip(outs, results)]
+  # The weight-like results of the backward: sum the per-block partials.
   sums = [jnp.sum(o, axis=(1, 2)).reshape(w.shape).astype(w.dtype) for o in outs[1:]]
   return [outs[0].reshape(x.shape)] + sums

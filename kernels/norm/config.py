@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any, ClassVar, Optional, Sequence
+from collections.abc import Sequence
+from typing import Any, Optional
 
 import jax.numpy as jnp
 
@@ -30,7 +31,6 @@ class NormConfig(KernelConfig):
   block_rows: int
   num_warps: int = 4
   num_stages: int = 1
-  positive_fields: ClassVar[tuple[str, ...]] = ("block_rows", "num_warps", "num_stages")
 
 
 def _rows_hidden(avals) -> tuple[int, int]:
@@ -85,19 +85,15 @@ def candidates(avals: Sequence[Any], target: str, **params) -> list[NormConfig]:
 
 def supports(avals: Sequence[Any], target: str, config: NormConfig, **params) -> Optional[str]:
   """Why the kernel cannot run this call on ``target`` with ``config``, if it cannot."""
-  rows, _ = _rows_hidden(avals)
-  dtype = avals[0].dtype
-  if kernel_backend(target) == "mosaic_tpu":
-    if dtype == jnp.float64:
-      return "float64 has no Mosaic TPU kernel"
-    sub = sublanes(dtype)
-    if config.block_rows < rows and config.block_rows % sub:
-      return (
-        f"block_rows={config.block_rows} must be a multiple of {sub} on TPU "
-        f"(or cover all {rows} rows)"
-      )
-  elif config.block_rows & (config.block_rows - 1):
-    return f"block_rows={config.block_rows} must be a power of two on Triton"
+  block_rows = config.block_rows
+  if kernel_backend(target) == "triton":
+    pow2 = block_rows & (block_rows - 1) == 0
+    return None if pow2 else f"block_rows={block_rows} must be a power of two on Triton"
+  if avals[0].dtype == jnp.float64:
+    return "float64 has no Mosaic TPU kernel"
+  rows, sub = _rows_hidden(avals)[0], sublanes(avals[0].dtype)
+  if block_rows < rows and block_rows % sub:
+    return f"block_rows={block_rows} must be a multiple of {sub} on TPU (or cover all {rows} rows)"
   return None
 
 

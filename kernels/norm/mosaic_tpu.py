@@ -10,15 +10,16 @@ from __future__ import annotations
 import functools
 
 from jax.experimental.pallas import tpu as pltpu
-
 from pallax.kernels.norm import common
 
 _COMPILER_PARAMS = pltpu.CompilerParams(dimension_semantics=("parallel", "parallel"))
 
 
-def _call(kernel, *args, **params):
-  return kernel(*args, backend="mosaic_tpu", compiler_params=_COMPILER_PARAMS, **params)
+def _call(stage, *args, **params):
+  return common.norm_kernel(
+    stage, *args, backend="mosaic_tpu", compiler_params=_COMPILER_PARAMS, **params
+  )
 
 
-norm_fwd = functools.partial(_call, common.norm_fwd)
-norm_bwd = functools.partial(_call, common.norm_bwd)
+norm_fwd = functools.partial(_call, "fwd")
+norm_bwd = functools.partial(_call, "bwd")

@@ -10,13 +10,20 @@ from __future__ import annotations
 import functools
 
 from pallax.kernels.norm import common
+
 from pallax.pallas_utils import triton_compiler_params
 
 
-def _call(kernel, *args, config, **params):
-  return kernel(*args, config=config, backend="triton",
-                compiler_params=triton_compiler_params(config), **params)
+def _call(stage, *args, config, **params):
+  return common.norm_kernel(
+    stage,
+    *args,
+    config=config,
+    backend="triton",
+    compiler_params=triton_compiler_params(config),
+    **params,
+  )
 
 
-norm_fwd = functools.partial(_call, common.norm_fwd)
-norm_bwd = functools.partial(_call, common.norm_bwd)
+norm_fwd = functools.partial(_call, "fwd")
+norm_bwd = functools.partial(_call, "bwd")

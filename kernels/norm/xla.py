@@ -11,8 +11,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 from jax import lax
-
 from pallax.kernels.norm.kind import NormKind
+
 from pallax.pallas_utils import stat_dtype
 
 # Up to this many elements of x the XLA programs take the forms autodiff of
@@ -91,10 +91,9 @@ def norm_jvp(*args, kind: NormKind, offset: float):
   if kind.center:
     xd = xd - jnp.mean(xd, axis=-1, keepdims=True)
   xhat_dot = rstd * (xd - xhat * jnp.mean(xhat * xd, axis=-1, keepdims=True))
-  y_dot = (
-    xhat_dot * (_weight_like_x(arg["w"], x.ndim).astype(st) + offset)
-    + xhat * _weight_like_x(arg["w_dot"], x.ndim).astype(st)
-  )
+  y_dot = xhat_dot * (_weight_like_x(arg["w"], x.ndim).astype(st) + offset) + xhat * _weight_like_x(
+    arg["w_dot"], x.ndim
+  ).astype(st)
   if kind.bias:
     y_dot = y_dot + _weight_like_x(arg["b_dot"], x.ndim).astype(st)
   out = {"y_dot": y_dot.astype(x.dtype), "h_dot": arg["x_dot"]}

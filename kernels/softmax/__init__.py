@@ -12,11 +12,13 @@ reduction and its output is 0 (softmax) or -inf (log_softmax), as in
 * ``programs.py``: the row programs every kernel runs, on ``triton.py`` and
   ``mosaic_tpu.py``.
 """
+
 from __future__ import annotations
 
 from pallax.kernels.softmax import config, mosaic_tpu, triton
 from pallax.kernels.softmax.config import SoftmaxConfig
 from pallax.kernels.softmax.programs import PROGRAMS
+
 from pallax.op import Kernel
 
 __all__ = ["SoftmaxConfig", "OPS", "kernel"]
@@ -26,5 +28,9 @@ OPS = tuple(PROGRAMS)
 
 def kernel(name: str) -> Kernel:
   """The Pallas kernel of the softmax primitive ``name`` (e.g. ``"log_softmax_jvp"``)."""
-  return Kernel.of_family("run", config=config, program=PROGRAMS[name],
-                          backends={"triton": triton, "mosaic_tpu": mosaic_tpu})
+  return Kernel.of_family(
+    "run",
+    config=config,
+    program=PROGRAMS[name],
+    backends={"triton": triton, "mosaic_tpu": mosaic_tpu},
+  )

@@ -3,11 +3,13 @@
 One config class serves every softmax kernel (forward, tangent, backward of
 both ops): they share the row-block structure.
 """
+
 from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any, ClassVar, Optional, Sequence
+from collections.abc import Sequence
+from typing import Any, Optional
 
 import jax.numpy as jnp
 
@@ -27,12 +29,11 @@ class SoftmaxConfig(KernelConfig):
     Triton; multiple of 128, or the whole row, on TPU).
   num_warps, num_stages: Triton launch parameters (ignored on TPU).
   """
+
   block_rows: int
   block_cols: int
   num_warps: int = 4
   num_stages: int = 1
-  positive_fields: ClassVar[tuple[str, ...]] = ("block_rows", "block_cols", "num_warps",
-                                                "num_stages")
 
 
 # Elements per program's (block_rows, block_cols) tile and the widest column
@@ -87,24 +88,31 @@ def candidates(avals: Sequence[Any], target: str, **params) -> list[SoftmaxConfi
     out = [base] + ([dataclasses.replace(base, block_cols=narrower)] if legal else [])
   elif backend == "triton":
     widest = min(next_pow2(cols), 2 * _TRITON_MAX_COLS)
-    out = [SoftmaxConfig(block_rows=br, block_cols=bc, num_warps=w)
-           for bc in sorted({widest, max(widest // 2, 1), max(widest // 4, 1)})
-           if bc >= min(widest, 128)
-           for br in (1, 2, 4, 8, 16, 32, 64) if br <= next_pow2(rows) and br * bc <= 32768
-           for w in (2, 4, 8, 16) if w * 32 <= br * bc]
+    out = [
+      SoftmaxConfig(block_rows=br, block_cols=bc, num_warps=w)
+      for bc in sorted({widest, max(widest // 2, 1), max(widest // 4, 1)})
+      if bc >= min(widest, 128)
+      for br in (1, 2, 4, 8, 16, 32, 64)
+      if br <= next_pow2(rows) and br * bc <= 32768
+      for w in (2, 4, 8, 16)
+      if w * 32 <= br * bc
+    ]
   else:
     tile = _tpu_row_tile(avals)
     itemsize = jnp.dtype(avals[0].dtype).itemsize
     widths = ([cols] if cols <= 2 * _TPU_MAX_COLS else []) + [
-        c for c in (512, 1024, 2048, 4096) if c < cols]
-    out = [SoftmaxConfig(block_rows=br, block_cols=bc) for bc in widths
-           for br in sorted({tile, 2 * tile, 4 * tile, 8 * tile, 256, 512, 1024})
-           if br % tile == 0 and br * bc * itemsize <= 2 ** 21]
+      c for c in (512, 1024, 2048, 4096) if c < cols
+    ]
+    out = [
+      SoftmaxConfig(block_rows=br, block_cols=bc)
+      for bc in widths
+      for br in sorted({tile, 2 * tile, 4 * tile, 8 * tile, 256, 512, 1024})
+      if br % tile == 0 and br * bc * itemsize <= 2**21
+    ]
   return out or [base]
 
 
-def supports(avals: Sequence[Any], target: str, config: SoftmaxConfig,
-                     **params) -> Optional[str]:
+def supports(avals: Sequence[Any], target: str, config: SoftmaxConfig, **params) -> Optional[str]:
   """Why the kernel cannot run this call on ``target`` with ``config``, if it cannot."""
   rows, cols = _rows_cols(avals)
   dtype = avals[0].dtype
@@ -112,13 +120,17 @@ def supports(avals: Sequence[Any], target: str, config: SoftmaxConfig,
     if dtype == jnp.float64:
       return "float64 has no Mosaic TPU kernel"
     if config.block_cols < cols and config.block_cols % _TPU_LANES:
-      return (f"block_cols={config.block_cols} must be a multiple of {_TPU_LANES} on TPU "
-              f"(or cover all {cols} columns)")
+      return (
+        f"block_cols={config.block_cols} must be a multiple of {_TPU_LANES} on TPU "
+        f"(or cover all {cols} columns)"
+      )
     tile = _tpu_row_tile(avals)
     if config.block_rows < rows and config.block_rows % tile:
       with_mask = " with a where= mask" if _masked(avals) else ""
-      return (f"block_rows={config.block_rows} must be a multiple of {tile} on TPU{with_mask} "
-              f"(or cover all {rows} rows)")
+      return (
+        f"block_rows={config.block_rows} must be a multiple of {tile} on TPU{with_mask} "
+        f"(or cover all {rows} rows)"
+      )
     return None
   for name in ("block_rows", "block_cols"):
     value = getattr(config, name)

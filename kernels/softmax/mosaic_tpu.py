@@ -4,6 +4,7 @@ The grid is ``(row blocks, phase, column blocks)``, the last two axes
 sequential ("arbitrary"), with the accumulators in VMEM scratch. A row that is
 one block is fetched once: its block index does not change between the phases.
 """
+
 from __future__ import annotations
 
 import functools
@@ -12,14 +13,15 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
-
 from pallax.kernels.softmax.config import SoftmaxConfig
 from pallax.kernels.softmax.programs import RowProgram, run_rows
+
 from pallax.pallas_utils import RowBlocks, and_masks, stat_dtype
 
 
-def _call(program: RowProgram, data, mask, out_dtype, lay: RowBlocks, config: SoftmaxConfig,
-          interpret):
+def _call(
+  program: RowProgram, data, mask, out_dtype, lay: RowBlocks, config: SoftmaxConfig, interpret
+):
   """Grid (row blocks, phase, column blocks): phase 0 reduces, phase 1 writes."""
   st = stat_dtype(data[0].dtype)
   in_spec = pl.BlockSpec(lay.block, lambda i, p, j: (i, j))
@@ -30,8 +32,8 @@ def _call(program: RowProgram, data, mask, out_dtype, lay: RowBlocks, config: So
 
   def kernel(*refs):
     n = len(data) + (mask is not None)
-    in_refs, out_ref, acc_refs = refs[:n], refs[n], refs[n + 1:]
-    data_refs = in_refs[:len(data)]
+    in_refs, out_ref, acc_refs = refs[:n], refs[n], refs[n + 1 :]
+    data_refs = in_refs[: len(data)]
     phase, j = pl.program_id(1), pl.program_id(2)
 
     def load_cols():
@@ -58,16 +60,17 @@ def _call(program: RowProgram, data, mask, out_dtype, lay: RowBlocks, config: So
       out_ref[...] = program.emit(acc, blocks, user).astype(out_ref.dtype)
 
   return pl.pallas_call(
-      kernel,
-      grid=(lay.row_blocks, 2, lay.col_blocks),
-      in_specs=[in_spec] * (len(data) + (mask is not None)),
-      out_specs=out_spec,
-      out_shape=jax.ShapeDtypeStruct((lay.rows, lay.cols), out_dtype),
-      scratch_shapes=[pltpu.VMEM((lay.block_rows, 1), st) for _ in program.init],
-      compiler_params=pltpu.CompilerParams(
-          dimension_semantics=("parallel", "arbitrary", "arbitrary")),
-      interpret=interpret,
-      name=program.name,
+    kernel,
+    grid=(lay.row_blocks, 2, lay.col_blocks),
+    in_specs=[in_spec] * (len(data) + (mask is not None)),
+    out_specs=out_spec,
+    out_shape=jax.ShapeDtypeStruct((lay.rows, lay.cols), out_dtype),
+    scratch_shapes=[pltpu.VMEM((lay.block_rows, 1), st) for _ in program.init],
+    compiler_params=pltpu.CompilerParams(
+      dimension_semantics=("parallel", "arbitrary", "arbitrary")
+    ),
+    interpret=interpret,
+    name=program.name,
   )(*data, *([] if mask is None else [mask]))
 
 

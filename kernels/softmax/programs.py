@@ -7,16 +7,17 @@ the online softmax (running max ``m`` and running sum ``l`` of
 ``exp(x - m)``, rescaled when the max grows), so a row never has to fit in one
 block. ``triton.py`` and ``mosaic_tpu.py`` run the programs on their backend.
 """
+
 from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Callable
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
-
 from pallax.kernels.softmax.config import SoftmaxConfig
+
 from pallax.pallas_utils import RowBlocks, masked
 
 
@@ -34,6 +35,7 @@ class RowProgram:
     ``where=`` block (None without one).
   ``data`` are the data operands' blocks in the stats dtype.
   """
+
   name: str
   arity: int
   init: tuple[float, ...]
@@ -47,30 +49,32 @@ def _online_max_sum(acc, data, keep):
   Rows whose max is still -inf shift by 0 instead (their kept entries are all
   -inf, so they add exp(-inf) = 0), so ``l`` never becomes NaN from -inf - -inf.
   """
-  m, l = acc
+  m, total = acc
   (x,) = data
   x = masked(x, keep, -jnp.inf)
   m_new = jnp.maximum(m, jnp.max(x, axis=-1, keepdims=True))
   shift = jnp.where(m_new == -jnp.inf, 0, m_new)
-  l = l * jnp.exp(m - shift) + jnp.sum(jnp.exp(x - shift), axis=-1, keepdims=True)
-  return m_new, l
+  total = total * jnp.exp(m - shift) + jnp.sum(jnp.exp(x - shift), axis=-1, keepdims=True)
+  return m_new, total
 
 
 def _softmax_emit(acc, data, mask):
-  (m, l), (x,) = acc, data
-  return masked(jnp.exp(x - m) / l, mask, 0)
+  (m, total), (x,) = acc, data
+  return masked(jnp.exp(x - m) / total, mask, 0)
 
 
 def _log_softmax_emit(acc, data, mask):
-  (m, l), (x,) = acc, data
-  return masked((x - m) - jnp.log(l), mask, -jnp.inf)
+  (m, total), (x,) = acc, data
+  return masked((x - m) - jnp.log(total), mask, -jnp.inf)
 
 
 def _sum_of(term):
   """An accumulate function: the running row sum of ``term(*data)`` over kept entries."""
+
   def accumulate(acc, data, keep):
     (s,) = acc
     return (s + jnp.sum(masked(term(*data), keep, 0), axis=-1, keepdims=True),)
+
   return accumulate
 
 
@@ -90,18 +94,31 @@ def _log_softmax_bwd_emit(acc, data, mask):
 
 
 _SOFTMAX_FWD = RowProgram("softmax_fwd", 1, (-math.inf, 0.0), _online_max_sum, _softmax_emit)
-_LOG_SOFTMAX_FWD = RowProgram("log_softmax_fwd", 1, (-math.inf, 0.0), _online_max_sum, _log_softmax_emit)
+_LOG_SOFTMAX_FWD = RowProgram(
+  "log_softmax_fwd", 1, (-math.inf, 0.0), _online_max_sum, _log_softmax_emit
+)
 _SOFTMAX_BWD = RowProgram("softmax_bwd", 2, (0.0,), _sum_of(lambda y, v: y * v), _softmax_bwd_emit)
-_LOG_SOFTMAX_JVP = RowProgram("log_softmax_jvp", 2, (0.0,), _sum_of(lambda z, t: jnp.exp(z) * t),
-                               _log_softmax_jvp_emit)
-_LOG_SOFTMAX_BWD = RowProgram("log_softmax_bwd", 2, (0.0,), _sum_of(lambda z, g: g), _log_softmax_bwd_emit)
+_LOG_SOFTMAX_JVP = RowProgram(
+  "log_softmax_jvp", 2, (0.0,), _sum_of(lambda z, t: jnp.exp(z) * t), _log_softmax_jvp_emit
+)
+_LOG_SOFTMAX_BWD = RowProgram(
+  "log_softmax_bwd", 2, (0.0,), _sum_of(lambda z, g: g), _log_softmax_bwd_emit
+)
 
-PROGRAMS = {p.name: p for p in (_SOFTMAX_FWD, _LOG_SOFTMAX_FWD, _SOFTMAX_BWD, _LOG_SOFTMAX_JVP,
-                                _LOG_SOFTMAX_BWD)}
+PROGRAMS = {
+  p.name: p
+  for p in (_SOFTMAX_FWD, _LOG_SOFTMAX_FWD, _SOFTMAX_BWD, _LOG_SOFTMAX_JVP, _LOG_SOFTMAX_BWD)
+}
 
 
-def run_rows(backend_call: Callable, *operands: jax.Array, program: RowProgram,
-             config: SoftmaxConfig, backend: str, interpret) -> list[jax.Array]:
+def run_rows(
+  backend_call: Callable,
+  *operands: jax.Array,
+  program: RowProgram,
+  config: SoftmaxConfig,
+  backend: str,
+  interpret,
+) -> list[jax.Array]:
   """Runs ``program`` over the rows of its operands with a backend's ``pallas_call``.
 
   ``operands`` are ``program.arity`` data arrays of one shape ``(*lead, cols)``
@@ -109,7 +126,7 @@ def run_rows(backend_call: Callable, *operands: jax.Array, program: RowProgram,
   out_dtype, blocks, config, interpret)`` runs the kernel on the ``(rows,
   cols)`` view.
   """
-  data, mask = operands[:program.arity], (operands[program.arity:] or [None])[0]
+  data, mask = operands[: program.arity], (operands[program.arity :] or [None])[0]
   shape, out_dtype = data[0].shape, data[-1].dtype
   if math.prod(shape) == 0:
     return [jnp.zeros(shape, out_dtype)]

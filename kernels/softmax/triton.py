@@ -4,6 +4,7 @@ One program per row block loops over the row's column blocks twice (a single
 load when the row is one block). Loads and stores are masked by hand:
 Pallas-Triton does not bound-check blocks that overhang the array.
 """
+
 from __future__ import annotations
 
 import functools
@@ -12,14 +13,22 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
-
 from pallax.kernels.softmax.config import SoftmaxConfig
 from pallax.kernels.softmax.programs import RowProgram, run_rows
-from pallax.pallas_utils import RowBlocks, and_masks, load, stat_dtype, store, triton_compiler_params
+
+from pallax.pallas_utils import (
+  RowBlocks,
+  and_masks,
+  load,
+  stat_dtype,
+  store,
+  triton_compiler_params,
+)
 
 
-def _call(program: RowProgram, data, mask, out_dtype, lay: RowBlocks, config: SoftmaxConfig,
-          interpret):
+def _call(
+  program: RowProgram, data, mask, out_dtype, lay: RowBlocks, config: SoftmaxConfig, interpret
+):
   """One program per row block, looping over the row's column blocks."""
   st = stat_dtype(data[0].dtype)
   # The block spans every column block of the row (it overhangs the array when
@@ -51,8 +60,9 @@ def _call(program: RowProgram, data, mask, out_dtype, lay: RowBlocks, config: So
       loaded = load_cols(0)
       emit(program.accumulate(init, *loaded[:2]), loaded)
       return
-    acc = lax.fori_loop(0, lay.col_blocks,
-                        lambda j, acc: program.accumulate(acc, *load_cols(j)[:2]), init)
+    acc = lax.fori_loop(
+      0, lay.col_blocks, lambda j, acc: program.accumulate(acc, *load_cols(j)[:2]), init
+    )
 
     def emit_block(j, carry):
       emit(acc, load_cols(j))
@@ -61,14 +71,14 @@ def _call(program: RowProgram, data, mask, out_dtype, lay: RowBlocks, config: So
     lax.fori_loop(0, lay.col_blocks, emit_block, 0)
 
   return pl.pallas_call(
-      kernel,
-      grid=(lay.row_blocks,),
-      in_specs=[spec] * (len(data) + (mask is not None)),
-      out_specs=spec,
-      out_shape=jax.ShapeDtypeStruct((lay.rows, lay.cols), out_dtype),
-      compiler_params=triton_compiler_params(config),
-      interpret=interpret,
-      name=program.name,
+    kernel,
+    grid=(lay.row_blocks,),
+    in_specs=[spec] * (len(data) + (mask is not None)),
+    out_specs=spec,
+    out_shape=jax.ShapeDtypeStruct((lay.rows, lay.cols), out_dtype),
+    compiler_params=triton_compiler_params(config),
+    interpret=interpret,
+    name=program.name,
   )(*data, *([] if mask is None else [mask]))
 
 

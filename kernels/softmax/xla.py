@@ -4,6 +4,7 @@ Every program works on the last axis of operands of one shape; ``mask`` (the
 ``where=`` argument) is an optional trailing bool operand. Arithmetic is in
 float32 (float64 for float64 inputs); outputs have the input's dtype.
 """
+
 from __future__ import annotations
 
 import jax.numpy as jnp

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from typing import Any, ClassVar, TypeVar
+from typing import Any, TypeVar
 
 C = TypeVar("C", bound="KernelConfig")
 
@@ -20,12 +20,13 @@ IMPLEMENTATIONS = ("pallas", "xla")
 
 @dataclasses.dataclass(frozen=True)
 class KernelConfig:
-  """Base class of every kernel's config: validation and JSON round-trip."""
+  """Base class of every kernel's config: validation and JSON round-trip.
+
+  Every field a subclass annotates ``int`` (block sizes, warps, stages) must be
+  a positive int.
+  """
 
   implementation: str = dataclasses.field(default="pallas", kw_only=True)
-
-  # Fields that must be positive integers; subclasses extend this.
-  positive_fields: ClassVar[tuple[str, ...]] = ()
 
   def __post_init__(self):
     if self.implementation not in IMPLEMENTATIONS:
@@ -33,7 +34,7 @@ class KernelConfig:
         f"{type(self).__name__}.implementation must be one of "
         f"{IMPLEMENTATIONS}, got {self.implementation!r}"
       )
-    for name in self.positive_fields:
+    for name in (f.name for f in dataclasses.fields(self) if f.type in (int, "int")):
       value = getattr(self, name)
       if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
         raise ValueError(f"{type(self).__name__}.{name} must be a positive int, got {value!r}")

@@ -4,17 +4,25 @@ Targets name where a kernel call runs: ``cpu``, ``cuda``, ``rocm``, ``tpu``, or
 ``interpret-triton`` / ``interpret-mosaic_tpu`` under the interpret switch. On
 ``cpu`` a ``"pallas"`` config runs the Triton-flavoured kernel interpreted.
 """
+
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable, Optional, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any, Optional
 
 from pallax.executor.config import KernelConfig
 
 PLATFORMS = ("cpu", "cuda", "rocm", "tpu")
 TARGETS = PLATFORMS + ("interpret-triton", "interpret-mosaic_tpu")
-_BACKEND = {"cpu": "triton", "cuda": "triton", "rocm": "triton", "tpu": "mosaic_tpu",
-            "interpret-triton": "triton", "interpret-mosaic_tpu": "mosaic_tpu"}
+_BACKEND = {
+  "cpu": "triton",
+  "cuda": "triton",
+  "rocm": "triton",
+  "tpu": "mosaic_tpu",
+  "interpret-triton": "triton",
+  "interpret-mosaic_tpu": "mosaic_tpu",
+}
 
 
 def target_of(platform: str, interpret: Optional[str]) -> str:
@@ -53,6 +61,7 @@ class KernelSpec:
   version: bump when the kernel's config changes meaning; stale cache entries
     are then ignored.
   """
+
   op: str
   config_cls: type[KernelConfig]
   heuristic: Callable[..., KernelConfig]
@@ -89,5 +98,7 @@ def registered_ops() -> list[str]:
 
 def describe_avals(avals: Sequence[Any]) -> str:
   """``f32[4096,1024];bf16[1024]``: the shape part of a cache key."""
-  return ";".join(f"{a.dtype.name if hasattr(a.dtype, 'name') else a.dtype}"
-                  f"[{','.join(map(str, a.shape))}]" for a in avals)
+  return ";".join(
+    f"{a.dtype.name if hasattr(a.dtype, 'name') else a.dtype}[{','.join(map(str, a.shape))}]"
+    for a in avals
+  )

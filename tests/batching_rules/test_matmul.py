@@ -1,4 +1,5 @@
 """vmap of matmul: matches a loop over examples and stays one primitive."""
+
 from __future__ import annotations
 
 import functools
@@ -10,8 +11,17 @@ import numpy as np
 import pytest
 
 import pallax
-from tests.helpers import (NESTED_IN_AXES, PATHS, batched, check_nested_vmap, loop_stack,
-                           lower_text, nested_shape, on_path, rand)
+from tests.helpers import (
+  NESTED_IN_AXES,
+  PATHS,
+  batched,
+  check_nested_vmap,
+  loop_stack,
+  lower_text,
+  nested_shape,
+  on_path,
+  rand,
+)
 
 M, K, N = 3, 20, 6
 
@@ -21,16 +31,32 @@ def _op(a, b, bias):
 
 
 # (in_axes of a, b, bias), and one example's a and b shapes.
-IN_AXES = [(0, None, None), (None, 0, None), (0, 0, None), (None, None, 0), (0, None, 0),
-           (1, None, None), (-1, 0, None), (None, 2, 0), (0, 0, 0)]
-EXAMPLES = {"matrices": ((M, K), (K, N)), "vector_a": ((K,), (K, N)),
-            "batched_a": ((2, M, K), (K, N)), "batched_both": ((2, M, K), (2, K, N))}
+IN_AXES = [
+  (0, None, None),
+  (None, 0, None),
+  (0, 0, None),
+  (None, None, 0),
+  (0, None, 0),
+  (1, None, None),
+  (-1, 0, None),
+  (None, 2, 0),
+  (0, 0, 0),
+]
+EXAMPLES = {
+  "matrices": ((M, K), (K, N)),
+  "vector_a": ((K,), (K, N)),
+  "batched_a": ((2, M, K), (K, N)),
+  "batched_both": ((2, M, K), (2, K, N)),
+}
 
 
 def _data(rng, in_axes, size, example):
   a_shape, b_shape = EXAMPLES[example]
-  return (batched(rng, in_axes[0], size, a_shape), batched(rng, in_axes[1], size, b_shape),
-          batched(rng, in_axes[2], size, (N,)))
+  return (
+    batched(rng, in_axes[0], size, a_shape),
+    batched(rng, in_axes[1], size, b_shape),
+    batched(rng, in_axes[2], size, (N,)),
+  )
 
 
 @pytest.mark.parametrize("path", PATHS)
@@ -68,7 +94,7 @@ def test_grad_of_vmap_sums_over_the_batch(in_axes):
   size = 3
   args = _data(rng, in_axes, size, "matrices")
   loss = lambda *args: jnp.sum(jax.vmap(_op, in_axes=in_axes)(*args) ** 2)
-  loop_loss = lambda *args: sum(jnp.sum(y ** 2) for y in loop_stack(_op, args, in_axes, size))
+  loop_loss = lambda *args: sum(jnp.sum(y**2) for y in loop_stack(_op, args, in_axes, size))
   got = jax.jit(jax.grad(loss, (0, 1, 2)))(*args)
   want = jax.grad(loop_loss, (0, 1, 2))(*args)
   for x, y in zip(got, want):
@@ -120,8 +146,9 @@ def test_vmapped_vectors_times_shared_weight_are_one_gemm():
   vectors = jax.ShapeDtypeStruct((256, 1024), jnp.float32)
   weight = jax.ShapeDtypeStruct((1024, 4096), jnp.float32)
   f = jax.vmap(pallax.matmul, in_axes=(0, None))
-  (eqn,) = [e for e in jax.make_jaxpr(f)(vectors, weight).jaxpr.eqns
-            if e.primitive.name == "matmul"]
+  (eqn,) = [
+    e for e in jax.make_jaxpr(f)(vectors, weight).jaxpr.eqns if e.primitive.name == "matmul"
+  ]
   assert eqn.params["a_batch"] == (True,) and eqn.params["b_batch"] == (False,)
   text = lower_text(f, "cuda", vectors, weight)
   (call,) = re.findall(r"custom_call @__gpu\$xla\.gpu\.triton\(.*", text)
@@ -145,7 +172,7 @@ def test_vmapped_b_is_a_grid_axis():
 
 def test_vmapped_a_with_batched_shared_b_folds_into_m():
   """a mapped, b shared but batched: the vmapped axis still folds into M."""
-  a = jax.ShapeDtypeStruct((64, 2, 1, 32), jnp.float32)   # 64 examples of (2, 1, 32)
+  a = jax.ShapeDtypeStruct((64, 2, 1, 32), jnp.float32)  # 64 examples of (2, 1, 32)
   b = jax.ShapeDtypeStruct((2, 32, 128), jnp.float32)
   f = jax.vmap(pallax.matmul, in_axes=(0, None))
   text = lower_text(f, "cuda", a, b)
@@ -156,8 +183,9 @@ def test_vmapped_a_with_batched_shared_b_folds_into_m():
 @pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("in_axes", [(0, None, None), (None, 0, None), (0, 0, 0)], ids=str)
 def test_vmap_axis_size_zero(path, in_axes):
-  args = [jnp.zeros((0,) * (ax is not None) + shape)
-          for ax, shape in zip(in_axes, ((M, K), (K, N), (N,)))]
+  args = [
+    jnp.zeros((0,) * (ax is not None) + shape) for ax, shape in zip(in_axes, ((M, K), (K, N), (N,)))
+  ]
   with on_path(path):
     y = jax.jit(jax.vmap(_op, in_axes=in_axes))(*args)
   assert y.shape == (0, M, N)
@@ -170,8 +198,9 @@ def test_vmap_with_config_selects_from_the_folded_shapes():
   with pallax.interpret():
     f = pallax.vmap_with_config(ex, pallax.matmul, in_axes=(0, None))
     got = f(vectors, weight)
-    (eqn,) = [e for e in jax.make_jaxpr(f)(vectors, weight).jaxpr.eqns
-              if e.primitive.name == "matmul"]
+    (eqn,) = [
+      e for e in jax.make_jaxpr(f)(vectors, weight).jaxpr.eqns if e.primitive.name == "matmul"
+    ]
     folded = pallax.explain(jax.vmap(pallax.matmul, in_axes=(0, None)), vectors, weight)[0]
   assert eqn.params["config"] == folded.config and folded.config.block_m == 64  # M = 64
   np.testing.assert_allclose(got, vectors @ weight, rtol=1e-5, atol=1e-5)

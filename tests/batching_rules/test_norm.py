@@ -1,4 +1,5 @@
 """vmap of rms_norm: matches a loop over examples and stays one primitive."""
+
 from __future__ import annotations
 
 import functools
@@ -9,8 +10,16 @@ import numpy as np
 import pytest
 
 import pallax
-from tests.helpers import (NESTED_IN_AXES, PATHS, batched, check_nested_vmap, loop_stack,
-                           nested_shape, on_path, rand)
+from tests.helpers import (
+  NESTED_IN_AXES,
+  PATHS,
+  batched,
+  check_nested_vmap,
+  loop_stack,
+  nested_shape,
+  on_path,
+  rand,
+)
 
 H = 24
 X_SHAPE = (3, H)  # one example's x
@@ -88,8 +97,11 @@ def test_vmap_is_one_primitive(in_axes, mode):
   jaxpr = jax.make_jaxpr(jax.vmap(f, in_axes=in_axes))(x, w).jaxpr
   names = [e.primitive.name for e in jaxpr.eqns]
   assert not {"while", "scan", "pjit", "jit"} & set(names), names
-  expected = {"forward": {"rms_norm_fwd": 1}, "grad": {"rms_norm_fwd": 1, "rms_norm_bwd": 1},
-              "jvp": {"rms_norm_fwd": 1, "rms_norm_jvp": 1}}[mode]
+  expected = {
+    "forward": {"rms_norm_fwd": 1},
+    "grad": {"rms_norm_fwd": 1, "rms_norm_bwd": 1},
+    "jvp": {"rms_norm_fwd": 1, "rms_norm_jvp": 1},
+  }[mode]
   assert {k: names.count(k) for k in expected} == expected, names
 
 
@@ -104,10 +116,12 @@ def test_vmap_axis_size_zero(path, in_axes):
 
 
 FAMILY = {
-    # op: (function, shapes of one example's operands)
-    "layer_norm": (lambda x, w, b: pallax.layer_norm(x, w, b), (X_SHAPE, (H,), (H,))),
-    "fused_add_rms_norm": (lambda x, r, w: pallax.fused_add_rms_norm(x, r, w),
-                           (X_SHAPE, X_SHAPE, (H,))),
+  # op: (function, shapes of one example's operands)
+  "layer_norm": (lambda x, w, b: pallax.layer_norm(x, w, b), (X_SHAPE, (H,), (H,))),
+  "fused_add_rms_norm": (
+    lambda x, r, w: pallax.fused_add_rms_norm(x, r, w),
+    (X_SHAPE, X_SHAPE, (H,)),
+  ),
 }
 FAMILY_AXES = [(0, None, None), (None, 0, 0), (0, 0, 0), (1, None, 0), (None, None, 0)]
 

@@ -1,4 +1,5 @@
 """vmap of softmax / log_softmax: matches a loop over examples and stays one primitive."""
+
 from __future__ import annotations
 
 import collections
@@ -10,8 +11,17 @@ import numpy as np
 import pytest
 
 import pallax
-from tests.helpers import (NESTED_IN_AXES, PATHS, assert_close_neginf, batched, check_nested_vmap,
-                           loop_stack, nested_shape, on_path, rand)
+from tests.helpers import (
+  NESTED_IN_AXES,
+  PATHS,
+  assert_close_neginf,
+  batched,
+  check_nested_vmap,
+  loop_stack,
+  nested_shape,
+  on_path,
+  rand,
+)
 
 X_SHAPE = (3, 24)  # one example's x (and where=)
 OPS = (pallax.softmax, pallax.log_softmax)
@@ -19,8 +29,9 @@ OPS = (pallax.softmax, pallax.log_softmax)
 
 def _batched(rng, axis, size, shape, mask=False):
   """A batch of random examples (or of ``where=`` masks, keeping 70%)."""
-  draw = ((lambda s: jnp.asarray(rng.random(s) < 0.7)) if mask
-          else (lambda s: rand(rng, s, scale=2.0)))
+  draw = (
+    (lambda s: jnp.asarray(rng.random(s) < 0.7)) if mask else (lambda s: rand(rng, s, scale=2.0))
+  )
   return batched(rng, axis, size, shape, draw)
 
 
@@ -86,8 +97,9 @@ def test_vmap_of_grad_matches_loop(path, in_axes):
     np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5)
 
 
-@pytest.mark.parametrize("in_axes", [(0, 0, None), (None, None, 0), (0, None, 0), (None, 0, 0)],
-                         ids=str)
+@pytest.mark.parametrize(
+  "in_axes", [(0, 0, None), (None, None, 0), (0, None, 0), (None, 0, 0)], ids=str
+)
 def test_vmap_of_jvp_matches_loop(in_axes):
   """(x, x_dot, where): an unmapped primal with mapped tangents is what jacfwd does."""
   rng = np.random.default_rng(3)
@@ -121,20 +133,24 @@ def test_vmap_is_one_primitive(op, in_axes, mode):
   x = _batched(rng, in_axes[0], 5, X_SHAPE)
   w = _batched(rng, in_axes[1], 5, X_SHAPE, mask=True)
   loss = lambda x, w: jnp.sum(jnp.sin(jnp.where(w, op(x, where=w), 0)))
-  f = {"forward": lambda x, w: op(x, where=w),
-       "grad": jax.grad(loss),
-       "jvp": lambda x, w: jax.jvp(lambda x: op(x, where=w), (x,), (x,)),
-       # jacfwd of grad: the forward's tangent kernel vmapped over the basis.
-       "hessian": jax.hessian(loss)}[mode]
+  f = {
+    "forward": lambda x, w: op(x, where=w),
+    "grad": jax.grad(loss),
+    "jvp": lambda x, w: jax.jvp(lambda x: op(x, where=w), (x,), (x,)),
+    # jacfwd of grad: the forward's tangent kernel vmapped over the basis.
+    "hessian": jax.hessian(loss),
+  }[mode]
   names = _primitive_names(jax.make_jaxpr(jax.vmap(f, in_axes=in_axes))(x, w).jaxpr)
   assert not {"while", "scan"} & set(names), names
   name = op.__name__
   fwd, tangent = f"{name}_fwd", "softmax_bwd" if name == "softmax" else "log_softmax_jvp"
-  expected = {"forward": {fwd: 1},
-              "grad": {fwd: 1, f"{name}_bwd": 1},
-              "jvp": {fwd: 1, tangent: 1},
-              # Second order differentiates the backward's XLA program.
-              "hessian": {fwd: 1, tangent: 1}}[mode]
+  expected = {
+    "forward": {fwd: 1},
+    "grad": {fwd: 1, f"{name}_bwd": 1},
+    "jvp": {fwd: 1, tangent: 1},
+    # Second order differentiates the backward's XLA program.
+    "hessian": {fwd: 1, tangent: 1},
+  }[mode]
   assert collections.Counter(n for n in names if "softmax" in n) == expected, names
 
 
@@ -146,6 +162,7 @@ def test_vmap_axis_size_zero(path, in_axes):
   for op in OPS:
     with on_path(path):
       y = jax.jit(jax.vmap(lambda x, w: op(x, where=w), in_axes=in_axes))(x, w)
-      g = jax.jit(jax.vmap(jax.grad(lambda x, w: jnp.sum(jnp.where(w, op(x, where=w), 0))),
-                           in_axes=in_axes))(x, w)
+      g = jax.jit(
+        jax.vmap(jax.grad(lambda x, w: jnp.sum(jnp.where(w, op(x, where=w), 0))), in_axes=in_axes)
+      )(x, w)
     assert y.shape == (0,) + X_SHAPE and g.shape == (0,) + X_SHAPE

@@ -6,7 +6,6 @@ import dataclasses
 import io
 import threading
 import time
-from typing import ClassVar
 
 import jax
 import jax.numpy as jnp
@@ -22,7 +21,6 @@ from pallax.executor.executor import cache_key
 @dataclasses.dataclass(frozen=True)
 class FakeConfig(KernelConfig):
   block: int
-  positive_fields: ClassVar[tuple[str, ...]] = ("block",)
 
 
 CANDIDATES = [FakeConfig(block=b) for b in (1, 2, 4, 8)] + [

@@ -4,6 +4,7 @@ Lowering holds the kernels to each backend's rules that interpret mode does
 not check: Pallas-Triton takes only power-of-two blocks, Mosaic TPU wants the
 last two block dims divisible by (8, 128) or equal to the array's.
 """
+
 from __future__ import annotations
 
 import itertools
@@ -12,20 +13,33 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from pallax.kernels.matmul import TPU_VMEM_BYTES, TRITON_SMEM_BYTES, MatmulConfig, Problem
+from pallax.primitives.matmul import matmul_p
 
 import pallax
 from pallax.executor import Executor
 from pallax.executor.registry import TARGETS
-from pallax.kernels.matmul import TPU_VMEM_BYTES, TRITON_SMEM_BYTES, MatmulConfig, Problem
 from pallax.op import bind
-from pallax.primitives.matmul import matmul_p
-from tests.helpers import (CALL_TARGET, assert_close, executor_view, f64, lower_text, on_path,
-                           rand, x64)
+from tests.helpers import (
+  CALL_TARGET,
+  assert_close,
+  executor_view,
+  f64,
+  lower_text,
+  on_path,
+  rand,
+  x64,
+)
 
 matmul_heuristic, matmul_candidates, matmul_supports = executor_view("matmul")
 
-SHAPES = [((7, 33), (33, 200)), ((1, 33), (33, 200)), ((2, 5, 33), (33, 200)),
-          ((2, 5, 33), (2, 33, 17)), ((300, 1000), (1000, 520))]
+SHAPES = [
+  ((7, 33), (33, 200)),
+  ((1, 33), (33, 200)),
+  ((2, 5, 33), (33, 200)),
+  ((2, 5, 33), (2, 33, 17)),
+  ((300, 1000), (1000, 520)),
+]
 DTYPES = [jnp.float32, jnp.bfloat16, jnp.float16]
 S = jax.ShapeDtypeStruct
 
@@ -39,10 +53,10 @@ def _loss(a, b, bias):
 
 
 FUNCTIONS = {
-    "forward": (_op, 1),
-    "backward": (jax.grad(_loss, (0, 1, 2)), 3),  # forward, dA, dB
-    # A vmapped b adds a batch axis to the grid of all three kernels.
-    "vmapped_b": (jax.vmap(jax.grad(_loss, (0, 1, 2)), in_axes=(None, 0, None)), 3),
+  "forward": (_op, 1),
+  "backward": (jax.grad(_loss, (0, 1, 2)), 3),  # forward, dA, dB
+  # A vmapped b adds a batch axis to the grid of all three kernels.
+  "vmapped_b": (jax.vmap(jax.grad(_loss, (0, 1, 2)), in_axes=(None, 0, None)), 3),
 }
 
 
@@ -62,8 +76,9 @@ def test_lowers(platform, dtype, shapes, kind):
 def test_lowers_with_pinned_config(platform):
   config = MatmulConfig(block_m=128, block_n=128, block_k=128, num_warps=8, num_stages=2)
   fn = lambda a, b: pallax.matmul(a, b, config=config)
-  assert CALL_TARGET[platform] in lower_text(fn, platform, S((100, 300), jnp.float32),
-                                         S((300, 200), jnp.float32))
+  assert CALL_TARGET[platform] in lower_text(
+    fn, platform, S((100, 300), jnp.float32), S((300, 200), jnp.float32)
+  )
 
 
 def test_cpu_lowering_is_the_xla_program():
@@ -85,15 +100,25 @@ def _avals(a_shape, b_shape, dtype=jnp.float32):
 
 
 def _params(nb=0, out_dtype=jnp.float32, **changes):
-  params = dict(a_batch=(True,) * nb, b_batch=(False,) * nb, bias_batch=(False,) * nb,
-                contract_batch=0, transpose_a=False, transpose_b=False, activation=None,
-                out_dtype=jnp.dtype(out_dtype), precision=None, save_preactivation=False)
+  params = dict(
+    a_batch=(True,) * nb,
+    b_batch=(False,) * nb,
+    bias_batch=(False,) * nb,
+    contract_batch=0,
+    transpose_a=False,
+    transpose_b=False,
+    activation=None,
+    out_dtype=jnp.dtype(out_dtype),
+    precision=None,
+    save_preactivation=False,
+  )
   params.update(changes)
   return params
 
 
-@pytest.mark.parametrize("shapes", SHAPES + [((4096, 4096), (4096, 4096)), ((5, 7), (7, 3))],
-                         ids=str)
+@pytest.mark.parametrize(
+  "shapes", SHAPES + [((4096, 4096), (4096, 4096)), ((5, 7), (7, 3))], ids=str
+)
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=lambda d: jnp.dtype(d).name)
 @pytest.mark.parametrize("transposed", [False, True])
 def test_heuristic_respects_backend_rules(shapes, dtype, transposed):
@@ -114,8 +139,9 @@ def test_heuristic_respects_backend_rules(shapes, dtype, transposed):
   tpu = matmul_heuristic(avals, "tpu", **params)
   assert matmul_supports(avals, "tpu", tpu, **params) is None, tpu
   prob = Problem.of([a_shape, b_shape], **params)
-  bm, bn, bk = (min(x, d) for x, d in zip((tpu.block_m, tpu.block_n, tpu.block_k),
-                                          (prob.m, prob.n, prob.k)))
+  bm, bn, bk = (
+    min(x, d) for x, d in zip((tpu.block_m, tpu.block_n, tpu.block_k), (prob.m, prob.n, prob.k))
+  )
   assert 2 * (bm * bk + bk * bn + bm * bn) * itemsize + 4 * bm * bn <= TPU_VMEM_BYTES
   assert matmul_heuristic(avals, "cpu", **params).implementation == "xla"
   assert matmul_heuristic(avals, "interpret-mosaic_tpu", **params).implementation == "pallas"
@@ -148,18 +174,26 @@ def test_config_validation_and_json_round_trip():
   config = MatmulConfig(block_m=64, block_n=128, block_k=32, num_warps=8, num_stages=4)
   assert MatmulConfig.from_json(config.to_json()) == config
   assert hash(config) == hash(MatmulConfig.from_json(config.to_json()))
-  for bad in (dict(block_m=0), dict(block_n=-16), dict(block_k=2.5), dict(num_warps=0),
-              dict(block_m=True)):
+  for bad in (
+    dict(block_m=0),
+    dict(block_n=-16),
+    dict(block_k=2.5),
+    dict(num_warps=0),
+    dict(block_m=True),
+  ):
     with pytest.raises(ValueError, match="must be a positive int"):
       MatmulConfig(**{**dict(block_m=16, block_n=16, block_k=16), **bad})
   assert str(config) == "pallas(block_m=64, block_n=128, block_k=32, num_warps=8, num_stages=4)"
 
 
-@pytest.mark.parametrize("platform, config, words", [
+@pytest.mark.parametrize(
+  "platform, config, words",
+  [
     ("cuda", MatmulConfig(block_m=24, block_n=64, block_k=32), "powers of two"),
     ("cuda", MatmulConfig(block_m=8, block_n=64, block_k=32), ">= 16"),
     ("tpu", MatmulConfig(block_m=128, block_n=200, block_k=128), "divisible by"),
-])
+  ],
+)
 def test_config_not_legal_for_backend(platform, config, words):
   fn = lambda a, b: pallax.matmul(a, b, config=config)
   with pytest.raises(ValueError, match=words):
@@ -188,11 +222,21 @@ def test_unsupported_calls_run_the_xla_program_visibly():
 def test_lowers_inside_shard_map(platform):
   mesh = jax.make_mesh((8,), ("a",), axis_types=(jax.sharding.AxisType.Auto,))
   P = jax.sharding.PartitionSpec
-  fn = jax.grad(lambda a, b: jax.shard_map(
-      lambda a, b: pallax.matmul(a, b, activation="relu"), mesh=mesh, in_specs=(P("a"), P()),
-      out_specs=P("a"))(a, b).sum(), (0, 1))
-  text = jax.jit(fn).trace(S((64, 200), jnp.float32), S((200, 96), jnp.float32)).lower(
-      lowering_platforms=(platform,)).as_text()
+  fn = jax.grad(
+    lambda a, b: jax.shard_map(
+      lambda a, b: pallax.matmul(a, b, activation="relu"),
+      mesh=mesh,
+      in_specs=(P("a"), P()),
+      out_specs=P("a"),
+    )(a, b).sum(),
+    (0, 1),
+  )
+  text = (
+    jax.jit(fn)
+    .trace(S((64, 200), jnp.float32), S((200, 96), jnp.float32))
+    .lower(lowering_platforms=(platform,))
+    .as_text()
+  )
   assert text.count(CALL_TARGET[platform]) == 3
 
 
@@ -205,10 +249,14 @@ def _stored(x, transpose):
 
 
 @pytest.mark.parametrize("backend", ["triton", "mosaic_tpu"])
-@pytest.mark.parametrize("transpose_a, transpose_b",
-                         list(itertools.product([False, True], repeat=2)))
-@pytest.mark.parametrize("masks", [((True,), (False,)), ((False,), (True,)), ((True,), (True,))],
-                         ids=["a_batched", "b_batched", "both_batched"])
+@pytest.mark.parametrize(
+  "transpose_a, transpose_b", list(itertools.product([False, True], repeat=2))
+)
+@pytest.mark.parametrize(
+  "masks",
+  [((True,), (False,)), ((False,), (True,)), ((True,), (True,))],
+  ids=["a_batched", "b_batched", "both_batched"],
+)
 def test_transposed_layouts_and_batch_masks(backend, transpose_a, transpose_b, masks):
   """The primitive itself: all four operand layouts, shared and batched operands.
 
@@ -220,13 +268,24 @@ def test_transposed_layouts_and_batch_masks(backend, transpose_a, transpose_b, m
   a = rand(rng, (batch,) * a_batch[0] + (m, k))
   b = rand(rng, (batch,) * b_batch[0] + (k, n))
   bias = rand(rng, (n,))
-  config = (MatmulConfig(block_m=16, block_n=64, block_k=32) if backend == "triton"
-            else MatmulConfig(block_m=128, block_n=128, block_k=128))
-  params = _params(1, a_batch=a_batch, b_batch=b_batch, transpose_a=transpose_a,
-                   transpose_b=transpose_b, activation="gelu_tanh", save_preactivation=True)
+  config = (
+    MatmulConfig(block_m=16, block_n=64, block_k=32)
+    if backend == "triton"
+    else MatmulConfig(block_m=128, block_n=128, block_k=128)
+  )
+  params = _params(
+    1,
+    a_batch=a_batch,
+    b_batch=b_batch,
+    transpose_a=transpose_a,
+    transpose_b=transpose_b,
+    activation="gelu_tanh",
+    save_preactivation=True,
+  )
   with on_path(backend):
     y, z = jax.jit(lambda a, b, bias: bind(matmul_p, a, b, bias, config=config, **params))(
-        _stored(a, transpose_a), _stored(b, transpose_b), bias)
+      _stored(a, transpose_a), _stored(b, transpose_b), bias
+    )
   want_z = np.matmul(f64(a), f64(b)) + f64(bias)
   want_y = jax.nn.gelu(want_z, approximate=True)
   assert y.shape == z.shape == (batch, m, n)
@@ -240,11 +299,15 @@ def test_whole_blocks(backend):
   """Dims that are multiples of their blocks: no masks, no tails."""
   rng = np.random.default_rng(3)
   a, b, bias = rand(rng, (2, 32, 256)), rand(rng, (256, 256)), rand(rng, (256,))
-  config = (MatmulConfig(block_m=16, block_n=64, block_k=32) if backend == "triton"
-            else MatmulConfig(block_m=128, block_n=128, block_k=128))
+  config = (
+    MatmulConfig(block_m=16, block_n=64, block_k=32)
+    if backend == "triton"
+    else MatmulConfig(block_m=128, block_n=128, block_k=128)
+  )
   with on_path(backend):
-    y = jax.jit(lambda a, b, bias: pallax.matmul(a, b, bias=bias, activation="silu",
-                                                 config=config))(a, b, bias)
+    y = jax.jit(
+      lambda a, b, bias: pallax.matmul(a, b, bias=bias, activation="silu", config=config)
+    )(a, b, bias)
   with x64():
     z = np.matmul(f64(a), f64(b)) + f64(bias)
     assert_close(y, z / (1 + np.exp(-z)), jnp.float32, "silu")
@@ -255,8 +318,11 @@ def test_contracted_batch_dims(backend):
   """``contract_batch``: batch dims of a and b summed with K (a weight gradient)."""
   rng = np.random.default_rng(1)
   a, b = rand(rng, (2, 3, 40, 37)), rand(rng, (2, 3, 40, 30))  # a stored (*C, K, M)
-  config = (MatmulConfig(block_m=16, block_n=16, block_k=32) if backend == "triton"
-            else MatmulConfig(block_m=128, block_n=128, block_k=128))
+  config = (
+    MatmulConfig(block_m=16, block_n=16, block_k=32)
+    if backend == "triton"
+    else MatmulConfig(block_m=128, block_n=128, block_k=128)
+  )
   params = _params(0, contract_batch=2, transpose_a=True)
   with on_path(backend):
     (y,) = jax.jit(lambda a, b: bind(matmul_p, a, b, config=config, **params))(a, b)
@@ -267,8 +333,10 @@ def test_contracted_batch_dims(backend):
 def test_tile_sizes_from_the_config_reach_the_kernel():
   """The Triton grid follows the pinned config: (M/bm, N/bn) programs."""
   a, b = S((100, 64), jnp.float32), S((64, 300), jnp.float32)
-  for config, grid in ((MatmulConfig(block_m=32, block_n=128, block_k=32), (4, 3)),
-                       (MatmulConfig(block_m=128, block_n=64, block_k=64), (1, 5))):
+  for config, grid in (
+    (MatmulConfig(block_m=32, block_n=128, block_k=32), (4, 3)),
+    (MatmulConfig(block_m=128, block_n=64, block_k=64), (1, 5)),
+  ):
     text = lower_text(lambda a, b: pallax.matmul(a, b, config=config), "cuda", a, b)
     assert f"grid_x = {grid[0]} : i32, grid_y = {grid[1]} : i32, grid_z = 1" in text
 

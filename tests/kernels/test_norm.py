@@ -4,15 +4,16 @@ Lowering holds the kernels to each backend's rules that interpret mode does
 not check: Pallas-Triton takes only power-of-two blocks, Mosaic TPU wants the
 last two block dims divisible by (8, 128) or equal to the array's.
 """
+
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
 import pytest
+from pallax.kernels.norm import NormConfig
 
 import pallax
 from pallax.executor.registry import TARGETS
-from pallax.kernels.norm import NormConfig
 from tests.helpers import CALL_TARGET, executor_view, lower_text
 
 norm_heuristic, norm_candidates, norm_supports = executor_view("rms_norm_fwd")
@@ -24,10 +25,10 @@ DTYPES = [jnp.float32, jnp.bfloat16]
 def _functions():
   loss = lambda x, w: jnp.sum(pallax.rms_norm(x, w).astype(jnp.float32) ** 2)
   return {
-      "forward": pallax.rms_norm,
-      "backward": jax.grad(loss, (0, 1)),
-      # A vmapped weight adds a group grid axis to both kernels.
-      "vmapped_weight": jax.vmap(jax.grad(loss, (0, 1))),
+    "forward": pallax.rms_norm,
+    "backward": jax.grad(loss, (0, 1)),
+    # A vmapped weight adds a group grid axis to both kernels.
+    "vmapped_weight": jax.vmap(jax.grad(loss, (0, 1))),
   }
 
 
@@ -92,8 +93,13 @@ def test_config_validation_and_json_round_trip():
   config = NormConfig(block_rows=32, num_warps=8, num_stages=2)
   assert NormConfig.from_json(config.to_json()) == config
   assert hash(config) == hash(NormConfig.from_json(config.to_json()))
-  for bad in (dict(block_rows=0), dict(block_rows=-8), dict(block_rows=8, num_warps=0),
-              dict(block_rows=2.5), dict(block_rows=True)):
+  for bad in (
+    dict(block_rows=0),
+    dict(block_rows=-8),
+    dict(block_rows=8, num_warps=0),
+    dict(block_rows=2.5),
+    dict(block_rows=True),
+  ):
     with pytest.raises(ValueError, match="must be a positive int"):
       NormConfig(**bad)
   with pytest.raises(ValueError, match="implementation"):
@@ -102,8 +108,9 @@ def test_config_validation_and_json_round_trip():
   assert str(NormConfig(block_rows=1, implementation="xla")) == "xla"
 
 
-@pytest.mark.parametrize("platform, block_rows, words", [
-    ("cuda", 24, "power of two"), ("tpu", 12, "multiple of 8")])
+@pytest.mark.parametrize(
+  "platform, block_rows, words", [("cuda", 24, "power of two"), ("tpu", 12, "multiple of 8")]
+)
 def test_config_not_legal_for_backend(platform, block_rows, words):
   fn = lambda x, w: pallax.rms_norm(x, w, config=NormConfig(block_rows=block_rows))
   x = jax.ShapeDtypeStruct((100, 128), jnp.float32)
@@ -116,8 +123,12 @@ def test_config_not_legal_for_backend(platform, block_rows, words):
 def test_lowers_inside_shard_map(platform):
   mesh = jax.make_mesh((8,), ("a",), axis_types=(jax.sharding.AxisType.Auto,))
   P = jax.sharding.PartitionSpec
-  fn = jax.grad(lambda x, w: jax.shard_map(
-      pallax.rms_norm, mesh=mesh, in_specs=(P("a"), P()), out_specs=P("a"))(x, w).sum(), (0, 1))
+  fn = jax.grad(
+    lambda x, w: jax.shard_map(
+      pallax.rms_norm, mesh=mesh, in_specs=(P("a"), P()), out_specs=P("a")
+    )(x, w).sum(),
+    (0, 1),
+  )
   x = jax.ShapeDtypeStruct((64, 200), jnp.float32)
   w = jax.ShapeDtypeStruct((200,), jnp.float32)
   text = jax.jit(fn).trace(x, w).lower(lowering_platforms=(platform,)).as_text()
@@ -125,8 +136,8 @@ def test_lowers_inside_shard_map(platform):
 
 
 _FAMILY = {
-    "layer_norm": lambda x, w: pallax.layer_norm(x, w, w * 0.5),
-    "fused_add_rms_norm": lambda x, w: pallax.fused_add_rms_norm(x, x * 0.5, w),
+  "layer_norm": lambda x, w: pallax.layer_norm(x, w, w * 0.5),
+  "fused_add_rms_norm": lambda x, w: pallax.fused_add_rms_norm(x, x * 0.5, w),
 }
 
 

@@ -5,6 +5,7 @@ not check: Pallas-Triton takes only power-of-two blocks, Mosaic TPU wants the
 last two block dims divisible by (8, 128) (32 rows for the int8 mask) or equal
 to the array's.
 """
+
 from __future__ import annotations
 
 import functools
@@ -14,11 +15,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from pallax.kernels.softmax import OPS, SoftmaxConfig
 
 import pallax
 from pallax.executor import Executor
 from pallax.executor.registry import TARGETS
-from pallax.kernels.softmax import OPS, SoftmaxConfig
 from tests.helpers import CALL_TARGET, executor_view, lower_text, rand
 
 softmax_heuristic, softmax_candidates, softmax_supports = executor_view("softmax_fwd")
@@ -30,18 +31,24 @@ DTYPES = [jnp.float32, jnp.bfloat16]
 
 
 def _loss(x, m):
-  return sum(jnp.sum(jnp.where(m, op(x, where=m), 0).astype(jnp.float32) ** 2)
-             for op in (pallax.softmax, pallax.log_softmax))
+  return sum(
+    jnp.sum(jnp.where(m, op(x, where=m), 0).astype(jnp.float32) ** 2)
+    for op in (pallax.softmax, pallax.log_softmax)
+  )
 
 
 # kind -> (function of x and a mask, kernels it launches)
 FUNCTIONS = {
-    "forward": (lambda x, m: [pallax.softmax(x), pallax.log_softmax(x)], 2),
-    "masked_backward": (jax.grad(_loss), 4),
-    "masked_jvp": (lambda x, m: [jax.jvp(lambda x: op(x, where=m), (x,), (x,))
-                                 for op in (pallax.softmax, pallax.log_softmax)], 4),
-    # vmapped over x with a shared mask: the mask is broadcast, still one kernel each.
-    "vmapped": (jax.vmap(jax.grad(_loss), in_axes=(0, None)), 4),
+  "forward": (lambda x, m: [pallax.softmax(x), pallax.log_softmax(x)], 2),
+  "masked_backward": (jax.grad(_loss), 4),
+  "masked_jvp": (
+    lambda x, m: [
+      jax.jvp(lambda x: op(x, where=m), (x,), (x,)) for op in (pallax.softmax, pallax.log_softmax)
+    ],
+    4,
+  ),
+  # vmapped over x with a shared mask: the mask is broadcast, still one kernel each.
+  "vmapped": (jax.vmap(jax.grad(_loss), in_axes=(0, None)), 4),
 }
 
 
@@ -57,17 +64,25 @@ def test_lowers(platform, dtype, shape, kind):
   assert lower_text(fn, platform, x, m).count(CALL_TARGET[platform]) == kernels
 
 
-@pytest.mark.parametrize("platform, config", [
+@pytest.mark.parametrize(
+  "platform, config",
+  [
     ("cuda", SoftmaxConfig(block_rows=16, block_cols=64, num_warps=2)),
     ("rocm", SoftmaxConfig(block_rows=1, block_cols=256)),
     ("tpu", SoftmaxConfig(block_rows=32, block_cols=128)),
     ("tpu", SoftmaxConfig(block_rows=64, block_cols=256)),
-], ids=str)
+  ],
+  ids=str,
+)
 def test_lowers_with_pinned_multi_block_config(platform, config):
   """Ragged rows and several ragged column blocks, with and without a mask."""
-  fn = lambda x, m: jax.grad(lambda x: sum(
+  fn = lambda x, m: jax.grad(
+    lambda x: sum(
       jnp.sum(jnp.where(m, op(x, where=w, config=config), 0))
-      for op in (pallax.softmax, pallax.log_softmax) for w in (None, m)))(x)
+      for op in (pallax.softmax, pallax.log_softmax)
+      for w in (None, m)
+    )
+  )(x)
   x = jax.ShapeDtypeStruct((100, 1000), jnp.float32)
   m = jax.ShapeDtypeStruct((100, 1000), jnp.bool_)
   assert lower_text(fn, platform, x, m).count(CALL_TARGET[platform]) == 8
@@ -111,7 +126,8 @@ def test_heuristic_respects_backend_rules(shape, dtype, masked):
 @pytest.mark.parametrize("masked", [False, True])
 def test_candidates_are_legal(target, shape, masked):
   avals = [jax.ShapeDtypeStruct(shape, jnp.bfloat16)] + [
-      jax.ShapeDtypeStruct(shape, jnp.bool_)] * masked
+    jax.ShapeDtypeStruct(shape, jnp.bool_)
+  ] * masked
   candidates = softmax_candidates(avals, target)
   assert candidates and len(set(candidates)) == len(candidates)
   for config in candidates:
@@ -127,9 +143,13 @@ def test_config_validation_and_json_round_trip():
   config = SoftmaxConfig(block_rows=32, block_cols=512, num_warps=8, num_stages=2)
   assert SoftmaxConfig.from_json(config.to_json()) == config
   assert hash(config) == hash(SoftmaxConfig.from_json(config.to_json()))
-  for bad in (dict(block_rows=0, block_cols=8), dict(block_rows=8, block_cols=-128),
-              dict(block_rows=8, block_cols=8, num_warps=0), dict(block_rows=8, block_cols=2.5),
-              dict(block_rows=True, block_cols=8)):
+  for bad in (
+    dict(block_rows=0, block_cols=8),
+    dict(block_rows=8, block_cols=-128),
+    dict(block_rows=8, block_cols=8, num_warps=0),
+    dict(block_rows=8, block_cols=2.5),
+    dict(block_rows=True, block_cols=8),
+  ):
     with pytest.raises(ValueError, match="must be a positive int"):
       SoftmaxConfig(**bad)
   with pytest.raises(ValueError, match="implementation"):
@@ -137,13 +157,17 @@ def test_config_validation_and_json_round_trip():
   assert str(config) == "pallas(block_rows=32, block_cols=512, num_warps=8, num_stages=2)"
 
 
-@pytest.mark.parametrize("platform, config, masked, words", [
+@pytest.mark.parametrize(
+  "platform, config, masked, words",
+  [
     ("cuda", SoftmaxConfig(block_rows=24, block_cols=128), False, "block_rows=24 must be a power"),
     ("rocm", SoftmaxConfig(block_rows=8, block_cols=100), False, "block_cols=100 must be a power"),
     ("tpu", SoftmaxConfig(block_rows=8, block_cols=200), False, "multiple of 128"),
     ("tpu", SoftmaxConfig(block_rows=12, block_cols=128), False, "multiple of 8"),
     ("tpu", SoftmaxConfig(block_rows=16, block_cols=128), True, "multiple of 32 on TPU with a"),
-], ids=str)
+  ],
+  ids=str,
+)
 def test_config_not_legal_for_backend(platform, config, masked, words):
   fn = lambda x, m: pallax.softmax(x, where=m if masked else None, config=config)
   x = jax.ShapeDtypeStruct((100, 1000), jnp.float32)
@@ -168,9 +192,14 @@ def test_float64_on_tpu_falls_back_visibly():
 def test_lowers_inside_shard_map(platform):
   mesh = jax.make_mesh((8,), ("a",), axis_types=(jax.sharding.AxisType.Auto,))
   P = jax.sharding.PartitionSpec
-  fn = jax.grad(lambda x, m: jax.shard_map(
-      lambda x, m: pallax.log_softmax(x, where=m), mesh=mesh, in_specs=(P("a"), P()),
-      out_specs=P("a"))(x, m).sum(where=m))
+  fn = jax.grad(
+    lambda x, m: jax.shard_map(
+      lambda x, m: pallax.log_softmax(x, where=m),
+      mesh=mesh,
+      in_specs=(P("a"), P()),
+      out_specs=P("a"),
+    )(x, m).sum(where=m)
+  )
   x = jax.ShapeDtypeStruct((64, 256), jnp.float32)
   m = jax.ShapeDtypeStruct((256,), jnp.bool_)
   text = jax.jit(fn).trace(x, m).lower(lowering_platforms=(platform,)).as_text()
@@ -193,8 +222,10 @@ def test_explain_lists_every_kernel_call_with_folded_shapes():
   assert report[0].key.startswith("log_softmax_fwd@v1|cpu|float32[6,10,96];bool[6,10,96]|")
   with pallax.interpret():
     jvp = pallax.explain(lambda x: jax.jvp(pallax.softmax, (x,), (x,)), x)
-  assert [(s.op, s.implementation) for s in jvp] == [("softmax_fwd", "pallas"),
-                                                     ("softmax_bwd", "pallas")]
+  assert [(s.op, s.implementation) for s in jvp] == [
+    ("softmax_fwd", "pallas"),
+    ("softmax_bwd", "pallas"),
+  ]
 
 
 def test_hlo_identical_selected_or_pinned():
@@ -211,19 +242,22 @@ def test_hlo_identical_selected_or_pinned():
 def test_autotune_times_xla_and_kernel_and_caches(tmp_path):
   x = rand(np.random.default_rng(3), (64, 256))
   ex = Executor(policy="autotune", cache_dir=tmp_path)
-  report = pallax.autotune(jax.grad(lambda x: jnp.sum(jnp.sin(pallax.softmax(x)))), x,
-                           executor=ex)
+  report = pallax.autotune(jax.grad(lambda x: jnp.sum(jnp.sin(pallax.softmax(x)))), x, executor=ex)
   assert [s.op for s in report] == ["softmax_fwd", "softmax_bwd"]
   assert all(s.source == "autotune" for s in report)
   for _, result in ex.tune_log:
     assert {c.implementation for c, _ in result.timings} == {"xla", "pallas"}
-  assert sorted(p.name for p in tmp_path.rglob("*.json")) == ["softmax_bwd.json",
-                                                             "softmax_fwd.json"]
+  assert sorted(p.name for p in tmp_path.rglob("*.json")) == [
+    "softmax_bwd.json",
+    "softmax_fwd.json",
+  ]
   with ex:
-    assert [s.source for s in pallax.explain(
-        jax.grad(lambda x: jnp.sum(jnp.sin(pallax.softmax(x)))), x)] == ["memory", "memory"]
+    assert [
+      s.source for s in pallax.explain(jax.grad(lambda x: jnp.sum(jnp.sin(pallax.softmax(x)))), x)
+    ] == ["memory", "memory"]
 
 
 def test_every_kernel_is_registered():
   from pallax.executor.registry import registered_ops
+
   assert set(OPS) <= set(registered_ops())

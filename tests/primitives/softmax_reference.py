@@ -1,4 +1,5 @@
 """Shared by the softmax tests: the float64 reference, configs, comparisons."""
+
 from __future__ import annotations
 
 import jax.numpy as jnp
@@ -11,12 +12,19 @@ OPS = ("softmax", "log_softmax")
 # Pinned configs that split rows of >= 128 into several ragged column blocks:
 # the online reduction. Mosaic TPU takes 32-row blocks with a mask (int8
 # tiles) and 128-column blocks.
-MULTI_BLOCK = {"triton": pallax.SoftmaxConfig(block_rows=4, block_cols=32),
-               "mosaic_tpu": pallax.SoftmaxConfig(block_rows=32, block_cols=128)}
+MULTI_BLOCK = {
+  "triton": pallax.SoftmaxConfig(block_rows=4, block_cols=32),
+  "mosaic_tpu": pallax.SoftmaxConfig(block_rows=32, block_cols=128),
+}
 # (path, pinned config): the executor's choice on every path, then the
 # multi-block configs on both interpreted kernels.
-CONFIGS = [("xla", None), ("triton", None), ("mosaic_tpu", None),
-           ("triton", MULTI_BLOCK["triton"]), ("mosaic_tpu", MULTI_BLOCK["mosaic_tpu"])]
+CONFIGS = [
+  ("xla", None),
+  ("triton", None),
+  ("mosaic_tpu", None),
+  ("triton", MULTI_BLOCK["triton"]),
+  ("mosaic_tpu", MULTI_BLOCK["mosaic_tpu"]),
+]
 
 
 def config_id(path_config) -> str:

@@ -1,4 +1,5 @@
 """matmul: forward, reverse and forward-mode AD against a float64 reference."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -11,27 +12,38 @@ import pytest
 from jax import lax
 
 import pallax
-from tests.helpers import FLOAT_DTYPES, PATHS, as64, assert_close, lower_text, on_path, rand, to64, x64
+from tests.helpers import (
+  FLOAT_DTYPES,
+  PATHS,
+  as64,
+  assert_close,
+  lower_text,
+  on_path,
+  rand,
+  to64,
+  x64,
+)
 
 # (a shape, b shape, bias?, activation): M = 1 and 7, K = 33 (not a multiple of
 # any block), N = 200, batched a with a shared b (folded into M), batch dims on
 # both, a shared a, broadcast batch dims, vectors.
 CASES = [
-    ((1, 33), (33, 200), True, "gelu"),
-    ((7, 33), (33, 200), True, "relu"),
-    ((37, 96), (96, 40), False, None),
-    ((2, 5, 33), (33, 200), True, "silu"),
-    ((2, 5, 33), (2, 33, 17), True, "gelu_tanh"),
-    ((5, 16), (3, 16, 24), False, "gelu"),
-    ((33,), (33, 200), True, None),
-    ((2, 1, 7, 20), (3, 20, 9), True, "relu"),
-    ((7, 33), (33,), False, "silu"),
+  ((1, 33), (33, 200), True, "gelu"),
+  ((7, 33), (33, 200), True, "relu"),
+  ((37, 96), (96, 40), False, None),
+  ((2, 5, 33), (33, 200), True, "silu"),
+  ((2, 5, 33), (2, 33, 17), True, "gelu_tanh"),
+  ((5, 16), (3, 16, 24), False, "gelu"),
+  ((33,), (33, 200), True, None),
+  ((2, 1, 7, 20), (3, 20, 9), True, "relu"),
+  ((7, 33), (33,), False, "silu"),
 ]
 CASE_IDS = [f"{a}@{b}{'+bias' if bias else ''}-{act}" for a, b, bias, act in CASES]
 # Fewer cases for the 16-bit dtypes, whose interpreted runs cost the same.
 SHORT = [0, 3, 4]
-FORWARD = [(c, jnp.float32) for c in range(len(CASES))] + \
-          [(c, d) for c in SHORT for d in FLOAT_DTYPES[1:]]
+FORWARD = [(c, jnp.float32) for c in range(len(CASES))] + [
+  (c, d) for c in SHORT for d in FLOAT_DTYPES[1:]
+]
 FORWARD_IDS = [f"{CASE_IDS[c]}-{jnp.dtype(d).name}" for c, d in FORWARD]
 
 
@@ -44,14 +56,15 @@ def _act_ref(activation, z):
   if activation == "gelu":
     return 0.5 * z * (1 + jax.scipy.special.erf(z / np.sqrt(2.0)))
   if activation == "gelu_tanh":
-    return 0.5 * z * (1 + jnp.tanh(np.sqrt(2 / np.pi) * (z + 0.044715 * z ** 3)))
+    return 0.5 * z * (1 + jnp.tanh(np.sqrt(2 / np.pi) * (z + 0.044715 * z**3)))
   return z / (1 + jnp.exp(-z))
 
 
 def matmul_ref(a, b, bias=None, activation=None):
   """Independent float64 reference (jnp in float64 throughout; call under ``x64()``)."""
-  z = jnp.matmul(jnp.asarray(a, jnp.float64), jnp.asarray(b, jnp.float64),
-                 precision=lax.Precision.HIGHEST)
+  z = jnp.matmul(
+    jnp.asarray(a, jnp.float64), jnp.asarray(b, jnp.float64), precision=lax.Precision.HIGHEST
+  )
   if bias is not None:
     z = z + jnp.asarray(bias, jnp.float64)
   return _act_ref(activation, z)
@@ -107,9 +120,11 @@ def _vjp(fn):
 
 
 @pytest.mark.parametrize("path", PATHS)
-@pytest.mark.parametrize("case, dtype", [(c, d) for c in SHORT for d in FLOAT_DTYPES],
-                         ids=[f"{CASE_IDS[c]}-{jnp.dtype(d).name}" for c in SHORT
-                              for d in FLOAT_DTYPES])
+@pytest.mark.parametrize(
+  "case, dtype",
+  [(c, d) for c in SHORT for d in FLOAT_DTYPES],
+  ids=[f"{CASE_IDS[c]}-{jnp.dtype(d).name}" for c in SHORT for d in FLOAT_DTYPES],
+)
 def test_jvp(path, case, dtype):
   a, b, bias, activation, rng = _inputs(case, dtype, seed=2)
   primals = (a, b, bias)
@@ -118,8 +133,9 @@ def test_jvp(path, case, dtype):
     y, y_dot = jax.jit(lambda p, t: jax.jvp(_op(activation), p, t))(primals, tangents)
   with x64():
     ref = lambda a, b, bias: matmul_ref(a, b, bias, activation)
-    y_ref, y_dot_ref = jax.jit(lambda p, t: jax.jvp(ref, p, t))(tuple(as64(*primals)),
-                                                                tuple(as64(*tangents)))
+    y_ref, y_dot_ref = jax.jit(lambda p, t: jax.jvp(ref, p, t))(
+      tuple(as64(*primals)), tuple(as64(*tangents))
+    )
     assert_close(y, y_ref, dtype, "primal")
     assert_close(y_dot, y_dot_ref, dtype, "tangent")
 
@@ -139,8 +155,9 @@ def test_jacobians_and_hessian_vector_products(path, activation):
     jf = jax.jit(jax.jacfwd(op, args))(a, b, bias)
     jr = jax.jit(jax.jacrev(op, args))(a, b, bias)
     hvp_fwd = jax.jit(lambda *p: jax.jvp(jax.grad(loss, args), p, v)[1])(a, b, bias)
-    hvp_rev = jax.jit(jax.grad(lambda *p: sum(
-        jnp.vdot(g, t) for g, t in zip(jax.grad(loss, args)(*p), v)), args))(a, b, bias)
+    hvp_rev = jax.jit(
+      jax.grad(lambda *p: sum(jnp.vdot(g, t) for g, t in zip(jax.grad(loss, args)(*p), v)), args)
+    )(a, b, bias)
     hess = jax.jit(jax.hessian(loss, 1))(a, b, bias)
   with x64():
     p64, v64, c64 = as64(a, b, bias), as64(*v), to64(c)
@@ -176,8 +193,7 @@ def test_grad_is_one_forward_and_two_backward_products():
   for e in backward:
     assert e.params["activation"] is None and len(e.invars) == 2
   # Without grad nothing is saved.
-  (plain,) = _eqns(lambda a, b, bias: pallax.matmul(a, b, bias=bias, activation="gelu"),
-                   a, b, bias)
+  (plain,) = _eqns(lambda a, b, bias: pallax.matmul(a, b, bias=bias, activation="gelu"), a, b, bias)
   assert not plain.params["save_preactivation"] and len(plain.outvars) == 1
 
 
@@ -197,18 +213,26 @@ def test_shared_weight_gradient_is_one_product():
 @pytest.mark.parametrize("path", PATHS)
 def test_preferred_element_type_and_mixed_dtypes(path):
   rng = np.random.default_rng(6)
-  a, b, bias = rand(rng, (7, 33), jnp.bfloat16), rand(rng, (33, 20), jnp.bfloat16), \
-      rand(rng, (20,), jnp.float32)
+  a, b, bias = (
+    rand(rng, (7, 33), jnp.bfloat16),
+    rand(rng, (33, 20), jnp.bfloat16),
+    rand(rng, (20,), jnp.float32),
+  )
   with on_path(path):
     # bfloat16 inputs, float32 result: float32 accuracy on the rounded inputs.
     y = pallax.matmul(a, b, bias=bias, activation="silu", preferred_element_type=jnp.float32)
-    grads = jax.grad(lambda a, b, bias: jnp.sum(pallax.matmul(
-        a, b, bias=bias, preferred_element_type=jnp.float32) ** 2), (0, 1, 2))(a, b, bias)
+    grads = jax.grad(
+      lambda a, b, bias: jnp.sum(
+        pallax.matmul(a, b, bias=bias, preferred_element_type=jnp.float32) ** 2
+      ),
+      (0, 1, 2),
+    )(a, b, bias)
     # Mixed inputs promote like jnp.matmul.
     mixed = pallax.matmul(a, b.astype(jnp.float32))
     # A narrower result than the inputs.
-    narrow = pallax.matmul(a.astype(jnp.float32), b.astype(jnp.float32),
-                           preferred_element_type=jnp.bfloat16)
+    narrow = pallax.matmul(
+      a.astype(jnp.float32), b.astype(jnp.float32), preferred_element_type=jnp.bfloat16
+    )
   assert y.dtype == jnp.float32 and mixed.dtype == jnp.float32 and narrow.dtype == jnp.bfloat16
   assert [g.dtype for g in grads] == [jnp.bfloat16, jnp.bfloat16, jnp.float32]
   with x64():
@@ -217,19 +241,34 @@ def test_preferred_element_type_and_mixed_dtypes(path):
     assert_close(mixed, matmul_ref(a64, b64), jnp.float32, "mixed dtypes")
     assert_close(narrow, matmul_ref(a64, b64), jnp.bfloat16, "bfloat16 result")
     want = jax.grad(lambda a, b, bias: jnp.sum(matmul_ref(a, b, bias) ** 2), (0, 1, 2))(
-        a64, b64, bias64)
+      a64, b64, bias64
+    )
     for g, w, name in zip(grads, want, ("da", "db", "dbias")):
       assert_close(g, w, jnp.bfloat16, name)
 
 
-@pytest.mark.parametrize("a_shape, b_shape", [
-    ((3,), (3,)), ((3,), (3, 4)), ((2, 3), (3,)), ((5, 2, 3), (3,)), ((3,), (5, 3, 4)),
-    ((1, 2, 3), (4, 3, 5)), ((4, 1, 2, 3), (5, 3, 6)), ((2, 3), (0, 3, 4)), ((0, 3), (3, 2)),
-], ids=str)
+@pytest.mark.parametrize(
+  "a_shape, b_shape",
+  [
+    ((3,), (3,)),
+    ((3,), (3, 4)),
+    ((2, 3), (3,)),
+    ((5, 2, 3), (3,)),
+    ((3,), (5, 3, 4)),
+    ((1, 2, 3), (4, 3, 5)),
+    ((4, 1, 2, 3), (5, 3, 6)),
+    ((2, 3), (0, 3, 4)),
+    ((0, 3), (3, 2)),
+  ],
+  ids=str,
+)
 def test_shapes_and_dtypes_follow_jnp_matmul(a_shape, b_shape):
   rng = np.random.default_rng(7)
-  for da, db in ((jnp.float32, jnp.float32), (jnp.bfloat16, jnp.float16),
-                 (jnp.float16, jnp.float32)):
+  for da, db in (
+    (jnp.float32, jnp.float32),
+    (jnp.bfloat16, jnp.float16),
+    (jnp.float16, jnp.float32),
+  ):
     a, b = rand(rng, a_shape, da), rand(rng, b_shape, db)
     got, want = pallax.matmul(a, b), jnp.matmul(a, b)
     assert got.shape == want.shape and got.dtype == want.dtype
@@ -237,8 +276,9 @@ def test_shapes_and_dtypes_follow_jnp_matmul(a_shape, b_shape):
       assert_close(got, matmul_ref(*as64(a, b)), got.dtype, f"{da}@{db}")
 
 
-@pytest.mark.parametrize("precision", ["highest", lax.Precision.HIGHEST, ("highest", "highest")],
-                         ids=str)
+@pytest.mark.parametrize(
+  "precision", ["highest", lax.Precision.HIGHEST, ("highest", "highest")], ids=str
+)
 def test_precision_reaches_the_xla_program(precision):
   a, b = jnp.ones((4, 8)), jnp.ones((8, 3))
   text = jax.jit(functools.partial(pallax.matmul, precision=precision)).lower(a, b).as_text()
@@ -253,8 +293,9 @@ def test_zero_sizes(path):
   with on_path(path):
     # K = 0: the product is zero, the epilogue still applies.
     y = pallax.matmul(jnp.zeros((3, 0)), jnp.zeros((0, 5)), bias=bias, activation="relu")
-    db = jax.grad(lambda bias: jnp.sum(pallax.matmul(
-        jnp.zeros((3, 0)), jnp.zeros((0, 5)), bias=bias)))(bias)
+    db = jax.grad(
+      lambda bias: jnp.sum(pallax.matmul(jnp.zeros((3, 0)), jnp.zeros((0, 5)), bias=bias))
+    )(bias)
     empty_m = pallax.matmul(jnp.zeros((0, 4)), rand(rng, (4, 5)), bias=bias)
     empty_n = jax.grad(lambda a: jnp.sum(pallax.matmul(a, jnp.zeros((4, 0)))))(rand(rng, (3, 4)))
   np.testing.assert_allclose(y, np.broadcast_to(np.maximum(bias, 0), (3, 5)))
@@ -288,15 +329,19 @@ def test_pinned_config_with_tails_in_every_dim(path):
   """Blocks smaller than M and N, K not a multiple of block_k, and K < block_k."""
   rng = np.random.default_rng(11)
   a, b, bias = rand(rng, (37, 300)), rand(rng, (300, 200)), rand(rng, (200,))
-  small = (pallax.MatmulConfig(block_m=16, block_n=64, block_k=32) if path == "triton"
-           else pallax.MatmulConfig(block_m=128, block_n=128, block_k=128))
+  small = (
+    pallax.MatmulConfig(block_m=16, block_n=64, block_k=32)
+    if path == "triton"
+    else pallax.MatmulConfig(block_m=128, block_n=128, block_k=128)
+  )
   deep = dataclasses.replace(small, block_k=512)  # one K step, larger than K
   with x64():
     want = matmul_ref(*as64(a, b, bias), "gelu")
   with on_path(path):
     for config in (small, deep):
-      y = jax.jit(lambda a, b, bias: pallax.matmul(
-          a, b, bias=bias, activation="gelu", config=config))(a, b, bias)
+      y = jax.jit(
+        lambda a, b, bias: pallax.matmul(a, b, bias=bias, activation="gelu", config=config)
+      )(a, b, bias)
       with x64():
         assert_close(y, want, jnp.float32, str(config))
 
@@ -305,14 +350,15 @@ def test_pinned_config_with_tails_in_every_dim(path):
 # Bad input.
 
 
-@pytest.mark.parametrize("kwargs, exc, words", [
+@pytest.mark.parametrize(
+  "kwargs, exc, words",
+  [
     (dict(a=jnp.ones((2, 4), jnp.int32)), TypeError, ["a", "int32"]),
     (dict(b=jnp.ones((4, 3), bool)), TypeError, ["b", "bool"]),
     (dict(a=jnp.float32(1.0)), ValueError, ["a", "scalar"]),
     (dict(b=jnp.ones((5, 3))), ValueError, ["a", "b", "(2, 4)", "(5, 3)"]),
     (dict(b=jnp.ones((5,))), ValueError, ["length", "(5,)"]),
-    (dict(a=jnp.ones((2, 2, 4)), b=jnp.ones((3, 4, 3))), ValueError,
-     ["batch", "(2,)", "(3,)"]),
+    (dict(a=jnp.ones((2, 2, 4)), b=jnp.ones((3, 4, 3))), ValueError, ["batch", "(2,)", "(3,)"]),
     (dict(bias=jnp.ones((4,))), ValueError, ["bias", "(3,)", "(4,)"]),
     (dict(bias=jnp.ones((1, 3))), ValueError, ["bias", "(1, 3)"]),
     (dict(bias=jnp.ones((3,), jnp.int32)), TypeError, ["bias", "int32"]),
@@ -322,7 +368,8 @@ def test_pinned_config_with_tails_in_every_dim(path):
     (dict(precision="bogus"), ValueError, ["precision", "'bogus'"]),
     (dict(config="fast"), TypeError, ["config", "str"]),
     (dict(config=pallax.NormConfig(block_rows=8)), TypeError, ["MatmulConfig"]),
-])
+  ],
+)
 def test_bad_input(kwargs, exc, words):
   args = dict(a=jnp.ones((2, 4)), b=jnp.ones((4, 3)))
   args.update(kwargs)
@@ -337,11 +384,13 @@ def test_bad_input_inside_jit_and_vmap():
     jax.jit(pallax.matmul)(jnp.ones((2, 4)), jnp.ones((3, 5)))
   with pytest.raises(ValueError, match="bias"):
     jax.vmap(lambda a, bias: pallax.matmul(a, jnp.ones((4, 3)), bias=bias))(
-        jnp.ones((2, 4)), jnp.ones((2, 5)))
+      jnp.ones((2, 4)), jnp.ones((2, 5))
+    )
 
 
 def test_transpose_of_epilogue_is_refused():
   b, bias = jnp.ones((4, 3)), jnp.ones((3,))
   with pytest.raises(NotImplementedError, match="not linear"):
     jax.linear_transpose(lambda a: pallax.matmul(a, b, bias=bias), jnp.ones((2, 4)))(
-        jnp.ones((2, 3)))
+      jnp.ones((2, 3))
+    )

@@ -5,13 +5,15 @@ freely, a sharded N shards the result, a sharded K is contracted per device
 and summed across devices: no all-gather in the compiled HLO of the forward or
 the gradient, an all-reduce where a contraction is sharded.
 """
+
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
+from jax.sharding import AxisType, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 import pallax
 from tests.helpers import PATHS, mesh_4x2, on_path, rand
@@ -21,12 +23,12 @@ M, K, N = 16, 32, 24
 # name: (a shape, b shape, a spec, b spec, the result's spec, whether the
 # forward sums across devices).
 CASES = {
-    "m": ((M, K), (K, N), P("a"), P(), P("a", None), False),
-    "batch": ((8, M, K), (K, N), P("a", "b"), P(), P("a", "b", None), False),
-    "n": ((M, K), (K, N), P(), P(None, "b"), P(None, "b"), False),
-    "m_and_n": ((M, K), (K, N), P("a"), P(None, "b"), P("a", "b"), False),
-    "k": ((M, K), (K, N), P(None, "a"), P("a"), P(None, None), True),
-    "batched_b": ((8, M, K), (8, K, N), P("a"), P("a", None, "b"), P("a", None, "b"), False),
+  "m": ((M, K), (K, N), P("a"), P(), P("a", None), False),
+  "batch": ((8, M, K), (K, N), P("a", "b"), P(), P("a", "b", None), False),
+  "n": ((M, K), (K, N), P(), P(None, "b"), P(None, "b"), False),
+  "m_and_n": ((M, K), (K, N), P("a"), P(None, "b"), P("a", "b"), False),
+  "k": ((M, K), (K, N), P(None, "a"), P("a"), P(None, None), True),
+  "batched_b": ((8, M, K), (8, K, N), P("a"), P("a", None, "b"), P("a", None, "b"), False),
 }
 
 
@@ -126,8 +128,9 @@ def test_shard_map_forward_and_grad(path):
   a, b, bias, c = _data("batch", seed=4)
 
   def sharded_loss(a, b, bias, c):
-    y = jax.shard_map(_op, mesh=mesh, in_specs=(P("a", "b"), P(), P()),
-                      out_specs=P("a", "b"))(a, b, bias)
+    y = jax.shard_map(_op, mesh=mesh, in_specs=(P("a", "b"), P(), P()), out_specs=P("a", "b"))(
+      a, b, bias
+    )
     return jnp.sum(y * c)
 
   with on_path(path):

@@ -1,4 +1,5 @@
 """rms_norm: forward, reverse and forward-mode AD against a float64 reference."""
+
 from __future__ import annotations
 
 import subprocess
@@ -91,8 +92,11 @@ def test_jacobians_and_hessian_vector_products(path):
     jf = jax.jit(jax.jacfwd(pallax.rms_norm, (0, 1)))(x, w)
     jr = jax.jit(jax.jacrev(pallax.rms_norm, (0, 1)))(x, w)
     hvp_fwd = jax.jit(lambda x, w: jax.jvp(jax.grad(ours, (0, 1)), (x, w), v)[1])(x, w)
-    hvp_rev = jax.jit(jax.grad(lambda x, w: sum(
-        jnp.vdot(g, t) for g, t in zip(jax.grad(ours, (0, 1))(x, w), v)), (0, 1)))(x, w)
+    hvp_rev = jax.jit(
+      jax.grad(
+        lambda x, w: sum(jnp.vdot(g, t) for g, t in zip(jax.grad(ours, (0, 1))(x, w), v)), (0, 1)
+      )
+    )(x, w)
     hess = jax.jit(jax.hessian(ours, 0))(x, w)
   with x64():
     x64_, w64 = as64(x, w)
@@ -150,8 +154,9 @@ def test_pinned_config_gives_same_result():
   x, w, _ = _inputs((37, 200), jnp.float32, seed=8)
   with pallax.interpret():
     default = jax.jit(pallax.rms_norm)(x, w)
-    pinned = jax.jit(lambda x, w: pallax.rms_norm(
-        x, w, config=pallax.NormConfig(block_rows=4, num_warps=2)))(x, w)
+    pinned = jax.jit(
+      lambda x, w: pallax.rms_norm(x, w, config=pallax.NormConfig(block_rows=4, num_warps=2))
+    )(x, w)
   np.testing.assert_allclose(pinned, default, rtol=1e-6, atol=1e-6)
 
 
@@ -170,10 +175,17 @@ def test_interpret_switch_changes_lowering():
 
 
 def test_interpret_environment_variable():
-  code = ("import jax, jax.numpy as jnp, pallax;"
-          "print('while' in jax.jit(pallax.rms_norm).lower(jnp.ones((4096, 16))).as_text())")
-  out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                       env={**__import__("os").environ, "PALLAX_INTERPRET": "1"}, check=True)
+  code = (
+    "import jax, jax.numpy as jnp, pallax;"
+    "print('while' in jax.jit(pallax.rms_norm).lower(jnp.ones((4096, 16))).as_text())"
+  )
+  out = subprocess.run(
+    [sys.executable, "-c", code],
+    capture_output=True,
+    text=True,
+    env={**__import__("os").environ, "PALLAX_INTERPRET": "1"},
+    check=True,
+  )
   assert out.stdout.strip().endswith("True"), out.stderr[-2000:]
 
 
@@ -181,7 +193,9 @@ def test_interpret_environment_variable():
 # Bad input.
 
 
-@pytest.mark.parametrize("kwargs, exc, words", [
+@pytest.mark.parametrize(
+  "kwargs, exc, words",
+  [
     (dict(x=jnp.ones((4,), jnp.int32)), TypeError, ["x", "int32"]),
     (dict(x=jnp.ones((4,), bool)), TypeError, ["x", "bool"]),
     (dict(x=jnp.float32(1.0)), ValueError, ["x", "scalar"]),
@@ -192,7 +206,8 @@ def test_interpret_environment_variable():
     (dict(eps=jnp.float32(1e-6)), TypeError, ["eps"]),
     (dict(weight=None, offset=1.0), ValueError, ["offset", "weight"]),
     (dict(config="fast"), TypeError, ["config", "str"]),
-])
+  ],
+)
 def test_bad_input(kwargs, exc, words):
   args = dict(x=jnp.ones((2, 4)), weight=jnp.ones((4,)))
   args.update(kwargs)

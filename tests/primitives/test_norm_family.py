@@ -1,16 +1,17 @@
 """layer_norm and fused_add_rms_norm against float64 references (rms_norm: test_norm.py)."""
+
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from pallax.kernels.norm import xla as norm_xla
 
 import pallax
-from pallax.kernels.norm import xla as norm_xla
 from tests.helpers import FLOAT_DTYPES, PATHS, assert_close, on_path, rand, to64, x64
 
 SHAPES = [(3, 96), (2, 5, 200), (37, 1000), (1, 7)]
@@ -38,18 +39,27 @@ class Case:
 
 
 CASES = {
-    "layer_norm": Case(lambda x, w, b: pallax.layer_norm(x, w, b, eps=1e-4),
-                       lambda x, w, b: layer_norm_ref(x, w, b, eps=1e-4), ("x", "w", "b")),
-    "fused_add_rms_norm": Case(lambda x, r, w: pallax.fused_add_rms_norm(x, r, w, offset=0.5),
-                               lambda x, r, w: add_rms_ref(x, r, w, offset=0.5), ("x", "r", "w")),
+  "layer_norm": Case(
+    lambda x, w, b: pallax.layer_norm(x, w, b, eps=1e-4),
+    lambda x, w, b: layer_norm_ref(x, w, b, eps=1e-4),
+    ("x", "w", "b"),
+  ),
+  "fused_add_rms_norm": Case(
+    lambda x, r, w: pallax.fused_add_rms_norm(x, r, w, offset=0.5),
+    lambda x, r, w: add_rms_ref(x, r, w, offset=0.5),
+    ("x", "r", "w"),
+  ),
 }
 
 
 def _args(case, shape, dtype, seed):
   rng = np.random.default_rng(seed)
-  make = {"x": lambda: rand(rng, shape, dtype, shift=0.3), "r": lambda: rand(rng, shape, dtype),
-          "w": lambda: rand(rng, shape[-1:], dtype, 0.5, 1.0),
-          "b": lambda: rand(rng, shape[-1:], dtype, 0.5)}
+  make = {
+    "x": lambda: rand(rng, shape, dtype, shift=0.3),
+    "r": lambda: rand(rng, shape, dtype),
+    "w": lambda: rand(rng, shape[-1:], dtype, 0.5, 1.0),
+    "b": lambda: rand(rng, shape[-1:], dtype, 0.5),
+  }
   return tuple(make[n]() for n in case.args), rng
 
 
@@ -121,13 +131,18 @@ def test_hessian_vector_products(op, path):
   argnums = tuple(range(len(args)))
 
   def loss(fn, cs):
-    return lambda *a: sum(jnp.sum(jnp.sin(o) * c)
-                          for o, c in zip(jax.tree.leaves(fn(*a)), jax.tree.leaves(cs)))
+    return lambda *a: sum(
+      jnp.sum(jnp.sin(o) * c) for o, c in zip(jax.tree.leaves(fn(*a)), jax.tree.leaves(cs))
+    )
 
   with on_path(path):
     fwd_over_rev = jax.jit(lambda *a: jax.jvp(jax.grad(loss(case.fn, cs), argnums), a, v)[1])(*args)
-    rev_over_rev = jax.jit(jax.grad(lambda *a: sum(
-        jnp.vdot(g, t) for g, t in zip(jax.grad(loss(case.fn, cs), argnums)(*a), v)), argnums))(*args)
+    rev_over_rev = jax.jit(
+      jax.grad(
+        lambda *a: sum(jnp.vdot(g, t) for g, t in zip(jax.grad(loss(case.fn, cs), argnums)(*a), v)),
+        argnums,
+      )
+    )(*args)
     jac = jax.jit(jax.jacfwd(case.fn, argnums))(*args)
   with x64():
     args64, v64, cs64 = map(to64, args), tuple(map(to64, v)), jax.tree.map(to64, cs)
@@ -145,8 +160,9 @@ def test_layer_norm_without_weight_or_bias(path):
     g = jax.grad(lambda x, b: jnp.sum(pallax.layer_norm(x, bias=b) ** 3), (0, 1))(x, b)
   with x64():
     x64_, w64, b64 = map(to64, (x, w, b))
-    for out, want in zip(got, [layer_norm_ref(x64_), layer_norm_ref(x64_, w64),
-                               layer_norm_ref(x64_, None, b64)]):
+    for out, want in zip(
+      got, [layer_norm_ref(x64_), layer_norm_ref(x64_, w64), layer_norm_ref(x64_, None, b64)]
+    ):
       assert_close(out, want, jnp.float32, "layer_norm variant")
     want = jax.grad(lambda x, b: jnp.sum(layer_norm_ref(x, None, b) ** 3), (0, 1))(x64_, b64)
     _close_trees(g, want, jnp.float32, "grad")
@@ -157,8 +173,9 @@ def test_layer_norm_mixed_weight_and_bias_dtypes():
   b32 = b.astype(jnp.float32)
   y = pallax.layer_norm(x, w, b32)
   assert y.dtype == jnp.bfloat16
-  dw, db = jax.grad(lambda w, b: pallax.layer_norm(x, w, b).astype(jnp.float32).sum(),
-                    (0, 1))(w, b32)
+  dw, db = jax.grad(lambda w, b: pallax.layer_norm(x, w, b).astype(jnp.float32).sum(), (0, 1))(
+    w, b32
+  )
   assert (dw.dtype, db.dtype) == (jnp.bfloat16, jnp.float32)
 
 
@@ -169,17 +186,22 @@ def test_fused_add_rms_norm_matches_unfused_and_promotes():
   np.testing.assert_allclose(y, pallax.rms_norm(x + r, w), rtol=1e-6, atol=1e-6)
   y16, h16 = pallax.fused_add_rms_norm(x.astype(jnp.bfloat16), r)
   assert y16.dtype == h16.dtype == jnp.float32  # promoted like x + residual
+
   # The gradient through both outputs is one backward kernel.
   def loss(x, r, w):
     y, h = pallax.fused_add_rms_norm(x, r, w)
-    return jnp.sum(jnp.sin(y)) + jnp.sum(h ** 2)
+    return jnp.sum(jnp.sin(y)) + jnp.sum(h**2)
 
   names = [e.primitive.name for e in jax.make_jaxpr(jax.grad(loss, (0, 1, 2)))(x, r, w).eqns]
   assert names.count("fused_add_rms_norm_fwd") == 1 and names.count("fused_add_rms_norm_bwd") == 1
   g = jax.grad(loss, (0, 1, 2))(x, r, w)
   with x64():
-    want = jax.grad(lambda x, r, w: jnp.sum(jnp.sin(add_rms_ref(x, r, w)[0])) +
-                    jnp.sum(add_rms_ref(x, r, w)[1] ** 2), (0, 1, 2))(*map(to64, (x, r, w)))
+    want = jax.grad(
+      lambda x, r, w: (
+        jnp.sum(jnp.sin(add_rms_ref(x, r, w)[0])) + jnp.sum(add_rms_ref(x, r, w)[1] ** 2)
+      ),
+      (0, 1, 2),
+    )(*map(to64, (x, r, w)))
     _close_trees(g, want, jnp.float32, "grad through both outputs")
 
 
@@ -190,8 +212,9 @@ def test_zero_rows(op, path):
   args, _ = _args(case, (0, 24), jnp.float32, seed=6)
   with on_path(path):
     out = jax.jit(case.fn)(*args)
-    grads = jax.grad(lambda *a: sum(jnp.sum(o) for o in jax.tree.leaves(case.fn(*a))),
-                     tuple(range(len(args))))(*args)
+    grads = jax.grad(
+      lambda *a: sum(jnp.sum(o) for o in jax.tree.leaves(case.fn(*a))), tuple(range(len(args)))
+    )(*args)
   assert all(o.shape == (0, 24) for o in jax.tree.leaves(out))
   for a, g in zip(args, grads):
     assert g.shape == a.shape
@@ -199,19 +222,35 @@ def test_zero_rows(op, path):
       np.testing.assert_array_equal(g, np.zeros(a.shape, np.float32))
 
 
-@pytest.mark.parametrize("call, exc, words", [
-    (lambda: pallax.layer_norm(jnp.ones((2, 4), jnp.int32)), TypeError, ["layer_norm", "x", "int32"]),
+@pytest.mark.parametrize(
+  "call, exc, words",
+  [
+    (
+      lambda: pallax.layer_norm(jnp.ones((2, 4), jnp.int32)),
+      TypeError,
+      ["layer_norm", "x", "int32"],
+    ),
     (lambda: pallax.layer_norm(jnp.ones((2, 4)), jnp.ones(3)), ValueError, ["weight", "(3,)"]),
     (lambda: pallax.layer_norm(jnp.ones((2, 4)), None, jnp.ones((4, 1))), ValueError, ["bias"]),
     (lambda: pallax.layer_norm(jnp.ones((2, 4)), eps=-1.0), ValueError, ["eps"]),
     (lambda: pallax.layer_norm(jnp.float32(1)), ValueError, ["scalar"]),
-    (lambda: pallax.fused_add_rms_norm(jnp.ones((2, 4)), jnp.ones((2, 5))), ValueError,
-     ["residual", "(2, 5)", "(2, 4)"]),
-    (lambda: pallax.fused_add_rms_norm(jnp.ones((2, 4)), jnp.ones((2, 4), bool)), TypeError,
-     ["residual", "bool"]),
-    (lambda: pallax.fused_add_rms_norm(jnp.ones((2, 4)), jnp.ones((2, 4)), offset=1.0),
-     ValueError, ["offset", "weight"]),
-])
+    (
+      lambda: pallax.fused_add_rms_norm(jnp.ones((2, 4)), jnp.ones((2, 5))),
+      ValueError,
+      ["residual", "(2, 5)", "(2, 4)"],
+    ),
+    (
+      lambda: pallax.fused_add_rms_norm(jnp.ones((2, 4)), jnp.ones((2, 4), bool)),
+      TypeError,
+      ["residual", "bool"],
+    ),
+    (
+      lambda: pallax.fused_add_rms_norm(jnp.ones((2, 4)), jnp.ones((2, 4)), offset=1.0),
+      ValueError,
+      ["offset", "weight"],
+    ),
+  ],
+)
 def test_bad_input(call, exc, words):
   with pytest.raises(exc) as err:
     call()

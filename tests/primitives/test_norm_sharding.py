@@ -4,13 +4,15 @@ Runs on 8 fake CPU devices (tests/conftest.py). The sharding rule must let
 batch-like dims shard freely: no all-gather in the compiled HLO of the
 forward or the gradient, and the output keeps the input's sharding.
 """
+
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
+from jax.sharding import AxisType, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 import pallax
 from tests.helpers import PATHS, mesh_4x2, on_path, rand
@@ -56,8 +58,9 @@ def test_hidden_sharded_input_is_replicated_not_wrong():
   mesh = mesh_4x2()
   x, w, _ = _data(1)
   xs = jax.device_put(x, NamedSharding(mesh, P(None, None, "a")))
-  np.testing.assert_allclose(jax.jit(pallax.rms_norm)(xs, w), pallax.rms_norm(x, w),
-                             rtol=1e-6, atol=1e-6)
+  np.testing.assert_allclose(
+    jax.jit(pallax.rms_norm)(xs, w), pallax.rms_norm(x, w), rtol=1e-6, atol=1e-6
+  )
 
 
 def test_uneven_shards_fall_back_to_replication():
@@ -93,8 +96,12 @@ def test_shard_map_forward_and_grad(path):
   x, w, c = _data(4)
 
   def sharded_loss(x, w, c):
-    y = jax.shard_map(lambda x, w: pallax.rms_norm(x, w, offset=0.5), mesh=mesh,
-                      in_specs=(P("a", "b"), P()), out_specs=P("a", "b"))(x, w)
+    y = jax.shard_map(
+      lambda x, w: pallax.rms_norm(x, w, offset=0.5),
+      mesh=mesh,
+      in_specs=(P("a", "b"), P()),
+      out_specs=P("a", "b"),
+    )(x, w)
     return jnp.sum(y * c)
 
   with on_path(path):
@@ -110,8 +117,10 @@ def test_shard_map_forward_and_grad(path):
 def test_family_sharded_jit_has_no_all_gather(op, path):
   mesh = mesh_4x2()
   x, w, c = _data(5)
-  fn = {"layer_norm": lambda x, w: pallax.layer_norm(x, w, w * 0.5),
-        "fused_add_rms_norm": lambda x, w: pallax.fused_add_rms_norm(x, c, w)}[op]
+  fn = {
+    "layer_norm": lambda x, w: pallax.layer_norm(x, w, w * 0.5),
+    "fused_add_rms_norm": lambda x, w: pallax.fused_add_rms_norm(x, c, w),
+  }[op]
   loss = lambda x, w: sum(jnp.sum(o * c) for o in jax.tree.leaves(fn(x, w)))
   xs = jax.device_put(x, NamedSharding(mesh, P("a", "b")))
   with on_path(path):
@@ -119,7 +128,9 @@ def test_family_sharded_jit_has_no_all_gather(op, path):
     hlo = grad.lower(xs, w).compile().as_text()
     got, want = grad(xs, w), jax.grad(loss, (0, 1))(x, w)
     out = jax.jit(fn)(xs, w)
-  assert "all-gather" not in hlo and "all-gather" not in jax.jit(fn).lower(xs, w).compile().as_text()
+  assert (
+    "all-gather" not in hlo and "all-gather" not in jax.jit(fn).lower(xs, w).compile().as_text()
+  )
   for o in jax.tree.leaves(out):
     assert o.sharding.is_equivalent_to(xs.sharding, o.ndim)
   np.testing.assert_allclose(got[0], want[0], rtol=1e-5, atol=1e-5)

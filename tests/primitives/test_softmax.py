@@ -5,6 +5,7 @@ the configs the executor picks (one column block per row at these sizes) and,
 on the kernels, with pinned configs whose column blocks split every row
 (ragged in rows and columns): the online reduction. AD is in test_softmax_ad.py.
 """
+
 from __future__ import annotations
 
 import jax
@@ -14,31 +15,43 @@ import pytest
 
 import pallax
 from tests.helpers import FLOAT_DTYPES, PATHS, assert_close, on_path, rand, x64
-from tests.primitives.softmax_reference import (CONFIGS, OPS, assert_matches, config_id,
-                                                pallax_op, random_mask, reference, reference_op)
+from tests.primitives.softmax_reference import (
+  CONFIGS,
+  OPS,
+  assert_matches,
+  config_id,
+  pallax_op,
+  random_mask,
+  reference,
+  reference_op,
+)
 
 # Odd shapes: rows not a power of two (96, 200, 1000), row counts not a
 # multiple of any block, extra leading dims, a single short row.
 SHAPES = [(3, 96), (2, 5, 200), (37, 1000), (1, 7)]
 # The multi-block configs only where they split the rows (>= 128 columns).
-FORWARD_CASES = [(pc, shape) for pc in CONFIGS for shape in SHAPES
-                 if pc[1] is None or shape[-1] >= 128]
+FORWARD_CASES = [
+  (pc, shape) for pc in CONFIGS for shape in SHAPES if pc[1] is None or shape[-1] >= 128
+]
 
 
 @pytest.mark.parametrize("dtype", FLOAT_DTYPES, ids=lambda d: jnp.dtype(d).name)
-@pytest.mark.parametrize("pc, shape", FORWARD_CASES,
-                         ids=[f"{config_id(pc)}-{shape}" for pc, shape in FORWARD_CASES])
+@pytest.mark.parametrize(
+  "pc, shape", FORWARD_CASES, ids=[f"{config_id(pc)}-{shape}" for pc, shape in FORWARD_CASES]
+)
 def test_forward(pc, shape, dtype):
   path, config = pc
   rng = np.random.default_rng(0)
   x, mask = rand(rng, shape, dtype, scale=3.0), random_mask(rng, shape)
   with on_path(path):
-    outs = jax.jit(lambda x, m: [pallax_op(op, config)(x, where=w) for op in OPS
-                                 for w in (None, m)])(x, mask)
+    outs = jax.jit(
+      lambda x, m: [pallax_op(op, config)(x, where=w) for op in OPS for w in (None, m)]
+    )(x, mask)
   with x64():
     wants = [reference(x, where=w, op=op) for op in OPS for w in (None, mask)]
-  for got, want, what in zip(outs, wants, ["softmax", "softmax where", "log_softmax",
-                                           "log_softmax where"]):
+  for got, want, what in zip(
+    outs, wants, ["softmax", "softmax where", "log_softmax", "log_softmax where"]
+  ):
     assert got.dtype == dtype and got.shape == shape
     assert_matches(got, want, dtype, what)
 
@@ -52,16 +65,20 @@ def test_axis(path, axis):
   x, dy = rand(rng, shape, scale=2.0), rand(rng, shape)
   mask = jnp.asarray(rng.random(shape[-1]) < 0.8)
   with on_path(path):
-    outs = jax.jit(lambda x, dy: [jax.vjp(lambda x: pallax_op(op)(x, axis, mask), x)[0]
-                                  for op in OPS] +
-                   [jax.vjp(lambda x: pallax_op(op)(x, axis, mask), x)[1](dy)[0]
-                    for op in OPS])(x, dy)
+    outs = jax.jit(
+      lambda x, dy: (
+        [jax.vjp(lambda x: pallax_op(op)(x, axis, mask), x)[0] for op in OPS]
+        + [jax.vjp(lambda x: pallax_op(op)(x, axis, mask), x)[1](dy)[0] for op in OPS]
+      )
+    )(x, dy)
   with x64():
     x64_, dy64 = x.astype(jnp.float64), dy.astype(jnp.float64)
     wants = [reference(x64_, axis, mask, op=op) for op in OPS] + [
-        jax.vjp(lambda x: reference(x, axis, mask, op=op), x64_)[1](dy64)[0] for op in OPS]
-  for got, want, what in zip(outs, wants, ["softmax", "log_softmax", "dx softmax",
-                                           "dx log_softmax"]):
+      jax.vjp(lambda x: reference(x, axis, mask, op=op), x64_)[1](dy64)[0] for op in OPS
+    ]
+  for got, want, what in zip(
+    outs, wants, ["softmax", "log_softmax", "dx softmax", "dx log_softmax"]
+  ):
     assert_matches(got, want, jnp.float32, f"{what}, axis={axis}")
 
 
@@ -109,8 +126,9 @@ def test_special_values_match_jax_nn(pc, op):
       np.testing.assert_array_equal(np.isnan(g), np.isnan(w), err_msg=f"{what}: NaN entries")
       np.testing.assert_array_equal(np.isinf(g), np.isinf(w), err_msg=f"{what}: inf entries")
       finite = np.isfinite(w)
-      np.testing.assert_allclose(g[finite], w[finite], rtol=1e-5,
-                                 atol=1e-5 * np.abs(w[finite]).max(), err_msg=what)
+      np.testing.assert_allclose(
+        g[finite], w[finite], rtol=1e-5, atol=1e-5 * np.abs(w[finite]).max(), err_msg=what
+      )
 
 
 @pytest.mark.parametrize("pc", CONFIGS, ids=config_id)
@@ -120,12 +138,17 @@ def test_large_magnitudes_against_float64(pc):
   x = rand(rng, (8, 300), scale=1e4)
   dy = rand(rng, x.shape)
   with on_path(path):
-    got = jax.jit(lambda x: [pallax_op(op, config)(x) for op in OPS] +
-                  [jax.vjp(pallax_op(op, config), x)[1](dy)[0] for op in OPS])(x)
+    got = jax.jit(
+      lambda x: (
+        [pallax_op(op, config)(x) for op in OPS]
+        + [jax.vjp(pallax_op(op, config), x)[1](dy)[0] for op in OPS]
+      )
+    )(x)
   with x64():
     x64_, dy64 = x.astype(jnp.float64), dy.astype(jnp.float64)
     want = [reference(x64_, op=op) for op in OPS] + [
-        jax.vjp(reference_op(op), x64_)[1](dy64)[0] for op in OPS]
+      jax.vjp(reference_op(op), x64_)[1](dy64)[0] for op in OPS
+    ]
   for g, w, what in zip(got, want, ["softmax", "log_softmax", "dx softmax", "dx log_softmax"]):
     assert_close(g, w, jnp.float32, what)
 
@@ -135,8 +158,12 @@ def test_zero_size(path):
   for shape, axis in (((0, 96), -1), ((4, 0), -1), ((3, 0, 5), 1)):
     x = jnp.zeros(shape, jnp.float32)
     with on_path(path):
-      outs = jax.jit(lambda x: [f(x, axis) for f in map(pallax_op, OPS)] + [
-          jax.grad(lambda x: jnp.sum(f(x, axis)))(x) for f in map(pallax_op, OPS)])(x)
+      outs = jax.jit(
+        lambda x: (
+          [f(x, axis) for f in map(pallax_op, OPS)]
+          + [jax.grad(lambda x: jnp.sum(f(x, axis)))(x) for f in map(pallax_op, OPS)]
+        )
+      )(x)
     assert [o.shape for o in outs] == [shape] * 4
 
 
@@ -154,8 +181,9 @@ def test_float64_xla_path():
       assert y.dtype == jnp.float64
       assert_close(y, reference(x, op=op), jnp.float64, op)
       g = jax.grad(lambda x: jnp.sum(getattr(pallax, op)(x) * x))(x)
-      assert_close(g, jax.grad(lambda x: jnp.sum(reference(x, op=op) * x))(x), jnp.float64,
-                   f"grad {op}")
+      assert_close(
+        g, jax.grad(lambda x: jnp.sum(reference(x, op=op) * x))(x), jnp.float64, f"grad {op}"
+      )
 
 
 def test_scalar_with_axis_none():
@@ -178,7 +206,9 @@ def test_interpret_switch_changes_lowering():
 
 
 @pytest.mark.parametrize("op", OPS)
-@pytest.mark.parametrize("kwargs, exc, words", [
+@pytest.mark.parametrize(
+  "kwargs, exc, words",
+  [
     (dict(x=jnp.ones((4,), jnp.int32)), TypeError, ["x", "int32"]),
     (dict(x=jnp.ones((4,), bool)), TypeError, ["x", "bool"]),
     (dict(x=jnp.float32(1.0)), ValueError, ["axis", "-1", "()"]),
@@ -193,7 +223,8 @@ def test_interpret_switch_changes_lowering():
     (dict(where=jnp.ones((2, 2, 4), bool)), ValueError, ["where", "(2, 2, 4)"]),
     (dict(config="fast"), TypeError, ["config", "str"]),
     (dict(config=pallax.NormConfig(block_rows=8)), TypeError, ["config", "NormConfig"]),
-])
+  ],
+)
 def test_bad_input(op, kwargs, exc, words):
   args = dict(x=jnp.ones((2, 4)))
   args.update(kwargs)

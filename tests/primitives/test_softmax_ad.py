@@ -4,6 +4,7 @@ Against the float64 reference, on the XLA path and both interpreted kernels,
 with and without ``where=``, with the executor's configs and with multi-block
 configs (the online reduction in the forward, tangent and backward kernels).
 """
+
 from __future__ import annotations
 
 import jax
@@ -12,8 +13,15 @@ import numpy as np
 import pytest
 
 from tests.helpers import FLOAT_DTYPES, assert_close, on_path, rand, x64
-from tests.primitives.softmax_reference import (CONFIGS, OPS, assert_matches, config_id,
-                                                pallax_op, random_mask, reference)
+from tests.primitives.softmax_reference import (
+  CONFIGS,
+  OPS,
+  assert_matches,
+  config_id,
+  pallax_op,
+  random_mask,
+  reference,
+)
 
 CASES = ["softmax", "softmax where", "log_softmax", "log_softmax where"]
 
@@ -23,19 +31,28 @@ VJP_CASES = [(dtype, (37, 300)) for dtype in FLOAT_DTYPES] + [(jnp.float32, (2, 
 
 
 @pytest.mark.parametrize("pc", CONFIGS, ids=config_id)
-@pytest.mark.parametrize("dtype, shape", VJP_CASES,
-                         ids=[f"{jnp.dtype(d).name}-{s}" for d, s in VJP_CASES])
+@pytest.mark.parametrize(
+  "dtype, shape", VJP_CASES, ids=[f"{jnp.dtype(d).name}-{s}" for d, s in VJP_CASES]
+)
 def test_vjp(pc, dtype, shape):
   path, config = pc
   rng = np.random.default_rng(1)
   x, mask, dy = rand(rng, shape, dtype, scale=2.0), random_mask(rng, shape), rand(rng, shape, dtype)
   with on_path(path):
-    got = jax.jit(lambda x, dy: [jax.vjp(lambda x: pallax_op(op, config)(x, where=w), x)[1](dy)[0]
-                                 for op in OPS for w in (None, mask)])(x, dy)
+    got = jax.jit(
+      lambda x, dy: [
+        jax.vjp(lambda x: pallax_op(op, config)(x, where=w), x)[1](dy)[0]
+        for op in OPS
+        for w in (None, mask)
+      ]
+    )(x, dy)
   with x64():
     x64_, dy64 = x.astype(jnp.float64), dy.astype(jnp.float64)
-    want = [jax.vjp(lambda x: reference(x, where=w, op=op), x64_)[1](dy64)[0]
-            for op in OPS for w in (None, mask)]
+    want = [
+      jax.vjp(lambda x: reference(x, where=w, op=op), x64_)[1](dy64)[0]
+      for op in OPS
+      for w in (None, mask)
+    ]
   for g, w, what in zip(got, want, CASES):
     assert g.dtype == dtype
     assert_close(g, w, dtype, f"dx of {what}")
@@ -49,11 +66,21 @@ def test_jvp(pc, dtype):
   shape = (37, 300)
   x, xd, mask = rand(rng, shape, dtype, scale=2.0), rand(rng, shape, dtype), random_mask(rng, shape)
   with on_path(path):
-    got = jax.jit(lambda x, xd: [jax.jvp(lambda x: pallax_op(op, config)(x, where=w), (x,), (xd,))
-                                 for op in OPS for w in (None, mask)])(x, xd)
+    got = jax.jit(
+      lambda x, xd: [
+        jax.jvp(lambda x: pallax_op(op, config)(x, where=w), (x,), (xd,))
+        for op in OPS
+        for w in (None, mask)
+      ]
+    )(x, xd)
   with x64():
-    want = [jax.jvp(lambda x: reference(x, where=w, op=op), (x.astype(jnp.float64),),
-                    (xd.astype(jnp.float64),)) for op in OPS for w in (None, mask)]
+    want = [
+      jax.jvp(
+        lambda x: reference(x, where=w, op=op), (x.astype(jnp.float64),), (xd.astype(jnp.float64),)
+      )
+      for op in OPS
+      for w in (None, mask)
+    ]
   for (y, yd), (y_ref, yd_ref), what in zip(got, want, CASES):
     assert yd.dtype == dtype
     assert_matches(y, y_ref, dtype, f"primal of {what}")
@@ -98,7 +125,8 @@ def test_one_kernel_each_way(op):
   jvp = jax.make_jaxpr(lambda x: jax.jvp(f, (x,), (x,)))(x).jaxpr
   tangent = {"softmax": "softmax_bwd", "log_softmax": "log_softmax_jvp"}[op]
   backward = {"softmax": "softmax_bwd", "log_softmax": "log_softmax_bwd"}[op]
-  names = lambda jaxpr: sorted(e.primitive.name for e in jaxpr.eqns
-                               if "softmax" in e.primitive.name)
+  names = lambda jaxpr: sorted(
+    e.primitive.name for e in jaxpr.eqns if "softmax" in e.primitive.name
+  )
   assert names(grad) == sorted([f"{op}_fwd", backward])
   assert names(jvp) == sorted([f"{op}_fwd", tangent])

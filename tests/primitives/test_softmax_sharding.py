@@ -5,6 +5,7 @@ all-gather in the compiled HLO of the forward or the gradient, and outputs
 keep the input's sharding. The softmax axis is replicated: sharding it gathers
 it, and the result is still right.
 """
+
 from __future__ import annotations
 
 import functools
@@ -13,7 +14,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
+from jax.sharding import AxisType, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 import pallax
 from tests.helpers import PATHS, assert_close_neginf, mesh_4x2, on_path, rand
@@ -70,6 +72,7 @@ def test_uneven_shards_fall_back_to_replication():
   x, m, c = _data(2, shape=(6, 5, 40))  # 6 rows over 4 devices: uneven
 
   for op in OPS:
+
     def loss(x, m, c):
       x = jax.lax.with_sharding_constraint(x, NamedSharding(mesh, P("a")))
       return _loss(op)(x, m, c)
@@ -96,9 +99,14 @@ def test_shard_map_forward_and_grad(path):
   mask = m[0, 0]  # one (200,) mask, replicated: broadcast over the sharded rows
 
   for op in OPS:
+
     def sharded_loss(x, c):
-      y = jax.shard_map(lambda x, mask: op(x, where=mask), mesh=mesh,
-                        in_specs=(P("a", "b"), P()), out_specs=P("a", "b"))(x, mask)
+      y = jax.shard_map(
+        lambda x, mask: op(x, where=mask),
+        mesh=mesh,
+        in_specs=(P("a", "b"), P()),
+        out_specs=P("a", "b"),
+      )(x, mask)
       return jnp.sum(jnp.where(mask, y, 0) * c)
 
     with on_path(path):
