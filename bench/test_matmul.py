@@ -9,9 +9,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from pallax.primitives.matmul import matmul_reference
 
 import pallax
+from pallax.primitives.matmul import matmul_reference
 
 SHAPES = [(512, 512, 512), (2048, 2048, 2048), (8192, 1024, 4096)]
 EPILOGUES = {"none": {}, "bias+gelu": {"activation": "gelu"}}

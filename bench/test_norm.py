@@ -11,13 +11,13 @@ fold the backward away.
 import jax.numpy as jnp
 import numpy as np
 import pytest
+
+import pallax
 from pallax.primitives.norm import (
   fused_add_rms_norm_reference,
   layer_norm_reference,
   rms_norm_reference,
 )
-
-import pallax
 
 SHAPES = [(1024, 1024), (4096, 1024), (8192, 4096)]
 OPS = {

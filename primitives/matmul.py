@@ -5,7 +5,7 @@ One primitive, in the manner of ``lax.dot_general``:
 * ``matmul_p (a, b[, bias]) -> (y[, z])``: ``y = act(op(a) @ op(b) + bias)``
   accumulated in float32, where ``op`` transposes an operand's last two dims
   when ``transpose_a`` / ``transpose_b`` say so and batch dims follow the masks
-  described in kernels/matmul.py. ``z``, the pre-activation, is a second
+  described in kernels/matmul/layout.py. ``z``, the pre-activation, is a second
   result when ``save_preactivation`` (the JVP asks for it when there is an
   activation).
 
@@ -34,11 +34,11 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 from jax.interpreters import ad
+
+from pallax.activations import activate, activation_derivative
 from pallax.batching_rules import matmul as matmul_batching
 from pallax.kernels import matmul as kernels
 from pallax.kernels.matmul import ACTIVATIONS, MatmulConfig
-
-from pallax.activations import activate, activation_derivative
 from pallax.op import (
   Dims,
   PrimitiveSpec,

@@ -14,9 +14,9 @@ Each op is declared with ``define_residual_op``: ``grad`` thus costs one
 forward and one backward kernel, and second-order AD differentiates the XLA
 programs of the tangent and backward primitives. Operands and results are
 named (``kernels.norm.NormKind.names``), and every rule here is written once
-over those names. Weight-like operands may carry
-leading group dims that prefix ``x``'s leading dims: that is how vmapping over
-the weight stays one kernel (see batching_rules/norm.py).
+over those names. Weight-like operands may carry leading group dims that
+prefix ``x``'s leading dims: that is how vmapping over the weight stays one
+kernel (see batching_rules/norm.py).
 """
 
 from __future__ import annotations
@@ -27,11 +27,11 @@ from typing import Optional
 import jax
 import jax.numpy as jnp
 from jax import lax
+
 from pallax.batching_rules import norm as norm_batching
 from pallax.kernels import norm as kernels
 from pallax.kernels.norm import CATEGORY, ROW, STAT, WEIGHT, NormConfig, NormKind
 from pallax.kernels.norm import xla as norm_xla
-
 from pallax.op import (
   Dims,
   PrimitiveSpec,

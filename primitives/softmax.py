@@ -36,11 +36,11 @@ from typing import Optional, Union
 import jax
 import jax.numpy as jnp
 import numpy as np
+
 from pallax.batching_rules import softmax as softmax_batching
 from pallax.kernels import softmax as kernels
 from pallax.kernels.softmax import SoftmaxConfig
 from pallax.kernels.softmax import xla as softmax_xla
-
 from pallax.op import Dims, PrimitiveSpec, bind, define_residual_op, instantiate, match_manual_axes
 from pallax.validation import check_config, check_floating
 

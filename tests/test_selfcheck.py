@@ -45,11 +45,13 @@ def _report(*flags):
 def _check_report(stdout):
   lines = stdout.strip().splitlines()
   assert lines[-1] == "all ops within tolerance", stdout
+  assert stdout.strip().endswith("all ops within tolerance")
   rule = lines[2]
   assert set(rule) == {"-"} and len(rule) == len(lines[1]), lines[:3]
   rows = lines[3 : lines.index(rule, 3)]  # title, header, rule, rows, rule, legend, verdict
   assert [row.split()[0] for row in rows] == [op for op in OPS for _ in range(6)], stdout
   for op in OPS:
+    assert [row.split()[0] for row in rows].count(op) == 6, (op, stdout)
     # The fast path then both interpreted kernels, float32 and bfloat16 each.
     mine = [row for row in rows if row.split()[0] == op]
     assert [row.split()[1] for row in mine] == ["float32", "bfloat16"] * 3, mine
@@ -175,6 +177,13 @@ def _wrong_rms_norm():
     reference=lambda x: x / jnp.sqrt(jnp.mean(x * x, -1, keepdims=True) + 1e-6),
     dtypes=(jnp.float32,),
   )
+
+
+def test_a_wrong_op_fails_the_report():
+  wrong = _wrong_rms_norm()
+  report = io.StringIO()
+  assert run(report, checks=[wrong]) is False
+  assert "FAIL" in report.getvalue() and "SOME OPS ARE WRONG" in report.getvalue()
 
 
 def test_a_wrong_op_fails_the_report_and_a_noisy_time_is_flagged():

@@ -18,12 +18,11 @@ gradient of a weight shared by a batch sums over the batch in the same GEMM.
 
 from __future__ import annotations
 
+from pallax.activations import ACTIVATIONS
 from pallax.kernels.matmul import config, mosaic_tpu, triton
 from pallax.kernels.matmul.config import TPU_VMEM_BYTES, TRITON_SMEM_BYTES, MatmulConfig
 from pallax.kernels.matmul.layout import Problem, acc_dtype, bias_like, output_batch
 from pallax.kernels.matmul.xla import epilogue, matmul_xla, split_params
-
-from pallax.activations import ACTIVATIONS
 from pallax.op import Kernel
 
 __all__ = [

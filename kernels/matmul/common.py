@@ -18,11 +18,11 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
+
+from pallax.activations import activate_in_kernel
 from pallax.kernels.matmul.config import MatmulConfig
 from pallax.kernels.matmul.layout import Problem, acc_dtype
 from pallax.kernels.matmul.xla import epilogue, split_params
-
-from pallax.activations import activate_in_kernel
 
 
 @dataclasses.dataclass(frozen=True)

@@ -8,10 +8,10 @@ from typing import Any, Optional
 
 import jax.numpy as jnp
 from jax import lax
-from pallax.kernels.matmul.layout import Problem, problem_of
 
 from pallax.executor.config import KernelConfig
 from pallax.executor.registry import interpreted, kernel_backend
+from pallax.kernels.matmul.layout import Problem, problem_of
 from pallax.pallas_utils import next_pow2, sublanes
 
 
@@ -119,7 +119,7 @@ def heuristic(avals: Sequence[Any], target: str, **params) -> MatmulConfig:
 
 
 def candidates(avals: Sequence[Any], target: str, **params) -> list[MatmulConfig]:
-  """The autotuning space: tile shapes (and warps, stages on Triton), plus the XLA program."""
+  """The autotuning space: tile shapes (and warps, stages on Triton)."""
   backend = kernel_backend(target)
   base = _backend_heuristic(avals, backend, **params)
   prob = problem_of(avals, params)

@@ -15,6 +15,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
+
 from pallax.kernels.matmul import common
 from pallax.kernels.matmul.config import MatmulConfig, mosaic_blocks
 from pallax.kernels.matmul.layout import Problem

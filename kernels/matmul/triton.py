@@ -13,10 +13,10 @@ import functools
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
+
 from pallax.kernels.matmul import common
 from pallax.kernels.matmul.config import MatmulConfig
 from pallax.kernels.matmul.layout import Problem, acc_dtype
-
 from pallax.pallas_utils import in_bounds, load, store, triton_compiler_params
 
 

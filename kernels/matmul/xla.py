@@ -12,9 +12,9 @@ from typing import Optional
 
 import jax
 from jax import lax
-from pallax.kernels.matmul.layout import acc_dtype, bias_like, output_batch
 
 from pallax.activations import activate
+from pallax.kernels.matmul.layout import acc_dtype, bias_like, output_batch
 
 
 def _batch_axes(mask: Sequence[bool]) -> list[Optional[int]]:

@@ -6,6 +6,7 @@ Each op has a forward stage (outputs plus the statistics the backward needs),
 a tangent stage (forward-mode AD; an XLA program on every platform) and a
 backward stage.
 
+* ``kind.py``: ``NormKind`` and the operand and result names of each stage;
 * ``config.py``: ``NormConfig``, its heuristic, autotuning space and legality;
 * ``xla.py``: the XLA programs (the CPU path);
 * ``common.py``: the kernel bodies, run by ``triton.py`` and ``mosaic_tpu.py``.
@@ -16,7 +17,6 @@ from __future__ import annotations
 from pallax.kernels.norm import config, mosaic_tpu, triton
 from pallax.kernels.norm.config import NormConfig
 from pallax.kernels.norm.kind import ADD_RMS, CATEGORY, LAYER, RMS, ROW, STAT, WEIGHT, NormKind
-
 from pallax.op import Kernel
 
 __all__ = [

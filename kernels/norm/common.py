@@ -19,10 +19,10 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
+
 from pallax.kernels.norm import xla
 from pallax.kernels.norm.config import NormConfig
 from pallax.kernels.norm.kind import CATEGORY, ROW, STAT, WEIGHT, NormKind
-
 from pallax.pallas_utils import RowBlocks, and_masks, load, masked, stat_dtype, store
 
 
@@ -30,21 +30,21 @@ from pallax.pallas_utils import RowBlocks, and_masks, load, masked, stat_dtype, 
 class Layout:
   """The (G, R, H) view of one call and its blocks.
 
-  ``masked``: whether blocks overhanging the array must be masked by hand
+  ``masks_by_hand``: whether blocks overhanging the array must be masked by hand
   (Triton); Mosaic TPU pads partial blocks itself (reads of the padding give
   garbage, writes to it are dropped).
   """
 
   groups: int
   blocks: RowBlocks
-  masked: bool
+  masks_by_hand: bool
 
   @classmethod
   def of(cls, x_shape, w_shape, config: NormConfig, backend: str) -> Layout:
     groups = math.prod(w_shape[:-1])
     rows = math.prod(x_shape[:-1]) // max(groups, 1)
     blocks = RowBlocks.of(rows, x_shape[-1], config.block_rows, None, backend)
-    return cls(groups, blocks, masked=backend == "triton")
+    return cls(groups, blocks, masks_by_hand=backend == "triton")
 
   @property
   def grid(self) -> tuple[int, int]:
@@ -74,7 +74,7 @@ class Layout:
 
   def bounds(self, category: str, shape) -> Optional[jax.Array]:
     """Where blocks are masked: which entries of a ``category`` block lie inside the array."""
-    if not self.masked:
+    if not self.masks_by_hand:
       return None
     rows = self.row_mask(shape) if category in (ROW, STAT) else None
     cols = self.column_mask(shape) if category in (ROW, WEIGHT) else None

@@ -10,6 +10,7 @@ from __future__ import annotations
 import functools
 
 from jax.experimental.pallas import tpu as pltpu
+
 from pallax.kernels.norm import common
 
 _COMPILER_PARAMS = pltpu.CompilerParams(dimension_semantics=("parallel", "parallel"))

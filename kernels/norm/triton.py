@@ -10,7 +10,6 @@ from __future__ import annotations
 import functools
 
 from pallax.kernels.norm import common
-
 from pallax.pallas_utils import triton_compiler_params
 
 

@@ -11,8 +11,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 from jax import lax
-from pallax.kernels.norm.kind import NormKind
 
+from pallax.kernels.norm.kind import NormKind
 from pallax.pallas_utils import stat_dtype
 
 # Up to this many elements of x the XLA programs take the forms autodiff of

@@ -18,7 +18,6 @@ from __future__ import annotations
 from pallax.kernels.softmax import config, mosaic_tpu, triton
 from pallax.kernels.softmax.config import SoftmaxConfig
 from pallax.kernels.softmax.programs import PROGRAMS
-
 from pallax.op import Kernel
 
 __all__ = ["SoftmaxConfig", "OPS", "kernel"]

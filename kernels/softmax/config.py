@@ -58,7 +58,7 @@ def _tpu_row_tile(avals) -> int:
   return max(sub, sublanes(jnp.int8)) if _masked(avals) else sub
 
 
-def _backend_heuristic(avals, backend: str, **params) -> SoftmaxConfig:
+def _backend_heuristic(avals, backend: str) -> SoftmaxConfig:
   """The whole row in one block up to 8192 columns; rows to fill the tile."""
   rows, cols = _rows_cols(avals)
   if backend == "triton":

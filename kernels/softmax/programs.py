@@ -16,8 +16,8 @@ from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
-from pallax.kernels.softmax.config import SoftmaxConfig
 
+from pallax.kernels.softmax.config import SoftmaxConfig
 from pallax.pallas_utils import RowBlocks, masked
 
 

@@ -13,9 +13,9 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
+
 from pallax.kernels.softmax.config import SoftmaxConfig
 from pallax.kernels.softmax.programs import RowProgram, run_rows
-
 from pallax.pallas_utils import (
   RowBlocks,
   and_masks,

@@ -1,8 +1,9 @@
 """Config selection for kernels (design.md section 3).
 
-Kernels register a ``KernelSpec`` (config class, heuristic, candidates,
-support check); the op framework asks the ``Executor`` in scope for each
-kernel call's config at lowering time.
+Every kernel has a ``KernelSpec`` (config class, heuristic, candidates,
+support check), registered under its primitive's name by
+``pallax.op.define_primitive``; the op framework asks the ``Executor`` in scope
+for each kernel call's config at lowering time.
 """
 
 from pallax.executor.config import KernelConfig

@@ -13,13 +13,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from pallax.kernels.matmul import TPU_VMEM_BYTES, TRITON_SMEM_BYTES, MatmulConfig, Problem
-from pallax.primitives.matmul import matmul_p
 
 import pallax
 from pallax.executor import Executor
 from pallax.executor.registry import TARGETS
+from pallax.kernels.matmul import TPU_VMEM_BYTES, TRITON_SMEM_BYTES, MatmulConfig, Problem
 from pallax.op import bind
+from pallax.primitives.matmul import matmul_p
 from tests.helpers import (
   CALL_TARGET,
   assert_close,

@@ -10,10 +10,10 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import pytest
-from pallax.kernels.norm import NormConfig
 
 import pallax
 from pallax.executor.registry import TARGETS
+from pallax.kernels.norm import NormConfig
 from tests.helpers import CALL_TARGET, executor_view, lower_text
 
 norm_heuristic, norm_candidates, norm_supports = executor_view("rms_norm_fwd")

@@ -15,11 +15,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from pallax.kernels.softmax import OPS, SoftmaxConfig
 
 import pallax
 from pallax.executor import Executor
 from pallax.executor.registry import TARGETS
+from pallax.kernels.softmax import OPS, SoftmaxConfig
 from tests.helpers import CALL_TARGET, executor_view, lower_text, rand
 
 softmax_heuristic, softmax_candidates, softmax_supports = executor_view("softmax_fwd")

@@ -9,9 +9,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from pallax.kernels.norm import xla as norm_xla
 
 import pallax
+from pallax.kernels.norm import xla as norm_xla
 from tests.helpers import FLOAT_DTYPES, PATHS, assert_close, on_path, rand, to64, x64
 
 SHAPES = [(3, 96), (2, 5, 200), (37, 1000), (1, 7)]
