@@ -15,7 +15,7 @@ Memory: a subprocess runs an MLP whose unbatched hidden layer alone takes
 growth must stay under the budget plus a fixed overhead: one copy of the
 input (the scan's chunked view), the output, and 64 MiB for the runtime.
 
-Run: ``PYTHONPATH=. python -m pytest bench/test_autobatch.py --benchmark-only``.
+Run: ``PYTHONPATH=. python -m pytest -n 0 bench/test_autobatch.py --benchmark-only``.
 """
 
 import json

@@ -1,6 +1,9 @@
 """matmul vs ``jnp.matmul`` plus the unfused epilogue, forward and forward+backward.
 
-Run: ``pytest bench/test_matmul.py --benchmark-group-by=param:shape,param:epilogue,param:mode``.
+Run (``-n 0``: pytest-benchmark does not time under xdist)::
+
+  pytest -n 0 bench/test_matmul.py --benchmark-group-by=param:shape,param:epilogue,param:mode
+
 Each group then holds the pallax and plain-jnp timings of one case side by side.
 Shapes are ``(M, K, N)``: ``[M, K] @ [K, N]``.
 """

@@ -1,6 +1,9 @@
 """Norm ops vs their plain-jnp formulations, forward and forward+backward.
 
-Run: ``pytest bench/test_norm.py --benchmark-group-by=param:op,param:shape,param:dtype,param:mode``.
+Run (``-n 0``: pytest-benchmark does not time under xdist)::
+
+  pytest -n 0 bench/test_norm.py --benchmark-group-by=param:op,param:shape,param:dtype,param:mode
+
 Each group then holds the pallax and baseline timings of one case side by
 side. ``fused_add_rms_norm`` is compared with plain jnp and with the unfused
 ``x + r`` followed by ``pallax.rms_norm``. The forward+backward loss takes a

@@ -1,6 +1,6 @@
 """softmax / log_softmax vs jax.nn, forward and forward+backward.
 
-Run: ``pytest bench/test_softmax.py
+Run: ``pytest -n 0 bench/test_softmax.py
 --benchmark-group-by=param:op,param:shape,param:dtype,param:mode``.
 Each group then holds the pallax and jax.nn timings of one case side by side.
 The forward+backward loss takes a random cotangent (an argument, not a
