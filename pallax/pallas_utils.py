@@ -69,6 +69,16 @@ def store(ref, value: jax.Array, bounds: Optional[jax.Array] = None) -> None:
     pltriton.store(ref, value, mask=bounds)
 
 
+def triton_warps_reason(config) -> Optional[str]:
+  """Why a Triton config's ``num_warps`` cannot compile, if it cannot.
+
+  Triton's layouts need a power of two: ``num_warps=3`` makes LLVM abort the
+  whole process during compilation ("Out-dim sizes must be powers of 2").
+  """
+  warps = config.num_warps
+  return None if warps & (warps - 1) == 0 else f"num_warps={warps} must be a power of two on Triton"
+
+
 def triton_compiler_params(config) -> pltriton.CompilerParams:
   """Triton launch parameters from a config's ``num_warps`` and ``num_stages``."""
   return pltriton.CompilerParams(num_warps=config.num_warps, num_stages=config.num_stages)

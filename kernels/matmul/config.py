@@ -12,7 +12,7 @@ from jax import lax
 from pallax.executor.config import KernelConfig
 from pallax.executor.registry import interpreted, kernel_backend
 from pallax.kernels.matmul.layout import Problem, problem_of
-from pallax.pallas_utils import next_pow2, sublanes
+from pallax.pallas_utils import next_pow2, sublanes, triton_warps_reason
 
 
 @dataclasses.dataclass(frozen=True)
@@ -187,7 +187,7 @@ def supports(avals: Sequence[Any], target: str, config: MatmulConfig, **params) 
   if backend == "triton":
     if any(x < 16 or x & (x - 1) for x in blocks):
       return f"blocks {blocks} must be powers of two >= 16 on Triton"
-    return None
+    return triton_warps_reason(config)
   precision = params["precision"]
   if precision is not None and (
     precision[0] != precision[1]

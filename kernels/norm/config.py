@@ -15,7 +15,7 @@ import jax.numpy as jnp
 
 from pallax.executor.config import KernelConfig
 from pallax.executor.registry import interpreted, kernel_backend
-from pallax.pallas_utils import next_pow2, sublanes
+from pallax.pallas_utils import next_pow2, sublanes, triton_warps_reason
 
 
 @dataclasses.dataclass(frozen=True)
@@ -38,13 +38,36 @@ def _rows_hidden(avals) -> tuple[int, int]:
   return max(1, math.prod(x.shape[:-1])), x.shape[-1]
 
 
+def _spills(block_rows: int, block_hidden: int, num_warps: int) -> bool:
+  """Whether a Triton norm kernel with this block and warps spills registers.
+
+  A block's elements per thread must stay within what the register file holds
+  next to the backward kernel's temporaries: at most 16 with 16 warps (512
+  threads, 128 registers each) and at most 32 with 8 warps or fewer (255
+  registers). Measured with ptxas (--warn-on-spills, sm_90a and sm_80) on the
+  dumped PTX of the backward kernels of all three norms, float32 and bfloat16:
+  at x (512, 1024), (16 rows, 16 warps), 32 per thread, spills 124-220 bytes
+  and (8, 8), 32 per thread, uses 128-137 registers without spilling; 64 per
+  thread with 8 warps uses 199-255 registers and spilled 8 bytes once
+  (fused_add_rms_norm float32, x (1000, 4000), A100); (16, 4), 128 per
+  thread, spills 668 bytes.
+  """
+  per_thread = block_rows * block_hidden // (32 * num_warps)
+  return per_thread > (16 if num_warps >= 16 else 32)
+
+
 def _backend_heuristic(avals, backend: str) -> NormConfig:
-  """Rows per block so that one block of x holds about 16K (Triton) or 512K (TPU) elements."""
+  """Rows per block so that one block of x holds about 8K (Triton) or 512K (TPU) elements.
+
+  On Triton, a warp per 1K elements of the block, at most 8: 32 elements per
+  thread, which the backward kernel holds without spilling (``_spills``).
+  Rows wider than 8K elements are one block each (64 per thread at 16K).
+  """
   rows, hidden = _rows_hidden(avals)
   if backend == "triton":
     block_hidden = next_pow2(hidden)
-    block_rows = max(1, min(next_pow2(rows), 16384 // block_hidden, 64))
-    num_warps = max(1, min(16, block_hidden * block_rows // 1024))
+    block_rows = max(1, min(next_pow2(rows), 8192 // block_hidden, 64))
+    num_warps = max(1, min(8, block_hidden * block_rows // 1024))
     return NormConfig(block_rows=block_rows, num_warps=next_pow2(num_warps))
   sub = sublanes(avals[0].dtype)
   fit = max(sub, (524288 // hidden) // sub * sub)
@@ -71,7 +94,7 @@ def candidates(avals: Sequence[Any], target: str, **params) -> list[NormConfig]:
       for b in (1, 2, 4, 8, 16, 32, 64)
       if b <= next_pow2(rows) and b * block_hidden <= 65536
       for w in (2, 4, 8, 16)
-      if w * 32 <= b * block_hidden
+      if w * 32 <= b * block_hidden and not _spills(b, block_hidden, w)
     ]
   else:
     sub = sublanes(avals[0].dtype)
@@ -87,8 +110,9 @@ def supports(avals: Sequence[Any], target: str, config: NormConfig, **params) ->
   """Why the kernel cannot run this call on ``target`` with ``config``, if it cannot."""
   block_rows = config.block_rows
   if kernel_backend(target) == "triton":
-    pow2 = block_rows & (block_rows - 1) == 0
-    return None if pow2 else f"block_rows={block_rows} must be a power of two on Triton"
+    if block_rows & (block_rows - 1):
+      return f"block_rows={block_rows} must be a power of two on Triton"
+    return triton_warps_reason(config)
   if avals[0].dtype == jnp.float64:
     return "float64 has no Mosaic TPU kernel"
   rows, sub = _rows_hidden(avals)[0], sublanes(avals[0].dtype)

@@ -15,7 +15,7 @@ import jax.numpy as jnp
 
 from pallax.executor.config import KernelConfig
 from pallax.executor.registry import interpreted, kernel_backend
-from pallax.pallas_utils import next_pow2, sublanes
+from pallax.pallas_utils import next_pow2, sublanes, triton_warps_reason
 
 
 @dataclasses.dataclass(frozen=True)
@@ -136,7 +136,7 @@ def supports(avals: Sequence[Any], target: str, config: SoftmaxConfig, **params)
     value = getattr(config, name)
     if value & (value - 1):
       return f"{name}={value} must be a power of two on Triton"
-  return None
+  return triton_warps_reason(config)
 
 
 CONFIG_CLS = SoftmaxConfig
