@@ -56,10 +56,29 @@ def _spills(block_rows: int, block_hidden: int, num_warps: int) -> bool:
   return per_thread > (16 if num_warps >= 16 else 32)
 
 
-def _backend_heuristic(avals, backend: str) -> NormConfig:
-  """Rows per block so that one block of x holds about 8K (Triton) or 512K (TPU) elements.
+# Scoped VMEM a Mosaic norm kernel may use: the default limit of the smallest
+# generation (v5e 16 MiB; v6e 32 MiB), less headroom.
+TPU_VMEM_BUDGET = 12 * 2**20
 
-  On Triton, a warp per 1K elements of the block, at most 8: 32 elements per
+
+def tpu_vmem(block_rows: int, hidden: int, itemsize: int) -> int:
+  """Scoped VMEM of the largest norm kernel, for a block of ``block_rows`` rows.
+
+  fused_add_rms_norm's backward reads x, dy, dh and writes dx, each block
+  double-buffered, plus about three float32 temporaries of the block. Checked
+  against libtpu's compile-only v5e/v6e targets, which report the scoped
+  allocation when it overflows: rms_norm's backward at x (4096, 8192) float32
+  with 64 rows needs 18.03 MiB (this model: 22 MiB); fused_add_rms_norm's
+  forward at x (1000, 4000) float32 with 128 rows overflowed v5e's 16 MiB.
+  """
+  return block_rows * hidden * (2 * 4 * itemsize + 3 * 4)
+
+
+def _backend_heuristic(avals, backend: str) -> NormConfig:
+  """Rows per block: about 8K elements (Triton), or what fits in VMEM (TPU).
+
+  On TPU, as many rows as fit ``TPU_VMEM_BUDGET`` (``tpu_vmem``), at most
+  1024. On Triton, a warp per 1K elements of the block, at most 8: 32 elements per
   thread, which the backward kernel holds without spilling (``_spills``).
   Rows wider than 8K elements are one block each (64 per thread at 16K).
   """
@@ -69,9 +88,10 @@ def _backend_heuristic(avals, backend: str) -> NormConfig:
     block_rows = max(1, min(next_pow2(rows), 8192 // block_hidden, 64))
     num_warps = max(1, min(8, block_hidden * block_rows // 1024))
     return NormConfig(block_rows=block_rows, num_warps=next_pow2(num_warps))
-  sub = sublanes(avals[0].dtype)
-  fit = max(sub, (524288 // hidden) // sub * sub)
-  return NormConfig(block_rows=min(fit, 1024))
+  dtype = avals[0].dtype
+  sub = sublanes(dtype)
+  fit = TPU_VMEM_BUDGET // tpu_vmem(1, hidden, jnp.dtype(dtype).itemsize)
+  return NormConfig(block_rows=min(max(sub, fit // sub * sub), 1024))
 
 
 def heuristic(avals: Sequence[Any], target: str, **params) -> NormConfig:
@@ -97,11 +117,11 @@ def candidates(avals: Sequence[Any], target: str, **params) -> list[NormConfig]:
       if w * 32 <= b * block_hidden and not _spills(b, block_hidden, w)
     ]
   else:
-    sub = sublanes(avals[0].dtype)
+    sub, itemsize = sublanes(avals[0].dtype), jnp.dtype(avals[0].dtype).itemsize
     out = [
       NormConfig(block_rows=b)
       for b in (sub, 2 * sub, 4 * sub, 8 * sub, 256, 512, 1024)
-      if b % sub == 0 and b * hidden <= 2**21
+      if b % sub == 0 and tpu_vmem(b, hidden, itemsize) <= TPU_VMEM_BUDGET
     ]
   return out or [_backend_heuristic(avals, backend)]
 

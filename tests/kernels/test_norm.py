@@ -16,6 +16,7 @@ import pytest
 import pallax
 from pallax.executor.registry import TARGETS
 from pallax.kernels.norm import NormConfig
+from pallax.kernels.norm.config import TPU_VMEM_BUDGET, tpu_vmem
 from tests.helpers import CALL_TARGET, executor_view, lower_text
 
 norm_heuristic, norm_candidates, norm_supports = executor_view("rms_norm_fwd")
@@ -180,3 +181,29 @@ def test_warps_must_be_a_power_of_two_on_triton(target):
     lower_text(
       lambda x: pallax.rms_norm(x, config=NormConfig(block_rows=8, num_warps=3)), target, x
     )
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: jnp.dtype(d).name)
+@pytest.mark.parametrize("shape", SHAPES + [(1000, 4000), (4096, 8192), (16, 65536)], ids=str)
+def test_tpu_configs_fit_the_default_scoped_vmem(shape, dtype):
+  """Blocks within v5e's default scoped VMEM (16 MiB, less headroom) by ``tpu_vmem``'s model.
+
+  The old 512K-element blocks overflowed it on libtpu's compile-only v5e target:
+  fused_add_rms_norm at (1000, 4000) float32, rms_norm's backward at (4096, 8192).
+  A sublane-tall block of a very wide row may need more: its kernel raises the limit.
+  """
+  aval = jax.ShapeDtypeStruct(shape, dtype)
+  itemsize, sub = jnp.dtype(dtype).itemsize, 8 * (4 // jnp.dtype(dtype).itemsize)
+  for config in [norm_heuristic([aval], "tpu")] + norm_candidates([aval], "tpu"):
+    rows = min(config.block_rows, math.prod(shape[:-1]))
+    if config.block_rows > sub:
+      assert tpu_vmem(rows, shape[-1], itemsize) <= TPU_VMEM_BUDGET, config
+
+
+def test_tpu_kernel_raises_the_vmem_limit_only_for_blocks_that_need_it():
+  w = jax.ShapeDtypeStruct((65536,), jnp.float32)
+  wide = lower_text(pallax.rms_norm, "tpu", jax.ShapeDtypeStruct((16, 65536), jnp.float32), w)
+  assert "scoped_memory_configs" in wide
+  w = jax.ShapeDtypeStruct((1024,), jnp.float32)
+  usual = lower_text(pallax.rms_norm, "tpu", jax.ShapeDtypeStruct((512, 1024), jnp.float32), w)
+  assert "tpu_custom_call" in usual and "scoped_memory_configs" not in usual
