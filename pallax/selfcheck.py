@@ -20,7 +20,6 @@ import dataclasses
 import functools
 import math
 import sys
-import time
 from collections.abc import Callable, Sequence
 from typing import Optional, TextIO
 
@@ -28,6 +27,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from pallax.executor.autotune import median_time
 from pallax.executor.tools import explain
 from pallax.interpret import BACKENDS, interpret
 from pallax.primitives.matmul import matmul, matmul_reference
@@ -315,13 +315,8 @@ def wall_clock_pairs(op: Callable, reference: Callable, args: Sequence[jax.Array
   """The real ``PairTimer``: jits and warms up both, then times one call of each per pair."""
   ours, plain = jax.jit(op), jax.jit(reference)
   for fn in (ours, plain):
-    for _ in range(3):  # compile and warm up
-      jax.block_until_ready(fn(*args))
-
-  def once(fn: Callable) -> float:
-    start = time.perf_counter()
-    jax.block_until_ready(fn(*args))
-    return time.perf_counter() - start
+    median_time(fn, args, warmup=2, repeats=1)  # compile and warm up
+  once = functools.partial(median_time, args=args, warmup=0, repeats=1)
 
   def time_pair(i: int) -> tuple[float, float]:
     if i % 2:

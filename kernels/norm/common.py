@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+from collections.abc import Callable
 from typing import Any, Optional
 
 import jax
@@ -170,14 +171,16 @@ def norm_kernel(
   kind: NormKind,
   config: NormConfig,
   backend: str,
-  compiler_params: Any,
+  compiler_params: Callable[[Layout, Any], Any],
   interpret,
   **scalars,
 ):
   """The ``stage`` (``"fwd"``, ``"bwd"``) kernel on ``backend``.
 
-  Called by ``triton.py`` and ``mosaic_tpu.py`` with their compiler params;
-  ``scalars`` are the stage's static params (``eps``, ``offset``).
+  Called by ``triton.py`` and ``mosaic_tpu.py``, whose ``compiler_params(layout,
+  dtype)`` gives the backend's compiler params for the call's blocks and
+  ``x``'s dtype; ``scalars`` are the stage's static params (``eps``,
+  ``offset``).
   """
   body, outputs, xla_program = _STAGES[stage]
   operands, results = kind.names(stage)
@@ -193,7 +196,7 @@ def norm_kernel(
     in_specs=[lay.spec(CATEGORY[n]) for n in operands],
     out_specs=out_specs,
     out_shape=out_shape,
-    compiler_params=compiler_params,
+    compiler_params=compiler_params(lay, x.dtype),
     interpret=interpret,
     name=f"norm_{stage}",
   )(*[arg[n].reshape(lay.view_shape(CATEGORY[n])) for n in operands])

@@ -10,33 +10,27 @@ the limit for its kernel, up to most of the chip's VMEM.
 from __future__ import annotations
 
 import functools
-import math
 
 import jax.numpy as jnp
 from jax.experimental.pallas import tpu as pltpu
 
 from pallax.kernels.norm import common
-from pallax.kernels.norm.config import TPU_VMEM_BUDGET, NormConfig, tpu_vmem
+from pallax.kernels.norm.config import TPU_VMEM_BUDGET, tpu_vmem
 
 # Most of the 128 MiB of VMEM of v5e and v6e, for blocks over the default limit.
 _VMEM_CEILING = 100 * 2**20
 
 
-def _compiler_params(x, config: NormConfig) -> pltpu.CompilerParams:
-  rows = max(1, math.prod(x.shape[:-1]))
-  need = tpu_vmem(min(config.block_rows, rows), x.shape[-1], jnp.dtype(x.dtype).itemsize)
+def _compiler_params(layout: common.Layout, dtype) -> pltpu.CompilerParams:
+  blocks = layout.blocks
+  need = tpu_vmem(blocks.block_rows, blocks.cols, jnp.dtype(dtype).itemsize)
   limit = None if need <= TPU_VMEM_BUDGET else min(2 * need, _VMEM_CEILING)
   return pltpu.CompilerParams(dimension_semantics=("parallel", "parallel"), vmem_limit_bytes=limit)
 
 
-def _call(stage, *args, config: NormConfig, **params):
+def _call(stage, *args, **params):
   return common.norm_kernel(
-    stage,
-    *args,
-    config=config,
-    backend="mosaic_tpu",
-    compiler_params=_compiler_params(args[0], config),
-    **params,
+    stage, *args, backend="mosaic_tpu", compiler_params=_compiler_params, **params
   )
 
 

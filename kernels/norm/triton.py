@@ -19,7 +19,7 @@ def _call(stage, *args, config, **params):
     *args,
     config=config,
     backend="triton",
-    compiler_params=triton_compiler_params(config),
+    compiler_params=lambda layout, dtype: triton_compiler_params(config),
     **params,
   )
 
