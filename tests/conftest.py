@@ -1,8 +1,45 @@
-"""Test set-up: CPU only, 8 fake host devices for the sharding tests."""
+"""Test set-up: the platform the tests run on, and 8 fake host devices for sharding tests.
+
+``PALLAX_TEST_PLATFORM`` (default ``cpu``) picks where ops run:
+
+* ``cpu``: everything on the CPU; kernels run interpreted (``tests.helpers.on_path``).
+* ``gpu`` / ``tpu``: ops run on the device and the kernel path of that device
+  (Triton / Mosaic TPU) runs the real, compiled kernel; the other backend's kernel
+  stays interpreted, float64 references are computed on the CPU, and the
+  lowering and compile tests (marker ``lowering``) are skipped as redundant.
+  Sharding tests need 8 devices of the platform.
+"""
 
 import os
 
-os.environ.setdefault("JAX_PLATFORMS", "cpu")
+import pytest
+
+PLATFORM = os.environ.get("PALLAX_TEST_PLATFORM", "cpu").strip().lower()
+_JAX_PLATFORMS = {"cpu": "cpu", "gpu": "cuda,cpu", "tpu": "tpu,cpu"}
+if PLATFORM not in _JAX_PLATFORMS:
+  raise pytest.UsageError(f"PALLAX_TEST_PLATFORM={PLATFORM!r}: use cpu, gpu or tpu")
+
+os.environ.setdefault("JAX_PLATFORMS", _JAX_PLATFORMS[PLATFORM])
 _flags = os.environ.get("XLA_FLAGS", "")
 if "xla_force_host_platform_device_count" not in _flags:
   os.environ["XLA_FLAGS"] = (_flags + " --xla_force_host_platform_device_count=8").strip()
+
+
+def pytest_configure(config):
+  if PLATFORM != "cpu":
+    import jax
+
+    platform = jax.devices()[0].platform
+    if platform != PLATFORM:
+      raise pytest.UsageError(
+        f"PALLAX_TEST_PLATFORM={PLATFORM} but JAX's default device is a {platform} device"
+      )
+
+
+def pytest_collection_modifyitems(config, items):
+  if PLATFORM == "cpu":
+    return
+  skip = pytest.mark.skip(reason=f"lowering/compile check: redundant on a real {PLATFORM}")
+  for item in items:
+    if "lowering" in item.keywords:
+      item.add_marker(skip)

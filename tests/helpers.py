@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import os
 
 import jax
 import jax.numpy as jnp
@@ -19,9 +20,17 @@ TOL = {"float32": 1e-5, "bfloat16": 1e-2, "float16": 1e-2, "float64": 1e-12}
 FLOAT_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
 
 
+# Under PALLAX_TEST_PLATFORM=gpu/tpu (tests/conftest.py) ops run on that device,
+# where the executor picks its compiled kernel: that kernel path runs for real.
+PLATFORM = os.environ.get("PALLAX_TEST_PLATFORM", "cpu").strip().lower()
+NATIVE_KERNEL = {"gpu": "triton", "tpu": "mosaic_tpu"}.get(PLATFORM)
+
+
 def on_path(path: str):
-  """Context manager selecting the XLA path or an interpreted kernel."""
-  return contextlib.nullcontext() if path == "xla" else pallax.interpret(path)
+  """Context manager selecting the XLA path or a kernel (interpreted unless native)."""
+  if path in ("xla", NATIVE_KERNEL):
+    return contextlib.nullcontext()
+  return pallax.interpret(path)
 
 
 def rand(rng: np.random.Generator, shape, dtype=jnp.float32, scale=1.0, shift=0.0):
@@ -69,13 +78,15 @@ def assert_close_neginf(got, want, *, rtol: float, atol: float) -> None:
   )
 
 
+@contextlib.contextmanager
 def x64():
-  """float64 enabled (for the references) inside the block."""
-  return jax.enable_x64(True)
+  """float64 enabled (for the references) inside the block, computed on the CPU."""
+  with jax.enable_x64(True), jax.default_device(jax.devices("cpu")[0]):
+    yield
 
 
 def mesh_4x2(axis_type=jax.sharding.AxisType.Auto) -> jax.sharding.Mesh:
-  """A (4, 2) mesh with axes ("a", "b") over the 8 fake CPU devices."""
+  """A (4, 2) mesh with axes ("a", "b") over 8 devices (the fake CPU ones by default)."""
   return jax.make_mesh((4, 2), ("a", "b"), axis_types=(axis_type,) * 2)
 
 

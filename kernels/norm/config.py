@@ -15,7 +15,7 @@ import jax.numpy as jnp
 
 from pallax.executor.config import KernelConfig
 from pallax.executor.registry import interpreted, kernel_backend
-from pallax.pallas_utils import next_pow2, sublanes, triton_warps_reason
+from pallax.pallas_utils import mosaic_dtype_reason, next_pow2, sublanes, triton_warps_reason
 
 
 @dataclasses.dataclass(frozen=True)
@@ -38,22 +38,30 @@ def _rows_hidden(avals) -> tuple[int, int]:
   return max(1, math.prod(x.shape[:-1])), x.shape[-1]
 
 
-def _spills(block_rows: int, block_hidden: int, num_warps: int) -> bool:
+# The widest row (power of two) each Triton kernel holds in registers: the
+# backward kernel spills at every num_warps beyond 16K elements (788-14378
+# bytes at 32K, float32 and bfloat16, H100 and A100), the forward beyond 32K.
+# Wider rows run the XLA program.
+_TRITON_MAX_HIDDEN = {"fwd": 32768, "bwd": 16384}
+
+
+def _spills(block_rows: int, block_hidden: int, num_warps: int, stage: str) -> bool:
   """Whether a Triton norm kernel with this block and warps spills registers.
 
-  A block's elements per thread must stay within what the register file holds
-  next to the backward kernel's temporaries: at most 16 with 16 warps (512
-  threads, 128 registers each) and at most 32 with 8 warps or fewer (255
-  registers). Measured with ptxas (--warn-on-spills, sm_90a and sm_80) on the
-  dumped PTX of the backward kernels of all three norms, float32 and bfloat16:
-  at x (512, 1024), (16 rows, 16 warps), 32 per thread, spills 124-220 bytes
-  and (8, 8), 32 per thread, uses 128-137 registers without spilling; 64 per
-  thread with 8 warps uses 199-255 registers and spilled 8 bytes once
-  (fused_add_rms_norm float32, x (1000, 4000), A100); (16, 4), 128 per
-  thread, spills 668 bytes.
+  Measured with ptxas (``pallax.verify``: --warn-on-spills, sm_90a and sm_80)
+  on the kernels of all three norms, float32 and bfloat16. The backward kernel
+  holds at most 32 elements of its block per thread: (8 rows of 1024, 8 warps)
+  uses 128-137 registers, 64 per thread spills (fused_add_rms_norm float32,
+  one row of 16K on 8 warps, A100: 6468 bytes). With 16 warps (128 registers
+  a thread) only a single-row block fits: one row of 16K uses 118-128
+  registers, while (8, 1024) and (2, 4096), 16 per thread, spilled on A100 and
+  H100 in bfloat16. The forward kernel holds 64 per thread (one row of 32K on
+  16 warps: 98-127 registers).
   """
   per_thread = block_rows * block_hidden // (32 * num_warps)
-  return per_thread > (16 if num_warps >= 16 else 32)
+  if stage == "fwd":
+    return per_thread > 64
+  return per_thread > 32 or (num_warps >= 16 and block_rows > 1)
 
 
 # Scoped VMEM a Mosaic norm kernel may use: the default limit of the smallest
@@ -78,15 +86,16 @@ def _backend_heuristic(avals, backend: str) -> NormConfig:
   """Rows per block: about 8K elements (Triton), or what fits in VMEM (TPU).
 
   On TPU, as many rows as fit ``TPU_VMEM_BUDGET`` (``tpu_vmem``), at most
-  1024. On Triton, a warp per 1K elements of the block, at most 8: 32 elements per
-  thread, which the backward kernel holds without spilling (``_spills``).
-  Rows wider than 8K elements are one block each (64 per thread at 16K).
+  1024. On Triton, a warp per 1K elements of the block: 32 elements per
+  thread, which the backward kernel holds without spilling (``_spills``); 8
+  warps for multi-row blocks, 16 for a row of 16K elements or more (one row
+  per block).
   """
   rows, hidden = _rows_hidden(avals)
   if backend == "triton":
     block_hidden = next_pow2(hidden)
     block_rows = max(1, min(next_pow2(rows), 8192 // block_hidden, 64))
-    num_warps = max(1, min(8, block_hidden * block_rows // 1024))
+    num_warps = max(1, min(8 if block_rows > 1 else 16, block_hidden * block_rows // 1024))
     return NormConfig(block_rows=block_rows, num_warps=next_pow2(num_warps))
   dtype = avals[0].dtype
   sub = sublanes(dtype)
@@ -94,12 +103,12 @@ def _backend_heuristic(avals, backend: str) -> NormConfig:
   return NormConfig(block_rows=min(max(sub, fit // sub * sub), 1024))
 
 
-def heuristic(avals: Sequence[Any], target: str, **params) -> NormConfig:
+def heuristic(avals: Sequence[Any], target: str, *, stage: str, **params) -> NormConfig:
   """The kernel's config for this call: see ``_backend_heuristic``."""
   return _backend_heuristic(avals, kernel_backend(target))
 
 
-def candidates(avals: Sequence[Any], target: str, **params) -> list[NormConfig]:
+def candidates(avals: Sequence[Any], target: str, *, stage: str, **params) -> list[NormConfig]:
   """The autotuning space: block rows (and warps on Triton)."""
   rows, hidden = _rows_hidden(avals)
   backend = kernel_backend(target)
@@ -114,7 +123,7 @@ def candidates(avals: Sequence[Any], target: str, **params) -> list[NormConfig]:
       for b in (1, 2, 4, 8, 16, 32, 64)
       if b <= next_pow2(rows) and b * block_hidden <= 65536
       for w in (2, 4, 8, 16)
-      if w * 32 <= b * block_hidden and not _spills(b, block_hidden, w)
+      if w * 32 <= b * block_hidden and not _spills(b, block_hidden, w, stage)
     ]
   else:
     sub, itemsize = sublanes(avals[0].dtype), jnp.dtype(avals[0].dtype).itemsize
@@ -126,15 +135,26 @@ def candidates(avals: Sequence[Any], target: str, **params) -> list[NormConfig]:
   return out or [_backend_heuristic(avals, backend)]
 
 
-def supports(avals: Sequence[Any], target: str, config: NormConfig, **params) -> Optional[str]:
+def supports(
+  avals: Sequence[Any], target: str, config: NormConfig, *, stage: str, **params
+) -> Optional[str]:
   """Why the kernel cannot run this call on ``target`` with ``config``, if it cannot."""
   block_rows = config.block_rows
   if kernel_backend(target) == "triton":
     if block_rows & (block_rows - 1):
       return f"block_rows={block_rows} must be a power of two on Triton"
+    widest = _TRITON_MAX_HIDDEN[stage]
+    if not interpreted(target) and _rows_hidden(avals)[1] > widest:
+      return (
+        f"rows wider than {widest} elements spill registers in the Triton {stage} kernel "
+        "at every num_warps"
+      )
     return triton_warps_reason(config)
   if avals[0].dtype == jnp.float64:
     return "float64 has no Mosaic TPU kernel"
+  reason = mosaic_dtype_reason(avals[0].dtype, target)
+  if reason:
+    return reason
   rows, sub = _rows_hidden(avals)[0], sublanes(avals[0].dtype)
   if block_rows < rows and block_rows % sub:
     return f"block_rows={block_rows} must be a multiple of {sub} on TPU (or cover all {rows} rows)"

@@ -15,7 +15,7 @@ import jax.numpy as jnp
 
 from pallax.executor.config import KernelConfig
 from pallax.executor.registry import interpreted, kernel_backend
-from pallax.pallas_utils import next_pow2, sublanes, triton_warps_reason
+from pallax.pallas_utils import mosaic_dtype_reason, next_pow2, sublanes, triton_warps_reason
 
 
 @dataclasses.dataclass(frozen=True)
@@ -40,6 +40,23 @@ class SoftmaxConfig(KernelConfig):
 # block: Triton holds the tile in registers, TPU in (double-buffered) VMEM.
 _TRITON_TILE, _TRITON_MAX_COLS = 8192, 8192
 _TPU_TILE, _TPU_MAX_COLS, _TPU_LANES = 262144, 8192, 128
+
+
+# Scoped VMEM a Mosaic softmax kernel may use: v5e's default limit (16 MiB;
+# v6e has 32) less headroom.
+TPU_VMEM_BUDGET = 12 * 2**20
+
+
+def tpu_vmem(tile: int, itemsize: int, masked: bool) -> int:
+  """Scoped VMEM of the largest softmax kernel (the backward) for a ``tile``-element block.
+
+  Its operands' and result's blocks, double-buffered, and float32
+  temporaries: libtpu's compile-only v5e/v6e targets reported at most 21.9
+  bytes an element in bfloat16 and 31.4 in float32 over ``pallax.verify``'s
+  sweep, where (256, 4096) bfloat16 blocks (2 MiB an operand) overflowed
+  v5e's 16 MiB in both backward kernels.
+  """
+  return tile * (4 * itemsize + 16 + 2 * masked)
 
 
 def _rows_cols(avals) -> tuple[int, int]:
@@ -72,6 +89,23 @@ def _backend_heuristic(avals, backend: str) -> SoftmaxConfig:
   return SoftmaxConfig(block_rows=min(block_rows, rows), block_cols=block_cols)
 
 
+# The Triton autotuning space: tiles of 2K-8K elements, the whole row (up to
+# 8K columns) or a quarter of it per block, and the warps that give each thread
+# 8 or 16 elements of the tile. ``pallax.verify`` compiled the space it
+# replaced (up to 61 candidates a call) for H100 and A100: log_softmax's
+# tangent kernel spilled in float32 at 32 elements per thread.
+_TRITON_TILES = (2048, 4096, 8192)
+
+
+def _triton_widths(cols: int) -> list[int]:
+  widest = min(next_pow2(cols), _TRITON_MAX_COLS)
+  return [widest // 4, widest] if widest >= 64 else [widest]
+
+
+def _warps(tile: int, per_thread: int) -> int:
+  return max(1, min(16, tile // (32 * per_thread)))
+
+
 def heuristic(avals: Sequence[Any], target: str, **params) -> SoftmaxConfig:
   """The kernel's config for this call: see ``_backend_heuristic``."""
   return _backend_heuristic(avals, kernel_backend(target))
@@ -87,27 +121,25 @@ def candidates(avals: Sequence[Any], target: str, **params) -> list[SoftmaxConfi
     legal = narrower % _TPU_LANES == 0 if backend == "mosaic_tpu" else narrower >= 16
     out = [base] + ([dataclasses.replace(base, block_cols=narrower)] if legal else [])
   elif backend == "triton":
-    widest = min(next_pow2(cols), 2 * _TRITON_MAX_COLS)
+    blocks = dict.fromkeys(
+      (max(1, min(tile // bc, next_pow2(rows))), bc)
+      for bc in _triton_widths(cols)
+      for tile in _TRITON_TILES
+    )
     out = [
       SoftmaxConfig(block_rows=br, block_cols=bc, num_warps=w)
-      for bc in sorted({widest, max(widest // 2, 1), max(widest // 4, 1)})
-      if bc >= min(widest, 128)
-      for br in (1, 2, 4, 8, 16, 32, 64)
-      if br <= next_pow2(rows) and br * bc <= 32768
-      for w in (2, 4, 8, 16)
-      if w * 32 <= br * bc
+      for br, bc in blocks
+      for w in sorted({_warps(br * bc, 8), _warps(br * bc, 16)})
     ]
   else:
     tile = _tpu_row_tile(avals)
     itemsize = jnp.dtype(avals[0].dtype).itemsize
-    widths = ([cols] if cols <= 2 * _TPU_MAX_COLS else []) + [
-      c for c in (512, 1024, 2048, 4096) if c < cols
-    ]
+    widths = ([cols] if cols <= _TPU_MAX_COLS else []) + [c for c in (512, 2048) if c < cols]
     out = [
       SoftmaxConfig(block_rows=br, block_cols=bc)
       for bc in widths
-      for br in sorted({tile, 2 * tile, 4 * tile, 8 * tile, 256, 512, 1024})
-      if br % tile == 0 and br * bc * itemsize <= 2**21
+      for br in sorted({tile, 8 * tile, 256, 1024})
+      if br % tile == 0 and tpu_vmem(br * bc, itemsize, _masked(avals)) <= TPU_VMEM_BUDGET
     ]
   return out or [base]
 
@@ -119,6 +151,9 @@ def supports(avals: Sequence[Any], target: str, config: SoftmaxConfig, **params)
   if kernel_backend(target) == "mosaic_tpu":
     if dtype == jnp.float64:
       return "float64 has no Mosaic TPU kernel"
+    reason = mosaic_dtype_reason(dtype, target)
+    if reason:
+      return reason
     if config.block_cols < cols and config.block_cols % _TPU_LANES:
       return (
         f"block_cols={config.block_cols} must be a multiple of {_TPU_LANES} on TPU "

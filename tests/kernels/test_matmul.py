@@ -60,6 +60,7 @@ FUNCTIONS = {
 }
 
 
+@pytest.mark.lowering
 @pytest.mark.parametrize("platform", ["cuda", "rocm", "tpu"])
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: jnp.dtype(d).name)
 @pytest.mark.parametrize("shapes", SHAPES, ids=str)
@@ -69,9 +70,13 @@ def test_lowers(platform, dtype, shapes, kind):
   a_shape, b_shape = shapes
   b_shape = ((3,) if kind == "vmapped_b" else ()) + b_shape
   text = lower_text(fn, platform, S(a_shape, dtype), S(b_shape, dtype), S(b_shape[-1:], dtype))
+  if platform == "tpu" and dtype == jnp.float16:
+    # libtpu cannot compile float16 Mosaic kernels for v5e/v6e: the XLA program runs.
+    kernels = 0
   assert text.count(CALL_TARGET[platform]) == kernels, text[:2000]
 
 
+@pytest.mark.lowering
 @pytest.mark.parametrize("platform", ["cuda", "tpu"])
 def test_lowers_with_pinned_config(platform):
   config = MatmulConfig(block_m=128, block_n=128, block_k=128, num_warps=8, num_stages=2)
@@ -81,6 +86,7 @@ def test_lowers_with_pinned_config(platform):
   )
 
 
+@pytest.mark.lowering
 def test_cpu_lowering_is_the_xla_program():
   text = jax.jit(_op).lower(jnp.ones((4, 8)), jnp.ones((8, 3)), jnp.ones(3)).as_text()
   assert "custom_call" not in text and "while" not in text
@@ -218,6 +224,7 @@ def test_unsupported_calls_run_the_xla_program_visibly():
       pallax.matmul(jnp.ones((4, 4), jnp.float64), jnp.ones((4, 4), jnp.float64))
 
 
+@pytest.mark.lowering
 @pytest.mark.parametrize("platform", ["cuda", "tpu"])
 def test_lowers_inside_shard_map(platform):
   mesh = jax.make_mesh((8,), ("a",), axis_types=(jax.sharding.AxisType.Auto,))

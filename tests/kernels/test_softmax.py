@@ -52,6 +52,7 @@ FUNCTIONS = {
 }
 
 
+@pytest.mark.lowering
 @pytest.mark.parametrize("platform", ["cuda", "rocm", "tpu"])
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: jnp.dtype(d).name)
 @pytest.mark.parametrize("shape", SHAPES, ids=str)
@@ -64,6 +65,7 @@ def test_lowers(platform, dtype, shape, kind):
   assert lower_text(fn, platform, x, m).count(CALL_TARGET[platform]) == kernels
 
 
+@pytest.mark.lowering
 @pytest.mark.parametrize(
   "platform, config",
   [
@@ -88,6 +90,7 @@ def test_lowers_with_pinned_multi_block_config(platform, config):
   assert lower_text(fn, platform, x, m).count(CALL_TARGET[platform]) == 8
 
 
+@pytest.mark.lowering
 def test_cpu_lowering_is_the_xla_program():
   x, m = jnp.ones((4, 8)), jnp.ones((4, 8), bool)
   for op in (pallax.softmax, pallax.log_softmax):
@@ -188,6 +191,7 @@ def test_float64_on_tpu_falls_back_visibly():
       jax.jit(pallax.softmax).lower(*structs)
 
 
+@pytest.mark.lowering
 @pytest.mark.parametrize("platform", ["cuda", "tpu"])
 def test_lowers_inside_shard_map(platform):
   mesh = jax.make_mesh((8,), ("a",), axis_types=(jax.sharding.AxisType.Auto,))

@@ -1,0 +1,114 @@
+"""Compile every kernel, with every config the executor can choose, for real hardware targets.
+
+Lowering a Pallas kernel does not run the Triton or Mosaic compilers, so it
+cannot see shared-memory or VMEM overflow, register spills or Mosaic layout
+failures. ``verify`` runs the real compilers for H100 (sm_90a), A100 (sm_80),
+TPU v5e and TPU v6e on a machine without any of them (``targets``), for each
+kernel call of a shape sweep over every op, forward, backward and tangent
+(``sweep``), with the heuristic's config and every autotuning candidate. It
+reports registers, spill bytes and shared memory per kernel (``ptxas -v``)
+and scoped VMEM (the compiled TPU program), and fails on any compile error or
+spill. ``python -m pallax.verify`` is the command line.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable, Sequence
+from typing import Optional
+
+from pallax.executor.config import KernelConfig
+from pallax.verify import sweep
+from pallax.verify.cache import ResultCache, fingerprint
+from pallax.verify.pool import run_jobs
+from pallax.verify.progress import Progress
+from pallax.verify.report import BAD, VerifyReport
+from pallax.verify.targets import TARGETS, Target
+
+__all__ = ["verify", "VerifyReport", "Case", "TARGETS", "Target"]
+
+Case = sweep.Case
+
+
+def _targets(names: Optional[Iterable[str]]) -> tuple[list[Target], dict[str, str]]:
+  chosen, unavailable = [], {}
+  for name in names or TARGETS:
+    if name not in TARGETS:
+      raise ValueError(f"targets: unknown target {name!r}; known: {', '.join(TARGETS)}")
+    reason = TARGETS[name].unavailable_reason()
+    if reason is None:
+      chosen.append(TARGETS[name])
+    else:
+      unavailable[name] = reason
+  return chosen, unavailable
+
+
+def verify(
+  ops: Optional[Sequence[str]] = None,
+  targets: Optional[Sequence[str]] = None,
+  *,
+  quick: bool = False,
+  cases: Optional[Sequence[sweep.Case]] = None,
+  heuristic_only: bool = False,
+  pinned: Optional[dict[str, KernelConfig]] = None,
+  workers: int = 2,
+  timeout_s: float = 300.0,
+  cache: bool = True,
+  progress: bool = True,
+) -> VerifyReport:
+  """Compiles the sweep's kernel calls for ``targets``; returns the report.
+
+  Args:
+    ops: public op names (``sweep.OPS``); default all.
+    targets: names in ``TARGETS``; default all that the installed packages
+      allow (the others are listed in the report's ``unavailable``).
+    quick: two sizes per op instead of the full sweep.
+    cases: these cases instead of the sweep's (``ops`` and ``quick`` unused).
+    heuristic_only: only the heuristic's config, not the autotuning candidates.
+    pinned: kernel name -> config: compile these configs for those kernels
+      instead of the executor's choices (to check a config by hand).
+    workers: compile processes (each runs one compile at a time).
+    timeout_s: per-compile limit; an overrun is a failure.
+    cache: reuse and store results (``cache.ResultCache``).
+    progress: a progress line on stderr for runs longer than a few seconds.
+  """
+  for name in ops or ():
+    if name not in sweep.OPS:
+      raise ValueError(f"ops: unknown op {name!r}; known: {', '.join(sweep.OPS)}")
+  start = time.monotonic()
+  chosen, unavailable = _targets(targets)
+  swept = cases is None
+  cases = sweep.cases(ops, quick=quick) if swept else list(cases)
+  jobs = sweep.jobs_for(cases, chosen, heuristic_only=heuristic_only, pinned=pinned)
+  store = ResultCache() if cache else None
+  keys = {job.id: fingerprint(job.id, job.kernel, job.target) for job in jobs}
+  results: dict[str, dict] = {}
+  for job in jobs:
+    hit = store.get(keys[job.id]) if store else None
+    if hit is not None:
+      results[job.id] = dict(hit, cached=True)
+  todo = [job for job in jobs if job.id not in results]
+  bar = Progress(len(todo), "pallax.verify") if progress else None
+
+  def arrived(result: dict) -> None:
+    if store is not None:
+      store.put(keys[result["id"]], result)
+    if bar is not None:
+      bar.update(result["status"] in BAD)
+
+  for result in run_jobs([job.message() for job in todo], workers, timeout_s, arrived):
+    results[result["id"]] = result
+  records = []
+  for job in jobs:
+    record = {
+      "target": job.target,
+      "kernel": job.kernel,
+      "call": job.key,
+      "config": job.config,
+      "sources": sorted(job.sources),
+      "cases": job.cases,
+    }
+    record.update({k: v for k, v in results[job.id].items() if k != "id"})
+    records.append(record)
+  unswept = sweep.unswept_kernels(cases) if swept and not ops and not pinned else []
+  return VerifyReport(records, unavailable, unswept, time.monotonic() - start)

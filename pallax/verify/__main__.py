@@ -1,0 +1,73 @@
+"""``python -m pallax.verify``: compile every kernel for H100, A100, TPU v5e and v6e here.
+
+Prints a table per kernel and target (configs compiled, spills, failures,
+largest register count, shared memory and scoped VMEM, compile time), then
+every failure; exits 1 if any compile failed, spilled, timed out or crashed,
+2 if a requested target cannot be compiled for here.
+"""
+
+from __future__ import annotations
+
+import argparse
+import pathlib
+import sys
+from collections.abc import Sequence
+from typing import Optional
+
+import jax
+
+from pallax.verify import TARGETS, verify
+from pallax.verify.pool import cpu_count
+from pallax.verify.sweep import OPS
+
+
+def _names(text: str) -> list[str]:
+  return [name for name in text.split(",") if name]
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+  """Parses ``argv``, runs the compiles, prints the report; returns the exit status."""
+  parser = argparse.ArgumentParser(
+    prog="python -m pallax.verify",
+    description="Compile every pallax kernel (forward, backward, tangent) with every config "
+    "the executor can choose, for GPUs and TPUs, without the hardware.",
+  )
+  parser.add_argument("--ops", type=_names, help=f"comma-separated, of: {', '.join(OPS)}")
+  parser.add_argument(
+    "--targets", type=_names, help=f"comma-separated, of: {', '.join(TARGETS)} (default: all)"
+  )
+  parser.add_argument("--quick", action="store_true", help="two sizes per op")
+  parser.add_argument(
+    "--heuristic-only", action="store_true", help="only the heuristic's configs, no candidates"
+  )
+  parser.add_argument(
+    "--workers",
+    type=int,
+    default=min(2, cpu_count()),
+    help="compile processes (default: 2, or 1 on one core)",
+  )
+  parser.add_argument("--timeout", type=float, default=300.0, help="seconds per compile")
+  parser.add_argument("--no-cache", action="store_true", help="recompile cached results")
+  parser.add_argument("--json", type=pathlib.Path, help="write every result to this file")
+  args = parser.parse_args(argv)
+  # This process only traces (workers compile): the CPU spares it initialising GPU plugins.
+  jax.config.update("jax_platforms", "cpu")
+  report = verify(
+    args.ops,
+    args.targets,
+    quick=args.quick,
+    heuristic_only=args.heuristic_only,
+    workers=args.workers,
+    timeout_s=args.timeout,
+    cache=not args.no_cache,
+  )
+  print(report)
+  if args.json:
+    args.json.write_text(report.to_json())
+  if args.targets and report.unavailable:
+    return 2
+  return 0 if report.ok else 1
+
+
+if __name__ == "__main__":
+  sys.exit(main())

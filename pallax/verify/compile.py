@@ -1,0 +1,151 @@
+"""One compile job, run inside a verify worker: compile, then read the compiler's reports.
+
+The kernel call is bound alone with its config pinned and compiled for the
+target's compile-only topology. For CUDA the XLA dump holds the PTX of every
+kernel and the launch facts (threads, dynamic shared memory); ``ptxas -v``
+(XLA's own assembler and flags) gives registers and spill bytes per kernel.
+For TPU the optimized HLO after code generation holds each Mosaic kernel's
+scoped VMEM allocation.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import pathlib
+import re
+import subprocess
+import tempfile
+import time
+
+import jax
+import numpy as np
+from jax.experimental import topologies
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from pallax.executor.registry import kernel_spec
+from pallax.verify.sweep import kernel_calls_of
+from pallax.verify.targets import TARGETS, Target, ptxas
+
+CALL_TARGET = {"cuda": "__gpu$xla.gpu.triton", "tpu": "tpu_custom_call"}
+_ERROR_CHARS = 600
+
+
+@functools.cache
+def _mesh(name: str) -> Mesh:
+  topology = topologies.get_topology_desc(**TARGETS[name].topology_kwargs())
+  return Mesh(np.array(topology.devices[:1]), ("x",))
+
+
+def _arguments(eqn, mesh: Mesh) -> list[jax.ShapeDtypeStruct]:
+  sharding = NamedSharding(mesh, PartitionSpec())
+  return [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype, sharding=sharding) for v in eqn.invars]
+
+
+def _first_lines(err: BaseException) -> str:
+  text = f"{type(err).__name__}: {err}".strip()
+  return text if len(text) <= _ERROR_CHARS else text[:_ERROR_CHARS] + " ..."
+
+
+def compile_job(message: dict) -> dict:
+  """Compiles one job (``sweep.Job.message()``); returns its result record."""
+  target = TARGETS[message["target"]]
+  eqn = kernel_calls_of(message["case"])[message["call"]]
+  config = kernel_spec(eqn.primitive.name).config_cls.from_dict(message["config"])
+  params = {**eqn.params, "config": config}
+  fn = lambda *args: eqn.primitive.bind(*args, **params)
+  record = {"id": message["id"], "kernels": []}
+  start = time.perf_counter()
+  with tempfile.TemporaryDirectory(prefix="pallax-verify-") as dump:
+    try:
+      lowered = jax.jit(fn).trace(*_arguments(eqn, _mesh(target.name))).lower()
+      if CALL_TARGET[target.platform] not in lowered.as_text():
+        raise RuntimeError("the lowered program has no Pallas kernel call")
+      lowered.compile(compiler_options={"xla_dump_to": dump})
+    except Exception as err:  # noqa: BLE001: every compiler error is a result
+      record.update(status="failed", error=_first_lines(err))
+      record["compile_s"] = round(time.perf_counter() - start, 3)
+      return record
+    record["compile_s"] = round(time.perf_counter() - start, 3)
+    inspect = _gpu_kernels if target.platform == "cuda" else _tpu_kernels
+    record["kernels"] = inspect(pathlib.Path(dump), target)
+  record.update(judge(record["kernels"], target))
+  return record
+
+
+def judge(kernels: list[dict], target: Target) -> dict:
+  """``status`` (and ``error``) of a compiled job from its kernels' resources."""
+  spilled = [k["name"] for k in kernels if k.get("spill_bytes")]
+  if spilled:
+    return {"status": "spills", "error": f"register spills in {', '.join(spilled)}"}
+  for k in kernels:
+    if target.platform == "cuda" and k.get("smem_bytes", 0) > target.shared_memory_limit:
+      return {
+        "status": "failed",
+        "error": f"{k['name']} uses {k['smem_bytes']} bytes of shared memory, "
+        f"over the {target.shared_memory_limit} of a block on {target.name}",
+      }
+  return {"status": "ok"}
+
+
+# -- CUDA: ptxas on the dumped PTX --------------------------------------------------
+
+_LAUNCH = re.compile(
+  r"(\w+) grid: \[[^\]]*\] threads: \[(\d+), (\d+), (\d+)\]\s+shared_memory: (\d+)"
+)
+_PTXAS_FUNCTION = re.compile(r"Compiling entry function '(\w+)'")
+_REGISTERS = re.compile(r"Used (\d+) registers")
+_SPILLS = re.compile(r"(\d+) bytes spill stores, (\d+) bytes spill loads")
+
+
+def _gpu_kernels(dump: pathlib.Path, target: Target) -> list[dict]:
+  launches = {}
+  for path in dump.glob("*thunk_sequence.txt"):
+    for name, x, y, z, smem in _LAUNCH.findall(path.read_text()):
+      launches[name] = {"threads": int(x) * int(y) * int(z), "smem_bytes": int(smem)}
+  kernels = []
+  for path in sorted(dump.glob("*.ptx")):
+    if ".entry" in path.read_text():
+      kernels += _ptxas_report(path, target.arch)
+  for kernel in kernels:
+    kernel.update(launches.get(kernel["name"], {}))
+  return kernels
+
+
+def _ptxas_report(path: pathlib.Path, arch: str) -> list[dict]:
+  """Registers and spill bytes per entry function, from ``ptxas -v``."""
+  done = subprocess.run(
+    [ptxas(), f"-arch={arch}", "-v", "--warn-on-spills", str(path), "-o", "/dev/null"],
+    capture_output=True,
+    text=True,
+    check=False,
+  )
+  if done.returncode:
+    raise RuntimeError(f"ptxas failed on {path.name}: {done.stderr.strip()[:_ERROR_CHARS]}")
+  parts = _PTXAS_FUNCTION.split(done.stderr)
+  kernels = []
+  for name, block in zip(parts[1::2], parts[2::2]):
+    registers, spills = _REGISTERS.search(block), _SPILLS.search(block)
+    kernels.append(
+      {
+        "name": name,
+        "registers": int(registers.group(1)) if registers else None,
+        "spill_bytes": int(spills.group(1)) + int(spills.group(2)) if spills else 0,
+      }
+    )
+  return kernels
+
+
+# -- TPU: scoped VMEM from the compiled HLO ----------------------------------------------
+
+_TPU_CALL = re.compile(r"%([\w.-]+) = .*custom_call_target=\"tpu_custom_call\"(.*)")
+
+
+def _tpu_kernels(dump: pathlib.Path, target: Target) -> list[dict]:
+  kernels = []
+  for path in dump.glob("*after_codegen.txt"):
+    for name, rest in _TPU_CALL.findall(path.read_text()):
+      used = re.search(r'"used_scoped_memory_configs":(\[[^\]]*\])', rest)
+      vmem = sum(int(c["size"]) for c in json.loads(used.group(1))) if used else None
+      kernels.append({"name": name, "vmem_bytes": vmem})
+  return kernels

@@ -1,0 +1,246 @@
+"""What ``pallax.verify`` compiles: op cases, their kernel calls, and the configs to try.
+
+A case is one public op at one size and dtype, in one stage: ``fwd`` (the op),
+``bwd`` (its gradient: forward and backward kernels) or ``jvp`` (forward and
+tangent kernels). Tracing a case gives its kernel calls; a job is one kernel
+call compiled for one target with one config the executor can choose there:
+the heuristic's, every autotuning candidate ``supports`` accepts, and shipped
+defaults. Identical jobs from different cases (the forward kernel appears in
+every stage) are compiled once.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+from collections.abc import Callable, Iterable, Sequence
+from typing import Optional
+
+import jax
+import jax.numpy as jnp
+
+import pallax
+from pallax.executor.cache import shipped_defaults
+from pallax.executor.config import KernelConfig
+from pallax.executor.executor import cache_key, candidate_configs, heuristic_config
+from pallax.executor.registry import kernel_spec, registered_ops
+from pallax.executor.tools import kernel_calls
+from pallax.op import op_params
+from pallax.verify.targets import Target
+
+STAGES = ("fwd", "bwd", "jvp")
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+@dataclasses.dataclass(frozen=True)
+class Op:
+  """A public op as the sweep calls it: ``fn(*arrays)`` with shapes from a size.
+
+  The last ``masks`` arrays are boolean masks: not differentiated.
+  """
+
+  fn: Callable
+  shapes: Callable[..., list[tuple[int, ...]]]
+  sizes: tuple[tuple[int, ...], ...]
+  quick: tuple[tuple[int, ...], ...]
+  masks: int = 0
+
+
+_rows = lambda r, h: [(r, h)]
+_norm = lambda r, h: [(r, h), (h,)]
+
+# Sizes: the benches' (bench/), odd ones (rows and widths that no block
+# divides), and wide rows (vocabulary-sized softmax, 16K hidden norms).
+_NORM_SIZES = ((1024, 1024), (8192, 4096), (1000, 4000), (64, 16384))
+_NORM_QUICK = ((1024, 1024), (1000, 4000))
+_SOFTMAX_SIZES = ((1024, 1024), (8192, 4096), (1000, 4000), (16, 50257))
+_MATMUL_SIZES = ((1024, 1024, 1024), (4096, 4096, 4096), (1000, 4000, 300), (8, 1000, 1000))
+
+OPS = {
+  "rms_norm": Op(pallax.rms_norm, _norm, _NORM_SIZES, _NORM_QUICK),
+  "layer_norm": Op(pallax.layer_norm, lambda r, h: [(r, h), (h,), (h,)], _NORM_SIZES, _NORM_QUICK),
+  "fused_add_rms_norm": Op(
+    pallax.fused_add_rms_norm, lambda r, h: [(r, h), (r, h), (h,)], _NORM_SIZES, _NORM_QUICK
+  ),
+  "softmax": Op(pallax.softmax, _rows, _SOFTMAX_SIZES, _NORM_QUICK),
+  "log_softmax": Op(pallax.log_softmax, _rows, _SOFTMAX_SIZES, _NORM_QUICK),
+  "softmax_where": Op(
+    lambda x, where: pallax.softmax(x, where=where),
+    lambda r, h: [(r, h), (r, h)],
+    _NORM_QUICK,
+    _NORM_QUICK,
+    masks=1,
+  ),
+  "matmul": Op(
+    lambda a, b, c: pallax.matmul(a, b, bias=c, activation="gelu"),
+    lambda m, k, n: [(m, k), (k, n), (n,)],
+    _MATMUL_SIZES,
+    ((1024, 1024, 1024), (1000, 4000, 300)),
+  ),
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+  """One op at one size and dtype in one stage; ``id`` names it in jobs and reports."""
+
+  op: str
+  stage: str
+  size: tuple[int, ...]
+  dtype: str
+
+  @property
+  def id(self) -> str:
+    return f"{self.op}:{self.stage}:{'x'.join(map(str, self.size))}:{self.dtype}"
+
+  @classmethod
+  def from_id(cls, case_id: str) -> Case:
+    op, stage, size, dtype = case_id.split(":")
+    return cls(op, stage, tuple(int(n) for n in size.split("x")), dtype)
+
+  def structs(self) -> list[jax.ShapeDtypeStruct]:
+    op = OPS[self.op]
+    shapes = op.shapes(*self.size)
+    dtypes = [self.dtype] * (len(shapes) - op.masks) + ["bool"] * op.masks
+    return [jax.ShapeDtypeStruct(s, d) for s, d in zip(shapes, dtypes)]
+
+  def function(self) -> Callable:
+    """The case as a function of its op's arrays (masks last)."""
+    op = OPS[self.op]
+    if self.stage == "fwd":
+      return op.fn
+    n = len(self.structs()) - op.masks
+    if self.stage == "jvp":
+      return lambda *args: jax.jvp(lambda *x: op.fn(*x, *args[n:]), args[:n], args[:n])
+    loss = lambda *args: sum(jnp.sum(y.astype(jnp.float32)) for y in jax.tree.leaves(op.fn(*args)))
+    return jax.grad(loss, argnums=tuple(range(n)))
+
+
+def cases(ops: Optional[Iterable[str]] = None, quick: bool = False) -> list[Case]:
+  """The sweep: every size in float32 and bfloat16, the first also in float16.
+
+  ``quick``: two sizes, the first in float32 and the second in bfloat16.
+  """
+  out = []
+  for name in ops or OPS:
+    op = OPS[name]
+    if quick:
+      sized = [(op.quick[0], "float32"), (op.quick[1], "bfloat16")]
+    else:
+      sized = [(s, d) for s in op.sizes for d in DTYPES[:2]] + [(op.sizes[0], "float16")]
+    out += [Case(name, stage, size, dtype) for size, dtype in sized for stage in STAGES]
+  return out
+
+
+@functools.cache
+def kernel_calls_of(case_id: str) -> tuple:
+  """The kernel calls (jaxpr equations) of a case, in trace order."""
+  case = Case.from_id(case_id)
+  return tuple(kernel_calls(jax.make_jaxpr(case.function())(*case.structs()).jaxpr))
+
+
+def describe(config: KernelConfig) -> str:
+  return json.dumps(config.to_dict(), sort_keys=True)
+
+
+@dataclasses.dataclass
+class Job:
+  """One kernel call compiled for one target with one config.
+
+  ``case`` and ``call`` locate the call (the ``call``-th kernel call of the
+  case's trace), so a worker process can rebuild it. ``sources`` says why the
+  config is tried (``heuristic``, ``candidate``, ``default``, ``pinned``) and
+  ``cases`` every case that has this call.
+  """
+
+  target: str
+  kernel: str
+  key: str
+  config: dict
+  case: str
+  call: int
+  sources: set = dataclasses.field(default_factory=set)
+  cases: list = dataclasses.field(default_factory=list)
+
+  @property
+  def id(self) -> str:
+    return f"{self.target}|{self.key}|{json.dumps(self.config, sort_keys=True)}"
+
+  def message(self) -> dict:
+    """What a worker needs to compile it."""
+    return {
+      "id": self.id,
+      "target": self.target,
+      "case": self.case,
+      "call": self.call,
+      "config": self.config,
+    }
+
+
+def configs_for(
+  eqn, target: Target, heuristic_only: bool = False
+) -> list[tuple[str, KernelConfig]]:
+  """The ``"pallas"`` configs the executor can choose for ``eqn`` on ``target``, with sources.
+
+  Configs ``supports`` rejects are left out: the executor never runs them.
+  """
+  spec = kernel_spec(eqn.primitive.name)
+  avals = [v.aval for v in eqn.invars]
+  params = op_params(eqn.params)
+  found = [("heuristic", heuristic_config(spec, avals, target.platform, params))]
+  if not heuristic_only:
+    found += [("candidate", c) for c in candidate_configs(spec, avals, target.platform, params)]
+    entry = shipped_defaults(target.device_kind, spec.op, spec.version).get(
+      cache_key(spec, avals, target.platform, params)
+    )
+    if entry is not None:
+      found.append(("default", spec.config_cls.from_dict(entry["config"])))
+  return [
+    (source, config)
+    for source, config in found
+    if config.implementation != "xla"
+    and spec.supports(avals, target.platform, config, **params) is None
+  ]
+
+
+def call_key(eqn, target: Target) -> str:
+  spec = kernel_spec(eqn.primitive.name)
+  return cache_key(spec, [v.aval for v in eqn.invars], target.platform, op_params(eqn.params))
+
+
+def jobs_for(
+  case_list: Sequence[Case],
+  targets: Sequence[Target],
+  heuristic_only: bool = False,
+  pinned: Optional[dict[str, KernelConfig]] = None,
+) -> list[Job]:
+  """The deduplicated jobs of ``case_list`` on ``targets``.
+
+  ``pinned`` maps kernel names to a config to compile instead of the
+  executor's choices (for checking a config by hand).
+  """
+  jobs: dict[str, Job] = {}
+  for case in case_list:
+    for index, eqn in enumerate(kernel_calls_of(case.id)):
+      name = eqn.primitive.name
+      for target in targets:
+        if pinned is not None:
+          if name not in pinned:
+            continue
+          configs = [("pinned", pinned[name])]
+        else:
+          configs = configs_for(eqn, target, heuristic_only)
+        for source, config in configs:
+          job = Job(target.name, name, call_key(eqn, target), config.to_dict(), case.id, index)
+          job = jobs.setdefault(job.id, job)
+          job.sources.add(source)
+          if case.id not in job.cases:
+            job.cases.append(case.id)
+  return list(jobs.values())
+
+
+def unswept_kernels(case_list: Sequence[Case]) -> list[str]:
+  """Registered kernels that no case of ``case_list`` calls."""
+  called = {eqn.primitive.name for case in case_list for eqn in kernel_calls_of(case.id)}
+  return sorted(set(registered_ops()) - called)

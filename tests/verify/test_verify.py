@@ -1,0 +1,174 @@
+"""pallax.verify: real compiles for H100, A100, TPU v5e and v6e, and that the check can fail.
+
+The default run compiles every kernel on every target with its heuristic
+config at two sizes (``--quick``); the full sweep with every autotuning
+candidate is behind ``-m slow`` (and ``python -m pallax.verify``).
+"""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+import pallax
+from pallax.executor.registry import registered_ops
+from pallax.verify import TARGETS, Case, sweep, verify
+from pallax.verify.pool import run_jobs
+
+pytestmark = pytest.mark.lowering
+
+CUDA = [name for name, t in TARGETS.items() if t.platform == "cuda"]
+TPU = [name for name, t in TARGETS.items() if t.platform == "tpu"]
+
+
+def _check(report, status: str):
+  assert report.results, "nothing was compiled"
+  assert not report.unavailable, report.unavailable
+  assert {r["status"] for r in report.results} == {status}, str(report)
+
+
+@pytest.mark.parametrize("target", list(TARGETS))
+def test_every_kernel_compiles_on_every_target(target):
+  report = verify(
+    targets=[target], quick=True, heuristic_only=True, workers=1, cache=False, progress=False
+  )
+  _check(report, "ok")
+  assert report.ok and not report.unswept
+  assert {r["kernel"] for r in report.results} == set(registered_ops())
+  for kernel in registered_ops():  # both quick sizes: the first in float32, the second bf16
+    calls = [r["call"].split("|")[2] for r in report.results if r["kernel"] == kernel]
+    assert any(c.startswith("float32[") for c in calls), calls
+    assert any(c.startswith("bfloat16[") for c in calls), calls
+  for r in report.results:
+    assert r["sources"] == ["heuristic"]
+    kernels = [k for k in r["kernels"] if "fusion" not in k["name"]]
+    assert kernels, r
+    for k in kernels:
+      if TARGETS[target].platform == "cuda":
+        assert k["spill_bytes"] == 0 and 0 < k["registers"] <= 255, r
+        assert 0 <= k["smem_bytes"] <= TARGETS[target].shared_memory_limit, r
+        assert k["threads"] % 32 == 0, r
+      else:
+        assert 0 < k["vmem_bytes"] <= TARGETS[target].vmem, r
+
+
+def test_every_registered_kernel_is_in_the_sweep():
+  assert sweep.unswept_kernels(sweep.cases()) == []
+  assert sweep.unswept_kernels(sweep.cases(quick=True)) == []
+
+
+def test_candidates_are_swept_and_deduplicated():
+  case = Case("softmax", "bwd", (1000, 4000), "bfloat16")
+  jobs = sweep.jobs_for([case], [TARGETS["h100"]])
+  assert len({job.id for job in jobs}) == len(jobs)
+  fwd = [j for j in jobs if j.kernel == "softmax_fwd"]
+  assert {"heuristic", "candidate"} <= set().union(*(j.sources for j in fwd))
+  assert len(fwd) > 1
+  # The forward kernel of the jvp case is the bwd case's: compiled once.
+  both = sweep.jobs_for([case, Case("softmax", "jvp", (1000, 4000), "bfloat16")], [TARGETS["h100"]])
+  assert len([j for j in both if j.kernel == "softmax_fwd"]) == len(fwd)
+
+
+# The check can fail --------------------------------------------------------------------
+
+
+def test_spilling_config_is_reported():
+  # 32 rows of 1024 float32 on 4 warps: 256 elements per thread in the backward kernel.
+  report = verify(
+    targets=CUDA,
+    cases=[Case("rms_norm", "bwd", (1024, 1024), "float32")],
+    pinned={"rms_norm_bwd": pallax.NormConfig(block_rows=32, num_warps=4)},
+    workers=1,
+    cache=False,
+    progress=False,
+  )
+  _check(report, "spills")
+  assert not report.ok
+  for r in report.results:
+    spilled = [k for k in r["kernels"] if k["spill_bytes"]]
+    assert [k["name"] for k in spilled] == ["norm_bwd"], r
+  assert "SPILLS rms_norm_bwd on h100" in str(report)
+
+
+def test_oversized_shared_memory_is_reported():
+  # 4 stages of (128x128 + 128x256) bfloat16 tiles: 384 KiB, over H100's 227 KiB.
+  config = pallax.MatmulConfig(block_m=128, block_n=256, block_k=128, num_warps=8, num_stages=4)
+  report = verify(
+    targets=CUDA,
+    cases=[Case("matmul", "fwd", (1024, 1024, 1024), "bfloat16")],
+    pinned={"matmul": config},
+    workers=1,
+    cache=False,
+    progress=False,
+  )
+  _check(report, "failed")
+  for r in report.results:
+    assert "shared memory" in r["error"].lower(), r["error"]
+
+
+def test_oversized_vmem_is_reported():
+  # 4096 rows of 4096 float32: 64 MiB a buffer, double-buffered in and out.
+  report = verify(
+    targets=TPU,
+    cases=[Case("rms_norm", "fwd", (8192, 4096), "float32")],
+    pinned={"rms_norm_fwd": pallax.NormConfig(block_rows=4096)},
+    workers=1,
+    cache=False,
+    progress=False,
+  )
+  _check(report, "failed")
+  for r in report.results:
+    assert "vmem" in r["error"].lower(), r["error"]
+
+
+def test_crash_and_timeout_are_results_and_the_pool_recovers():
+  case = Case("softmax", "fwd", (1024, 1024), "float32")
+  (job,) = sweep.jobs_for([case], [TARGETS["v5e"]], heuristic_only=True)
+  crash = dict(job.message(), id="crash", call=99)  # no such kernel call: the worker dies
+  results = {r["id"]: r for r in run_jobs([crash, job.message()], workers=1, timeout_s=120)}
+  assert results["crash"]["status"] == "crashed"
+  assert "IndexError" in results["crash"]["error"]
+  assert results[job.id]["status"] == "ok"  # a fresh worker took the next job
+  (late,) = run_jobs([job.message()], workers=1, timeout_s=1e-3)
+  assert late["status"] == "timeout"
+
+
+def test_command_line_json(tmp_path):
+  out = tmp_path / "verify.json"
+  done = subprocess.run(
+    [
+      sys.executable,
+      "-m",
+      "pallax.verify",
+      "--ops",
+      "log_softmax",
+      "--targets",
+      "v6e,a100",
+      "--quick",
+      "--heuristic-only",
+      "--no-cache",
+      "--json",
+      str(out),
+    ],
+    capture_output=True,
+    text=True,
+    check=False,
+  )
+  assert done.returncode == 0, done.stdout + done.stderr
+  assert "| log_softmax_bwd | v6e |" in done.stdout
+  data = json.loads(out.read_text())
+  assert data["ok"] and {r["target"] for r in data["results"]} == {"v6e", "a100"}
+  bad = subprocess.run(
+    [sys.executable, "-m", "pallax.verify", "--targets", "h200"],
+    capture_output=True,
+    text=True,
+    check=False,
+  )
+  assert bad.returncode != 0 and "unknown target 'h200'" in bad.stderr
+
+
+@pytest.mark.slow
+def test_full_sweep():
+  report = verify(progress=False)
+  assert report.ok, str(report)
