@@ -102,15 +102,7 @@ class Kernel:
   version: int = 1
 
   @classmethod
-  def of_family(
-    cls,
-    name: str,
-    *,
-    config: Any,
-    backends: Mapping[str, Any],
-    config_params: Mapping[str, Any] | None = None,
-    **bound,
-  ) -> Kernel:
+  def of_family(cls, name: str, *, config: Any, backends: Mapping[str, Any], **bound) -> Kernel:
     """The kernel ``name`` of a ``kernels/<family>/`` package.
 
     Args:
@@ -118,16 +110,17 @@ class Kernel:
       config: the family's ``config`` module: ``CONFIG_CLS``, ``heuristic``,
         ``candidates``, ``supports`` (and optionally ``VERSION``).
       backends: Pallas backend name -> the family's module for it.
-      config_params: static arguments bound to the config module's
-        ``heuristic``, ``candidates`` and ``supports`` (say, which of the
-        family's kernels they speak for).
       **bound: static arguments bound to every backend's kernel function.
     """
     impls = {b: functools.partial(getattr(m, name), **bound) for b, m in backends.items()}
-    space = [config.heuristic, config.candidates, config.supports]
-    if config_params:
-      space = [functools.partial(fn, **config_params) for fn in space]
-    return cls(impls, config.CONFIG_CLS, *space, getattr(config, "VERSION", 1))
+    return cls(
+      impls,
+      config.CONFIG_CLS,
+      config.heuristic,
+      config.candidates,
+      config.supports,
+      getattr(config, "VERSION", 1),
+    )
 
 
 @dataclasses.dataclass(frozen=True)

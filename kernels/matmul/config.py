@@ -58,23 +58,43 @@ def _clamp_pow2(n: int, lo: int, hi: int) -> int:
 
 
 def _triton_heuristic(prob: Problem, itemsize: int) -> MatmulConfig:
-  """Output tiles up to 128x128, smaller for small M (or N); 3 stages if they fit."""
+  """Output tiles up to 128x128, smaller for small M (or N); 3 stages if they fit.
+
+  The K step is 64 for 2-byte inputs and 32 for 4-byte ones, or the other one
+  where that tile spills (``_spills``).
+  """
   bm = _clamp_pow2(prob.m, 16, 128)
   bn = _clamp_pow2(prob.n, 16, 128)
   bk = _clamp_pow2(prob.k, 16, 64 if itemsize <= 2 else 32)
+  if _spills(bm, bn, bk, itemsize):
+    bk = 96 - bk  # the other K step (32 <-> 64)
   return _with_stages(bm, bn, bk, itemsize, 3)
 
 
-# The autotuning space's output tiles. Triton: tiles up to 128x128 and a
-# small-M one for skinny problems, each with K steps of 32 and 64 (32 for
-# 128x128 of 4-byte inputs) and as many pipeline stages (up to 3) as fit; 8
-# warps from 128x128. ``pallax.verify`` found the spills this avoids on H100
-# and A100: 128x256 and 256x128 tiles on 8 warps (in 30-100% of the calls,
-# every dtype), 128x128x64 float32 (255 registers and 12-20 bytes on A100) and
-# 64x64x32 in 4 stages (A100). TPU: square and 2:1 tiles with K steps of 256
-# and 512, blocks larger than a dim clamped to it (so small problems get few
-# distinct candidates).
+# The autotuning space. Triton: output tiles up to 128x128 and a small-M one
+# for skinny problems, with K steps of 32 and 64 (``_spills`` permitting), as
+# many pipeline stages (up to 3) as fit, 8 warps for 128x128. TPU: square and
+# 2:1 tiles with K steps of 256 and 512, blocks larger than a dim clamped to it
+# (so small problems get few distinct candidates).
 _TRITON_TILES = ((128, 128), (64, 128), (128, 64), (64, 64), (16, 128))
+
+
+def _spills(bm: int, bn: int, bk: int, itemsize: int) -> bool:
+  """Whether ptxas spilled registers for this Triton tile on H100 or A100.
+
+  Found by ``pallax.verify`` over its sweep (forward, backward and tangent
+  calls): 128x128x64 with 4-byte inputs (255 registers and 12-20 bytes on
+  A100); 128x64x64 (168 registers and 32 bytes, A100, bfloat16, transposed
+  b); 64x64x32 (8 bytes at 72 registers, A100, 2-byte inputs, transposed a).
+  Also left out of the space for spilling: 128x256 and 256x128 tiles (in
+  30-100% of the calls, every dtype), 4 pipeline stages (64x64x32, A100), and
+  8 warps on 128x64 (128x64x32, A100, 2-byte tangent calls).
+  """
+  if itemsize == 4 and bk > 32 and bm * bn >= 128 * 128:
+    return True
+  return (bm, bn, bk) in ((128, 64, 64), (64, 64, 32))
+
+
 _TPU_TILES = ((512, 512), (512, 256), (256, 512), (256, 256), (128, 512), (128, 128))
 
 
@@ -157,8 +177,7 @@ def candidates(avals: Sequence[Any], target: str, **params) -> list[MatmulConfig
       if bm > max(16, next_pow2(prob.m)) or bn > max(32, next_pow2(prob.n)):
         continue
       for bk in (32, 64):
-        too_deep = bk > 32 and in_size == 4 and bm * bn >= 128 * 128
-        if bk <= max(32, next_pow2(prob.k)) and not too_deep:
+        if bk <= max(32, next_pow2(prob.k)) and not _spills(bm, bn, bk, in_size):
           out.append(_with_stages(bm, bn, bk, in_size, 3))
   else:
     outputs = 1 + params["save_preactivation"]

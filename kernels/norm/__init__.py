@@ -36,9 +36,5 @@ __all__ = [
 def kernel(stage: str, kind: NormKind) -> Kernel:
   """The Pallas kernel of ``stage`` (``"fwd"`` or ``"bwd"``) for ``kind``."""
   return Kernel.of_family(
-    f"norm_{stage}",
-    config=config,
-    config_params={"stage": stage},
-    kind=kind,
-    backends={"triton": triton, "mosaic_tpu": mosaic_tpu},
+    f"norm_{stage}", config=config, kind=kind, backends={"triton": triton, "mosaic_tpu": mosaic_tpu}
   )

@@ -38,29 +38,26 @@ def _rows_hidden(avals) -> tuple[int, int]:
   return max(1, math.prod(x.shape[:-1])), x.shape[-1]
 
 
-# The widest row (power of two) each Triton kernel holds in registers: the
-# backward kernel spills at every num_warps beyond 16K elements (788-14378
-# bytes at 32K, float32 and bfloat16, H100 and A100), the forward beyond 32K.
-# Wider rows run the XLA program.
-_TRITON_MAX_HIDDEN = {"fwd": 32768, "bwd": 16384}
+# The widest row (a power of two) the Triton kernels hold in registers: the
+# backward kernel spills at every num_warps beyond it (788-14378 bytes at 32K,
+# float32 and bfloat16, H100 and A100). Wider rows run the XLA program.
+_TRITON_MAX_HIDDEN = 16384
 
 
-def _spills(block_rows: int, block_hidden: int, num_warps: int, stage: str) -> bool:
+def _spills(block_rows: int, block_hidden: int, num_warps: int) -> bool:
   """Whether a Triton norm kernel with this block and warps spills registers.
 
   Measured with ptxas (``pallax.verify``: --warn-on-spills, sm_90a and sm_80)
-  on the kernels of all three norms, float32 and bfloat16. The backward kernel
-  holds at most 32 elements of its block per thread: (8 rows of 1024, 8 warps)
-  uses 128-137 registers, 64 per thread spills (fused_add_rms_norm float32,
-  one row of 16K on 8 warps, A100: 6468 bytes). With 16 warps (128 registers
-  a thread) only a single-row block fits: one row of 16K uses 118-128
-  registers, while (8, 1024) and (2, 4096), 16 per thread, spilled on A100 and
-  H100 in bfloat16. The forward kernel holds 64 per thread (one row of 32K on
-  16 warps: 98-127 registers).
+  on the kernels of all three norms, float32 and bfloat16. A thread holds at
+  most 32 elements of the block: (8 rows of 1024, 8 warps) uses 128-137
+  registers in the backward kernels, while 64 per thread spilled there
+  (fused_add_rms_norm float32, one row of 16K on 8 warps, A100: 6468 bytes)
+  and in the forward (rms_norm bfloat16, one row of 4096 on 2 warps, A100: 8
+  bytes). With 16 warps (128 registers a thread) only a single-row block
+  fits: one row of 16K uses 118-128 registers, while (8, 1024) and (2, 4096),
+  16 per thread, spilled in bfloat16 backward kernels on A100 and H100.
   """
   per_thread = block_rows * block_hidden // (32 * num_warps)
-  if stage == "fwd":
-    return per_thread > 64
   return per_thread > 32 or (num_warps >= 16 and block_rows > 1)
 
 
@@ -103,12 +100,12 @@ def _backend_heuristic(avals, backend: str) -> NormConfig:
   return NormConfig(block_rows=min(max(sub, fit // sub * sub), 1024))
 
 
-def heuristic(avals: Sequence[Any], target: str, *, stage: str, **params) -> NormConfig:
+def heuristic(avals: Sequence[Any], target: str, **params) -> NormConfig:
   """The kernel's config for this call: see ``_backend_heuristic``."""
   return _backend_heuristic(avals, kernel_backend(target))
 
 
-def candidates(avals: Sequence[Any], target: str, *, stage: str, **params) -> list[NormConfig]:
+def candidates(avals: Sequence[Any], target: str, **params) -> list[NormConfig]:
   """The autotuning space: block rows (and warps on Triton)."""
   rows, hidden = _rows_hidden(avals)
   backend = kernel_backend(target)
@@ -123,7 +120,7 @@ def candidates(avals: Sequence[Any], target: str, *, stage: str, **params) -> li
       for b in (1, 2, 4, 8, 16, 32, 64)
       if b <= next_pow2(rows) and b * block_hidden <= 65536
       for w in (2, 4, 8, 16)
-      if w * 32 <= b * block_hidden and not _spills(b, block_hidden, w, stage)
+      if w * 32 <= b * block_hidden and not _spills(b, block_hidden, w)
     ]
   else:
     sub, itemsize = sublanes(avals[0].dtype), jnp.dtype(avals[0].dtype).itemsize
@@ -135,19 +132,16 @@ def candidates(avals: Sequence[Any], target: str, *, stage: str, **params) -> li
   return out or [_backend_heuristic(avals, backend)]
 
 
-def supports(
-  avals: Sequence[Any], target: str, config: NormConfig, *, stage: str, **params
-) -> Optional[str]:
+def supports(avals: Sequence[Any], target: str, config: NormConfig, **params) -> Optional[str]:
   """Why the kernel cannot run this call on ``target`` with ``config``, if it cannot."""
   block_rows = config.block_rows
   if kernel_backend(target) == "triton":
     if block_rows & (block_rows - 1):
       return f"block_rows={block_rows} must be a power of two on Triton"
-    widest = _TRITON_MAX_HIDDEN[stage]
-    if not interpreted(target) and _rows_hidden(avals)[1] > widest:
+    if not interpreted(target) and _rows_hidden(avals)[1] > _TRITON_MAX_HIDDEN:
       return (
-        f"rows wider than {widest} elements spill registers in the Triton {stage} kernel "
-        "at every num_warps"
+        f"rows wider than {_TRITON_MAX_HIDDEN} elements spill registers in the Triton "
+        "kernels at every num_warps"
       )
     return triton_warps_reason(config)
   if avals[0].dtype == jnp.float64:

@@ -47,8 +47,7 @@ def _framework_hash() -> str:
 
 @functools.cache
 def _family_hash(kernel: str) -> str:
-  heuristic = kernel_spec(kernel).heuristic
-  family = pathlib.Path(inspect.getfile(getattr(heuristic, "func", heuristic))).parent
+  family = pathlib.Path(inspect.getfile(kernel_spec(kernel).heuristic)).parent
   return _hash_files(family.glob("*.py"))
 
 
