@@ -74,6 +74,8 @@ def run_jobs(
   counting the worker's start) or ``crashed`` (the worker process died; the
   end of its stderr is the ``error``). ``on_result`` sees each as it arrives.
   """
+  if not jobs:
+    return []
   pending = collections.deque(jobs)
   results: list[dict] = []
   selector = selectors.DefaultSelector()

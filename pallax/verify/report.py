@@ -77,7 +77,8 @@ class VerifyReport:
 
   @property
   def ok(self) -> bool:
-    return not self.failures and not self.unswept
+    """Something was compiled, and nothing failed or was left unswept."""
+    return bool(self.results) and not self.failures and not self.unswept
 
   def summary(self) -> list[Summary]:
     return summarize(self.results)
@@ -111,6 +112,8 @@ class VerifyReport:
     n = len(self.results)
     cached = sum(bool(r.get("cached")) for r in self.results)
     verdict = "all compiled, no spills" if self.ok else f"{len(self.failures)} failing"
+    if not self.results:
+      verdict = "nothing to compile"
     parts.append(f"{n} compiles ({cached} from the cache) in {self.wall_s:.0f} s: {verdict}")
     return "\n".join(parts)
 
