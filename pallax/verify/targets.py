@@ -96,43 +96,27 @@ class Target:
 
 MiB = 2**20
 
+
+def _gpu(name: str, description: str, arch: str) -> Target:
+  """A CUDA target: its device facts in ``gpu_targets/<name>_sxm.txtpb``."""
+  return Target(name, "cuda", description, (("topology", "1x1x1"),), f"{name}_sxm.txtpb", arch)
+
+
+def _tpu(name: str, description: str, scoped_vmem: int) -> Target:
+  """A TPU target: one chip of a compile-only ``<name>:2x2`` topology."""
+  topology = (("topology_name", f"{name}:2x2"),)
+  return Target(name, "tpu", description, topology, scoped_vmem=scoped_vmem, vmem=128 * MiB)
+
+
+# Scoped VMEM defaults as libtpu 0.0.42 reports them in its overflow errors
+# ("limit 16.00M" on v5e, "32.00M" on v6e); 128 MiB of VMEM on both.
 TARGETS = {
   t.name: t
   for t in (
-    Target(
-      "h100",
-      "cuda",
-      "NVIDIA H100 SXM, sm_90a",
-      (("topology", "1x1x1"),),
-      gpu_config="h100_sxm.txtpb",
-      arch="sm_90a",
-    ),
-    Target(
-      "a100",
-      "cuda",
-      "NVIDIA A100 SXM, sm_80",
-      (("topology", "1x1x1"),),
-      gpu_config="a100_sxm.txtpb",
-      arch="sm_80",
-    ),
-    # Scoped VMEM defaults as libtpu 0.0.42 reports them in its overflow errors
-    # ("limit 16.00M" on v5e, "32.00M" on v6e); 128 MiB of VMEM on both.
-    Target(
-      "v5e",
-      "tpu",
-      "TPU v5e (v5 lite)",
-      (("topology_name", "v5e:2x2"),),
-      scoped_vmem=16 * MiB,
-      vmem=128 * MiB,
-    ),
-    Target(
-      "v6e",
-      "tpu",
-      "TPU v6e (v6 lite)",
-      (("topology_name", "v6e:2x2"),),
-      scoped_vmem=32 * MiB,
-      vmem=128 * MiB,
-    ),
+    _gpu("h100", "NVIDIA H100 SXM, sm_90a", "sm_90a"),
+    _gpu("a100", "NVIDIA A100 SXM, sm_80", "sm_80"),
+    _tpu("v5e", "TPU v5e (v5 lite)", 16 * MiB),
+    _tpu("v6e", "TPU v6e (v6 lite)", 32 * MiB),
   )
 }
 

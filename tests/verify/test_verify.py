@@ -12,7 +12,6 @@ import sys
 import pytest
 
 import pallax
-from pallax.executor.registry import registered_ops
 from pallax.verify import TARGETS, Case, sweep, verify
 from pallax.verify.pool import run_jobs
 
@@ -35,8 +34,8 @@ def test_every_kernel_compiles_on_every_target(target):
   )
   _check(report, "ok")
   assert report.ok and not report.unswept
-  assert {r["kernel"] for r in report.results} == set(registered_ops())
-  for kernel in registered_ops():  # both quick sizes: the first in float32, the second bf16
+  assert {r["kernel"] for r in report.results} == set(sweep.library_kernels())
+  for kernel in sweep.library_kernels():  # both quick sizes: the first in float32, the second bf16
     calls = [r["call"].split("|")[2] for r in report.results if r["kernel"] == kernel]
     assert any(c.startswith("float32[") for c in calls), calls
     assert any(c.startswith("bfloat16[") for c in calls), calls
@@ -54,6 +53,7 @@ def test_every_kernel_compiles_on_every_target(target):
 
 
 def test_every_registered_kernel_is_in_the_sweep():
+  assert len(sweep.library_kernels()) == 12
   assert sweep.unswept_kernels(sweep.cases()) == []
   assert sweep.unswept_kernels(sweep.cases(quick=True)) == []
 
@@ -73,16 +73,17 @@ def test_candidates_are_swept_and_deduplicated():
 # The check can fail --------------------------------------------------------------------
 
 
+def _pinned(targets, case: Case, kernel: str, config):
+  """The report of ``case``'s ``kernel`` compiled with ``config`` for ``targets``."""
+  return verify(
+    targets=targets, cases=[case], pinned={kernel: config}, workers=1, cache=False, progress=False
+  )
+
+
 def test_spilling_config_is_reported():
   # 32 rows of 1024 float32 on 4 warps: 256 elements per thread in the backward kernel.
-  report = verify(
-    targets=CUDA,
-    cases=[Case("rms_norm", "bwd", (1024, 1024), "float32")],
-    pinned={"rms_norm_bwd": pallax.NormConfig(block_rows=32, num_warps=4)},
-    workers=1,
-    cache=False,
-    progress=False,
-  )
+  config = pallax.NormConfig(block_rows=32, num_warps=4)
+  report = _pinned(CUDA, Case("rms_norm", "bwd", (1024, 1024), "float32"), "rms_norm_bwd", config)
   _check(report, "spills")
   assert not report.ok
   for r in report.results:
@@ -94,14 +95,7 @@ def test_spilling_config_is_reported():
 def test_oversized_shared_memory_is_reported():
   # 4 stages of (128x128 + 128x256) bfloat16 tiles: 384 KiB, over H100's 227 KiB.
   config = pallax.MatmulConfig(block_m=128, block_n=256, block_k=128, num_warps=8, num_stages=4)
-  report = verify(
-    targets=CUDA,
-    cases=[Case("matmul", "fwd", (1024, 1024, 1024), "bfloat16")],
-    pinned={"matmul": config},
-    workers=1,
-    cache=False,
-    progress=False,
-  )
+  report = _pinned(CUDA, Case("matmul", "fwd", (1024, 1024, 1024), "bfloat16"), "matmul", config)
   _check(report, "failed")
   for r in report.results:
     assert "shared memory" in r["error"].lower(), r["error"]
@@ -109,14 +103,8 @@ def test_oversized_shared_memory_is_reported():
 
 def test_oversized_vmem_is_reported():
   # 4096 rows of 4096 float32: 64 MiB a buffer, double-buffered in and out.
-  report = verify(
-    targets=TPU,
-    cases=[Case("rms_norm", "fwd", (8192, 4096), "float32")],
-    pinned={"rms_norm_fwd": pallax.NormConfig(block_rows=4096)},
-    workers=1,
-    cache=False,
-    progress=False,
-  )
+  config = pallax.NormConfig(block_rows=4096)
+  report = _pinned(TPU, Case("rms_norm", "fwd", (8192, 4096), "float32"), "rms_norm_fwd", config)
   _check(report, "failed")
   for r in report.results:
     assert "vmem" in r["error"].lower(), r["error"]
