@@ -79,14 +79,14 @@ def triton_warps_reason(config) -> Optional[str]:
   return None if warps & (warps - 1) == 0 else f"num_warps={warps} must be a power of two on Triton"
 
 
-def mosaic_dtype_reason(dtype, target: str) -> Optional[str]:
-  """Why a Mosaic TPU kernel cannot take ``dtype`` on ``target``, if it cannot.
+def mosaic_dtype_reason(dtypes, target: str) -> Optional[str]:
+  """Why a Mosaic TPU kernel cannot take operands of ``dtypes`` on ``target``, if it cannot.
 
   float16: libtpu (0.0.42) rejects its vector loads when compiling for v5e and
   v6e ("Invalid vector type for load", found by ``pallax.verify``); the
   interpreted kernel runs it, so only the real ``tpu`` target refuses it.
   """
-  if target == "tpu" and jnp.dtype(dtype) == jnp.float16:
+  if target == "tpu" and any(jnp.dtype(d) == jnp.float16 for d in dtypes):
     return "float16 has no Mosaic TPU kernel (libtpu cannot load float16 vectors on v5e/v6e)"
   return None
 

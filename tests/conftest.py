@@ -7,7 +7,8 @@
   (Triton / Mosaic TPU) runs the real, compiled kernel; the other backend's kernel
   stays interpreted, float64 references are computed on the CPU, and the
   lowering and compile tests (marker ``lowering``) are skipped as redundant.
-  Sharding tests need 8 devices of the platform.
+  Run it with ``-n 0`` (one process owns the device); sharding tests on
+  ``tests.helpers.mesh_4x2`` skip with fewer than 8 devices.
 """
 
 import os
@@ -20,6 +21,8 @@ if PLATFORM not in _JAX_PLATFORMS:
   raise pytest.UsageError(f"PALLAX_TEST_PLATFORM={PLATFORM!r}: use cpu, gpu or tpu")
 
 os.environ.setdefault("JAX_PLATFORMS", _JAX_PLATFORMS[PLATFORM])
+if PLATFORM != "cpu":
+  os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 _flags = os.environ.get("XLA_FLAGS", "")
 if "xla_force_host_platform_device_count" not in _flags:
   os.environ["XLA_FLAGS"] = (_flags + " --xla_force_host_platform_device_count=8").strip()
@@ -27,6 +30,10 @@ if "xla_force_host_platform_device_count" not in _flags:
 
 def pytest_configure(config):
   if PLATFORM != "cpu":
+    if getattr(config.option, "numprocesses", None):
+      raise pytest.UsageError(
+        f"PALLAX_TEST_PLATFORM={PLATFORM}: run with -n 0 (one process owns the device)"
+      )
     import jax
 
     platform = jax.devices()[0].platform

@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import contextlib
 import itertools
-import os
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 import pallax
+from tests.conftest import PLATFORM
 
 # Every op is checked on its XLA program and on both interpreted kernels.
 PATHS = ("xla", "triton", "mosaic_tpu")
@@ -22,7 +23,6 @@ FLOAT_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
 
 # Under PALLAX_TEST_PLATFORM=gpu/tpu (tests/conftest.py) ops run on that device,
 # where the executor picks its compiled kernel: that kernel path runs for real.
-PLATFORM = os.environ.get("PALLAX_TEST_PLATFORM", "cpu").strip().lower()
 NATIVE_KERNEL = {"gpu": "triton", "tpu": "mosaic_tpu"}.get(PLATFORM)
 
 
@@ -87,6 +87,8 @@ def x64():
 
 def mesh_4x2(axis_type=jax.sharding.AxisType.Auto) -> jax.sharding.Mesh:
   """A (4, 2) mesh with axes ("a", "b") over 8 devices (the fake CPU ones by default)."""
+  if PLATFORM != "cpu" and jax.device_count() < 8:
+    pytest.skip(f"sharding tests need 8 {PLATFORM} devices, this machine has {jax.device_count()}")
   return jax.make_mesh((4, 2), ("a", "b"), axis_types=(axis_type,) * 2)
 
 

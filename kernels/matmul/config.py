@@ -70,8 +70,9 @@ def _triton_heuristic(prob: Problem, itemsize: int) -> MatmulConfig:
   bm = _clamp_pow2(prob.m, 16, 128)
   bn = _clamp_pow2(prob.n, 16, 128)
   bk = _clamp_pow2(prob.k, 16, 64 if itemsize <= 2 else 32)
-  if _spills(bm, bn, bk, itemsize):
-    bk = 96 - bk  # the other K step (32 <-> 64)
+  other = {32: 64, 64: 32}.get(bk)
+  if _spills(bm, bn, bk, itemsize) and other is not None and other <= max(32, next_pow2(prob.k)):
+    bk = other
   return _with_stages(bm, bn, bk, itemsize, 3)
 
 
@@ -96,7 +97,7 @@ def _spills(bm: int, bn: int, bk: int, itemsize: int) -> bool:
   """
   if itemsize == 4 and bk > 32 and bm * bn >= 128 * 128:
     return True
-  return (bm, bn, bk) in ((128, 64, 64), (64, 64, 32))
+  return (bm, bn, bk) == (128, 64, 64) or (itemsize == 2 and (bm, bn, bk) == (64, 64, 32))
 
 
 _TPU_TILES = ((512, 512), (512, 256), (256, 512), (256, 256), (128, 512), (128, 128))
@@ -222,10 +223,9 @@ def supports(avals: Sequence[Any], target: str, config: MatmulConfig, **params) 
   a, b = avals[:2]
   if jnp.float64 in (a.dtype, b.dtype, params["out_dtype"]):
     return "float64 has no Pallas matmul kernel"
-  for dtype in (a.dtype, b.dtype, params["out_dtype"]):
-    reason = mosaic_dtype_reason(dtype, target)
-    if reason:
-      return reason
+  reason = mosaic_dtype_reason([a.dtype for a in avals] + [params["out_dtype"]], target)
+  if reason:
+    return reason
   backend = kernel_backend(target)
   blocks = (config.block_m, config.block_n, config.block_k)
   if backend == "triton":

@@ -146,7 +146,7 @@ def supports(avals: Sequence[Any], target: str, config: NormConfig, **params) ->
     return triton_warps_reason(config)
   if avals[0].dtype == jnp.float64:
     return "float64 has no Mosaic TPU kernel"
-  reason = mosaic_dtype_reason(avals[0].dtype, target)
+  reason = mosaic_dtype_reason([a.dtype for a in avals], target)
   if reason:
     return reason
   rows, sub = _rows_hidden(avals)[0], sublanes(avals[0].dtype)

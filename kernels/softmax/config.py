@@ -93,7 +93,11 @@ def _backend_heuristic(avals, backend: str) -> SoftmaxConfig:
 # 8K columns) or a quarter of it per block, and the warps that give each thread
 # 8 or 16 elements of the tile. ``pallax.verify`` compiled the space it
 # replaced (up to 61 candidates a call) for H100 and A100: log_softmax's
-# tangent kernel spilled in float32 at 32 elements per thread.
+# tangent kernel spilled in float32 at 32 elements per thread when the row
+# spans several column blocks ((8, 1024) and (2, 1024) blocks of 4096 columns,
+# (32, 256) of 1024). The heuristic's blocks, 32 per thread, compiled
+# spill-free over the sweep (whole rows up to 8192 columns, 8192-column blocks
+# of a 50257-wide row).
 _TRITON_TILES = (2048, 4096, 8192)
 
 
@@ -151,7 +155,7 @@ def supports(avals: Sequence[Any], target: str, config: SoftmaxConfig, **params)
   if kernel_backend(target) == "mosaic_tpu":
     if dtype == jnp.float64:
       return "float64 has no Mosaic TPU kernel"
-    reason = mosaic_dtype_reason(dtype, target)
+    reason = mosaic_dtype_reason([a.dtype for a in avals], target)
     if reason:
       return reason
     if config.block_cols < cols and config.block_cols % _TPU_LANES:

@@ -3,7 +3,8 @@
 Prints a table per kernel and target (configs compiled, spills, failures,
 largest register count, shared memory and scoped VMEM, compile time), then
 every failure; exits 1 if any compile failed, spilled, timed out or crashed,
-2 if a requested target cannot be compiled for here.
+2 if a target cannot be compiled for here (a missing package) or an argument
+is wrong.
 """
 
 from __future__ import annotations
@@ -52,19 +53,22 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
   args = parser.parse_args(argv)
   # This process only traces (workers compile): the CPU spares it initialising GPU plugins.
   jax.config.update("jax_platforms", "cpu")
-  report = verify(
-    args.ops,
-    args.targets,
-    quick=args.quick,
-    heuristic_only=args.heuristic_only,
-    workers=args.workers,
-    timeout_s=args.timeout,
-    cache=not args.no_cache,
-  )
+  try:
+    report = verify(
+      args.ops,
+      args.targets,
+      quick=args.quick,
+      heuristic_only=args.heuristic_only,
+      workers=args.workers,
+      timeout_s=args.timeout,
+      cache=not args.no_cache,
+    )
+  except ValueError as err:  # an unknown op or target
+    parser.error(str(err))
   print(report)
   if args.json:
     args.json.write_text(report.to_json())
-  if args.targets and report.unavailable:
+  if report.unavailable:
     return 2
   return 0 if report.ok else 1
 

@@ -1,8 +1,9 @@
 """Verify results cached by what decides them: kernel source, config, call, target, compilers.
 
 A result is reused only while the kernel's family sources (``kernels/<family>/``),
-the primitives, the op framework (``pallax/*.py``), the target's description
-and the compiler packages are unchanged. Timeouts are not cached.
+the primitives, the ``pallax`` package (framework, executor, this checker), the
+target's description, the compiler packages, ``ptxas`` and ``XLA_FLAGS`` are
+unchanged. Timeouts and crashes are not cached.
 """
 
 from __future__ import annotations
@@ -12,13 +13,15 @@ import hashlib
 import importlib.metadata
 import inspect
 import json
+import os
 import pathlib
+import subprocess
 from typing import Optional
 
 import pallax
 from pallax.executor.cache import default_cache_dir
 from pallax.executor.registry import kernel_spec
-from pallax.verify.targets import TARGETS
+from pallax.verify.targets import TARGETS, ptxas
 
 _PACKAGES = (
   "jax",
@@ -40,9 +43,10 @@ def _hash_files(paths) -> str:
 
 @functools.cache
 def _framework_hash() -> str:
+  """The hash of the ``pallax`` package (framework, executor, verify) and the primitives."""
   root = pathlib.Path(pallax.__file__).parent
   primitives = pathlib.Path(inspect.getfile(pallax.primitives)).parent
-  return _hash_files([*root.glob("*.py"), *primitives.glob("*.py")])
+  return _hash_files([*root.rglob("*.py"), *primitives.glob("*.py")])
 
 
 @functools.cache
@@ -53,7 +57,11 @@ def _family_hash(kernel: str) -> str:
 
 @functools.cache
 def _versions() -> str:
-  found = []
+  """The compiler packages, the ptxas in use and the XLA flags workers inherit."""
+  assembler = ptxas()
+  version = subprocess.run([assembler, "--version"], capture_output=True, text=True, check=False)
+  found = [f"ptxas={assembler}:{version.stdout.strip()}" if assembler else "ptxas=none"]
+  found.append(f"XLA_FLAGS={os.environ.get('XLA_FLAGS', '')}")
   for name in _PACKAGES:
     try:
       found.append(f"{name}={importlib.metadata.version(name)}")
@@ -85,7 +93,7 @@ class ResultCache:
       return None
 
   def put(self, key: str, result: dict) -> None:
-    if result["status"] == "timeout":
+    if result["status"] in ("timeout", "crashed"):  # may not happen again (memory, load)
       return
     path = self._path(key)
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -59,27 +59,28 @@ def compile_job(message: dict) -> dict:
   with tempfile.TemporaryDirectory(prefix="pallax-verify-") as dump:
     try:
       lowered = jax.jit(fn).trace(*_arguments(eqn, _mesh(target.name))).lower()
-      if CALL_TARGET[target.platform] not in lowered.as_text():
+      calls = lowered.as_text().count(CALL_TARGET[target.platform])
+      if not calls:
         raise RuntimeError("the lowered program has no Pallas kernel call")
       lowered.compile(compiler_options={"xla_dump_to": dump})
+      record["compile_s"] = round(time.perf_counter() - start, 3)
+      read = _gpu_kernels if target.platform == "cuda" else _tpu_kernels
+      record["kernels"] = read(pathlib.Path(dump), target, calls)
     except Exception as err:  # noqa: BLE001: every compiler error is a result
       record.update(status="failed", error=_first_lines(err))
-      record["compile_s"] = round(time.perf_counter() - start, 3)
+      record.setdefault("compile_s", round(time.perf_counter() - start, 3))
       return record
-    record["compile_s"] = round(time.perf_counter() - start, 3)
-    inspect = _gpu_kernels if target.platform == "cuda" else _tpu_kernels
-    record["kernels"] = inspect(pathlib.Path(dump), target)
   record.update(judge(record["kernels"], target))
   return record
 
 
 def judge(kernels: list[dict], target: Target) -> dict:
   """``status`` (and ``error``) of a compiled job from its kernels' resources."""
-  spilled = [k["name"] for k in kernels if k.get("spill_bytes")]
+  spilled = [k["name"] for k in kernels if k["spill_bytes"]] if target.platform == "cuda" else []
   if spilled:
     return {"status": "spills", "error": f"register spills in {', '.join(spilled)}"}
   for k in kernels:
-    if target.platform == "cuda" and k.get("smem_bytes", 0) > target.shared_memory_limit:
+    if target.platform == "cuda" and k["smem_bytes"] > target.shared_memory_limit:
       return {
         "status": "failed",
         "error": f"{k['name']} uses {k['smem_bytes']} bytes of shared memory, "
@@ -88,32 +89,46 @@ def judge(kernels: list[dict], target: Target) -> dict:
   return {"status": "ok"}
 
 
+class ReportMissing(RuntimeError):
+  """The compiler's reports lack a kernel the program has: never counted as a pass."""
+
+
 # -- CUDA: ptxas on the dumped PTX --------------------------------------------------
 
 _LAUNCH = re.compile(
   r"(\w+) grid: \[[^\]]*\] threads: \[(\d+), (\d+), (\d+)\]\s+shared_memory: (\d+)"
 )
+_ENTRY = re.compile(r"\.entry\s+(\w+)\s*\(")
 _PTXAS_FUNCTION = re.compile(r"Compiling entry function '(\w+)'")
 _REGISTERS = re.compile(r"Used (\d+) registers")
 _SPILLS = re.compile(r"(\d+) bytes spill stores, (\d+) bytes spill loads")
 
 
-def _gpu_kernels(dump: pathlib.Path, target: Target) -> list[dict]:
+def _gpu_kernels(dump: pathlib.Path, target: Target, calls: int) -> list[dict]:
+  """Every kernel of the compiled program with its launch and ptxas facts."""
   launches = {}
   for path in dump.glob("*thunk_sequence.txt"):
     for name, x, y, z, smem in _LAUNCH.findall(path.read_text()):
       launches[name] = {"threads": int(x) * int(y) * int(z), "smem_bytes": int(smem)}
   kernels = []
   for path in sorted(dump.glob("*.ptx")):
-    if ".entry" in path.read_text():
-      kernels += _ptxas_report(path, target.arch)
+    entries = _ENTRY.findall(path.read_text())
+    if entries:
+      found = _ptxas_report(path, target.arch)
+      if sorted(k["name"] for k in found) != sorted(entries):
+        raise ReportMissing(f"ptxas reported {found} for the entries {entries} of {path.name}")
+      kernels += found
   for kernel in kernels:
-    kernel.update(launches.get(kernel["name"], {}))
+    if kernel["name"] not in launches or kernel["registers"] is None:
+      raise ReportMissing(f"no launch or register facts for kernel {kernel['name']}")
+    kernel.update(launches[kernel["name"]])
+  if len(kernels) < calls:
+    raise ReportMissing(f"{len(kernels)} kernels in the dump for {calls} Pallas calls")
   return kernels
 
 
 def _ptxas_report(path: pathlib.Path, arch: str) -> list[dict]:
-  """Registers and spill bytes per entry function, from ``ptxas -v``."""
+  """Registers and spill bytes per entry function (callees' spills included), from ptxas."""
   done = subprocess.run(
     [ptxas(), f"-arch={arch}", "-v", "--warn-on-spills", str(path), "-o", "/dev/null"],
     capture_output=True,
@@ -125,12 +140,12 @@ def _ptxas_report(path: pathlib.Path, arch: str) -> list[dict]:
   parts = _PTXAS_FUNCTION.split(done.stderr)
   kernels = []
   for name, block in zip(parts[1::2], parts[2::2]):
-    registers, spills = _REGISTERS.search(block), _SPILLS.search(block)
+    registers = _REGISTERS.search(block)
     kernels.append(
       {
         "name": name,
         "registers": int(registers.group(1)) if registers else None,
-        "spill_bytes": int(spills.group(1)) + int(spills.group(2)) if spills else 0,
+        "spill_bytes": sum(int(a) + int(b) for a, b in _SPILLS.findall(block)),
       }
     )
   return kernels
@@ -141,11 +156,15 @@ def _ptxas_report(path: pathlib.Path, arch: str) -> list[dict]:
 _TPU_CALL = re.compile(r"%([\w.-]+) = .*custom_call_target=\"tpu_custom_call\"(.*)")
 
 
-def _tpu_kernels(dump: pathlib.Path, target: Target) -> list[dict]:
+def _tpu_kernels(dump: pathlib.Path, target: Target, calls: int) -> list[dict]:
+  """Every Mosaic kernel of the compiled program with its scoped VMEM."""
   kernels = []
   for path in dump.glob("*after_codegen.txt"):
     for name, rest in _TPU_CALL.findall(path.read_text()):
       used = re.search(r'"used_scoped_memory_configs":(\[[^\]]*\])', rest)
-      vmem = sum(int(c["size"]) for c in json.loads(used.group(1))) if used else None
-      kernels.append({"name": name, "vmem_bytes": vmem})
+      if used is None:
+        raise ReportMissing(f"no scoped VMEM for Mosaic kernel {name}")
+      kernels.append({"name": name, "vmem_bytes": sum(int(c["size"]) for c in json.loads(used[1]))})
+  if len(kernels) < calls:
+    raise ReportMissing(f"{len(kernels)} Mosaic kernels in the dump for {calls} Pallas calls")
   return kernels

@@ -13,6 +13,7 @@ import collections
 import json
 import os
 import selectors
+import signal
 import subprocess
 import sys
 import tempfile
@@ -29,8 +30,8 @@ class _Worker:
   """One worker process and the job it is running."""
 
   def __init__(self):
-    self.log: IO = tempfile.TemporaryFile(mode="w+")
-    self.proc = subprocess.Popen(
+    self.log: IO = tempfile.TemporaryFile(mode="w+", errors="replace")
+    self.proc = subprocess.Popen(  # its own process group: a kill takes its ptxas too
       [sys.executable, "-m", "pallax.verify.worker"],
       stdin=subprocess.PIPE,
       stdout=subprocess.PIPE,
@@ -38,6 +39,7 @@ class _Worker:
       env=compile_env(),
       text=True,
       bufsize=1,
+      start_new_session=True,
     )
     self.ready = False
     self.job: Optional[dict] = None
@@ -55,8 +57,10 @@ class _Worker:
     return "\n".join(lines)[-_STDERR_TAIL:]
 
   def kill(self) -> None:
-    if self.proc.poll() is None:
-      self.proc.kill()
+    try:
+      os.killpg(self.proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+      pass
     self.proc.wait()
     self.log.close()
 
@@ -70,9 +74,10 @@ def run_jobs(
   """Compiles ``jobs`` (worker messages) on ``workers`` processes; returns their results.
 
   Each result has the job's ``id`` and a ``status``: ``ok``, ``spills``,
-  ``failed``, ``timeout`` (the compile ran past ``timeout_s`` seconds, not
-  counting the worker's start) or ``crashed`` (the worker process died; the
-  end of its stderr is the ``error``). ``on_result`` sees each as it arrives.
+  ``failed``, ``timeout`` (the job ran past ``timeout_s`` seconds; a fresh
+  worker's first job also pays its start, a few seconds) or ``crashed`` (the
+  worker process died; the end of its stderr is the ``error``). ``on_result``
+  sees each as it arrives.
   """
   if not jobs:
     return []
@@ -122,7 +127,14 @@ def run_jobs(
             raise RuntimeError(f"a verify worker failed to start:\n{worker.stderr_tail()}")
           replace(worker)
           continue
-        message = json.loads(line)
+        try:
+          message = json.loads(line)
+        except ValueError:  # a partial line: the process died writing it
+          if worker.job is not None:
+            error = f"unreadable result {line[:200]!r}\n{worker.stderr_tail()}"
+            finish(worker, {"id": worker.job["id"], "status": "crashed", "error": error})
+          replace(worker)
+          continue
         if message.get("ready"):
           worker.ready = True
         else:

@@ -33,6 +33,7 @@ def _max(current: Optional[int], value: Optional[int]) -> Optional[int]:
 
 
 def summarize(results: Sequence[dict]) -> list[Summary]:
+  """One ``Summary`` per kernel and target of ``results``."""
   rows: dict[tuple[str, str], Summary] = {}
   for r in results:
     row = rows.setdefault((r["kernel"], r["target"]), Summary(r["kernel"], r["target"]))
@@ -64,6 +65,8 @@ class VerifyReport:
     ``spill_bytes``, ``threads``, ``smem_bytes`` on CUDA; ``vmem_bytes`` on
     TPU).
   unavailable: targets left out, with the reason.
+  unswept: pallax kernels no case of the sweep calls (a gap in the sweep).
+  wall_s: the run's wall time.
   """
 
   results: list[dict]

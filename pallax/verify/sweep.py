@@ -19,6 +19,7 @@ from typing import Optional
 
 import jax
 import jax.numpy as jnp
+from jax.extend.core import JaxprEqn
 
 import pallax
 from pallax.executor.cache import shipped_defaults
@@ -140,10 +141,6 @@ def kernel_calls_of(case_id: str) -> tuple:
   return tuple(kernel_calls(jax.make_jaxpr(case.function())(*case.structs()).jaxpr))
 
 
-def describe(config: KernelConfig) -> str:
-  return json.dumps(config.to_dict(), sort_keys=True)
-
-
 @dataclasses.dataclass
 class Job:
   """One kernel call compiled for one target with one config.
@@ -179,7 +176,7 @@ class Job:
 
 
 def configs_for(
-  eqn, target: Target, heuristic_only: bool = False
+  eqn: JaxprEqn, target: Target, heuristic_only: bool = False
 ) -> list[tuple[str, KernelConfig]]:
   """The ``"pallas"`` configs the executor can choose for ``eqn`` on ``target``, with sources.
 
@@ -204,7 +201,8 @@ def configs_for(
   ]
 
 
-def call_key(eqn, target: Target) -> str:
+def call_key(eqn: JaxprEqn, target: Target) -> str:
+  """The executor's cache key of kernel call ``eqn`` on ``target``: kernel, avals, params."""
   spec = kernel_spec(eqn.primitive.name)
   return cache_key(spec, [v.aval for v in eqn.invars], target.platform, op_params(eqn.params))
 

@@ -137,5 +137,8 @@ def compile_env(base: Optional[dict] = None) -> dict:
   env = dict(os.environ if base is None else base)
   env.update(_TPU_ENV)
   env["JAX_PLATFORMS"] = "cpu"
+  # Every job must compile: a persistent compilation cache hit dumps nothing to inspect.
+  env["JAX_ENABLE_COMPILATION_CACHE"] = "false"
+  env.pop("JAX_COMPILATION_CACHE_DIR", None)
   env.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
   return env
