@@ -69,6 +69,12 @@ def store(ref, value: jax.Array, bounds: Optional[jax.Array] = None) -> None:
     pltriton.store(ref, value, mask=bounds)
 
 
+# Scoped VMEM a Mosaic TPU kernel's blocks may take without raising its limit:
+# the default of the smallest generation we target (v5e 16 MiB; v6e 32 MiB),
+# less headroom for what the models of the kernels' use leave out.
+TPU_VMEM_BUDGET = 12 * 2**20
+
+
 def triton_warps_reason(config) -> Optional[str]:
   """Why a Triton config's ``num_warps`` cannot compile, if it cannot.
 

@@ -7,8 +7,9 @@
   (Triton / Mosaic TPU) runs the real, compiled kernel; the other backend's kernel
   stays interpreted, float64 references are computed on the CPU, and the
   lowering and compile tests (marker ``lowering``) are skipped as redundant.
-  Run it with ``-n 0`` (one process owns the device); sharding tests on
-  ``tests.helpers.mesh_4x2`` skip with fewer than 8 devices.
+  Run it with ``-n 0`` (one process owns the device); with fewer than 8
+  devices the sharding tests run on the 8 fake host CPUs
+  (``tests.helpers.sharding_devices``).
 """
 
 import os

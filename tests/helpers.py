@@ -8,7 +8,6 @@ import itertools
 import jax
 import jax.numpy as jnp
 import numpy as np
-import pytest
 
 import pallax
 from tests.conftest import PLATFORM
@@ -85,11 +84,15 @@ def x64():
     yield
 
 
+def sharding_devices(n: int = 8) -> list:
+  """``n`` devices for the sharding tests: the platform's, or the fake host CPUs if it has fewer."""
+  devices = jax.devices()
+  return devices[:n] if len(devices) >= n else jax.devices("cpu")[:n]
+
+
 def mesh_4x2(axis_type=jax.sharding.AxisType.Auto) -> jax.sharding.Mesh:
-  """A (4, 2) mesh with axes ("a", "b") over 8 devices (the fake CPU ones by default)."""
-  if PLATFORM != "cpu" and jax.device_count() < 8:
-    pytest.skip(f"sharding tests need 8 {PLATFORM} devices, this machine has {jax.device_count()}")
-  return jax.make_mesh((4, 2), ("a", "b"), axis_types=(axis_type,) * 2)
+  """A (4, 2) mesh with axes ("a", "b") over ``sharding_devices()``."""
+  return jax.make_mesh((4, 2), ("a", "b"), axis_types=(axis_type,) * 2, devices=sharding_devices())
 
 
 # Lowering for other platforms -------------------------------------------------

@@ -23,6 +23,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from pallax.autobatch import autobatch
+from tests.helpers import sharding_devices
 
 PROPERTY = settings(
   max_examples=20, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow]
@@ -360,7 +361,7 @@ def test_jvp_through_autobatch(mlp_args, reduce_ufunc):
 @pytest.mark.parametrize("reduce_ufunc", [None, jnp.add])
 def test_inside_shard_map(mlp_args, reduce_ufunc):
   _, w = mlp_args
-  mesh = jax.make_mesh((8,), ("x",))
+  mesh = jax.make_mesh((8,), ("x",), devices=sharding_devices())
   x = random_array(np.random.default_rng(4), (8 * 37, 4), np.float32)
   x = jax.device_put(jnp.asarray(x), NamedSharding(mesh, P("x")))
   g = autobatch(
@@ -461,7 +462,7 @@ def test_count_intermediates_warns_once_without_temporaries():
 
 
 def test_count_intermediates_falls_back_under_collectives():
-  mesh = jax.make_mesh((8,), ("x",))
+  mesh = jax.make_mesh((8,), ("x",), devices=sharding_devices())
   x = jax.device_put(jnp.arange(8 * 12.0), NamedSharding(mesh, P("x")))
   g = autobatch(lambda y: y - jax.lax.pmean(y, "x"), 16, count_intermediates=True)
   with pytest.warns(UserWarning, match="could not compile func on its own"):

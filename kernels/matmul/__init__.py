@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from pallax.activations import ACTIVATIONS
 from pallax.kernels.matmul import config, mosaic_tpu, triton
-from pallax.kernels.matmul.config import TPU_VMEM_BYTES, TRITON_SMEM_BYTES, MatmulConfig
+from pallax.kernels.matmul.config import TPU_VMEM_BUDGET, TRITON_SMEM_BYTES, MatmulConfig
 from pallax.kernels.matmul.layout import Problem, acc_dtype, bias_like, output_batch
 from pallax.kernels.matmul.xla import epilogue, matmul_xla, split_params
 from pallax.op import Kernel
@@ -29,7 +29,7 @@ __all__ = [
   "ACTIVATIONS",
   "MatmulConfig",
   "Problem",
-  "TPU_VMEM_BYTES",
+  "TPU_VMEM_BUDGET",
   "TRITON_SMEM_BYTES",
   "KERNEL",
   "acc_dtype",

@@ -12,7 +12,13 @@ from jax import lax
 from pallax.executor.config import KernelConfig
 from pallax.executor.registry import interpreted, kernel_backend
 from pallax.kernels.matmul.layout import Problem, problem_of
-from pallax.pallas_utils import mosaic_dtype_reason, next_pow2, sublanes, triton_warps_reason
+from pallax.pallas_utils import (
+  TPU_VMEM_BUDGET,
+  mosaic_dtype_reason,
+  next_pow2,
+  sublanes,
+  triton_warps_reason,
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -37,14 +43,13 @@ class MatmulConfig(KernelConfig):
 
 # On-chip memory the tiles may use: Triton's shared memory for the operand
 # tiles of all pipeline stages (fits every GPU since V100), and TPU VMEM for
-# the double-buffered tiles plus the accumulator (the default scoped VMEM
-# limit is 16 MiB on v5e, 32 MiB on v6e). Compiled (``pallax.verify``), the
-# largest tile, 128x128x64 bfloat16 in 3 stages, takes exactly this model's
-# 96 KiB on H100 and 64 KiB on A100 (Triton keeps one stage fewer in shared
-# memory on sm_80): two blocks' worth of an SM's shared memory on both, while
-# its 94-172 registers a thread (256 threads) let one or two blocks run per SM.
+# the double-buffered tiles plus the accumulator (``TPU_VMEM_BUDGET``).
+# Compiled (``pallax.verify``), the largest tile, 128x128x64 bfloat16 in 3
+# stages, takes exactly this model's 96 KiB on H100 and 64 KiB on A100
+# (Triton keeps one stage fewer in shared memory on sm_80): two blocks' worth
+# of an SM's shared memory on both, while its 94-172 registers a thread (256
+# threads) let one or two blocks run per SM.
 TRITON_SMEM_BYTES = 96 * 1024
-TPU_VMEM_BYTES = 12 * 1024 * 1024
 _LANES = 128
 
 
@@ -117,27 +122,16 @@ def _with_stages(bm: int, bn: int, bk: int, itemsize: int, stages: int) -> Matmu
   return config
 
 
-def _tpu_fit(dim: int, target: int) -> int:
-  """A TPU block: the whole dim if it is no larger than ``target``, else ``target``."""
-  return dim if dim <= target else target
-
-
 def _tpu_heuristic(
   prob: Problem, in_itemsize: int, out_itemsize: int, outputs: int
 ) -> MatmulConfig:
   """512-wide tiles (whole dims when smaller), shrunk until they fit VMEM."""
   bm, bn, bk = 512, 512, 512
-  while (
-    _tpu_vmem(
-      _tpu_fit(prob.m, bm),
-      _tpu_fit(prob.n, bn),
-      _tpu_fit(prob.k, bk),
-      in_itemsize,
-      out_itemsize,
-      outputs,
-    )
-    > TPU_VMEM_BYTES
-  ):
+  fits = lambda bm, bn, bk: (
+    _tpu_vmem(min(prob.m, bm), min(prob.n, bn), min(prob.k, bk), in_itemsize, out_itemsize, outputs)
+    <= TPU_VMEM_BUDGET
+  )
+  while not fits(bm, bn, bk):
     if bk > _LANES:
       bk //= 2
     elif bm >= bn and bm > _LANES:
@@ -194,7 +188,7 @@ def candidates(avals: Sequence[Any], target: str, **params) -> list[MatmulConfig
     out = [
       MatmulConfig(block_m=bm, block_n=bn, block_k=bk)
       for bm, bn, bk in sorted(tiles)
-      if _tpu_vmem(bm, bn, bk, in_size, out_size, outputs) <= TPU_VMEM_BYTES
+      if _tpu_vmem(bm, bn, bk, in_size, out_size, outputs) <= TPU_VMEM_BUDGET
     ]
   out = [c for c in out if supports(avals, target, c, **params) is None] or [base]
   return out

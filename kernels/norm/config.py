@@ -15,7 +15,13 @@ import jax.numpy as jnp
 
 from pallax.executor.config import KernelConfig
 from pallax.executor.registry import interpreted, kernel_backend
-from pallax.pallas_utils import mosaic_dtype_reason, next_pow2, sublanes, triton_warps_reason
+from pallax.pallas_utils import (
+  TPU_VMEM_BUDGET,
+  mosaic_dtype_reason,
+  next_pow2,
+  sublanes,
+  triton_warps_reason,
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,11 +65,6 @@ def _spills(block_rows: int, block_hidden: int, num_warps: int) -> bool:
   """
   per_thread = block_rows * block_hidden // (32 * num_warps)
   return per_thread > 32 or (num_warps >= 16 and block_rows > 1)
-
-
-# Scoped VMEM a Mosaic norm kernel may use: the default limit of the smallest
-# generation (v5e 16 MiB; v6e 32 MiB), less headroom.
-TPU_VMEM_BUDGET = 12 * 2**20
 
 
 def tpu_vmem(block_rows: int, hidden: int, itemsize: int) -> int:

@@ -15,7 +15,8 @@ import jax.numpy as jnp
 from jax.experimental.pallas import tpu as pltpu
 
 from pallax.kernels.norm import common
-from pallax.kernels.norm.config import TPU_VMEM_BUDGET, tpu_vmem
+from pallax.kernels.norm.config import tpu_vmem
+from pallax.pallas_utils import TPU_VMEM_BUDGET
 
 # Most of the 128 MiB of VMEM of v5e and v6e, for blocks over the default limit.
 _VMEM_CEILING = 100 * 2**20

@@ -15,7 +15,13 @@ import jax.numpy as jnp
 
 from pallax.executor.config import KernelConfig
 from pallax.executor.registry import interpreted, kernel_backend
-from pallax.pallas_utils import mosaic_dtype_reason, next_pow2, sublanes, triton_warps_reason
+from pallax.pallas_utils import (
+  TPU_VMEM_BUDGET,
+  mosaic_dtype_reason,
+  next_pow2,
+  sublanes,
+  triton_warps_reason,
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -40,11 +46,6 @@ class SoftmaxConfig(KernelConfig):
 # block: Triton holds the tile in registers, TPU in (double-buffered) VMEM.
 _TRITON_TILE, _TRITON_MAX_COLS = 8192, 8192
 _TPU_TILE, _TPU_MAX_COLS, _TPU_LANES = 262144, 8192, 128
-
-
-# Scoped VMEM a Mosaic softmax kernel may use: v5e's default limit (16 MiB;
-# v6e has 32) less headroom.
-TPU_VMEM_BUDGET = 12 * 2**20
 
 
 def tpu_vmem(tile: int, itemsize: int, masked: bool) -> int:

@@ -59,8 +59,10 @@ def _family_hash(kernel: str) -> str:
 def _versions() -> str:
   """The compiler packages, the ptxas in use and the XLA flags workers inherit."""
   assembler = ptxas()
-  version = subprocess.run([assembler, "--version"], capture_output=True, text=True, check=False)
-  found = [f"ptxas={assembler}:{version.stdout.strip()}" if assembler else "ptxas=none"]
+  found = ["ptxas=none"]
+  if assembler:
+    version = subprocess.run([assembler, "--version"], capture_output=True, text=True, check=False)
+    found = [f"ptxas={assembler}:{version.stdout.strip()}"]
   found.append(f"XLA_FLAGS={os.environ.get('XLA_FLAGS', '')}")
   for name in _PACKAGES:
     try:

@@ -24,7 +24,12 @@ from jax.extend.core import JaxprEqn
 import pallax
 from pallax.executor.cache import shipped_defaults
 from pallax.executor.config import KernelConfig
-from pallax.executor.executor import cache_key, candidate_configs, heuristic_config
+from pallax.executor.executor import (
+  cache_key,
+  candidate_configs,
+  heuristic_config,
+  unsupported_reason,
+)
 from pallax.executor.registry import kernel_spec, registered_ops
 from pallax.executor.tools import kernel_calls
 from pallax.op import op_params
@@ -197,7 +202,7 @@ def configs_for(
     (source, config)
     for source, config in found
     if config.implementation != "xla"
-    and spec.supports(avals, target.platform, config, **params) is None
+    and unsupported_reason(spec, avals, target.platform, config, params) is None
   ]
 
 
@@ -219,18 +224,22 @@ def jobs_for(
   executor's choices (for checking a config by hand).
   """
   jobs: dict[str, Job] = {}
+  configs: dict[tuple[str, str], list] = {}  # per call and target: the forward is in every stage
   for case in case_list:
     for index, eqn in enumerate(kernel_calls_of(case.id)):
       name = eqn.primitive.name
+      if pinned is not None and name not in pinned:
+        continue
       for target in targets:
-        if pinned is not None:
-          if name not in pinned:
-            continue
-          configs = [("pinned", pinned[name])]
-        else:
-          configs = configs_for(eqn, target, heuristic_only)
-        for source, config in configs:
-          job = Job(target.name, name, call_key(eqn, target), config.to_dict(), case.id, index)
+        key = call_key(eqn, target)
+        if (target.name, key) not in configs:
+          configs[target.name, key] = (
+            [("pinned", pinned[name])]
+            if pinned is not None
+            else configs_for(eqn, target, heuristic_only)
+          )
+        for source, config in configs[target.name, key]:
+          job = Job(target.name, name, key, config.to_dict(), case.id, index)
           job = jobs.setdefault(job.id, job)
           job.sources.add(source)
           if case.id not in job.cases:

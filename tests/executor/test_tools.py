@@ -16,7 +16,7 @@ from jax.sharding import PartitionSpec as P
 import pallax
 from pallax.executor import Executor
 from pallax.executor.tools import kernel_calls
-from tests.helpers import lower_text, rand
+from tests.helpers import lower_text, rand, sharding_devices
 
 CFG8 = pallax.NormConfig(block_rows=8)
 
@@ -36,7 +36,9 @@ def test_kernel_calls_finds_kernels_in_nested_jaxprs():
   norm = lambda x: pallax.rms_norm(x, w)
   identity = jax.custom_vjp(norm)
   identity.defvjp(lambda x: (norm(x), None), lambda _, g: (g,))
-  mesh = jax.make_mesh((2,), ("i",), axis_types=(jax.sharding.AxisType.Auto,))
+  mesh = jax.make_mesh(
+    (2,), ("i",), axis_types=(jax.sharding.AxisType.Auto,), devices=sharding_devices(2)
+  )
   nested = {
     "jit": jax.jit(norm),
     "scan": lambda x: jax.lax.scan(lambda c, row: (c, norm(row[None])), 0.0, x)[1],

@@ -17,7 +17,7 @@ import pytest
 import pallax
 from pallax.executor import Executor
 from pallax.executor.registry import TARGETS
-from pallax.kernels.matmul import TPU_VMEM_BYTES, TRITON_SMEM_BYTES, MatmulConfig, Problem
+from pallax.kernels.matmul import TPU_VMEM_BUDGET, TRITON_SMEM_BYTES, MatmulConfig, Problem
 from pallax.op import bind
 from pallax.primitives.matmul import matmul_p
 from tests.helpers import (
@@ -148,7 +148,7 @@ def test_heuristic_respects_backend_rules(shapes, dtype, transposed):
   bm, bn, bk = (
     min(x, d) for x, d in zip((tpu.block_m, tpu.block_n, tpu.block_k), (prob.m, prob.n, prob.k))
   )
-  assert 2 * (bm * bk + bk * bn + bm * bn) * itemsize + 4 * bm * bn <= TPU_VMEM_BYTES
+  assert 2 * (bm * bk + bk * bn + bm * bn) * itemsize + 4 * bm * bn <= TPU_VMEM_BUDGET
   assert matmul_heuristic(avals, "cpu", **params).implementation == "xla"
   assert matmul_heuristic(avals, "interpret-mosaic_tpu", **params).implementation == "pallas"
 

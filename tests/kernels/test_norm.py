@@ -16,7 +16,8 @@ import pytest
 import pallax
 from pallax.executor.registry import TARGETS
 from pallax.kernels.norm import NormConfig
-from pallax.kernels.norm.config import TPU_VMEM_BUDGET, tpu_vmem
+from pallax.kernels.norm.config import tpu_vmem
+from pallax.pallas_utils import TPU_VMEM_BUDGET
 from tests.helpers import CALL_TARGET, executor_view, lower_text
 
 norm_heuristic, norm_candidates, norm_supports = executor_view("rms_norm_fwd")
