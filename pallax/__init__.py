@@ -9,6 +9,7 @@ from pallax.autobatch import autobatch
 from pallax.executor import Executor, KernelConfig, default_executor, set_default_executor
 from pallax.executor.tools import autotune, explain, pmap_with_config, vmap_with_config
 from pallax.interpret import interpret
+from pallax.primitives.attention import AttentionConfig, dot_product_attention
 from pallax.primitives.matmul import MatmulConfig, matmul
 from pallax.primitives.norm import NormConfig, fused_add_rms_norm, layer_norm, rms_norm
 from pallax.primitives.softmax import SoftmaxConfig, log_softmax, softmax
@@ -25,6 +26,8 @@ __all__ = [
   "SoftmaxConfig",
   "matmul",
   "MatmulConfig",
+  "dot_product_attention",
+  "AttentionConfig",
   "autobatch",
   "interpret",
   "Executor",

@@ -73,12 +73,16 @@ class Dims:
   device instead of the kernel when a reduced factor is sharded, where
   ``psum(x, i)`` sums ``x`` across the devices that result ``i`` is summed
   over. None: the kernel runs and its results are summed as they are.
+
+  ``refused`` maps factors that the op cannot shard (yet) to the error a
+  sharded one raises, instead of being gathered quietly.
   """
 
   operands: tuple[tuple[str, ...], ...]
   results: tuple[tuple[str, ...], ...]
   replicated: tuple[str, ...] = ()
   per_shard: Callable[..., Sequence[Any]] | None = None
+  refused: Mapping[str, str] = dataclasses.field(default_factory=dict)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -227,7 +231,7 @@ def define_residual_op(
   fwd: PrimitiveSpec,
   tangent: PrimitiveSpec,
   bwd: PrimitiveSpec | None = None,
-  linear: slice,
+  linear: slice | Callable[..., slice],
   tangent_operands: Callable[..., Sequence[Any]],
   residual_tangents: Callable[..., Sequence[Any]] | None = None,
   fwd_only_params: Sequence[str] = (),
@@ -260,7 +264,8 @@ def define_residual_op(
     fwd: the forward primitive.
     tangent: the tangent primitive.
     bwd: the backward primitive; None when ``tangent`` is its own transpose.
-    linear: the block of ``tangent``'s operands it is linear in.
+    linear: the block of ``tangent``'s operands it is linear in, or a function
+      of the primitives' params giving it (where optional operands move it).
     tangent_operands: ``(primals, outs, tangents) -> operands`` of ``tangent``
       from the forward's operands, its results and its operands' tangents
       (symbolic zeros included: ``instantiate`` those used).
@@ -283,10 +288,12 @@ def define_residual_op(
     return outs, out_tangents
 
   def tangent_transpose_rule(cts, *args, **params):
-    block = range(len(args))[linear]
+    block = range(len(args))[linear(**params) if callable(linear) else linear]
     wanted = [i in block and ad.is_undefined_primal(a) for i, a in enumerate(args)]
     if any(ad.is_undefined_primal(a) for i, a in enumerate(args) if i not in block):
-      raise NotImplementedError(f"{tangent_p.name} is linear in operands {linear} only")
+      raise NotImplementedError(
+        f"{tangent_p.name} is linear in operands {block.start}:{block.stop} only"
+      )
     if all(type(ct) is ad.Zero for ct in cts):
       return [ad.Zero(a.aval) if w else None for w, a in zip(wanted, args)]
     grads = bwd_p.bind(*args[: block.start], *instantiate(cts), *args[block.stop :], **params)
@@ -408,6 +415,8 @@ def _factor_axes(mesh, dims: Dims, arg_shapes) -> dict[str, tuple[str, ...]]:
     if not isinstance(sharding, NamedSharding):
       continue
     for f, size, axes in zip(names, shape.shape, full_spec(shape)):
+      if f in dims.refused and axes is not None:
+        raise ValueError(dims.refused[f])
       if f in dims.replicated or f in factors or axes is None:
         continue
       axes = (axes,) if isinstance(axes, str) else tuple(axes)

@@ -270,7 +270,8 @@ class Executor:
       avals: its operands' final avals.
       target: see ``registry.TARGETS``.
       params: its static params.
-      pinned: the call's ``config=``.
+      pinned: the call's ``config=``: a config, or an implementation's name
+        (``"pallas"``, ``"xla"``) with the heuristic's blocks.
       overlays: the scope's overlays.
       make_fn: ``config -> function of the operands`` running the kernel with
         that config, for autotuning.
@@ -282,6 +283,9 @@ class Executor:
     make = functools.partial(Selection, op, key, target, kind)
 
     pinned = pinned if pinned is not None else self._pins.get(op)
+    if isinstance(pinned, str):  # an implementation pinned by name, its blocks the heuristic's
+      config = dataclasses.replace(spec.heuristic(avals, target, **params), implementation=pinned)
+      return self._validated(spec, avals, target, params, make(config, "pinned"), strict=True)
     if pinned is not None:
       return self._validated(spec, avals, target, params, make(pinned, "pinned"), strict=True)
     for name, config in reversed(tuple(overlays)):

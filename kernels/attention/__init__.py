@@ -1,0 +1,25 @@
+"""Attention implementations: XLA programs and Pallas kernels.
+
+Three stages, each a primitive (``primitives/attention.py``): the forward
+(``out``, ``lse``), the tangent (linear in the inputs' tangents) and the
+backward (its transpose).
+
+* ``common.py``: the operands' layout, visibility, block ranges and the block
+  math every implementation runs;
+* ``config.py``: ``AttentionConfig``, heuristics, autotuning space, legality;
+* ``xla.py``: the blockwise XLA programs (the CPU path);
+* ``triton.py``, ``mosaic_tpu.py``: the Pallas kernels.
+"""
+
+from __future__ import annotations
+
+from pallax.kernels.attention import config, triton
+from pallax.kernels.attention.config import STAGES, AttentionConfig
+from pallax.op import Kernel
+
+__all__ = ["AttentionConfig", "STAGES", "kernel"]
+
+
+def kernel(stage: str) -> Kernel:
+  """The Pallas kernel of ``stage`` (``"fwd"``, ``"jvp"`` or ``"bwd"``)."""
+  return Kernel.of_family(stage, config=config.for_stage(stage), backends={"triton": triton})

@@ -1,0 +1,263 @@
+"""What every attention implementation shares: the call's static facts and the block math.
+
+The primitives' operands (``primitives/attention.py`` builds them):
+
+* ``q (B, K, G, T, H)``: query heads grouped by the kv head they read
+  (``N = K * G``; query head ``n`` is ``(n // G, n % G)``);
+* ``k (B, K, S, H)``, ``v (B, K, S, Hv)``;
+* ``q_len``, ``kv_len`` ``(B,)`` int32, clipped to ``[0, T]`` / ``[0, S]``;
+* optional ``bias (Bb, Kb, Gb, T, S)`` and bool ``mask`` of the same layout,
+  where ``Bb`` is 1 or ``B`` and ``(Kb, Gb)`` is ``(1, 1)`` or ``(K, G)``:
+  broadcasting over batch and heads stays in the index maps;
+* ``out (B, K, G, T, Hv)`` and ``lse (B, K, G, T)`` float32: the forward's
+  results (natural-log logsumexp of a row's visible logits; -inf for a row
+  with no visible key, whose output is 0).
+
+Query ``t`` sees key ``s`` iff ``t < q_len``, ``s < kv_len`` (with lengths),
+``t - left <= s <= t + right`` (the window; causal is ``right = 0``) and the
+mask allows it. The block math below is written once, on arrays with any
+leading dims, and runs in the XLA programs and inside both kernels; ``dot``
+is the implementation's matmul ``(a, b, kind) -> stats dtype`` of kind
+``"qk"`` (``a b^T``), ``"pv"`` (``a b``) or ``"tn"`` (``a^T b``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from typing import Any, Optional
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from pallax.pallas_utils import stat_dtype
+
+NEG_INF = float("-inf")
+
+
+@dataclasses.dataclass(frozen=True)
+class Problem:
+  """The static facts of one attention call."""
+
+  batch: int
+  kv_heads: int
+  groups: int
+  t: int
+  s: int
+  head_dim: int
+  value_dim: int
+  dtype: Any
+  scale: float
+  left: Optional[int]
+  right: Optional[int]
+  has_lengths: bool
+  has_bias: bool
+  has_mask: bool
+  bias_batch: bool  # the bias (and mask) vary over the batch
+  bias_heads: bool  # ... and over the heads
+
+  @classmethod
+  def of(cls, avals: Sequence[Any], **params) -> Problem:
+    q, k, v = avals[:3]
+    b, kh, g, t, h = q.shape
+    extra = avals[5] if params["has_bias"] or params["has_mask"] else None
+    return cls(
+      b,
+      kh,
+      g,
+      t,
+      k.shape[2],
+      h,
+      v.shape[3],
+      q.dtype,
+      params["scale"],
+      params["window_left"],
+      params["window_right"],
+      params["has_lengths"],
+      params["has_bias"],
+      params["has_mask"],
+      extra is not None and extra.shape[0] > 1,
+      extra is not None and extra.shape[1] > 1,
+    )
+
+  @property
+  def stat(self) -> jnp.dtype:
+    """Dtype of logits, softmax statistics and accumulators."""
+    return stat_dtype(self.dtype)
+
+
+@dataclasses.dataclass(frozen=True)
+class Operands:
+  """A primitive's operands by role: the inputs, then the stage's own (``rest``)."""
+
+  q: Any
+  k: Any
+  v: Any
+  q_len: Any
+  kv_len: Any
+  bias: Any
+  mask: Any
+  rest: tuple
+
+  @classmethod
+  def of(cls, p: Problem, operands: Sequence[Any]) -> Operands:
+    q, k, v, q_len, kv_len, *rest = operands
+    bias = rest.pop(0) if p.has_bias else None
+    mask = rest.pop(0) if p.has_mask else None
+    return cls(q, k, v, q_len, kv_len, bias, mask, tuple(rest))
+
+
+def visible(p: Problem, t_pos, s_pos, q_len=None, kv_len=None) -> Optional[jax.Array]:
+  """Which (query, key) positions see each other; None: all of them.
+
+  ``t_pos``, ``s_pos``: int32 positions broadcasting against each other (a
+  column and a row of a block). ``q_len``/``kv_len`` are only read with
+  lengths. Positions past the arrays' ends are the caller's to mask.
+  """
+  out = None
+
+  def both(a, b):
+    return b if a is None else a & b
+
+  if p.has_lengths:
+    out = both(out, (t_pos < q_len) & (s_pos < kv_len))
+  if p.left is not None:
+    out = both(out, s_pos >= t_pos - p.left)
+  if p.right is not None:
+    out = both(out, s_pos <= t_pos + p.right)
+  return out
+
+
+def _div(a, b: int):
+  """``a // b`` of a non-negative int32 scalar (``lax.div``: Triton has no floor division)."""
+  return lax.div(a, jnp.int32(b))
+
+
+def key_range(p: Problem, t0, block_q: int, block_k: int, q_len=None, kv_len=None):
+  """``[lo, hi)`` of the key blocks a query block starting at ``t0`` can see.
+
+  Blocks outside are entirely hidden (causal, window, lengths) and skipped.
+  """
+  t0 = jnp.asarray(t0, jnp.int32)
+  hi_pos = jnp.int32(p.s)
+  if p.has_lengths:
+    hi_pos = jnp.minimum(hi_pos, kv_len)
+  if p.right is not None:
+    hi_pos = jnp.minimum(hi_pos, t0 + (block_q + p.right))
+  lo = jnp.int32(0)
+  if p.left is not None:
+    lo = _div(jnp.maximum(t0 - p.left, 0), block_k)
+  hi = _div(jnp.maximum(hi_pos, 0) + (block_k - 1), block_k)
+  if p.has_lengths:
+    hi = jnp.where(t0 < q_len, hi, 0)
+  return lo, jnp.maximum(hi, lo)
+
+
+def query_range(p: Problem, s0, block_q: int, block_k: int, q_len=None, kv_len=None):
+  """``[lo, hi)`` of the query blocks that can see a key block starting at ``s0``."""
+  s0 = jnp.asarray(s0, jnp.int32)
+  hi_pos = jnp.int32(p.t)
+  if p.has_lengths:
+    hi_pos = jnp.minimum(hi_pos, q_len)
+  if p.left is not None:
+    hi_pos = jnp.minimum(hi_pos, s0 + (block_k + p.left))
+  lo = jnp.int32(0)
+  if p.right is not None:
+    lo = _div(jnp.maximum(s0 - p.right, 0), block_q)
+  hi = _div(jnp.maximum(hi_pos, 0) + (block_q - 1), block_q)
+  if p.has_lengths:
+    hi = jnp.where(s0 < kv_len, hi, 0)
+  return lo, jnp.maximum(hi, lo)
+
+
+def scores(p: Problem, dot, q, k, bias=None, keep=None):
+  """``scale * q k^T + bias`` in the stats dtype, -inf where ``keep`` is False."""
+  s = dot(q, k, "qk") * p.scale
+  if bias is not None:
+    s = s + bias.astype(s.dtype)
+  return s if keep is None else jnp.where(keep, s, NEG_INF)
+
+
+def online_init(p: Problem, shape_rows):
+  """The forward's accumulators for rows of shape ``shape_rows``: max, sum, output."""
+  return (
+    jnp.full((*shape_rows, 1), NEG_INF, p.stat),
+    jnp.zeros((*shape_rows, 1), p.stat),
+    jnp.zeros((*shape_rows, p.value_dim), p.stat),
+  )
+
+
+def online_step(carry, s, v, dot):
+  """One key block of the online softmax: ``s`` the block's scores, ``v`` its values."""
+  m, denom, acc = carry
+  m_new = jnp.maximum(m, jnp.max(s, axis=-1, keepdims=True))
+  m_safe = jnp.where(m_new == NEG_INF, 0.0, m_new)  # rows with nothing visible yet
+  alpha = jnp.exp(m - m_safe)
+  e = jnp.exp(s - m_safe)
+  denom = alpha * denom + jnp.sum(e, axis=-1, keepdims=True)
+  acc = alpha * acc + dot(e.astype(v.dtype), v, "pv")
+  return m_new, denom, acc
+
+
+def online_finish(carry):
+  """``(out, lse)`` in float32 from the accumulators: 0 and -inf where nothing was visible."""
+  m, denom, acc = carry
+  empty = denom == 0.0
+  out = jnp.where(empty, 0.0, acc / jnp.where(empty, 1.0, denom))
+  lse = jnp.where(empty, NEG_INF, m + jnp.log(jnp.where(empty, 1.0, denom)))
+  return out, lse[..., 0]
+
+
+def probs(s, lse):
+  """``exp(s - lse)``, the softmax recomputed from the saved ``lse`` (0 on empty rows)."""
+  lse = jnp.where(lse == NEG_INF, jnp.inf, lse)[..., None]
+  return jnp.exp(s - lse)
+
+
+def bwd_probs(p: Problem, dot, v, do, s, lse, delta):
+  """One block of the backward: the probabilities and the logits' gradient ``ds``.
+
+  ``delta = rowsum(do * out)``; ``ds`` is also the bias' gradient.
+  """
+  pr = probs(s, lse)
+  return pr, pr * (dot(do, v, "qk") - delta[..., None])
+
+
+def bwd_dq(p: Problem, dot, ds, k):
+  """A key block's contribution to ``dq``."""
+  return dot(ds.astype(k.dtype), k, "pv") * p.scale
+
+
+def bwd_dkdv(p: Problem, dot, pr, ds, q, do):
+  """A query block's contributions to ``dk`` and ``dv``."""
+  return dot(ds.astype(q.dtype), q, "tn") * p.scale, dot(pr.astype(do.dtype), do, "tn")
+
+
+def block_dot(a, b, kind: str):
+  """``dot`` of the kernels, on 2-D blocks, accumulating in the stats dtype."""
+  if kind == "qk":
+    dims, (a, b) = (((1,), (1,)), ((), ())), (a, b)
+  else:  # "pv", and "tn" as a transposed "pv" (Mosaic's dots want the lhs contracted last)
+    dims, (a, b) = (((1,), (0,)), ((), ())), (a.T if kind == "tn" else a, b)
+  st = stat_dtype(a.dtype)
+  precision = lax.Precision.HIGHEST if a.dtype == st else None
+  return lax.dot_general(a, b, dims, precision=precision, preferred_element_type=st)
+
+
+def tangent_block(p: Problem, dot, q, k, v, s, lse, dq, dk, dv, dbias=None):
+  """One key block of the tangent: ``(sum P dS v, rowsum P dS, P dv)``, stats dtype.
+
+  ``dS = scale (dq k^T + q dk^T) + dbias`` is the logits' tangent; the output
+  tangent is ``sum P dS v - rowsum(P dS) out + P dv`` over the blocks.
+  """
+  pr = probs(s, lse)
+  ds = (dot(dq, k, "qk") + dot(q, dk, "qk")) * p.scale
+  if dbias is not None:
+    ds = ds + dbias.astype(ds.dtype)
+  pds = pr * ds
+  return (
+    dot(pds.astype(v.dtype), v, "pv"),
+    jnp.sum(pds, axis=-1, keepdims=True),
+    dot(pr.astype(dv.dtype), dv, "pv"),
+  )

@@ -1,0 +1,456 @@
+"""The attention kernels on Pallas-Triton (FlashAttention-2).
+
+* forward and tangent: one program per (query block, query head, batch),
+  looping over the key blocks the query block can see (``common.key_range``);
+  GQA reads the kv head of the query head, K/V are never repeated;
+* backward: a ``dq`` kernel of the same shape (it also writes the bias
+  gradient) and a ``dk, dv`` kernel, one program per (key block, query head,
+  batch) looping over the query blocks that see the key block
+  (``common.query_range``); with GQA its per-query-head partials are summed
+  over each kv head's query heads afterwards.
+
+Blocks are powers of two; head dims are padded to one (80 -> 128) and every
+load and store along a dim its block overhangs is masked by hand (Pallas-Triton
+does not bound-check). The key-side (or, in the dk/dv kernel, query-side)
+operand is one block spanning the whole sequence, sliced per step.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Optional
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+
+from pallax.kernels.attention import common
+from pallax.kernels.attention.common import NEG_INF, Operands, Problem, block_dot
+from pallax.kernels.attention.config import AttentionConfig
+from pallax.kernels.attention.xla import reduce_bias_grad
+from pallax.pallas_utils import and_masks, load, next_pow2, store, triton_compiler_params
+
+
+@dataclasses.dataclass(frozen=True)
+class _Layout:
+  """Blocks of a call: sizes, counts and the BlockSpecs of each operand role."""
+
+  p: Problem
+  bq: int
+  bk: int
+
+  @property
+  def nq(self) -> int:
+    return pl.cdiv(self.p.t, self.bq)
+
+  @property
+  def nk(self) -> int:
+    return pl.cdiv(self.p.s, self.bk)
+
+  def width(self, x: int) -> int:
+    return next_pow2(max(x, 16))
+
+  def _heads(self, n):
+    g = jnp.int32(self.p.groups)
+    return lax.div(n, g), lax.rem(n, g)
+
+  def rows(self, x: int, per_block: bool):
+    """A (B, K, G, T, x) operand: a query block, or all queries (``per_block=False``)."""
+    rows = self.bq if per_block else self.nq * self.bq
+
+    def index(i, n, b):
+      return (b, *self._heads(n), i if per_block else 0, 0)
+
+    return pl.BlockSpec((None, None, None, rows, self.width(x)), index)
+
+  def row_stats(self, per_block: bool):
+    """A (B, K, G, T) operand (lse, delta)."""
+    rows = self.bq if per_block else self.nq * self.bq
+    return pl.BlockSpec(
+      (None, None, None, rows), lambda i, n, b: (b, *self._heads(n), i if per_block else 0)
+    )
+
+  def keys(self, x: int, per_block: bool):
+    """A (B, K, S, x) operand: a key block, or all keys."""
+    rows = self.bk if per_block else self.nk * self.bk
+    return pl.BlockSpec(
+      (None, None, rows, self.width(x)),
+      lambda i, n, b: (b, self._heads(n)[0], i if per_block else 0, 0),
+    )
+
+  def length(self):
+    return pl.BlockSpec((1,), lambda i, n, b: (b,))
+
+  def tile(self, aval, query_blocks: bool):
+    """A bias-like (Bb, Kb, Gb, T, S) operand: a query block's rows or a key block's columns."""
+    shape = (self.bq, self.nk * self.bk) if query_blocks else (self.nq * self.bq, self.bk)
+
+    def index(i, n, b):
+      kh, g = self._heads(n)
+      lead = (b if aval.shape[0] > 1 else 0, *((kh, g) if aval.shape[1] > 1 else (0, 0)))
+      return (*lead, i, 0) if query_blocks else (*lead, 0, i)
+
+    return pl.BlockSpec((None, None, None, *shape), index)
+
+
+def _positions(start, size: int, extent: int):
+  """Positions of a block and which are inside the array (None: all)."""
+  pos = start + lax.broadcasted_iota(jnp.int32, (size,), 0)
+  return pos, (None if extent % size == 0 else pos < extent)
+
+
+def _cols_ok(width: int, extent: int) -> Optional[jax.Array]:
+  return None if width == extent else lax.broadcasted_iota(jnp.int32, (width,), 0) < extent
+
+
+def _tile_mask(rows_ok, cols_ok):
+  return and_masks(
+    None if rows_ok is None else rows_ok[:, None], None if cols_ok is None else cols_ok[None, :]
+  )
+
+
+class _Refs:
+  """A kernel's input refs by role, and the lengths as scalars."""
+
+  def __init__(self, p: Problem, refs, n_rest: int):
+    q, k, v, q_len, kv_len, *rest = refs
+    self.q, self.k, self.v = q, k, v
+    self.bias = rest.pop(0) if p.has_bias else None
+    self.mask = rest.pop(0) if p.has_mask else None
+    self.rest, self.outs = rest[:n_rest], rest[n_rest:]
+    self.lens = (q_len[0], kv_len[0]) if p.has_lengths else (None, None)
+
+
+def _keep(p: Problem, t_pos, s_pos, s_ok, lens, mask_blk):
+  keep = common.visible(p, t_pos[:, None], s_pos[None, :], *lens)
+  return and_masks(keep, None if s_ok is None else s_ok[None, :], mask_blk)
+
+
+def _tile(ref, ok):
+  return None if ref is None else load(ref, ok)
+
+
+def _over_key_blocks(lay: _Layout, r: _Refs, step, init, extra_loads=()):
+  """The query-block programs' loop: ``step(carry, s, k, v, tile_ok, s0, *extra)`` per key block.
+
+  ``s`` are the block's masked, scaled, biased logits; ``extra_loads`` are more
+  key-side refs (tangents of k and v) loaded per block like ``v``.
+  """
+  p = lay.p
+  t0 = pl.program_id(0) * lay.bq
+  t_pos, t_ok = _positions(t0, lay.bq, p.t)
+  h_ok, hv_ok = (
+    _cols_ok(lay.width(p.head_dim), p.head_dim),
+    _cols_ok(lay.width(p.value_dim), p.value_dim),
+  )
+  q = load(r.q, _tile_mask(t_ok, h_ok))
+
+  def body(j, carry):
+    s0 = j * lay.bk
+    s_pos, s_ok = _positions(s0, lay.bk, p.s)
+    cut = lambda ref: ref.at[pl.ds(s0, lay.bk), :]
+    k = load(cut(r.k), _tile_mask(s_ok, h_ok))
+    v = load(cut(r.v), _tile_mask(s_ok, hv_ok))
+    ok = _tile_mask(t_ok, s_ok)
+    cols = lambda ref: None if ref is None else ref.at[:, pl.ds(s0, lay.bk)]
+    mask = _tile(cols(r.mask), ok)
+    keep = _keep(p, t_pos, s_pos, s_ok, r.lens, None if mask is None else mask != 0)
+    s = common.scores(p, block_dot, q, k, _tile(cols(r.bias), ok), keep)
+    extra = [
+      load(cut(ref), _tile_mask(s_ok, h_ok if i == 0 else hv_ok))
+      for i, ref in enumerate(extra_loads)
+    ]
+    return step(carry, s, q, k, v, ok, s0, *extra)
+
+  lo, hi = common.key_range(p, t0, lay.bq, lay.bk, *r.lens)
+  return lax.fori_loop(lo, hi, body, init), (t_ok, h_ok, hv_ok), (lo, hi)
+
+
+def _call(
+  kernel,
+  lay: _Layout,
+  grid_blocks: int,
+  operands,
+  in_specs,
+  out_shapes,
+  out_specs,
+  config,
+  interpret,
+  name,
+):
+  return pl.pallas_call(
+    kernel,
+    grid=(grid_blocks, lay.p.kv_heads * lay.p.groups, lay.p.batch),
+    in_specs=in_specs,
+    out_specs=out_specs,
+    out_shape=out_shapes,
+    compiler_params=triton_compiler_params(config),
+    interpret=interpret,
+    name=name,
+  )(*operands)
+
+
+def _input_specs(lay: _Layout, ops: Operands, query_blocks: bool) -> list:
+  p = lay.p
+  specs = [
+    lay.rows(p.head_dim, query_blocks),
+    lay.keys(p.head_dim, not query_blocks),
+    lay.keys(p.value_dim, not query_blocks),
+    lay.length(),
+    lay.length(),
+  ]
+  return specs + [lay.tile(x, query_blocks) for x in (ops.bias, ops.mask) if x is not None]
+
+
+def _inputs(ops: Operands) -> list:
+  """The core operands; the mask travels as int8 (bool refs are not portable)."""
+  mask = None if ops.mask is None else ops.mask.astype(jnp.int8)
+  return [
+    ops.q,
+    ops.k,
+    ops.v,
+    ops.q_len,
+    ops.kv_len,
+    *(x for x in (ops.bias, mask) if x is not None),
+  ]
+
+
+def _setup(operands, config: AttentionConfig, params) -> tuple[Problem, Operands, _Layout]:
+  p = Problem.of(operands, **params)
+  bq = min(config.block_q, next_pow2(max(p.t, 16)))
+  bk = min(config.block_k, next_pow2(max(p.s, 16)))
+  return p, Operands.of(p, operands), _Layout(p, bq, bk)
+
+
+def _row_shape(p: Problem, x: int, dtype) -> jax.ShapeDtypeStruct:
+  return jax.ShapeDtypeStruct((p.batch, p.kv_heads, p.groups, p.t, x), dtype)
+
+
+def fwd(*operands, config: AttentionConfig, interpret: Any, **params):
+  """``(out, lse)``."""
+  p, ops, lay = _setup(operands, config, params)
+
+  def kernel(*refs):
+    r = _Refs(p, refs, 0)
+    out_ref, lse_ref = r.outs
+    carry, (t_ok, _, hv_ok), _ = _over_key_blocks(
+      lay,
+      r,
+      lambda c, s, q, k, v, *_: common.online_step(c, s, v, block_dot),
+      common.online_init(p, (lay.bq,)),
+    )
+    out, lse = common.online_finish(carry)
+    store(out_ref, out.astype(out_ref.dtype), _tile_mask(t_ok, hv_ok))
+    store(lse_ref, lse, t_ok)
+
+  out_shapes = [
+    _row_shape(p, p.value_dim, p.dtype),
+    jax.ShapeDtypeStruct((p.batch, p.kv_heads, p.groups, p.t), p.stat),
+  ]
+  out_specs = [lay.rows(p.value_dim, True), lay.row_stats(True)]
+  return _call(
+    kernel,
+    lay,
+    lay.nq,
+    _inputs(ops),
+    _input_specs(lay, ops, True),
+    out_shapes,
+    out_specs,
+    config,
+    interpret,
+    "attention_fwd",
+  )
+
+
+def jvp(*operands, config: AttentionConfig, interpret: Any, **params):
+  """``(out_dot,)``: the tangent, one pass over the visible key blocks."""
+  p, ops, lay = _setup(operands, config, params)
+  out, lse, dq, dk, dv, *dbias = ops.rest
+  st = p.stat
+
+  def kernel(*refs):
+    r = _Refs(p, refs, 5 + len(dbias))
+    out_ref, lse_ref, dq_ref, dk_ref, dv_ref, *dbias_ref = r.rest
+    (dout_ref,) = r.outs
+    t0 = pl.program_id(0) * lay.bq
+    _, t_ok = _positions(t0, lay.bq, p.t)
+    h_ok = _cols_ok(lay.width(p.head_dim), p.head_dim)
+    lse_blk = load(lse_ref, t_ok, other=NEG_INF)
+    dq_blk = load(dq_ref, _tile_mask(t_ok, h_ok))
+
+    def step(carry, s, q, k, v, ok, s0, dk_blk, dv_blk):
+      db = None if not dbias_ref else load(dbias_ref[0].at[:, pl.ds(s0, lay.bk)], ok)
+      terms = common.tangent_block(p, block_dot, q, k, v, s, lse_blk, dq_blk, dk_blk, dv_blk, db)
+      return tuple(a + b for a, b in zip(carry, terms))
+
+    init = (
+      jnp.zeros((lay.bq, lay.width(p.value_dim)), st),
+      jnp.zeros((lay.bq, 1), st),
+      jnp.zeros((lay.bq, lay.width(p.value_dim)), st),
+    )
+    (pdsv, rows, pdv), (t_ok, _, hv_ok), _ = _over_key_blocks(lay, r, step, init, (dk_ref, dv_ref))
+    mask = _tile_mask(t_ok, hv_ok)
+    dout = pdsv - rows * load(out_ref, mask).astype(st) + pdv
+    store(dout_ref, dout.astype(dout_ref.dtype), mask)
+
+  rest_specs = [
+    lay.rows(p.value_dim, True),
+    lay.row_stats(True),
+    lay.rows(p.head_dim, True),
+    lay.keys(p.head_dim, False),
+    lay.keys(p.value_dim, False),
+  ] + [lay.tile(dbias[0], True)] * len(dbias)
+  return _call(
+    kernel,
+    lay,
+    lay.nq,
+    _inputs(ops) + [out, lse, dq, dk, dv, *dbias],
+    _input_specs(lay, ops, True) + rest_specs,
+    [_row_shape(p, p.value_dim, p.dtype)],
+    [lay.rows(p.value_dim, True)],
+    config,
+    interpret,
+    "attention_jvp",
+  )
+
+
+def _dq(p, ops, lay, lse, delta, do, config, interpret):
+  """``dq`` (and the logits' gradient where there is a bias): per query block."""
+  st = p.stat
+
+  def kernel(*refs):
+    r = _Refs(p, refs, 3)
+    lse_ref, delta_ref, do_ref = r.rest
+    dq_ref, *ds_ref = r.outs
+    t0 = pl.program_id(0) * lay.bq
+    _, t_ok = _positions(t0, lay.bq, p.t)
+    hv_ok = _cols_ok(lay.width(p.value_dim), p.value_dim)
+    lse_blk = load(lse_ref, t_ok, other=NEG_INF)
+    delta_blk = load(delta_ref, t_ok)
+    do_blk = load(do_ref, _tile_mask(t_ok, hv_ok))
+
+    def step(acc, s, q, k, v, ok, s0):
+      _, ds = common.bwd_probs(p, block_dot, v, do_blk, s, lse_blk, delta_blk)
+      if ds_ref:
+        store(ds_ref[0].at[:, pl.ds(s0, lay.bk)], ds.astype(ds_ref[0].dtype), ok)
+      return acc + common.bwd_dq(p, block_dot, ds, k)
+
+    init = jnp.zeros((lay.bq, lay.width(p.head_dim)), st)
+    acc, (t_ok, h_ok, _), (lo, hi) = _over_key_blocks(lay, r, step, init)
+    store(dq_ref, acc.astype(dq_ref.dtype), _tile_mask(t_ok, h_ok))
+    if ds_ref:  # the key blocks the loop skipped have a zero gradient
+      zeros = jnp.zeros((lay.bq, lay.bk), ds_ref[0].dtype)
+
+      def clear(j, carry):
+        _, s_ok = _positions(j * lay.bk, lay.bk, p.s)
+        store(ds_ref[0].at[:, pl.ds(j * lay.bk, lay.bk)], zeros, _tile_mask(t_ok, s_ok))
+        return carry
+
+      lax.fori_loop(0, lo, clear, 0)
+      lax.fori_loop(hi, lay.nk, clear, 0)
+
+  out_shapes = [_row_shape(p, p.head_dim, p.dtype)]
+  out_specs = [lay.rows(p.head_dim, True)]
+  if p.has_bias:
+    out_shapes.append(jax.ShapeDtypeStruct((p.batch, p.kv_heads, p.groups, p.t, p.s), st))
+    out_specs.append(
+      pl.BlockSpec(
+        (None, None, None, lay.bq, lay.nk * lay.bk), lambda i, n, b: (b, *lay._heads(n), i, 0)
+      )
+    )
+  specs = [lay.row_stats(True), lay.row_stats(True), lay.rows(p.value_dim, True)]
+  return _call(
+    kernel,
+    lay,
+    lay.nq,
+    _inputs(ops) + [lse, delta, do],
+    _input_specs(lay, ops, True) + specs,
+    out_shapes,
+    out_specs,
+    config,
+    interpret,
+    "attention_bwd_dq",
+  )
+
+
+def _dkdv(p, ops, lay, lse, delta, do, config, interpret):
+  """``dk, dv`` per query head (summed over a kv head's query heads by the caller)."""
+  st = p.stat
+  out_dtype = p.dtype if p.groups == 1 else st
+
+  def kernel(*refs):
+    r = _Refs(p, refs, 3)
+    lse_ref, delta_ref, do_ref = r.rest
+    dk_ref, dv_ref = r.outs
+    s0 = pl.program_id(0) * lay.bk
+    s_pos, s_ok = _positions(s0, lay.bk, p.s)
+    h_ok, hv_ok = (
+      _cols_ok(lay.width(p.head_dim), p.head_dim),
+      _cols_ok(lay.width(p.value_dim), p.value_dim),
+    )
+    k = load(r.k, _tile_mask(s_ok, h_ok))
+    v = load(r.v, _tile_mask(s_ok, hv_ok))
+
+    def body(i, carry):
+      t0 = i * lay.bq
+      t_pos, t_ok = _positions(t0, lay.bq, p.t)
+      rows = lambda ref: ref.at[pl.ds(t0, lay.bq)]
+      q = load(r.q.at[pl.ds(t0, lay.bq), :], _tile_mask(t_ok, h_ok))
+      do_blk = load(do_ref.at[pl.ds(t0, lay.bq), :], _tile_mask(t_ok, hv_ok))
+      ok = _tile_mask(t_ok, s_ok)
+      tile = lambda ref: None if ref is None else load(ref.at[pl.ds(t0, lay.bq), :], ok)
+      mask = tile(r.mask)
+      keep = _keep(p, t_pos, s_pos, s_ok, r.lens, None if mask is None else mask != 0)
+      s = common.scores(p, block_dot, q, k, tile(r.bias), keep)
+      pr, ds = common.bwd_probs(
+        p,
+        block_dot,
+        v,
+        do_blk,
+        s,
+        load(rows(lse_ref), t_ok, other=NEG_INF),
+        load(rows(delta_ref), t_ok),
+      )
+      dk, dv = common.bwd_dkdv(p, block_dot, pr, ds, q, do_blk)
+      return carry[0] + dk, carry[1] + dv
+
+    lo, hi = common.query_range(p, s0, lay.bq, lay.bk, *r.lens)
+    init = (
+      jnp.zeros((lay.bk, lay.width(p.head_dim)), st),
+      jnp.zeros((lay.bk, lay.width(p.value_dim)), st),
+    )
+    dk, dv = lax.fori_loop(lo, hi, body, init)
+    store(dk_ref, dk.astype(dk_ref.dtype), _tile_mask(s_ok, h_ok))
+    store(dv_ref, dv.astype(dv_ref.dtype), _tile_mask(s_ok, hv_ok))
+
+  def per_head(x):
+    return pl.BlockSpec(
+      (None, None, None, lay.bk, lay.width(x)), lambda j, n, b: (b, *lay._heads(n), j, 0)
+    )
+
+  shape = lambda x: jax.ShapeDtypeStruct((p.batch, p.kv_heads, p.groups, p.s, x), out_dtype)
+  specs = [lay.row_stats(False), lay.row_stats(False), lay.rows(p.value_dim, False)]
+  dk, dv = _call(
+    kernel,
+    lay,
+    lay.nk,
+    _inputs(ops) + [lse, delta, do],
+    _input_specs(lay, ops, False) + specs,
+    [shape(p.head_dim), shape(p.value_dim)],
+    [per_head(p.head_dim), per_head(p.value_dim)],
+    config,
+    interpret,
+    "attention_bwd_dkdv",
+  )
+  return [jnp.sum(x, axis=2).astype(p.dtype) for x in (dk, dv)]
+
+
+def bwd(*operands, config: AttentionConfig, interpret: Any, **params):
+  """``(dq, dk, dv[, dbias])``: the dq kernel and the dk/dv kernel."""
+  p, ops, lay = _setup(operands, config, params)
+  out, lse, do = ops.rest
+  delta = jnp.sum(do.astype(p.stat) * out.astype(p.stat), axis=-1)
+  dq, *ds = _dq(p, ops, lay, lse, delta, do, config, interpret)
+  dk, dv = _dkdv(p, ops, lay, lse, delta, do, config, interpret)
+  return [dq, dk, dv, *(reduce_bias_grad(d, ops.bias) for d in ds)]

@@ -1,0 +1,261 @@
+"""The attention XLA programs: blockwise online softmax, the CPU path.
+
+Memory is ``O(T x block)``: no program holds a ``[T, S]`` array (except the
+bias gradient, which is one). Each query block loops over only the key
+blocks it can see (``common.key_range``), and the backward's key blocks over
+only the query blocks that see them, so a causal forward does about half the
+work of the dense one. Operands are padded to whole blocks; padded keys are
+hidden, padded queries cut off.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from pallax.kernels.attention.common import (
+  NEG_INF,
+  Operands,
+  Problem,
+  bwd_dkdv,
+  bwd_dq,
+  bwd_probs,
+  key_range,
+  online_finish,
+  online_init,
+  online_step,
+  query_range,
+  scores,
+  tangent_block,
+  visible,
+)
+
+# Blocks of the XLA programs: CPU matmuls of (512 x 64) @ (64 x 512) per head
+# run near the machine's peak, and a block's logits stay in cache.
+BLOCK_Q = 512
+BLOCK_K = 512
+
+_EINSUM = {"qk": "bkgmd,bknd->bkgmn", "pv": "bkgmn,bknd->bkgmd", "tn": "bkgnm,bkgnd->bkmd"}
+
+
+def _dot(a, b, kind):
+  """The block matmuls on (B, K, G, rows, cols) and (B, K, rows, cols) blocks."""
+  st = jnp.promote_types(a.dtype, jnp.float32)
+  precision = lax.Precision.HIGHEST if a.dtype == b.dtype == st else None
+  return jnp.einsum(_EINSUM[kind], a, b, preferred_element_type=st, precision=precision)
+
+
+class _Blocks:
+  """The call cut into (block_q, block_k) blocks; slices with positions and visibility."""
+
+  def __init__(self, p: Problem, ops: Operands):
+    self.p, self.ops = p, ops
+    self.bq, self.bk = min(p.t, BLOCK_Q), min(p.s, BLOCK_K)
+    self.nq, self.nk = -(-p.t // self.bq), -(-p.s // self.bk)
+    self.tp, self.sp = self.nq * self.bq, self.nk * self.bk
+    lengths = ops.q_len, ops.kv_len
+    # Block ranges are shared by the batch: the longest example's.
+    self.max_len = tuple(jnp.max(a) for a in lengths) if p.has_lengths else (None, None)
+    self.len5 = tuple(a[:, None, None, None, None] for a in lengths)
+    self.bias = self.pad_ts(ops.bias)
+    self.mask = self.pad_ts(ops.mask)
+
+  def pad(self, x, axis: int, to: int, value=0):
+    """``x`` padded with ``value`` to ``to`` along ``axis``."""
+    if x is None or x.shape[axis] == to:
+      return x
+    widths = [(0, 0)] * x.ndim
+    widths[axis] = (0, to - x.shape[axis])
+    return jnp.pad(x, widths, constant_values=value)
+
+  def pad_ts(self, x):
+    return self.pad(self.pad(x, 3, self.tp), 4, self.sp)
+
+  def pad_t(self, x, axis=3, value=0):
+    return self.pad(x, axis, self.tp, value)
+
+  def pad_s(self, x):
+    return self.pad(x, 2, self.sp)
+
+  def keep(self, t0, s0):
+    """Visibility of the block at (t0, s0), shape broadcasting to (B, K, G, bq, bk)."""
+    t_pos = t0 + lax.broadcasted_iota(jnp.int32, (self.bq, 1), 0)
+    s_pos = s0 + lax.broadcasted_iota(jnp.int32, (1, self.bk), 1)
+    out = visible(self.p, t_pos, s_pos, *self.len5)
+    if self.sp != self.p.s:
+      out = s_pos < self.p.s if out is None else out & (s_pos < self.p.s)
+    if self.mask is not None:
+      blk = lax.dynamic_slice_in_dim(
+        lax.dynamic_slice_in_dim(self.mask, t0, self.bq, 3), s0, self.bk, 4
+      )
+      out = blk if out is None else out & blk
+    return out
+
+  def bias_block(self, t0, s0):
+    if self.bias is None:
+      return None
+    return lax.dynamic_slice_in_dim(
+      lax.dynamic_slice_in_dim(self.bias, t0, self.bq, 3), s0, self.bk, 4
+    )
+
+  def scores(self, q_blk, k_blk, t0, s0):
+    return scores(self.p, _dot, q_blk, k_blk, self.bias_block(t0, s0), self.keep(t0, s0))
+
+  def key_range(self, t0):
+    return key_range(self.p, t0, self.bq, self.bk, *self.max_len)
+
+  def query_range(self, s0):
+    return query_range(self.p, s0, self.bq, self.bk, *self.max_len)
+
+
+def _slice(x, start, size, axis):
+  return lax.dynamic_slice_in_dim(x, start, size, axis)
+
+
+def _update(buf, blk, start, axis):
+  return lax.dynamic_update_slice_in_dim(buf, blk, start, axis)
+
+
+def _per_query_block(blocks: _Blocks, q, step, init, finish, outs):
+  """Runs ``step`` over each query block's visible key blocks; writes ``finish`` into ``outs``.
+
+  ``step(carry, q_blk, t0, s0, j) -> carry``; ``finish(carry, t0) -> blocks``
+  (one per buffer of ``outs``, each with T on axis 3).
+  """
+  bq = blocks.bq
+
+  def q_block(i, bufs):
+    t0 = i * bq
+    q_blk = _slice(q, t0, bq, 3)
+    lo, hi = blocks.key_range(t0)
+    carry = lax.fori_loop(lo, hi, lambda j, c: step(c, q_blk, t0, j * blocks.bk), init)
+    return tuple(_update(b, x, t0, 3) for b, x in zip(bufs, finish(carry, t0)))
+
+  return lax.fori_loop(0, blocks.nq, q_block, outs)
+
+
+def attention_fwd(*operands, **params):
+  """``(out, lse)``: the forward."""
+  p = Problem.of(operands, **params)
+  ops = Operands.of(p, operands)
+  blocks = _Blocks(p, ops)
+  q, k, v = blocks.pad_t(ops.q), blocks.pad_s(ops.k), blocks.pad_s(ops.v)
+  b, kh, g = p.batch, p.kv_heads, p.groups
+
+  def step(carry, q_blk, t0, s0):
+    s = blocks.scores(q_blk, _slice(k, s0, blocks.bk, 2), t0, s0)
+    return online_step(carry, s, _slice(v, s0, blocks.bk, 2), _dot)
+
+  def finish(carry, t0):
+    out, lse = online_finish(carry)
+    return out.astype(p.dtype), lse
+
+  outs = (
+    jnp.zeros((b, kh, g, blocks.tp, p.value_dim), p.dtype),
+    jnp.zeros((b, kh, g, blocks.tp), p.stat),
+  )
+  init = online_init(p, (b, kh, g, blocks.bq))
+  out, lse = _per_query_block(blocks, q, step, init, finish, outs)
+  return [out[:, :, :, : p.t], lse[..., : p.t]]
+
+
+def attention_jvp(*operands, **params):
+  """``(out_dot,)``: the output's tangent, linear in ``(dq, dk, dv[, dbias])``."""
+  p = Problem.of(operands, **params)
+  ops = Operands.of(p, operands)
+  out, lse, dq, dk, dv, *dbias = ops.rest
+  blocks = _Blocks(p, ops)
+  q, dq, out = blocks.pad_t(ops.q), blocks.pad_t(dq), blocks.pad_t(out)
+  lse = blocks.pad_t(lse, value=NEG_INF)
+  k, v, dk, dv = (blocks.pad_s(x) for x in (ops.k, ops.v, dk, dv))
+  dbias = blocks.pad_ts(dbias[0]) if dbias else None
+  b, kh, g, bq, bk = p.batch, p.kv_heads, p.groups, blocks.bq, blocks.bk
+
+  def step(carry, q_blk, t0, s0):
+    cut = lambda x: _slice(x, s0, bk, 2)
+    s = blocks.scores(q_blk, cut(k), t0, s0)
+    db = None if dbias is None else _slice(_slice(dbias, t0, bq, 3), s0, bk, 4)
+    lse_blk, dq_blk = _slice(lse, t0, bq, 3), _slice(dq, t0, bq, 3)
+    terms = tangent_block(p, _dot, q_blk, cut(k), cut(v), s, lse_blk, dq_blk, cut(dk), cut(dv), db)
+    return tuple(a + t for a, t in zip(carry, terms))
+
+  def finish(carry, t0):
+    pdsv, rows, pdv = carry
+    out_blk = _slice(out, t0, bq, 3).astype(p.stat)
+    return ((pdsv - rows * out_blk + pdv).astype(p.dtype),)
+
+  st = p.stat
+  init = (
+    jnp.zeros((b, kh, g, bq, p.value_dim), st),
+    jnp.zeros((b, kh, g, bq, 1), st),
+    jnp.zeros((b, kh, g, bq, p.value_dim), st),
+  )
+  outs = (jnp.zeros((b, kh, g, blocks.tp, p.value_dim), p.dtype),)
+  (dout,) = _per_query_block(blocks, q, step, init, finish, outs)
+  return [dout[:, :, :, : p.t]]
+
+
+def attention_bwd(*operands, **params):
+  """``(dq, dk, dv[, dbias])``: the backward, per key block over the query blocks seeing it."""
+  p = Problem.of(operands, **params)
+  ops = Operands.of(p, operands)
+  out, lse, do = ops.rest
+  blocks = _Blocks(p, ops)
+  st = p.stat
+  delta = jnp.sum(do.astype(st) * out.astype(st), axis=-1)
+  q, do, delta = blocks.pad_t(ops.q), blocks.pad_t(do), blocks.pad_t(delta)
+  lse = blocks.pad_t(lse, value=NEG_INF)
+  k, v = blocks.pad_s(ops.k), blocks.pad_s(ops.v)
+  b, kh, g, bq, bk = p.batch, p.kv_heads, p.groups, blocks.bq, blocks.bk
+
+  def k_block(j, bufs):
+    dq_buf, dk_buf, dv_buf, *dbias_buf = bufs
+    s0 = j * bk
+    k_blk, v_blk = _slice(k, s0, bk, 2), _slice(v, s0, bk, 2)
+
+    def q_block(i, carry):
+      dk_acc, dv_acc, dq_buf, *dbias_buf = carry
+      t0 = i * bq
+      cut = lambda x: _slice(x, t0, bq, 3)
+      q_blk = cut(q)
+      s = blocks.scores(q_blk, k_blk, t0, s0)
+      do_blk = cut(do)
+      pr, ds = bwd_probs(p, _dot, v_blk, do_blk, s, cut(lse), cut(delta))
+      dq_c = bwd_dq(p, _dot, ds, k_blk)
+      dk_c, dv_c = bwd_dkdv(p, _dot, pr, ds, q_blk, do_blk)
+      dq_buf = _update(dq_buf, cut(dq_buf) + dq_c, t0, 3)
+      if dbias_buf:
+        dbias_buf = [_update(dbias_buf[0], _update(cut(dbias_buf[0]), ds, s0, 4), t0, 3)]
+      return (dk_acc + dk_c, dv_acc + dv_c, dq_buf, *dbias_buf)
+
+    lo, hi = blocks.query_range(s0)
+    init = (
+      jnp.zeros((b, kh, bk, p.head_dim), st),
+      jnp.zeros((b, kh, bk, p.value_dim), st),
+      dq_buf,
+      *dbias_buf,
+    )
+    dk_blk, dv_blk, dq_buf, *dbias_buf = lax.fori_loop(lo, hi, q_block, init)
+    dk_buf = _update(dk_buf, dk_blk.astype(dk_buf.dtype), s0, 2)
+    dv_buf = _update(dv_buf, dv_blk.astype(dv_buf.dtype), s0, 2)
+    return (dq_buf, dk_buf, dv_buf, *dbias_buf)
+
+  bufs = (
+    jnp.zeros((b, kh, g, blocks.tp, p.head_dim), st),
+    jnp.zeros((b, kh, blocks.sp, p.head_dim), p.dtype),
+    jnp.zeros((b, kh, blocks.sp, p.value_dim), p.dtype),
+  )
+  if p.has_bias:
+    bufs += (jnp.zeros((b, kh, g, blocks.tp, blocks.sp), st),)
+  dq, dk, dv, *dbias = lax.fori_loop(0, blocks.nk, k_block, bufs)
+  grads = [dq[:, :, :, : p.t].astype(p.dtype), dk[:, :, : p.s], dv[:, :, : p.s]]
+  if p.has_bias:
+    grads.append(reduce_bias_grad(dbias[0][..., : p.t, : p.s], ops.bias))
+  return grads
+
+
+def reduce_bias_grad(ds: jax.Array, bias) -> jax.Array:
+  """The logits' gradient ``(B, K, G, T, S)`` summed over the dims ``bias`` broadcasts."""
+  axes = tuple(d for d in range(3) if bias.shape[d] == 1 and ds.shape[d] != 1)
+  return jnp.sum(ds, axis=axes, keepdims=True).astype(bias.dtype)

@@ -1,0 +1,372 @@
+"""Attention: ``pallax.dot_product_attention``, a drop-in for ``jax.nn``'s.
+
+The public function validates and lays the operands out as the kernels want
+them (``kernels/attention/common.py``: query heads grouped by their kv head,
+heads before positions), then binds the op declared with
+``define_residual_op`` (design.md section 2):
+
+* ``dot_product_attention_fwd (q, k, v, q_len, kv_len, [bias], [mask]) -> (out, lse)``:
+  the forward kernel; ``lse`` is its residual.
+* ``dot_product_attention_jvp (..., out, lse, dq, dk, dv, [dbias]) -> (dout,)``:
+  the tangent, linear in the trailing tangents, one blockwise pass that
+  recomputes the probabilities from ``lse`` (never a ``[T, S]`` array).
+* ``dot_product_attention_bwd (..., out, lse, dout) -> (dq, dk, dv, [dbias])``:
+  the tangent's transpose, the backward kernel.
+
+``grad`` costs one forward and one backward kernel; ``jvp``, ``jacfwd``,
+``linearize`` and Hessian-vector products work.
+"""
+
+from __future__ import annotations
+
+import numbers
+from typing import Optional, Union
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.interpreters import ad
+
+from pallax.batching_rules import attention as attention_batching
+from pallax.kernels import attention as kernels
+from pallax.kernels.attention import AttentionConfig
+from pallax.kernels.attention import xla as attention_xla
+from pallax.kernels.attention.common import Problem
+from pallax.op import (
+  Dims,
+  PrimitiveSpec,
+  bind,
+  define_residual_op,
+  derived_aval,
+  full_spec,
+  instantiate,
+  match_manual_axes,
+)
+from pallax.validation import check_config, check_static_float
+
+__all__ = ["dot_product_attention", "AttentionConfig"]
+
+_OP = "dot_product_attention"
+_SEQUENCE_SHARDED = (
+  f"{_OP}: the {{}} sequence dim is sharded; pallax attention shards batch and heads only "
+  "(context parallelism is not implemented): replicate the sequence dim"
+)
+
+
+# ----------------------------------------------------------------------------
+# Shapes and shardings.
+
+
+def _extra_names(aval, name: str) -> tuple[str, ...]:
+  """Factors of a bias-like operand: batch and heads where it varies over them."""
+  b = "b" if aval.shape[0] > 1 else f"{name}_b"
+  heads = ("k", "g") if aval.shape[1] > 1 else (f"{name}_k", f"{name}_g")
+  return (b, *heads, "t", "s")
+
+
+def _input_names(p: Problem, avals) -> list[tuple[str, ...]]:
+  names = [("b", "k", "g", "t", "h"), ("b", "k", "s", "h"), ("b", "k", "s", "hv"), ("b",), ("b",)]
+  for i, flag in enumerate((p.has_bias, p.has_mask)):
+    if flag:
+      names.append(_extra_names(avals[len(names)], ("bias", "mask")[i]))
+  return names
+
+
+_OUT, _LSE = ("b", "k", "g", "t", "hv"), ("b", "k", "g", "t")
+_REFUSED = {"t": _SEQUENCE_SHARDED.format("query"), "s": _SEQUENCE_SHARDED.format("key/value")}
+
+
+def _dims(stage: str):
+  def dims(*avals, **params) -> Dims:
+    p = Problem.of(avals, **params)
+    names = _input_names(p, avals)
+    bias_names = [names[5]] if p.has_bias else []
+    if stage == "fwd":
+      results = (_OUT, _LSE)
+    elif stage == "jvp":
+      names += [_OUT, _LSE, names[0], names[1], names[2], *bias_names]
+      results = (_OUT,)
+    else:
+      names += [_OUT, _LSE, _OUT]
+      results = (names[0], names[1], names[2], *bias_names)
+    return Dims(operands=tuple(names), results=results, replicated=("h", "hv"), refused=_REFUSED)
+
+  return dims
+
+
+def _fwd_abstract_eval(*avals, **params):
+  q, _, v = avals[:3]
+  spec = full_spec(q)
+  return [
+    derived_aval(q, (*q.shape[:4], v.shape[3]), q.dtype, spec[:4] + (None,)),
+    derived_aval(q, q.shape[:4], jnp.promote_types(q.dtype, jnp.float32), spec[:4]),
+  ]
+
+
+def _jvp_abstract_eval(*avals, **params):
+  q, _, v = avals[:3]
+  return [derived_aval(q, (*q.shape[:4], v.shape[3]), q.dtype, full_spec(q)[:4] + (None,))]
+
+
+def _bwd_abstract_eval(*avals, **params):
+  p = Problem.of(avals, **params)
+  grads = [a.update(weak_type=False) for a in avals[:3]]
+  return grads + ([avals[5].update(weak_type=False)] if p.has_bias else [])
+
+
+def _stage(stage: str, abstract_eval) -> PrimitiveSpec:
+  return PrimitiveSpec(
+    abstract_eval=abstract_eval,
+    xla=getattr(attention_xla, f"attention_{stage}"),
+    kernel=kernels.kernel(stage),
+    dims=_dims(stage),
+    batching=attention_batching.fold_into_batch,
+  )
+
+
+def _tangent_operands(primals, outs, tangents):
+  """``(*primals, out, lse, dq, dk, dv, [dbias])``: lengths and mask have no tangents."""
+  has_bias = len(primals) > 5 and primals[5].dtype != jnp.bool_
+  wanted = [*tangents[:3], *([tangents[5]] if has_bias else [])]
+  return [*primals, *outs, *instantiate(wanted)]
+
+
+def _lse_tangent(primals, outs, operands):
+  """``lse`` is the forward's residual and carries no derivative (stop_gradient, as jax.nn)."""
+  return [ad.Zero(jax.typeof(outs[1]).to_tangent_aval())]
+
+
+def _linear(*, has_bias, **params) -> slice:
+  """The tangents block: dq, dk, dv and, with a bias, dbias."""
+  return slice(-4 if has_bias else -3, None)
+
+
+attention_p = define_residual_op(
+  _OP,
+  fwd=_stage("fwd", _fwd_abstract_eval),
+  tangent=_stage("jvp", _jvp_abstract_eval),
+  bwd=_stage("bwd", _bwd_abstract_eval),
+  linear=_linear,
+  tangent_operands=_tangent_operands,
+  residual_tangents=_lse_tangent,
+)
+
+
+# ----------------------------------------------------------------------------
+# The public function: validation and layout.
+
+
+def _array(name: str, x, ndim: tuple[int, ...]) -> jax.Array:
+  x = jnp.asarray(x)
+  if x.ndim not in ndim:
+    raise ValueError(
+      f"{_OP}: {name} must have {' or '.join(map(str, ndim))} dims, got shape {x.shape}"
+    )
+  return x
+
+
+def _window(local_window_size, is_causal: bool) -> tuple[Optional[int], Optional[int]]:
+  """``(left, right)`` of the visible keys around a query; causal is ``right = 0``."""
+  if local_window_size is None:
+    left = right = None
+  else:
+    pair = (
+      (local_window_size,) * 2
+      if isinstance(local_window_size, (numbers.Integral, np.integer))
+      else tuple(local_window_size)
+    )
+    ok = len(pair) == 2 and all(
+      isinstance(w, (numbers.Integral, np.integer)) and not isinstance(w, bool) for w in pair
+    )
+    if not ok:
+      raise TypeError(
+        f"{_OP}: local_window_size must be an int or a pair of ints, got {local_window_size!r}"
+      )
+    left, right = (int(w) for w in pair)
+    if left < 0 or right < 0:
+      raise ValueError(f"{_OP}: local_window_size must be non-negative, got {local_window_size!r}")
+  if is_causal:
+    right = 0 if right is None else min(right, 0)
+  return left, right
+
+
+def _lengths(name: str, x, batch: int, full: int) -> jax.Array:
+  if x is None:
+    return jnp.full((batch,), full, jnp.int32)
+  x = jnp.asarray(x)
+  if x.dtype != jnp.int32 or x.shape != (batch,):
+    raise ValueError(
+      f"{_OP}: {name} must be an int32 array of shape ({batch},), got {x.dtype} of shape {x.shape}"
+    )
+  return jnp.clip(x, 0, full)
+
+
+def _bias_like(name: str, x, b: int, n: int, t: int, s: int, kv_heads: int) -> jax.Array:
+  """``x`` broadcastable to (B, N, T, S) as (Bb, Kb, Gb, T, S): B and N kept 1 if they were."""
+  x = jnp.asarray(x)
+  if x.ndim > 4:
+    raise ValueError(f"{_OP}: {name} must have at most 4 dims (B, N, T, S), got shape {x.shape}")
+  x = x.reshape((1,) * (4 - x.ndim) + x.shape)
+  try:
+    ok = np.broadcast_shapes(x.shape, (b, n, t, s)) == (b, n, t, s)
+  except ValueError:
+    ok = False
+  if not ok:
+    raise ValueError(
+      f"{_OP}: {name} of shape {x.shape} does not broadcast to (B, N, T, S) = {(b, n, t, s)}"
+    )
+  x = jnp.broadcast_to(x, x.shape[:2] + (t, s))
+  if x.shape[1] == 1:
+    return x[:, :, None]
+  return x.reshape(x.shape[0], kv_heads, n // kv_heads, t, s)
+
+
+def _check_unsharded_sequence(q, k) -> None:
+  """A clear error for sequence-sharded arrays whose sharding is known at trace time."""
+  for name, x, dim in (("query", q, 1), ("key/value", k, 1)):
+    sharding = getattr(jax.typeof(x), "sharding", None)
+    spec = getattr(sharding, "spec", None)
+    if spec is not None and len(spec) > dim and spec[dim] is not None:
+      raise ValueError(_SEQUENCE_SHARDED.format(name))
+
+
+_IMPLEMENTATIONS = (None, "xla", "pallas")
+
+
+def dot_product_attention(
+  query: jax.Array,
+  key: jax.Array,
+  value: jax.Array,
+  bias: Optional[jax.Array] = None,
+  mask: Optional[jax.Array] = None,
+  *,
+  scale: Optional[float] = None,
+  is_causal: bool = False,
+  query_seq_lengths: Optional[jax.Array] = None,
+  key_value_seq_lengths: Optional[jax.Array] = None,
+  local_window_size: Union[int, tuple[int, int], None] = None,
+  implementation: Optional[str] = None,
+  return_residual: bool = False,
+  config: Optional[AttentionConfig] = None,
+) -> Union[jax.Array, tuple[jax.Array, jax.Array]]:
+  """Scaled dot-product attention, with ``jax.nn.dot_product_attention``'s semantics.
+
+  ``softmax(scale * q k^T + bias, masked) v`` per query head, computed
+  blockwise (flash attention): memory grows with ``T x block``, not ``T x S``,
+  and blocks that causal, window or length masks hide entirely are skipped.
+  Logits and softmax are float32; the probabilities are cast to the value's
+  dtype for the product with it, as in jax.nn.
+
+  One difference from jax.nn, by design: a query row that sees no key at all
+  (every key masked) gives output 0 and zero gradients, where jax.nn's finite
+  large negative gives the mean of ``value``. Rows padded by
+  ``query_seq_lengths`` are 0 in both.
+
+  Args:
+    query: ``(B, T, N, H)`` or ``(T, N, H)``, floating.
+    key: ``(B, S, K, H)`` or ``(S, K, H)``, the query's dtype; ``K`` divides
+      ``N`` (grouped-query attention: query head ``n`` reads kv head
+      ``n // (N // K)``).
+    value: ``(B, S, K, Hv)`` or ``(S, K, Hv)``, the query's dtype.
+    bias: optional, broadcastable to ``(B, N, T, S)`` (fewer dims are
+      expanded at the front), added to the scaled logits; differentiable.
+    mask: optional bool, broadcastable to ``(B, N, T, S)``: True where a query
+      may see a key.
+    scale: the logits' scale; default ``1 / sqrt(H)``.
+    is_causal: query ``t`` sees keys ``s <= t`` (top-left aligned, also when
+      ``T != S``).
+    query_seq_lengths: optional int32 ``(B,)``: queries ``t >= len`` are
+      padding (output 0).
+    key_value_seq_lengths: optional int32 ``(B,)``: keys ``s >= len`` are hidden.
+    local_window_size: ``(left, right)`` or an int for both: query ``t`` sees
+      keys ``t - left <= s <= t + right``.
+    implementation: None lets the executor choose; ``"xla"`` runs the XLA
+      program, ``"pallas"`` the kernel (Triton on GPU, Mosaic on TPU).
+    return_residual: also return the forward's ``lse``.
+    config: pin the kernels' ``AttentionConfig`` (the forward's, tangent's
+      and backward's blocks).
+
+  Returns:
+    The output, shaped like ``query`` with the value's head dim; with
+    ``return_residual``, ``(output, lse)`` where ``lse (B, T, N)`` (``(T, N)``)
+    is the natural-log sum of the exponentiated visible logits, in the key's
+    dtype, ``-inf`` on rows that see nothing, without gradient (as jax.nn).
+  """
+  q = _array("query", query, (3, 4))
+  k = _array("key", key, (q.ndim,))
+  v = _array("value", value, (q.ndim,))
+  for name, x in (("query", q), ("key", k), ("value", v)):
+    if not jnp.issubdtype(x.dtype, jnp.floating):
+      raise TypeError(f"{_OP}: {name} must have a floating dtype, got {x.dtype}")
+  if not q.dtype == k.dtype == v.dtype:
+    raise TypeError(
+      f"{_OP}: query, key and value must have one dtype, got {q.dtype}, {k.dtype}, {v.dtype}"
+    )
+  unbatched = q.ndim == 3
+  if unbatched:
+    q, k, v = q[None], k[None], v[None]
+  b, t, n, h = q.shape
+  if k.shape[0] != b or k.shape[3] != h:
+    raise ValueError(
+      f"{_OP}: key of shape {k.shape} does not match query {q.shape}: (B, S, K, H) with "
+      f"query's B and H"
+    )
+  s, kv_heads = k.shape[1], k.shape[2]
+  if v.shape[:3] != k.shape[:3]:
+    raise ValueError(f"{_OP}: value of shape {v.shape} must match key {k.shape} in (B, S, K)")
+  if n % kv_heads:
+    raise ValueError(
+      f"{_OP}: the key's {kv_heads} heads must divide the query's {n} heads (query {q.shape}, "
+      f"key {k.shape})"
+    )
+  if implementation == "cudnn":
+    raise ValueError(
+      f"{_OP}: implementation='cudnn' is jax.nn's; pallax runs its own kernels: use "
+      "implementation='pallas' (Triton on GPU, Mosaic on TPU), 'xla', or None to let it choose"
+    )
+  if implementation not in _IMPLEMENTATIONS:
+    raise ValueError(
+      f"{_OP}: implementation must be one of {_IMPLEMENTATIONS}, got {implementation!r}"
+    )
+  check_config(_OP, config, AttentionConfig)
+  if config is not None and implementation is not None:
+    config = AttentionConfig(**{**config.to_dict(), "implementation": implementation})
+  pinned = implementation if config is None else config
+  scale = 1 / np.sqrt(h) if scale is None else check_static_float(_OP, "scale", scale)
+  left, right = _window(local_window_size, bool(is_causal))
+  has_lengths = query_seq_lengths is not None or key_value_seq_lengths is not None
+  q_len = _lengths("query_seq_lengths", query_seq_lengths, b, t)
+  kv_len = _lengths("key_value_seq_lengths", key_value_seq_lengths, b, s)
+  extra = []
+  if bias is not None:
+    bias = jnp.asarray(bias)
+    if not jnp.issubdtype(bias.dtype, jnp.floating):
+      raise TypeError(f"{_OP}: bias must have a floating dtype, got {bias.dtype}")
+    extra.append(_bias_like("bias", bias, b, n, t, s, kv_heads))
+  if mask is not None:
+    mask = jnp.asarray(mask)
+    if mask.dtype != jnp.bool_:
+      raise TypeError(f"{_OP}: mask must be a boolean array, got {mask.dtype}")
+    extra.append(_bias_like("mask", mask, b, n, t, s, kv_heads))
+  _check_unsharded_sequence(q, k)
+  g = n // kv_heads
+  q5 = jnp.transpose(q.reshape(b, t, kv_heads, g, h), (0, 2, 3, 1, 4))
+  operands = [q5, jnp.swapaxes(k, 1, 2), jnp.swapaxes(v, 1, 2), q_len, kv_len, *extra]
+  out, lse = bind(
+    attention_p.fwd,
+    *match_manual_axes(*operands),
+    config=pinned,
+    scale=float(scale),
+    window_left=left,
+    window_right=right,
+    has_lengths=has_lengths,
+    has_bias=bias is not None,
+    has_mask=mask is not None,
+  )
+  out = jnp.transpose(out, (0, 3, 1, 2, 4)).reshape(b, t, n, v.shape[3])
+  if unbatched:
+    out = out[0]
+  if not return_residual:
+    return out
+  lse = jax.lax.stop_gradient(jnp.transpose(lse, (0, 3, 1, 2)).reshape(b, t, n).astype(k.dtype))
+  return out, lse[0] if unbatched else lse
