@@ -13,7 +13,7 @@ backward (its transpose).
 
 from __future__ import annotations
 
-from pallax.kernels.attention import config, triton
+from pallax.kernels.attention import config, mosaic_tpu, triton
 from pallax.kernels.attention.config import STAGES, AttentionConfig
 from pallax.op import Kernel
 
@@ -22,4 +22,6 @@ __all__ = ["AttentionConfig", "STAGES", "kernel"]
 
 def kernel(stage: str) -> Kernel:
   """The Pallas kernel of ``stage`` (``"fwd"``, ``"jvp"`` or ``"bwd"``)."""
-  return Kernel.of_family(stage, config=config.for_stage(stage), backends={"triton": triton})
+  return Kernel.of_family(
+    stage, config=config.for_stage(stage), backends={"triton": triton, "mosaic_tpu": mosaic_tpu}
+  )

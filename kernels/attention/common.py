@@ -179,12 +179,12 @@ def scores(p: Problem, dot, q, k, bias=None, keep=None):
   return s if keep is None else jnp.where(keep, s, NEG_INF)
 
 
-def online_init(p: Problem, shape_rows):
+def online_init(p: Problem, shape_rows, width: int):
   """The forward's accumulators for rows of shape ``shape_rows``: max, sum, output."""
   return (
     jnp.full((*shape_rows, 1), NEG_INF, p.stat),
     jnp.zeros((*shape_rows, 1), p.stat),
-    jnp.zeros((*shape_rows, p.value_dim), p.stat),
+    jnp.zeros((*shape_rows, width), p.stat),
   )
 
 
@@ -201,27 +201,30 @@ def online_step(carry, s, v, dot):
 
 
 def online_finish(carry):
-  """``(out, lse)`` in float32 from the accumulators: 0 and -inf where nothing was visible."""
+  """``(out, lse)`` from the accumulators: 0 and -inf where nothing was visible.
+
+  ``lse`` is a column (rows, 1), as every function here takes it.
+  """
   m, denom, acc = carry
   empty = denom == 0.0
   out = jnp.where(empty, 0.0, acc / jnp.where(empty, 1.0, denom))
   lse = jnp.where(empty, NEG_INF, m + jnp.log(jnp.where(empty, 1.0, denom)))
-  return out, lse[..., 0]
+  return out, lse
 
 
 def probs(s, lse):
-  """``exp(s - lse)``, the softmax recomputed from the saved ``lse`` (0 on empty rows)."""
-  lse = jnp.where(lse == NEG_INF, jnp.inf, lse)[..., None]
-  return jnp.exp(s - lse)
+  """``exp(s - lse)``, the softmax recomputed from the saved ``lse`` column (0 on empty rows)."""
+  return jnp.exp(s - jnp.where(lse == NEG_INF, jnp.inf, lse))
 
 
 def bwd_probs(p: Problem, dot, v, do, s, lse, delta):
   """One block of the backward: the probabilities and the logits' gradient ``ds``.
 
-  ``delta = rowsum(do * out)``; ``ds`` is also the bias' gradient.
+  ``delta = rowsum(do * out)`` and ``lse`` are columns; ``ds`` is also the
+  bias' gradient.
   """
   pr = probs(s, lse)
-  return pr, pr * (dot(do, v, "qk") - delta[..., None])
+  return pr, pr * (dot(do, v, "qk") - delta)
 
 
 def bwd_dq(p: Problem, dot, ds, k):

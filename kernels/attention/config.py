@@ -45,21 +45,31 @@ def _head(p: Problem) -> int:
   return next_pow2(max(p.head_dim, p.value_dim, 16))
 
 
-def _triton_heuristic(p: Problem, stage: str) -> AttentionConfig:
-  """Blocks that keep a program's accumulators in registers (see ``_triton_spills``).
+# Triton blocks in order of preference: large query blocks amortise the
+# key/value loads; the first one a call's screen (``_triton_spills``) lets
+# through is the heuristic's.
+_TRITON_ORDER = (
+  (128, 64, 4),
+  (128, 64, 8),
+  (64, 64, 4),
+  (64, 64, 8),
+  (64, 32, 4),
+  (64, 32, 8),
+  (32, 32, 4),
+  (32, 32, 8),
+  (16, 32, 4),
+  (16, 16, 4),
+)
 
-  The forward and tangent hold a (block_q, head) accumulator per program; the
-  backward's key-block program holds two (block_k, head) ones and its query
-  block's operands.
-  """
-  h = _head(p)
-  if stage == "bwd":
-    bq, bk = (64, 64) if h <= 64 else (32, 64) if h <= 128 else (16, 32)
-  else:
-    bq, bk = (128, 64) if h <= 64 else (64, 64) if h <= 128 else (64, 32)
-  bq, bk = (min(x, max(16, next_pow2(n))) for x, n in ((bq, p.t), (bk, p.s)))
-  warps = 4 if h <= 64 else 8
-  return AttentionConfig(block_q=bq, block_k=bk, num_warps=warps, num_stages=2)
+
+def _triton_heuristic(p: Problem, stage: str, interpret: bool) -> AttentionConfig:
+  """The first block shape of ``_TRITON_ORDER`` whose registers fit, clamped to the call."""
+  fit = lambda c: interpret or not _triton_spills(p, c, stage)
+  configs = [AttentionConfig(block_q=bq, block_k=bk, num_warps=w) for bq, bk, w in _TRITON_ORDER]
+  config = next((c for c in configs if fit(c)), configs[-1])
+  clamp = lambda x, n: min(x, max(16, next_pow2(n)))
+  bq, bk = clamp(config.block_q, p.t), clamp(config.block_k, p.s)
+  return dataclasses.replace(config, block_q=bq, block_k=bk)
 
 
 def _tpu_heuristic(p: Problem, stage: str) -> AttentionConfig:
@@ -86,7 +96,7 @@ def tpu_vmem(p: Problem, config: AttentionConfig) -> int:
 def heuristic(avals: Sequence[Any], target: str, *, stage: str, **params) -> AttentionConfig:
   p = Problem.of(avals, **params)
   if kernel_backend(target) == "triton":
-    return _triton_heuristic(p, stage)
+    return _triton_heuristic(p, stage, interpreted(target))
   return _tpu_heuristic(p, stage)
 
 
@@ -97,11 +107,9 @@ def candidates(avals: Sequence[Any], target: str, *, stage: str, **params) -> li
   if interpreted(target):
     return [base]
   if backend == "triton":
-    blocks = [(128, 64), (64, 64), (64, 32), (32, 64), (128, 32), (16, 32)]
     out = [
       AttentionConfig(block_q=bq, block_k=bk, num_warps=w, num_stages=st)
-      for bq, bk in blocks
-      for w in (4, 8)
+      for bq, bk, w in _TRITON_ORDER
       for st in (1, 2, 3)
     ]
   else:
@@ -113,21 +121,22 @@ def candidates(avals: Sequence[Any], target: str, *, stage: str, **params) -> li
 
 
 def _triton_spills(p: Problem, config: AttentionConfig, stage: str) -> bool:
-  """Whether a Triton program's live float32 values exceed ~160 registers a thread.
+  """Whether a Triton program's live values likely exceed ~200 registers a thread.
 
-  The forward/tangent programs hold the (block_q, head) accumulators (three in
-  the tangent), the query block and a (block_q, block_k) tile; the backward's
-  key-block program two (block_k, head) accumulators, the key and value
-  blocks and a tile. A conservative bound checked by ``pallax.verify``.
+  The forward and tangent programs hold float32 (block_q, head) accumulators
+  (three in the tangent), the query block and a float32 logits tile; the
+  backward's key-block program two float32 (block_k, head) accumulators, its
+  key and value blocks, a query-side block pair and a tile. A screen for the
+  autotuning space; ``pallax.verify`` compiles what it lets through.
   """
-  h = _head(p)
-  threads = 32 * config.num_warps
+  h, item = _head(p), jnp.dtype(p.dtype).itemsize
+  bq, bk = config.block_q, config.block_k
   if stage == "bwd":
-    live = 4 * config.block_k * h + 2 * config.block_q * h + 2 * config.block_q * config.block_k
+    live = 2 * bk * h * (4 + item) + 2 * bq * h * item + bq * bk * 4
   else:
     acc = 3 if stage == "jvp" else 1
-    live = (acc + 1) * config.block_q * h + 2 * config.block_q * config.block_k
-  return live / threads > 160
+    live = acc * bq * h * 4 + bq * h * item * (2 if stage == "jvp" else 1) + bq * bk * 4
+  return live / (32 * config.num_warps) > 800
 
 
 def supports(

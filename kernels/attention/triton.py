@@ -238,11 +238,11 @@ def fwd(*operands, config: AttentionConfig, interpret: Any, **params):
       lay,
       r,
       lambda c, s, q, k, v, *_: common.online_step(c, s, v, block_dot),
-      common.online_init(p, (lay.bq,)),
+      common.online_init(p, (lay.bq,), lay.width(p.value_dim)),
     )
     out, lse = common.online_finish(carry)
     store(out_ref, out.astype(out_ref.dtype), _tile_mask(t_ok, hv_ok))
-    store(lse_ref, lse, t_ok)
+    store(lse_ref, lse[:, 0], t_ok)
 
   out_shapes = [
     _row_shape(p, p.value_dim, p.dtype),
@@ -276,7 +276,7 @@ def jvp(*operands, config: AttentionConfig, interpret: Any, **params):
     t0 = pl.program_id(0) * lay.bq
     _, t_ok = _positions(t0, lay.bq, p.t)
     h_ok = _cols_ok(lay.width(p.head_dim), p.head_dim)
-    lse_blk = load(lse_ref, t_ok, other=NEG_INF)
+    lse_blk = load(lse_ref, t_ok, other=NEG_INF)[:, None]
     dq_blk = load(dq_ref, _tile_mask(t_ok, h_ok))
 
     def step(carry, s, q, k, v, ok, s0, dk_blk, dv_blk):
@@ -300,7 +300,7 @@ def jvp(*operands, config: AttentionConfig, interpret: Any, **params):
     lay.rows(p.head_dim, True),
     lay.keys(p.head_dim, False),
     lay.keys(p.value_dim, False),
-  ] + [lay.tile(dbias[0], True)] * len(dbias)
+  ] + [lay.tile(d, True) for d in dbias]
   return _call(
     kernel,
     lay,
@@ -326,8 +326,8 @@ def _dq(p, ops, lay, lse, delta, do, config, interpret):
     t0 = pl.program_id(0) * lay.bq
     _, t_ok = _positions(t0, lay.bq, p.t)
     hv_ok = _cols_ok(lay.width(p.value_dim), p.value_dim)
-    lse_blk = load(lse_ref, t_ok, other=NEG_INF)
-    delta_blk = load(delta_ref, t_ok)
+    lse_blk = load(lse_ref, t_ok, other=NEG_INF)[:, None]
+    delta_blk = load(delta_ref, t_ok)[:, None]
     do_blk = load(do_ref, _tile_mask(t_ok, hv_ok))
 
     def step(acc, s, q, k, v, ok, s0):
@@ -409,8 +409,8 @@ def _dkdv(p, ops, lay, lse, delta, do, config, interpret):
         v,
         do_blk,
         s,
-        load(rows(lse_ref), t_ok, other=NEG_INF),
-        load(rows(delta_ref), t_ok),
+        load(rows(lse_ref), t_ok, other=NEG_INF)[:, None],
+        load(rows(delta_ref), t_ok)[:, None],
       )
       dk, dv = common.bwd_dkdv(p, block_dot, pr, ds, q, do_blk)
       return carry[0] + dk, carry[1] + dv

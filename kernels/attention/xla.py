@@ -149,13 +149,13 @@ def attention_fwd(*operands, **params):
 
   def finish(carry, t0):
     out, lse = online_finish(carry)
-    return out.astype(p.dtype), lse
+    return out.astype(p.dtype), lse[..., 0]
 
   outs = (
     jnp.zeros((b, kh, g, blocks.tp, p.value_dim), p.dtype),
     jnp.zeros((b, kh, g, blocks.tp), p.stat),
   )
-  init = online_init(p, (b, kh, g, blocks.bq))
+  init = online_init(p, (b, kh, g, blocks.bq), p.value_dim)
   out, lse = _per_query_block(blocks, q, step, init, finish, outs)
   return [out[:, :, :, : p.t], lse[..., : p.t]]
 
@@ -176,7 +176,7 @@ def attention_jvp(*operands, **params):
     cut = lambda x: _slice(x, s0, bk, 2)
     s = blocks.scores(q_blk, cut(k), t0, s0)
     db = None if dbias is None else _slice(_slice(dbias, t0, bq, 3), s0, bk, 4)
-    lse_blk, dq_blk = _slice(lse, t0, bq, 3), _slice(dq, t0, bq, 3)
+    lse_blk, dq_blk = _slice(lse, t0, bq, 3)[..., None], _slice(dq, t0, bq, 3)
     terms = tangent_block(p, _dot, q_blk, cut(k), cut(v), s, lse_blk, dq_blk, cut(dk), cut(dv), db)
     return tuple(a + t for a, t in zip(carry, terms))
 
@@ -221,7 +221,7 @@ def attention_bwd(*operands, **params):
       q_blk = cut(q)
       s = blocks.scores(q_blk, k_blk, t0, s0)
       do_blk = cut(do)
-      pr, ds = bwd_probs(p, _dot, v_blk, do_blk, s, cut(lse), cut(delta))
+      pr, ds = bwd_probs(p, _dot, v_blk, do_blk, s, cut(lse)[..., None], cut(delta)[..., None])
       dq_c = bwd_dq(p, _dot, ds, k_blk)
       dk_c, dv_c = bwd_dkdv(p, _dot, pr, ds, q_blk, do_blk)
       dq_buf = _update(dq_buf, cut(dq_buf) + dq_c, t0, 3)

@@ -62,6 +62,16 @@ _NORM_SIZES = ((1024, 1024), (8192, 4096), (1000, 4000), (64, 16384))
 _NORM_QUICK = ((1024, 1024), (1000, 4000))
 _SOFTMAX_SIZES = ((1024, 1024), (8192, 4096), (1000, 4000), (16, 50257))
 _MATMUL_SIZES = ((1024, 1024, 1024), (4096, 4096, 4096), (1000, 4000, 300), (8, 1000, 1000))
+# Attention (B, T, N, K, H), self-attention: head dims 64, 128, a padded 80
+# with GQA and odd lengths, 256.
+_attention = lambda b, t, n, kv, h: [(b, t, n, h), (b, t, kv, h), (b, t, kv, h)]
+_ATTENTION_SIZES = (
+  (2, 1024, 8, 8, 64),
+  (2, 1024, 8, 8, 128),
+  (1, 1000, 8, 2, 80),
+  (1, 2048, 4, 4, 256),
+)
+_ATTENTION_QUICK = ((1, 1024, 4, 4, 64), (1, 1000, 8, 2, 128))
 
 OPS = {
   "rms_norm": Op(pallax.rms_norm, _norm, _NORM_SIZES, _NORM_QUICK),
@@ -83,6 +93,13 @@ OPS = {
     lambda m, k, n: [(m, k), (k, n), (n,)],
     _MATMUL_SIZES,
     ((1024, 1024, 1024), (1000, 4000, 300)),
+  ),
+  "attention": Op(pallax.dot_product_attention, _attention, _ATTENTION_SIZES, _ATTENTION_QUICK),
+  "attention_causal": Op(
+    lambda q, k, v: pallax.dot_product_attention(q, k, v, is_causal=True),
+    _attention,
+    _ATTENTION_SIZES,
+    _ATTENTION_QUICK,
   ),
 }
 

@@ -21,7 +21,18 @@ import numpy as np
 import pytest
 
 import pallax
-from tests.helpers import FLOAT_DTYPES, PATHS, as64, assert_close, on_path, rand, to64, x64
+from tests.helpers import (
+  FLOAT_DTYPES,
+  PATHS,
+  TOL,
+  as64,
+  assert_close,
+  f64,
+  on_path,
+  rand,
+  to64,
+  x64,
+)
 from tests.primitives.attention_reference import (
   Case,
   assert_lse_close,
@@ -107,9 +118,16 @@ def _check(got, want, rows, dtype, what: str) -> None:
     np.asarray(out, np.float32)[~rows], 0.0, err_msg=f"{what}: rows with no visible key"
   )
   assert_lse_close(lse, lse_ref, dtype, f"{what}: lse")
+  # A gradient that is zero in exact arithmetic (dq and dbias with one visible key
+  # per row) is compared relative to the largest gradient instead of its rounding.
+  scale = max(float(np.max(np.abs(f64(w)), initial=0.0)) for w in grads_ref)
   for g, w, name in zip(grads, grads_ref, ("dq", "dk", "dv", "dbias")):
     assert g.shape == w.shape and g.dtype == dtype, (name, g.shape, g.dtype)
-    assert_close(g, w, dtype, f"{what}: {name}")
+    if np.max(np.abs(f64(w)), initial=0.0) > 1e-10 * scale:
+      assert_close(g, w, dtype, f"{what}: {name}")
+    else:
+      err = float(np.max(np.abs(f64(g)), initial=0.0)) / scale
+      assert err < TOL[jnp.dtype(dtype).name], f"{what}: {name} should be 0, is {err:.3g} rel."
 
 
 def _run_case(case: Case, dtype, path: str, config=None, seed: int = 0) -> None:
@@ -129,46 +147,31 @@ def _run_case(case: Case, dtype, path: str, config=None, seed: int = 0) -> None:
 B, N, T, S = 2, 4, 40, 40
 CASES = {
   "mha": Case(),
-  "causal": Case(is_causal=True),
   "causal-T>S": Case(t=48, s=24, is_causal=True),
-  "causal-T<S": Case(t=24, s=48, is_causal=True),
-  "T<S": Case(t=17, s=40),
-  "T>S": Case(t=40, s=9),
+  "causal-T<S-bias": Case(t=24, s=48, is_causal=True, bias=(B, N, 24, 48)),
+  "T<S-mask": Case(t=17, s=40, mask=(B, N, 17, 40)),
+  "T>S-lengths": Case(t=40, s=9, q_len=(33, 5), kv_len=(9, 4)),
   "window": Case(window=(8, 3)),
-  "window-left-only": Case(window=(6, 0)),
   "window-int-causal": Case(window=5, is_causal=True),
   # Query rows t >= 28 see no key: fully masked rows from the window alone.
   "window-T>S": Case(t=48, s=24, window=(4, 30)),
-  "window-T<S": Case(t=24, s=48, window=(2, 9)),
+  "window-T<S-gqa": Case(n=6, k=3, t=24, s=48, window=(2, 9)),
   "lengths": Case(t=48, s=48, q_len=(1, 37), kv_len=(37, 1)),
-  "q-lengths": Case(q_len=(37, 40)),
-  "kv-lengths-causal": Case(kv_len=(20, 37), is_causal=True),
-  "lengths-window": Case(q_len=(30, 40), kv_len=(40, 25), window=(3, 3)),
-  "lengths-T>S": Case(t=40, s=17, q_len=(33, 5), kv_len=(17, 9), is_causal=True),
-  "bias": Case(bias=(B, N, T, S)),
+  "lengths-causal-T>S": Case(t=40, s=17, q_len=(33, 5), kv_len=(17, 9), is_causal=True),
+  "lengths-window-mask": Case(mask=(1, N, T, S), window=(10, 2), q_len=(30, 40), kv_len=(40, 25)),
   "bias-broadcast-B": Case(bias=(1, N, T, S)),
-  "bias-broadcast-N": Case(bias=(B, 1, T, S)),
-  "bias-2d": Case(bias=(T, S)),
-  "bias-row": Case(bias=(1, 1, 1, S)),
-  "mask": Case(mask=(B, N, T, S)),
-  "mask-broadcast-N": Case(mask=(B, 1, T, S)),
-  "mask-2d": Case(mask=(T, S)),
+  "bias-broadcast-N-lengths": Case(bias=(B, 1, T, S), q_len=(20, 37), kv_len=(40, 11)),
+  "bias-2d-mask-2d": Case(bias=(T, S), mask=(T, S)),
+  "bias-row-mqa": Case(n=4, k=1, bias=(1, 1, 1, S)),
+  "mask-broadcast-N-window": Case(mask=(B, 1, T, S), window=(0, 6)),
   "mask-bias-causal": Case(mask=(B, N, T, S), bias=(B, N, T, S), is_causal=True),
-  "mask-window-lengths": Case(mask=(1, N, T, S), window=(10, 2), kv_len=(33, 40)),
-  "bias-lengths": Case(bias=(B, 1, T, S), q_len=(20, 37), kv_len=(40, 11)),
-  "gqa": Case(n=8, k=2),
-  "mqa": Case(n=4, k=1),
   "gqa-causal-bias": Case(n=8, k=2, is_causal=True, bias=(B, 8, T, S)),
   "mqa-mask-lengths": Case(n=4, k=1, mask=(B, 4, T, S), kv_len=(13, 40)),
-  "gqa-window-T<S": Case(n=6, k=3, t=24, s=40, window=(3, 3)),
-  "gqa-causal-T>S": Case(n=4, k=2, t=40, s=24, is_causal=True, bias=(1, 4, 40, 24)),
-  "unbatched": Case(b=None),
+  "unbatched-scale": Case(b=None, scale=0.3),
   "unbatched-gqa-causal-bias": Case(b=None, n=4, k=2, is_causal=True, bias=(4, T, S)),
   "unbatched-mask-lengths": Case(b=None, mask=(T, S), q_len=(29,), kv_len=(31,)),
-  "scale": Case(scale=0.3),
-  "large-logits": Case(logit_scale=8.0, is_causal=True),
+  "large-logits-causal": Case(logit_scale=8.0, is_causal=True),
   "one-query": Case(b=1, t=1, s=40),
-  "one-key": Case(t=40, s=1),
   "one-key-causal": Case(t=40, s=1, is_causal=True),
 }
 
@@ -179,7 +182,7 @@ def test_xla_forward_lse_and_grad(name):
 
 
 # bfloat16 and float16: outputs, lse and gradients in the input dtype.
-DTYPE_CASES = ["causal", "lengths", "mask-bias-causal", "gqa-causal-bias", "window-T>S"]
+DTYPE_CASES = ["lengths", "mask-bias-causal", "window-T>S"]
 
 
 @pytest.mark.parametrize("dtype", FLOAT_DTYPES[1:], ids=lambda d: jnp.dtype(d).name)
@@ -198,16 +201,17 @@ def test_xla_head_dims(h):
 
 KERNEL_CASES = {
   "causal-T>S": Case(n=2, k=2, h=32, t=48, s=24, is_causal=True),
-  "causal-T<S": Case(n=2, k=2, h=32, t=24, s=48, is_causal=True),
-  "window": Case(n=2, k=2, h=32, t=48, s=48, window=(8, 3)),
-  "window-T>S": Case(n=2, k=1, h=32, t=48, s=24, window=(4, 30)),
+  "window-T>S-mqa": Case(n=2, k=1, h=32, t=48, s=24, window=(4, 30)),
   "lengths": Case(n=2, k=2, h=32, t=48, s=48, q_len=(1, 37), kv_len=(37, 1)),
   "mask-bias-causal": Case(
     n=2, k=2, h=32, t=33, s=40, mask=(2, 2, 33, 40), bias=(2, 1, 33, 40), is_causal=True
   ),
   "gqa-bias-lengths": Case(n=4, k=2, h=64, t=40, s=40, bias=(1, 4, 40, 40), kv_len=(40, 23)),
-  "mqa-ragged": Case(n=4, k=1, h=32, t=17, s=40),
-  "large-logits-unbatched": Case(b=None, n=2, k=2, h=32, t=48, s=48, logit_scale=8.0),
+  "causal-T<S-mqa": Case(n=4, k=1, h=32, t=17, s=40, is_causal=True),
+  # Two key blocks on Mosaic too (block_k = 128), the last one ragged.
+  "long-S-window-unbatched": Case(
+    b=None, n=2, k=2, h=32, t=40, s=200, window=(30, 140), kv_len=(171,), logit_scale=8.0
+  ),
 }
 
 
@@ -230,7 +234,7 @@ def test_kernel_forward_lse_and_grad(path, name):
 
 @pytest.mark.parametrize("path", KERNEL_PATHS)
 def test_kernel_default_config(path):
-  """The executor's own configs on the kernels (one block covering T and S, or its split)."""
+  """The executor's own configs on the kernels."""
   _run_case(KERNEL_CASES["mask-bias-causal"], jnp.float32, path, seed=2)
 
 
@@ -312,19 +316,15 @@ def test_jax_nn_differs_only_on_fully_masked_rows():
 # Drop-in for jax.nn.dot_product_attention, and the reference against it.
 
 JAX_NN_CASES = [
-  "mha",
   "causal-T>S",
-  "causal-T<S",
-  "window",
-  "window-T<S",
-  "lengths-T>S",
-  "q-lengths",
-  "bias-broadcast-N",
-  "mask-bias-causal",
-  "gqa-causal-bias",
+  "causal-T<S-bias",
+  "T>S-lengths",
+  "window-T<S-gqa",
+  "lengths-causal-T>S",
+  "bias-2d-mask-2d",
   "mqa-mask-lengths",
   "unbatched-gqa-causal-bias",
-  "scale",
+  "unbatched-scale",
 ]
 
 
@@ -361,11 +361,8 @@ JVP_CASES = [
   ("xla", "gqa-causal-bias"),
   ("xla", "mqa-mask-lengths"),
   ("xla", "window-T>S"),
-  ("xla", "unbatched-gqa-causal-bias"),
   ("triton", "gqa-bias-lengths"),
-  ("triton", "window-T>S"),
   ("mosaic_tpu", "gqa-bias-lengths"),
-  ("mosaic_tpu", "causal-T>S"),
 ]
 
 
@@ -457,7 +454,7 @@ def _attention_prims(fn, *args) -> collections.Counter:
 FWD, BWD, JVP = (f"dot_product_attention_{s}" for s in ("fwd", "bwd", "jvp"))
 
 
-@pytest.mark.parametrize("name", ["mha", "mask-bias-causal", "mqa-mask-lengths", "unbatched"])
+@pytest.mark.parametrize("name", ["mha", "mask-bias-causal", "mqa-mask-lengths", "unbatched-scale"])
 def test_one_primitive_each_way(name):
   """Forward: one fwd; grad: one fwd + one bwd (no recomputed forward); jvp: fwd + jvp."""
   args, kwargs = inputs(CASES[name], seed=12)
@@ -480,7 +477,7 @@ def test_one_primitive_each_way(name):
 
 
 def test_lse_has_no_gradient():
-  args, kwargs = inputs(CASES["causal"], seed=13)
+  args, kwargs = inputs(CASES["causal-T>S"], seed=13)
   f = lambda q, k: jnp.sum(
     pallax.dot_product_attention(q, k, *args[2:], **kwargs, return_residual=True)[1]
   )
@@ -666,6 +663,8 @@ def test_xla_long_sequences(case):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("path", KERNEL_PATHS)
-@pytest.mark.parametrize("name", ["causal", "gqa-causal-bias", "mqa-mask-lengths", "lengths"])
+@pytest.mark.parametrize(
+  "name", ["causal-T<S-bias", "gqa-causal-bias", "mqa-mask-lengths", "lengths"]
+)
 def test_kernel_more_cases(path, name):
   _run_case(CASES[name], jnp.float32, path, small_blocks(path), seed=19)

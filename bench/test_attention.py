@@ -1,0 +1,324 @@
+"""dot_product_attention: pallax vs jax.nn vs tokamax, time, FLOP/s and peak memory.
+
+Run (``-n 0``: pytest-benchmark does not time under xdist)::
+
+  pytest -n 0 bench/test_attention.py                     # everything (about 25 min on 2 CPU cores)
+  pytest -n 0 bench/test_attention.py -k "not slow"       # without S=16384 (a minute a call on CPU)
+  pytest -n 0 bench/test_attention.py -k "causal-mha-float32-S4096"   # the headline case
+  pytest -n 0 bench/test_attention.py -k "S4096 and not bwd"          # forward only
+  pytest -n 0 bench/test_attention.py --benchmark-json attention.json # extra_info in the JSON
+
+On a GPU, add ``XLA_PYTHON_CLIENT_PREALLOCATE=false`` (the peak-memory
+subprocess needs device memory the pytest process would otherwise reserve).
+
+Every case runs three implementations side by side, each its own benchmark in
+the group named after the case and mode: ``pallax.dot_product_attention``
+(skipped until it exists), ``jax.nn.dot_product_attention`` and
+``tokamax.dot_product_attention(..., implementation="xla_chunked")``
+(the ``bench`` extra installs tokamax; skipped without it). Layout BTNH for
+the query, BSKH for key and value; ``scale`` is the default ``1/sqrt(H)``.
+
+Test ids are ``{mask}-{heads}-{dtype}-S{seq}[-slow]-{mode}-{impl}``, made for
+``-k``: ``mask`` is ``causal`` or ``full`` (no mask), ``heads`` ``mha`` (N = K
+= 8) or ``gqa`` (N = 8 query heads, K = 2 key/value heads), ``dtype``
+``float32`` or ``bfloat16``, ``mode`` ``fwd`` or ``fwd+bwd``, ``impl``
+``pallax``, ``jax.nn`` or ``tokamax``. Cases whose calls take tens of seconds
+on a CPU (S = 16384) carry ``slow`` in their id and run one or two rounds:
+``-k "not slow"`` leaves them out. B = 1 and H = 64 throughout.
+
+Forward+backward goes through the ``fwd_bwd`` fixture of ``bench/conftest.py``:
+``value_and_grad`` of ``sum(out * c)`` for a random cotangent ``c``, gradients
+for query, key and value. Before timing, each benchmark checks its first call
+against a float64 NumPy reference on the first 128 query rows (the output, or
+dL/dquery for forward+backward) and records the error.
+
+``extra_info`` of each benchmark:
+
+- ``flops``: the convention of FlashAttention's papers. Forward: two matmuls
+  (``Q K^T`` and ``P V``) of 2 FLOPs per multiply-add over the *unmasked*
+  (query, key) pairs, ``4 * B * N * pairs * H``, with ``pairs = T * S`` for
+  full attention and ``T * (T + 1) / 2`` for causal (about half: masked blocks
+  are not counted as work). Forward+backward: 3.5x forward (the backward
+  recomputes ``Q K^T`` and does four more matmuls, ``dV``, ``dP``, ``dQ``,
+  ``dK``: seven in all against the forward's two). Softmax exponentials are
+  not counted. GQA counts query heads (N).
+- ``gflop_per_s`` / ``tflop_per_s``: ``flops`` over the median time.
+- ``peak_rss_mib``: absolute peak resident set, in MiB, of a fresh process that
+  imports jax and the implementation's library, builds the inputs, compiles
+  the call and runs it (twice; once for ``slow`` cases): ``ru_maxrss`` at its
+  end, what the targets below are stated in. ``call_peak_rss_mib`` is the
+  peak while the calls ran, ``baseline_rss_mib`` the resident set just before
+  them, ``call_growth_mib`` the difference (the call's own memory); see
+  ``bench/peak_memory.py``. On a GPU/TPU also ``device_peak_mib`` and
+  ``device_call_growth_mib``. ``xla_temp_mib``: the temporaries of XLA's buffer
+  assignment for the call.
+- ``max_rel_err``: max abs error over max abs value against the reference.
+
+Targets from the issue (causal MHA float32, B=1, N=8, H=64, on a CPU):
+S=4096 forward at most 0.5x jax.nn's time in at most 512 MB peak RSS; S=4096
+forward+backward at most jax.nn's time in at most a third of its peak RSS;
+S=16384 forward+backward under 2 GiB and faster than tokamax ``xla_chunked``.
+
+An implementation whose call would not fit in memory is skipped, not run: on a
+CPU when 1.5x XLA's buffer assignment (XLA:CPU's peak RSS reaches 1.6x its
+temporaries) exceeds the available memory, as for jax.nn at S = 16384
+(forward+backward needs over 24 GB); on a device when the buffer assignment
+exceeds the free device memory.
+"""
+
+import dataclasses
+import importlib.util
+import inspect
+import math
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from peak_memory import measure
+
+MIB = 2**20
+CHECK_ROWS = 128  # query rows checked against the float64 reference
+TOLERANCE = {"float32": 1e-3, "bfloat16": 5e-2}
+CPU_MEMORY_FACTOR = 1.5  # XLA:CPU's peak RSS over its buffer assignment, measured up to 1.6
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+  seq: int
+  causal: bool = True
+  kv_heads: int = 8
+  dtype: str = "float32"
+  slow: bool = False
+  heads: int = 8
+  batch: int = 1
+  head_dim: int = 64
+
+  @property
+  def id(self):
+    parts = [
+      "causal" if self.causal else "full",
+      "mha" if self.kv_heads == self.heads else "gqa",
+      self.dtype,
+      f"S{self.seq}",
+    ]
+    return "-".join(parts + (["slow"] if self.slow else []))
+
+
+CASES = [
+  Case(1024),
+  Case(4096),  # the issue's headline case
+  Case(4096, causal=False),
+  Case(4096, kv_heads=2),
+  Case(4096, dtype="bfloat16"),
+  Case(16384, slow=True),
+]
+MODES = ["fwd", "fwd+bwd"]
+IMPLS = ["pallax", "jax.nn", "tokamax"]
+
+
+def attention_flops(case, mode):
+  """FLOPs of one call, counting the unmasked (query, key) pairs (module docstring)."""
+  t = s = case.seq
+  if case.causal:  # query i sees keys 0..i (jax.nn's causal mask is tril((T, S)))
+    pairs = t * (t + 1) // 2 if t <= s else s * (s + 1) // 2 + (t - s) * s
+  else:
+    pairs = t * s
+  forward = 4 * case.batch * case.heads * pairs * case.head_dim
+  return forward if mode == "fwd" else int(3.5 * forward)
+
+
+def _rounds(case, mode):
+  """(timed rounds, untimed warm-up rounds) after the first, checked call."""
+  if case.slow:
+    return (2 if mode == "fwd" else 1), 0
+  if case.seq <= 1024:
+    return (10 if mode == "fwd" else 5), 1
+  return (5 if mode == "fwd" else 3), 1
+
+
+def _attention(impl, causal):
+  """The implementation's function of (query, key, value); imports its library lazily."""
+  if impl == "pallax":
+    import pallax
+
+    return lambda q, k, v: pallax.dot_product_attention(q, k, v, is_causal=causal)
+  if impl == "jax.nn":
+    return lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=causal)
+  if impl == "tokamax":
+    import tokamax
+    from absl import flags
+
+    if not flags.FLAGS.is_parsed():  # else tokamax parses sys.argv (pytest's) on its first call
+      flags.FLAGS.mark_as_parsed()
+    return lambda q, k, v: tokamax.dot_product_attention(
+      q, k, v, is_causal=causal, implementation="xla_chunked"
+    )
+  raise ValueError(impl)
+
+
+def _conftest_fwd_bwd():
+  """``bench/conftest.py``'s ``fwd_bwd`` maker, for a process that runs no pytest fixtures."""
+  path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "conftest.py")
+  spec = importlib.util.spec_from_file_location("_bench_conftest", path)
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return inspect.unwrap(module.fwd_bwd)()
+
+
+def program(case, impl, mode, fwd_bwd=None):
+  """``(fn, inputs)`` of one benchmark; ``case`` is a ``Case`` or its fields as a dict.
+
+  Called by the benchmark and, for peak memory, by the subprocess of
+  ``bench/peak_memory.py`` (hence a dict, and ``fwd_bwd=None`` meaning
+  conftest's maker, loaded from its file).
+  """
+  case = Case(**case) if isinstance(case, dict) else case
+  b, t, n, k, h = case.batch, case.seq, case.heads, case.kv_heads, case.head_dim
+  keys = jax.random.split(jax.random.key(0), 4)
+  dtype = jnp.dtype(case.dtype)
+  q, kk, v = (
+    jax.random.normal(key, shape, jnp.float32).astype(dtype)
+    for key, shape in zip(keys, [(b, t, n, h), (b, t, k, h), (b, t, k, h)])
+  )
+  fn = _attention(impl, case.causal)
+  if mode == "fwd":
+    return fn, (q, kk, v)
+  make = fwd_bwd if fwd_bwd is not None else _conftest_fwd_bwd()
+  cotangent = jax.random.normal(keys[3], (b, t, n, h), jnp.float32)
+  return make(fn, 3), (q, kk, v, cotangent)
+
+
+def reference_rows(case, mode, inputs, rows=CHECK_ROWS):
+  """Float64 output (``fwd``) or dL/dquery (``fwd+bwd``) of the first ``rows`` queries."""
+  q, k, v = (np.asarray(x.astype(jnp.float32), np.float64) for x in inputs[:3])
+  q = q[:, :rows]
+  group = case.heads // case.kv_heads  # query head i uses key/value head i // group, as jax.nn
+  k, v = np.repeat(k, group, axis=2), np.repeat(v, group, axis=2)
+  scale = 1 / math.sqrt(case.head_dim)
+  logits = np.einsum("brnh,bsnh->bnrs", q, k) * scale
+  if case.causal:
+    visible = np.arange(k.shape[1])[None, :] <= np.arange(q.shape[1])[:, None]
+    logits = np.where(visible, logits, -np.inf)
+  p = np.exp(logits - logits.max(-1, keepdims=True))
+  p /= p.sum(-1, keepdims=True)
+  out = np.einsum("bnrs,bsnh->brnh", p, v)
+  if mode == "fwd":
+    return out
+  dout = np.asarray(inputs[3], np.float64)[:, :rows]
+  dp = np.einsum("brnh,bsnh->bnrs", dout, v)
+  delta = np.einsum("brnh,brnh->bnr", dout, out)
+  return np.einsum("bnrs,bsnh->brnh", p * (dp - delta[..., None]), k) * scale
+
+
+def _checked_rows(mode, result, rows=CHECK_ROWS):
+  if mode == "fwd":
+    return result[:, :rows]
+  _, (dq, _, _) = result
+  return dq[:, :rows]
+
+
+def _available_bytes(device):
+  """Memory the call may take: free device memory, or the host's ``MemAvailable``."""
+  if device.platform != "cpu":
+    stats = device.memory_stats() or {}
+    if "bytes_limit" in stats:
+      return stats["bytes_limit"] - stats.get("bytes_in_use", 0)
+    return None
+  try:
+    with open("/proc/meminfo") as f:
+      for line in f:
+        if line.startswith("MemAvailable:"):
+          return int(line.split()[1]) * 1024
+  except OSError:
+    pass
+  return None
+
+
+def _skip_unless_fits(compiled, device):
+  analysis = compiled.memory_analysis()
+  available = _available_bytes(device)
+  if analysis is None or available is None:
+    return
+  need = (
+    analysis.temp_size_in_bytes + analysis.argument_size_in_bytes + analysis.output_size_in_bytes
+  )
+  factor = CPU_MEMORY_FACTOR if device.platform == "cpu" else 1.0
+  if factor * need > available:
+    pytest.skip(
+      f"needs about {factor * need / 2**30:.1f} GiB ({factor}x XLA's buffer assignment), "
+      f"{available / 2**30:.1f} GiB available"
+    )
+
+
+PARAMS = [
+  pytest.param(case, mode, impl, id=f"{case.id}-{mode}-{impl}")
+  for case in CASES
+  for mode in MODES
+  for impl in IMPLS
+]
+
+
+@pytest.mark.parametrize("case, mode, impl", PARAMS)
+def test_attention(benchmark, fwd_bwd, case, mode, impl):
+  if impl == "pallax":
+    import pallax
+
+    if not hasattr(pallax, "dot_product_attention"):
+      pytest.skip("pallax.dot_product_attention does not exist yet")
+  if impl == "tokamax":
+    pytest.importorskip("tokamax", reason="install the bench extra: pip install -e '.[bench]'")
+  benchmark.group = f"{case.id}-{mode}"
+  fn, inputs = program(case, impl, mode, fwd_bwd)
+  inputs = jax.block_until_ready(inputs)
+  device = jax.devices()[0]
+  compiled = jax.jit(fn).lower(*inputs).compile()
+  _skip_unless_fits(compiled, device)
+
+  # Peak memory first: a case too big for the machine then fails in the subprocess.
+  rounds, warmup = _rounds(case, mode)
+  calls = 1 if case.slow else 2
+  builder = f"{os.path.abspath(__file__)}:program"
+  info = benchmark.extra_info
+  try:
+    memory = measure(builder, dataclasses.asdict(case), impl, mode, calls=calls)
+  except RuntimeError as error:
+    if device.platform == "cpu":
+      raise
+    memory = None  # a TPU (or a GPU held whole by this process) has no room for a second process
+    info["peak_memory_error"] = str(error)[-500:]
+  if memory is not None:
+    for name in ("peak_rss", "call_peak_rss", "baseline_rss", "call_growth"):
+      info[f"{name}_mib"] = round(memory[name] / MIB, 1)
+    for name in ("device_peak", "device_call_growth"):
+      if memory.get(name) is not None:
+        info[f"{name}_mib"] = round(memory[name] / MIB, 1)
+    info["peak_exact"] = memory["peak_exact"]
+    info["memory_calls"] = memory["calls"]
+    info["memory_call_seconds"] = [round(s, 3) for s in memory["call_seconds"]]
+  analysis = compiled.memory_analysis()
+  if analysis is not None:
+    info["xla_temp_mib"] = round(analysis.temp_size_in_bytes / MIB, 1)
+
+  def call():
+    return jax.block_until_ready(compiled(*inputs))
+
+  got = np.asarray(_checked_rows(mode, call()).astype(jnp.float32), np.float64)
+  want = reference_rows(case, mode, inputs)
+  error = float(np.max(np.abs(got - want)) / np.max(np.abs(want)))
+  info["max_rel_err"] = error
+  assert error < TOLERANCE[case.dtype], f"{impl} is wrong: max rel err {error:.2e}"
+
+  benchmark.pedantic(call, rounds=rounds, iterations=1, warmup_rounds=warmup)
+  flops = attention_flops(case, mode)
+  median = benchmark.stats.stats.median
+  info.update(
+    flops=flops,
+    gflop_per_s=round(flops / median / 1e9, 2),
+    tflop_per_s=round(flops / median / 1e12, 4),
+    case=case.id,
+    mode=mode,
+    impl=impl,
+    platform=device.platform,
+  )
