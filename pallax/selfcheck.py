@@ -30,6 +30,7 @@ import numpy as np
 from pallax.executor.autotune import median_time
 from pallax.executor.tools import explain
 from pallax.interpret import BACKENDS, interpret
+from pallax.primitives.attention import dot_product_attention
 from pallax.primitives.matmul import matmul, matmul_reference
 from pallax.primitives.norm import (
   fused_add_rms_norm,
@@ -102,6 +103,21 @@ def _matmul_gelu_reference(a: jax.Array, b: jax.Array, bias: jax.Array) -> jax.A
   return matmul_reference(a, b, bias=bias, activation="gelu")
 
 
+def _attention_args(rng: np.random.Generator, dtype, small: bool) -> tuple[jax.Array, ...]:
+  b, t, n, kv, h = (2, 37, 4, 2, 64) if small else (1, 2048, 8, 8, 64)
+  q = jnp.asarray(rng.standard_normal((b, t, n, h)), dtype)
+  k, v = (jnp.asarray(rng.standard_normal((b, t, kv, h)), dtype) for _ in range(2))
+  return q, k, v
+
+
+def _causal_attention(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
+  return dot_product_attention(q, k, v, is_causal=True)
+
+
+def _causal_attention_reference(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
+  return jax.nn.dot_product_attention(q, k, v, is_causal=True)
+
+
 # Every op's self-check, in report order.
 CHECKS: tuple[SelfCheck, ...] = (
   SelfCheck("matmul", _matmul_args, _matmul_gelu, _matmul_gelu_reference),
@@ -115,6 +131,9 @@ CHECKS: tuple[SelfCheck, ...] = (
   ),
   SelfCheck("softmax", _softmax_args, softmax, jax.nn.softmax),
   SelfCheck("log_softmax", _softmax_args, log_softmax, jax.nn.log_softmax),
+  SelfCheck(
+    "dot_product_attention", _attention_args, _causal_attention, _causal_attention_reference
+  ),
 )
 
 

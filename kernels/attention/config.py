@@ -46,7 +46,7 @@ def _head(p: Problem) -> int:
 
 
 # Triton blocks in order of preference: large query blocks amortise the
-# key/value loads; the first one a call's screen (``_triton_spills``) lets
+# key/value loads; the first one a call's screen (``_triton_fits``) lets
 # through is the heuristic's.
 _TRITON_ORDER = (
   (128, 64, 4),
@@ -64,7 +64,7 @@ _TRITON_ORDER = (
 
 def _triton_heuristic(p: Problem, stage: str, interpret: bool) -> AttentionConfig:
   """The first block shape of ``_TRITON_ORDER`` whose registers fit, clamped to the call."""
-  fit = lambda c: interpret or not _triton_spills(p, c, stage)
+  fit = lambda c: interpret or _triton_fits(p, c, stage) is None
   configs = [AttentionConfig(block_q=bq, block_k=bk, num_warps=w) for bq, bk, w in _TRITON_ORDER]
   config = next((c for c in configs if fit(c)), configs[-1])
   clamp = lambda x, n: min(x, max(16, next_pow2(n)))
@@ -120,23 +120,35 @@ def candidates(avals: Sequence[Any], target: str, *, stage: str, **params) -> li
   return list(dict.fromkeys([base, *legal]))
 
 
-def _triton_spills(p: Problem, config: AttentionConfig, stage: str) -> bool:
-  """Whether a Triton program's live values likely exceed ~200 registers a thread.
+# Registers: a screen in "float32 values per thread" fitted to what ptxas
+# reported over ``pallax.verify``'s sweep (H100/A100). float32 operands count
+# double (triple-pass tf32-free dots: precision HIGHEST keeps them in
+# registers), the tangent's four dots per block four times. Shared memory: the
+# pipelined blocks of the loop, within A100's 163 KiB.
+_REGISTER_LIMIT = {"fwd": 128, "jvp": 176, "bwd": 224}
+_FLOAT32_WEIGHT = {"fwd": 2, "jvp": 4, "bwd": 2}
+_SMEM_LIMIT = 160 * 1024
 
-  The forward and tangent programs hold float32 (block_q, head) accumulators
-  (three in the tangent), the query block and a float32 logits tile; the
-  backward's key-block program two float32 (block_k, head) accumulators, its
-  key and value blocks, a query-side block pair and a tile. A screen for the
-  autotuning space; ``pallax.verify`` compiles what it lets through.
-  """
+
+def _triton_fits(p: Problem, config: AttentionConfig, stage: str) -> Optional[str]:
+  """Why a Triton config would spill registers or overflow shared memory, if it would."""
   h, item = _head(p), jnp.dtype(p.dtype).itemsize
-  bq, bk = config.block_q, config.block_k
-  if stage == "bwd":
-    live = 2 * bk * h * (4 + item) + 2 * bq * h * item + bq * bk * 4
+  bq, bk, stages = config.block_q, config.block_k, config.num_stages
+  if stage == "fwd":
+    values = bq * h * (1 + item / 4) + bq * bk
+    smem = stages * 2 * bk * h * item + bq * h * item
+  elif stage == "jvp":
+    values = bq * h * (3 + 2 * item / 4) + 2 * bq * bk
+    smem = stages * 4 * bk * h * item + 2 * bq * h * item
   else:
-    acc = 3 if stage == "jvp" else 1
-    live = acc * bq * h * 4 + bq * h * item * (2 if stage == "jvp" else 1) + bq * bk * 4
-  return live / (32 * config.num_warps) > 800
+    values = bk * h * (2 + 2 * item / 4) + 2 * bq * h * item / 4 + 2 * bq * bk
+    smem = stages * 2 * bq * h * item + 2 * bk * h * item + bq * bk * 4
+  weight = _FLOAT32_WEIGHT[stage] if item == 4 else 1
+  if values * weight / (32 * config.num_warps) > _REGISTER_LIMIT[stage]:
+    return f"blocks ({bq}, {bk}) with {config.num_warps} warps spill registers"
+  if smem > _SMEM_LIMIT:
+    return f"blocks ({bq}, {bk}) with {stages} stages need more shared memory than an A100 has"
+  return None
 
 
 def supports(
@@ -163,11 +175,8 @@ def supports(
       return f"{name}={value} must be a power of two >= 16 on Triton"
   if _head(p) > 256:
     return f"head dims up to 256 on Triton, got {max(p.head_dim, p.value_dim)}"
-  if not interpreted(target) and _triton_spills(p, config, stage):
-    return (
-      f"blocks ({config.block_q}, {config.block_k}) with {config.num_warps} warps spill registers"
-    )
-  return triton_warps_reason(config)
+  reason = None if interpreted(target) else _triton_fits(p, config, stage)
+  return reason or triton_warps_reason(config)
 
 
 def for_stage(stage: str) -> types.SimpleNamespace:
