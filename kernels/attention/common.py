@@ -129,6 +129,25 @@ def visible(p: Problem, t_pos, s_pos, q_len=None, kv_len=None) -> Optional[jax.A
   return out
 
 
+def block_unmasked(p: Problem, t0, s0, block_q: int, block_k: int, q_len=None, kv_len=None):
+  """Whether every query of a block sees every key of it (its logits need no mask).
+
+  Python False with a user mask (it is data); otherwise a traced bool from the
+  window and lengths (the shortest example's, for a block shared by a batch).
+  Keys past ``S`` count as masked.
+  """
+  if p.has_mask:
+    return False
+  ok = s0 + block_k <= p.s
+  if p.has_lengths:
+    ok = ok & (t0 + block_q <= q_len) & (s0 + block_k <= kv_len)
+  if p.left is not None:
+    ok = ok & (s0 >= t0 + block_q - 1 - p.left)
+  if p.right is not None:
+    ok = ok & (s0 + block_k - 1 <= t0 + p.right)
+  return ok
+
+
 def _div(a, b: int):
   """``a // b`` of a non-negative int32 scalar (``lax.div``: Triton has no floor division)."""
   return lax.div(a, jnp.int32(b))

@@ -18,6 +18,7 @@ from pallax.kernels.attention.common import (
   NEG_INF,
   Operands,
   Problem,
+  block_unmasked,
   bwd_dkdv,
   bwd_dq,
   bwd_probs,
@@ -57,6 +58,7 @@ class _Blocks:
     lengths = ops.q_len, ops.kv_len
     # Block ranges are shared by the batch: the longest example's.
     self.max_len = tuple(jnp.max(a) for a in lengths) if p.has_lengths else (None, None)
+    self.min_len = tuple(jnp.min(a) for a in lengths) if p.has_lengths else (None, None)
     self.len5 = tuple(a[:, None, None, None, None] for a in lengths)
     self.bias = self.pad_ts(ops.bias)
     self.mask = self.pad_ts(ops.mask)
@@ -100,7 +102,19 @@ class _Blocks:
     )
 
   def scores(self, q_blk, k_blk, t0, s0):
-    return scores(self.p, _dot, q_blk, k_blk, self.bias_block(t0, s0), self.keep(t0, s0))
+    """The block's logits; blocks every query sees whole skip the mask's arithmetic."""
+    bias = self.bias_block(t0, s0)
+    keep = self.keep(t0, s0)
+    if keep is None:
+      return scores(self.p, _dot, q_blk, k_blk, bias)
+    unmasked = block_unmasked(self.p, t0, s0, self.bq, self.bk, *self.min_len)
+    if unmasked is False:
+      return scores(self.p, _dot, q_blk, k_blk, bias, keep)
+    return lax.cond(
+      unmasked,
+      lambda: scores(self.p, _dot, q_blk, k_blk, bias),
+      lambda: scores(self.p, _dot, q_blk, k_blk, bias, keep),
+    )
 
   def key_range(self, t0):
     return key_range(self.p, t0, self.bq, self.bk, *self.max_len)
