@@ -80,6 +80,8 @@ from peak_memory import measure
 
 MIB = 2**20
 CHECK_ROWS = 128  # query rows checked against the float64 reference
+# Max relative error of the checked rows. Accelerators get the bfloat16 bound for every dtype:
+# their default float32 matmul precision may be TF32 or one bfloat16 pass.
 TOLERANCE = {"float32": 1e-3, "bfloat16": 5e-2}
 CPU_MEMORY_FACTOR = 1.5  # XLA:CPU's peak RSS over its buffer assignment, measured up to 1.6
 
@@ -308,17 +310,14 @@ def test_attention(benchmark, fwd_bwd, case, mode, impl):
   want = reference_rows(case, mode, inputs)
   error = float(np.max(np.abs(got - want)) / np.max(np.abs(want)))
   info["max_rel_err"] = error
-  assert error < TOLERANCE[case.dtype], f"{impl} is wrong: max rel err {error:.2e}"
+  tolerance = TOLERANCE[case.dtype if device.platform == "cpu" else "bfloat16"]
+  assert error < tolerance, f"{impl} is wrong: max rel err {error:.2e}"
 
   benchmark.pedantic(call, rounds=rounds, iterations=1, warmup_rounds=warmup)
   flops = attention_flops(case, mode)
-  median = benchmark.stats.stats.median
-  info.update(
-    flops=flops,
-    gflop_per_s=round(flops / median / 1e9, 2),
-    tflop_per_s=round(flops / median / 1e12, 4),
-    case=case.id,
-    mode=mode,
-    impl=impl,
-    platform=device.platform,
-  )
+  info.update(flops=flops, case=case.id, mode=mode, impl=impl, platform=device.platform)
+  if benchmark.stats is not None:  # None under --benchmark-disable
+    median = benchmark.stats.stats.median
+    info.update(
+      gflop_per_s=round(flops / median / 1e9, 2), tflop_per_s=round(flops / median / 1e12, 4)
+    )

@@ -349,6 +349,10 @@ def dot_product_attention(
       raise TypeError(f"{_OP}: mask must be a boolean array, got {mask.dtype}")
     extra.append(_bias_like("mask", mask, b, n, t, s, kv_heads))
   _check_unsharded_sequence(q, k)
+  if 0 in (b, t, n, s):  # nothing to attend to, or nobody asking: no kernel to run
+    out, lse = jnp.zeros((b, t, n, v.shape[3]), q.dtype), jnp.full((b, t, n), -jnp.inf, k.dtype)
+    out, lse = (x[0] for x in (out, lse)) if unbatched else (out, lse)
+    return (out, lse) if return_residual else out
   g = n // kv_heads
   q5 = jnp.transpose(q.reshape(b, t, kv_heads, g, h), (0, 2, 3, 1, 4))
   operands = [q5, jnp.swapaxes(k, 1, 2), jnp.swapaxes(v, 1, 2), q_len, kv_len, *extra]

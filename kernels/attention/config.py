@@ -45,31 +45,70 @@ def _head(p: Problem) -> int:
   return next_pow2(max(p.head_dim, p.value_dim, 16))
 
 
-# Triton blocks in order of preference: large query blocks amortise the
-# key/value loads; the first one a call's screen (``_triton_fits``) lets
-# through is the heuristic's.
-_TRITON_ORDER = (
-  (128, 64, 4),
-  (128, 64, 8),
-  (64, 64, 4),
-  (64, 64, 8),
-  (64, 32, 4),
-  (64, 32, 8),
-  (32, 32, 4),
-  (32, 32, 8),
-  (16, 32, 4),
-  (16, 16, 4),
-)
+# The Triton configs, (block_q, block_k, num_warps, num_stages) in order of
+# preference, per stage, operand width (float32 or 16-bit) and padded head
+# dim: the ones ptxas compiled spill-free for both H100 and A100 over
+# ``pallax.verify``'s sweep, where a register model did not predict spills
+# reliably (float32 dots at precision HIGHEST hold their operands in
+# registers; spills moved by tens of bytes between neighbouring configs and
+# between the two GPUs). Smaller heads use the 64-wide lists; a call with no
+# list (float32 tangent from head dim 80 up, float32 at 256) runs the XLA
+# program, visibly.
+_TRITON_CONFIGS = {
+  ("fwd", 2, 64): (
+    (128, 64, 8, 2),
+    (128, 64, 8, 3),
+    (64, 64, 4, 2),
+    (64, 64, 8, 2),
+    (64, 32, 4, 2),
+    (32, 32, 4, 2),
+  ),
+  ("fwd", 2, 128): (
+    (128, 64, 8, 2),
+    (128, 64, 8, 3),
+    (64, 64, 4, 2),
+    (64, 64, 8, 2),
+    (64, 32, 4, 2),
+    (32, 32, 4, 2),
+  ),
+  ("fwd", 2, 256): ((64, 64, 8, 2), (64, 32, 8, 2), (32, 32, 8, 2), (32, 32, 4, 2), (16, 32, 4, 2)),
+  ("fwd", 4, 64): ((64, 32, 8, 2), (32, 32, 8, 2), (32, 32, 4, 2), (16, 32, 4, 2)),
+  ("fwd", 4, 128): ((16, 32, 4, 2), (16, 16, 4, 2)),
+  ("bwd", 2, 64): ((128, 64, 8, 2), (64, 64, 4, 2), (64, 32, 8, 2), (64, 32, 4, 2), (32, 32, 4, 2)),
+  ("bwd", 2, 128): (
+    (128, 64, 8, 2),
+    (64, 64, 8, 3),
+    (64, 32, 8, 2),
+    (64, 32, 4, 2),
+    (32, 32, 8, 2),
+    (32, 32, 4, 2),
+  ),
+  ("bwd", 2, 256): ((32, 32, 8, 2), (32, 32, 8, 1), (16, 16, 4, 2)),
+  ("bwd", 4, 64): ((64, 32, 8, 2), (32, 32, 8, 2), (16, 32, 4, 2), (16, 16, 4, 2)),
+  ("bwd", 4, 128): ((16, 16, 4, 2), (16, 16, 4, 1)),
+  ("jvp", 2, 64): ((64, 64, 8, 2), (64, 32, 8, 2), (64, 32, 4, 2), (32, 32, 4, 2), (16, 32, 4, 2)),
+  ("jvp", 2, 128): ((64, 64, 8, 3), (32, 32, 8, 2), (32, 32, 4, 2), (16, 32, 4, 2), (16, 16, 4, 2)),
+  ("jvp", 2, 256): ((16, 32, 4, 2), (16, 16, 4, 2)),
+  ("jvp", 4, 64): ((16, 16, 4, 2), (16, 16, 4, 3)),
+}
 
 
-def _triton_heuristic(p: Problem, stage: str, interpret: bool) -> AttentionConfig:
-  """The first block shape of ``_TRITON_ORDER`` whose registers fit, clamped to the call."""
-  fit = lambda c: interpret or _triton_fits(p, c, stage) is None
-  configs = [AttentionConfig(block_q=bq, block_k=bk, num_warps=w) for bq, bk, w in _TRITON_ORDER]
-  config = next((c for c in configs if fit(c)), configs[-1])
+def _triton_configs(p: Problem, stage: str) -> list[AttentionConfig]:
+  """The verified Triton configs of a call, blocks clamped to its lengths (may be empty)."""
+  width = 4 if jnp.dtype(p.dtype).itemsize == 4 else 2
   clamp = lambda x, n: min(x, max(16, next_pow2(n)))
-  bq, bk = clamp(config.block_q, p.t), clamp(config.block_k, p.s)
-  return dataclasses.replace(config, block_q=bq, block_k=bk)
+  return list(
+    dict.fromkeys(
+      AttentionConfig(block_q=clamp(bq, p.t), block_k=clamp(bk, p.s), num_warps=w, num_stages=st)
+      for bq, bk, w, st in _TRITON_CONFIGS.get((stage, width, max(_head(p), 64)), ())
+    )
+  )
+
+
+def _triton_heuristic(p: Problem, stage: str) -> AttentionConfig:
+  """The first verified config; 64x64 blocks where there is none (``supports`` refuses them)."""
+  configs = _triton_configs(p, stage)
+  return configs[0] if configs else AttentionConfig(block_q=64, block_k=64)
 
 
 def _tpu_heuristic(p: Problem, stage: str) -> AttentionConfig:
@@ -96,59 +135,25 @@ def tpu_vmem(p: Problem, config: AttentionConfig) -> int:
 def heuristic(avals: Sequence[Any], target: str, *, stage: str, **params) -> AttentionConfig:
   p = Problem.of(avals, **params)
   if kernel_backend(target) == "triton":
-    return _triton_heuristic(p, stage, interpreted(target))
+    return _triton_heuristic(p, stage)
   return _tpu_heuristic(p, stage)
 
 
 def candidates(avals: Sequence[Any], target: str, *, stage: str, **params) -> list[AttentionConfig]:
-  """The autotuning space: block shapes around the heuristic's (and warps on Triton)."""
+  """The autotuning space: the verified Triton configs, or TPU block shapes."""
+  p = Problem.of(avals, **params)
   backend = kernel_backend(target)
   base = heuristic(avals, target, stage=stage, **params)
   if interpreted(target):
     return [base]
   if backend == "triton":
-    out = [
-      AttentionConfig(block_q=bq, block_k=bk, num_warps=w, num_stages=st)
-      for bq, bk, w in _TRITON_ORDER
-      for st in (1, 2, 3)
-    ]
+    out = _triton_configs(p, stage)
   else:
     out = [
       AttentionConfig(block_q=bq, block_k=bk) for bq in (128, 256, 512) for bk in (128, 256, 512)
     ]
   legal = [c for c in out if supports(avals, target, c, stage=stage, **params) is None]
   return list(dict.fromkeys([base, *legal]))
-
-
-# Registers: a screen in "float32 values per thread" fitted to what ptxas
-# reported over ``pallax.verify``'s sweep (H100/A100). float32 operands count
-# double (triple-pass tf32-free dots: precision HIGHEST keeps them in
-# registers), the tangent's four dots per block four times. Shared memory: the
-# pipelined blocks of the loop, within A100's 163 KiB.
-_REGISTER_LIMIT = {"fwd": 128, "jvp": 176, "bwd": 224}
-_FLOAT32_WEIGHT = {"fwd": 2, "jvp": 4, "bwd": 2}
-_SMEM_LIMIT = 160 * 1024
-
-
-def _triton_fits(p: Problem, config: AttentionConfig, stage: str) -> Optional[str]:
-  """Why a Triton config would spill registers or overflow shared memory, if it would."""
-  h, item = _head(p), jnp.dtype(p.dtype).itemsize
-  bq, bk, stages = config.block_q, config.block_k, config.num_stages
-  if stage == "fwd":
-    values = bq * h * (1 + item / 4) + bq * bk
-    smem = stages * 2 * bk * h * item + bq * h * item
-  elif stage == "jvp":
-    values = bq * h * (3 + 2 * item / 4) + 2 * bq * bk
-    smem = stages * 4 * bk * h * item + 2 * bq * h * item
-  else:
-    values = bk * h * (2 + 2 * item / 4) + 2 * bq * h * item / 4 + 2 * bq * bk
-    smem = stages * 2 * bq * h * item + 2 * bk * h * item + bq * bk * 4
-  weight = _FLOAT32_WEIGHT[stage] if item == 4 else 1
-  if values * weight / (32 * config.num_warps) > _REGISTER_LIMIT[stage]:
-    return f"blocks ({bq}, {bk}) with {config.num_warps} warps spill registers"
-  if smem > _SMEM_LIMIT:
-    return f"blocks ({bq}, {bk}) with {stages} stages need more shared memory than an A100 has"
-  return None
 
 
 def supports(
@@ -175,8 +180,12 @@ def supports(
       return f"{name}={value} must be a power of two >= 16 on Triton"
   if _head(p) > 256:
     return f"head dims up to 256 on Triton, got {max(p.head_dim, p.value_dim)}"
-  reason = None if interpreted(target) else _triton_fits(p, config, stage)
-  return reason or triton_warps_reason(config)
+  if not interpreted(target) and not _triton_configs(p, stage):
+    return (
+      f"no {stage} Triton config compiles spill-free for {jnp.dtype(p.dtype).name} at head dim "
+      f"{max(p.head_dim, p.value_dim)} (float32 dots at precision HIGHEST need too many registers)"
+    )
+  return triton_warps_reason(config)
 
 
 def for_stage(stage: str) -> types.SimpleNamespace:
