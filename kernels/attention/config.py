@@ -51,9 +51,10 @@ def _head(p: Problem) -> int:
 # ``pallax.verify``'s sweep, where a register model did not predict spills
 # reliably (float32 dots at precision HIGHEST hold their operands in
 # registers; spills moved by tens of bytes between neighbouring configs and
-# between the two GPUs). Smaller heads use the 64-wide lists; a call with no
-# list (float32 tangent from head dim 80 up, float32 at 256) runs the XLA
-# program, visibly.
+# between the two GPUs; the tangent's 64x64 3-stage blocks overflowed A100's
+# shared memory at head dim 128). Smaller heads use the 64-wide lists; a call
+# with no list (float32 tangent from head dim 80 up, float32 at 256) runs the
+# XLA program, visibly.
 _TRITON_CONFIGS = {
   ("fwd", 2, 64): (
     (128, 64, 8, 2),
@@ -87,7 +88,7 @@ _TRITON_CONFIGS = {
   ("bwd", 4, 64): ((64, 32, 8, 2), (32, 32, 8, 2), (16, 32, 4, 2), (16, 16, 4, 2)),
   ("bwd", 4, 128): ((16, 16, 4, 2), (16, 16, 4, 1)),
   ("jvp", 2, 64): ((64, 64, 8, 2), (64, 32, 8, 2), (64, 32, 4, 2), (32, 32, 4, 2), (16, 32, 4, 2)),
-  ("jvp", 2, 128): ((64, 64, 8, 3), (32, 32, 8, 2), (32, 32, 4, 2), (16, 32, 4, 2), (16, 16, 4, 2)),
+  ("jvp", 2, 128): ((32, 32, 8, 2), (32, 32, 4, 2), (16, 32, 4, 2), (16, 16, 4, 2)),
   ("jvp", 2, 256): ((16, 32, 4, 2), (16, 16, 4, 2)),
   ("jvp", 4, 64): ((16, 16, 4, 2), (16, 16, 4, 3)),
 }
@@ -111,10 +112,23 @@ def _triton_heuristic(p: Problem, stage: str) -> AttentionConfig:
   return configs[0] if configs else AttentionConfig(block_q=64, block_k=64)
 
 
+# TPU blocks in order of preference (multiples of (8, 128)): large blocks
+# amortise the per-step overhead; the first whose VMEM fits is the heuristic's.
+_TPU_BLOCKS = ((512, 512), (256, 512), (256, 256), (128, 256), (128, 128))
+
+
+def _tpu_configs(p: Problem) -> list[AttentionConfig]:
+  """TPU block shapes clamped to the call (a block covering T or S is whole)."""
+  return list(
+    dict.fromkeys(
+      AttentionConfig(block_q=min(bq, p.t), block_k=min(bk, p.s)) for bq, bk in _TPU_BLOCKS
+    )
+  )
+
+
 def _tpu_heuristic(p: Problem, stage: str) -> AttentionConfig:
-  bq = p.t if p.t <= 256 else 256 if stage == "bwd" else 512
-  bk = p.s if p.s <= 512 else 512
-  return AttentionConfig(block_q=bq, block_k=bk)
+  configs = _tpu_configs(p)
+  return next((c for c in configs if tpu_vmem(p, c) <= TPU_VMEM_BUDGET), configs[-1])
 
 
 def tpu_vmem(p: Problem, config: AttentionConfig) -> int:
