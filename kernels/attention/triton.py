@@ -51,7 +51,7 @@ class _Layout:
   def width(self, x: int) -> int:
     return next_pow2(max(x, 16))
 
-  def _heads(self, n):
+  def heads(self, n):
     g = jnp.int32(self.p.groups)
     return lax.div(n, g), lax.rem(n, g)
 
@@ -60,7 +60,7 @@ class _Layout:
     rows = self.bq if per_block else self.nq * self.bq
 
     def index(i, n, b):
-      return (b, *self._heads(n), i if per_block else 0, 0)
+      return (b, *self.heads(n), i if per_block else 0, 0)
 
     return pl.BlockSpec((None, None, None, rows, self.width(x)), index)
 
@@ -68,7 +68,7 @@ class _Layout:
     """A (B, K, G, T) operand (lse, delta)."""
     rows = self.bq if per_block else self.nq * self.bq
     return pl.BlockSpec(
-      (None, None, None, rows), lambda i, n, b: (b, *self._heads(n), i if per_block else 0)
+      (None, None, None, rows), lambda i, n, b: (b, *self.heads(n), i if per_block else 0)
     )
 
   def keys(self, x: int, per_block: bool):
@@ -76,7 +76,7 @@ class _Layout:
     rows = self.bk if per_block else self.nk * self.bk
     return pl.BlockSpec(
       (None, None, rows, self.width(x)),
-      lambda i, n, b: (b, self._heads(n)[0], i if per_block else 0, 0),
+      lambda i, n, b: (b, self.heads(n)[0], i if per_block else 0, 0),
     )
 
   def length(self):
@@ -87,7 +87,7 @@ class _Layout:
     shape = (self.bq, self.nk * self.bk) if query_blocks else (self.nq * self.bq, self.bk)
 
     def index(i, n, b):
-      kh, g = self._heads(n)
+      kh, g = self.heads(n)
       lead = (b if aval.shape[0] > 1 else 0, *((kh, g) if aval.shape[1] > 1 else (0, 0)))
       return (*lead, i, 0) if query_blocks else (*lead, 0, i)
 
@@ -354,11 +354,7 @@ def _dq(p, ops, lay, lse, delta, do, config, interpret):
   out_specs = [lay.rows(p.head_dim, True)]
   if p.has_bias:
     out_shapes.append(jax.ShapeDtypeStruct((p.batch, p.kv_heads, p.groups, p.t, p.s), st))
-    out_specs.append(
-      pl.BlockSpec(
-        (None, None, None, lay.bq, lay.nk * lay.bk), lambda i, n, b: (b, *lay._heads(n), i, 0)
-      )
-    )
+    out_specs.append(lay.tile(out_shapes[-1], True))
   specs = [lay.row_stats(True), lay.row_stats(True), lay.rows(p.value_dim, True)]
   return _call(
     kernel,
@@ -426,7 +422,7 @@ def _dkdv(p, ops, lay, lse, delta, do, config, interpret):
 
   def per_head(x):
     return pl.BlockSpec(
-      (None, None, None, lay.bk, lay.width(x)), lambda j, n, b: (b, *lay._heads(n), j, 0)
+      (None, None, None, lay.bk, lay.width(x)), lambda j, n, b: (b, *lay.heads(n), j, 0)
     )
 
   shape = lambda x: jax.ShapeDtypeStruct((p.batch, p.kv_heads, p.groups, p.s, x), out_dtype)
