@@ -387,7 +387,7 @@ def run(
     file=out,
   )
   header = (
-    f"{'op':<18} {'dtype':<9} {'implementation':<22} {'fwd err':>9} {'grad err':>9} "
+    f"{'op':<21} {'dtype':<9} {'implementation':<22} {'fwd err':>9} {'grad err':>9} "
     f"{'tol':>6} {'time vs jax':>12}  config"
   )
   print(header, file=out)
@@ -405,7 +405,7 @@ def run(
       unreliable = True
       notes += f"   (time: {timing.detail()})"
     print(
-      f"{name:<18} {jnp.dtype(dtype).name:<9} {impl:<22} {fwd:9.2e} {grad:9.2e} {tol:6.0e} "
+      f"{name:<21} {jnp.dtype(dtype).name:<9} {impl:<22} {fwd:9.2e} {grad:9.2e} {tol:6.0e} "
       f"{'n/a' if timing is None else str(timing):>12}  {config}{notes}",
       file=out,
     )

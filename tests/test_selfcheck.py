@@ -26,7 +26,15 @@ from pallax.selfcheck import (
   wall_clock_pairs,
 )
 
-OPS = ["matmul", "rms_norm", "layer_norm", "fused_add_rms_norm", "softmax", "log_softmax"]
+OPS = [
+  "matmul",
+  "rms_norm",
+  "layer_norm",
+  "fused_add_rms_norm",
+  "softmax",
+  "log_softmax",
+  "dot_product_attention",
+]
 TIME_CELL = re.compile(r"^(\d+\.\d\dx ±\d+\.\d\d|unreliable)$")
 
 
@@ -55,10 +63,10 @@ def _check_report(stdout):
     # The fast path then both interpreted kernels, float32 and bfloat16 each.
     mine = [row for row in rows if row.split()[0] == op]
     assert [row.split()[1] for row in mine] == ["float32", "bfloat16"] * 3, mine
-    impls = [row[29:51].strip() for row in mine]
+    impls = [row[32:54].strip() for row in mine]
     assert not any(impl.startswith("interpret") for impl in impls[:2]), impls
     assert impls[2:] == ["interpret-triton"] * 2 + ["interpret-mosaic_tpu"] * 2, impls
-    times = [row[79:91].strip() for row in mine]
+    times = [row[82:94].strip() for row in mine]
     assert all(TIME_CELL.match(t) for t in times[:2]), (op, times)
     assert times[2:] == ["n/a"] * 4, (op, times)
 
