@@ -63,15 +63,17 @@ _NORM_QUICK = ((1024, 1024), (1000, 4000))
 _SOFTMAX_SIZES = ((1024, 1024), (8192, 4096), (1000, 4000), (16, 50257))
 _MATMUL_SIZES = ((1024, 1024, 1024), (4096, 4096, 4096), (1000, 4000, 300), (8, 1000, 1000))
 # Attention (B, T, N, K, H), self-attention: head dims 64, 128, a padded 80
-# with GQA and odd lengths, 256.
+# and 128 with GQA and odd lengths, 256, 32.
 _attention = lambda b, t, n, kv, h: [(b, t, n, h), (b, t, kv, h), (b, t, kv, h)]
 _ATTENTION_SIZES = (
   (2, 1024, 8, 8, 64),
   (2, 1024, 8, 8, 128),
   (1, 1000, 8, 2, 80),
+  (1, 1000, 8, 2, 128),
   (1, 2048, 4, 4, 256),
+  (4, 512, 8, 8, 32),
 )
-_ATTENTION_QUICK = ((1, 1024, 4, 4, 64), (1, 1000, 8, 2, 128))
+_ATTENTION_QUICK = ((2, 1024, 8, 8, 64), (1, 1000, 8, 2, 128))
 
 OPS = {
   "rms_norm": Op(pallax.rms_norm, _norm, _NORM_SIZES, _NORM_QUICK),
