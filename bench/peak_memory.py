@@ -15,8 +15,10 @@ module name, calls ``function(*args)`` (``args`` travel as JSON) for a
 What it reports, in bytes (seconds for ``call_seconds``):
 
 - ``peak_rss``: the process's absolute peak resident set over its whole life
-  (imports, inputs, compilation and the calls): what ``ru_maxrss`` reads at
-  the end, the figure ``/usr/bin/time -v`` calls "Maximum resident set size".
+  (imports, inputs, compilation and the calls): the higher of the peak before
+  the reset of step 2 and the peak after it, so what ``ru_maxrss`` (or
+  ``/usr/bin/time -v``'s "Maximum resident set size") would read at the end of
+  the same run without the reset.
 - ``call_peak_rss``: the absolute peak resident set while the calls ran.
 - ``baseline_rss``: the resident set just before the first call (interpreter,
   jax, the libraries ``builder`` imports, inputs, compiled program).

@@ -2,8 +2,8 @@
 
 Run (``-n 0``: pytest-benchmark does not time under xdist)::
 
-  pytest -n 0 bench/test_attention.py                     # everything (about 25 min on 2 CPU cores)
-  pytest -n 0 bench/test_attention.py -k "not slow"       # without S=16384 (a minute a call on CPU)
+  pytest -n 0 bench/test_attention.py                     # everything: 20-40 min on 2 CPU cores
+  pytest -n 0 bench/test_attention.py -k "not slow"       # without S=16384 (about half the time)
   pytest -n 0 bench/test_attention.py -k "causal-mha-float32-S4096"   # the headline case
   pytest -n 0 bench/test_attention.py -k "S4096 and not bwd"          # forward only
   pytest -n 0 bench/test_attention.py --benchmark-json attention.json # extra_info in the JSON
@@ -45,14 +45,17 @@ dL/dquery for forward+backward) and records the error.
 - ``gflop_per_s`` / ``tflop_per_s``: ``flops`` over the median time.
 - ``peak_rss_mib``: absolute peak resident set, in MiB, of a fresh process that
   imports jax and the implementation's library, builds the inputs, compiles
-  the call and runs it (twice; once for ``slow`` cases): ``ru_maxrss`` at its
-  end, what the targets below are stated in. ``call_peak_rss_mib`` is the
+  the call and runs it (twice; once for ``slow`` cases): its lifetime peak,
+  as ``ru_maxrss`` would read it at the end, and what the targets below are
+  stated in. ``call_peak_rss_mib`` is the
   peak while the calls ran, ``baseline_rss_mib`` the resident set just before
   them, ``call_growth_mib`` the difference (the call's own memory); see
   ``bench/peak_memory.py``. On a GPU/TPU also ``device_peak_mib`` and
   ``device_call_growth_mib``. ``xla_temp_mib``: the temporaries of XLA's buffer
   assignment for the call.
 - ``max_rel_err``: max abs error over max abs value against the reference.
+- ``pallax_kernels`` (pallax only): ``pallax.explain``'s pick per kernel call,
+  e.g. ``dot_product_attention_fwd: xla (heuristic)`` on a CPU.
 
 Targets from the issue (causal MHA float32, B=1, N=8, H=64, on a CPU):
 S=4096 forward at most 0.5x jax.nn's time in at most 512 MB peak RSS; S=4096
@@ -299,6 +302,10 @@ def test_attention(benchmark, fwd_bwd, case, mode, impl):
     info["peak_exact"] = memory["peak_exact"]
     info["memory_calls"] = memory["calls"]
     info["memory_call_seconds"] = [round(s, 3) for s in memory["call_seconds"]]
+  if impl == "pallax":  # which implementation the executor picked for each kernel call
+    info["pallax_kernels"] = [
+      f"{s.op}: {s.implementation} ({s.source})" for s in pallax.explain(fn, *inputs)
+    ]
   analysis = compiled.memory_analysis()
   if analysis is not None:
     info["xla_temp_mib"] = round(analysis.temp_size_in_bytes / MIB, 1)
