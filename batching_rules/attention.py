@@ -20,11 +20,11 @@ from pallax.batching_utils import NOT_MAPPED, axis_size
 from pallax.kernels.attention.common import Problem
 
 
-def _bias_like(p: Problem, n_operands: int, has_dbias_out: bool) -> set[int]:
-  """Indices of the bias-like operands of a call with ``n_operands`` operands."""
+def _bias_like(prim, p: Problem, n_operands: int) -> set[int]:
+  """Indices of the bias-like operands: bias, mask and the tangent's dbias (last)."""
   out = set(range(5, 5 + p.has_bias + p.has_mask))
-  if p.has_bias and not has_dbias_out and n_operands > 5 + p.has_bias + p.has_mask + 3:
-    out.add(n_operands - 1)  # the tangent's dbias
+  if p.has_bias and prim.name.endswith("_jvp"):
+    out.add(n_operands - 1)
   return out
 
 
@@ -41,7 +41,7 @@ def fold_into_batch(prim, args, bdims, **params):
   p = Problem.of(examples, **params)
   b = p.batch
   returns_dbias = prim.name.endswith("_bwd") and p.has_bias
-  bias_like = _bias_like(p, len(args), returns_dbias)
+  bias_like = _bias_like(prim, p, len(args))
   folded = []
   for i, (a, d) in enumerate(zip(args, bdims)):
     shared = i in bias_like and a.shape[0] == 1

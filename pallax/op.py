@@ -182,7 +182,11 @@ def define_primitive(name: str, spec: PrimitiveSpec) -> KernelPrimitive:
   batching.primitive_batchers[prim] = functools.partial(spec.batching, prim)
 
   def xla_lowering(ctx, *args, **params):
-    return mlir.lower_fun(functools.partial(spec.xla, **params), multiple_results=True)(ctx, *args)
+    # Traced from unvarying avals like the kernels (``_unvarying``): the XLA
+    # programs' loops start from constants that vary over no shard_map axis.
+    fn = mlir.lower_fun(functools.partial(spec.xla, **params), multiple_results=True)
+    with _jax_private.without_vma_checks():
+      return fn(_unvarying(ctx), *args)
 
   def platform_lowering(platform):
     def rule(ctx, *args, config, interpret, executor, **params):
@@ -342,7 +346,7 @@ def kernel_runner(prim: KernelPrimitive, params: dict, interpret) -> Callable:
 
 
 def _unvarying(ctx):
-  """``ctx`` with avals that vary over no ``shard_map`` axis, for tracing a kernel.
+  """``ctx`` with avals that vary over no ``shard_map`` axis, for tracing a kernel or program.
 
   The primitive's abstract eval has already fixed how its results vary. Inside
   the kernel, constants and loop carries vary over nothing while ``shard_map``

@@ -7,11 +7,14 @@ heads before positions), then binds the op declared with
 
 * ``dot_product_attention_fwd (q, k, v, q_len, kv_len, [bias], [mask]) -> (out, lse)``:
   the forward kernel; ``lse`` is its residual.
-* ``dot_product_attention_jvp (..., out, lse, dq, dk, dv, [dbias]) -> (dout,)``:
-  the tangent, linear in the trailing tangents, one blockwise pass that
-  recomputes the probabilities from ``lse`` (never a ``[T, S]`` array).
-* ``dot_product_attention_bwd (..., out, lse, dout) -> (dq, dk, dv, [dbias])``:
-  the tangent's transpose, the backward kernel.
+* ``dot_product_attention_jvp (..., out, lse, dq, dk, dv, [dbias]) -> (dout, dlse)``:
+  the tangents of both results, linear in the trailing tangents, one
+  blockwise pass that recomputes the probabilities from ``lse`` (never a
+  ``[T, S]`` array). ``lse`` has its true tangent, so second-order AD through
+  the backward is exact; the public ``lse`` is stop_gradient'ed, as jax.nn's.
+* ``dot_product_attention_bwd (..., out, lse, dout, dlse) -> (dq, dk, dv, [dbias])``:
+  the tangent's transpose, the backward kernels; ``lse``'s cotangent only
+  shifts the row term ``rowsum(dout * out)``.
 
 ``grad`` costs one forward and one backward kernel; ``jvp``, ``jacfwd``,
 ``linearize`` and Hessian-vector products work.
@@ -25,13 +28,12 @@ from typing import Optional, Union
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.interpreters import ad
 
 from pallax.batching_rules import attention as attention_batching
 from pallax.kernels import attention as kernels
 from pallax.kernels.attention import AttentionConfig
 from pallax.kernels.attention import xla as attention_xla
-from pallax.kernels.attention.common import Problem
+from pallax.kernels.attention.common import Problem, varies_over_heads
 from pallax.op import (
   Dims,
   PrimitiveSpec,
@@ -60,7 +62,7 @@ _SEQUENCE_SHARDED = (
 def _extra_names(aval, name: str) -> tuple[str, ...]:
   """Factors of a bias-like operand: batch and heads where it varies over them."""
   b = "b" if aval.shape[0] > 1 else f"{name}_b"
-  heads = ("k", "g") if aval.shape[1] > 1 else (f"{name}_k", f"{name}_g")
+  heads = ("k", "g") if varies_over_heads(aval) else (f"{name}_k", f"{name}_g")
   return (b, *heads, "t", "s")
 
 
@@ -85,9 +87,9 @@ def _dims(stage: str):
       results = (_OUT, _LSE)
     elif stage == "jvp":
       names += [_OUT, _LSE, names[0], names[1], names[2], *bias_names]
-      results = (_OUT,)
+      results = (_OUT, _LSE)
     else:
-      names += [_OUT, _LSE, _OUT]
+      names += [_OUT, _LSE, _OUT, _LSE]
       results = (names[0], names[1], names[2], *bias_names)
     return Dims(operands=tuple(names), results=results, replicated=("h", "hv"), refused=_REFUSED)
 
@@ -104,8 +106,7 @@ def _fwd_abstract_eval(*avals, **params):
 
 
 def _jvp_abstract_eval(*avals, **params):
-  q, _, v = avals[:3]
-  return [derived_aval(q, (*q.shape[:4], v.shape[3]), q.dtype, full_spec(q)[:4] + (None,))]
+  return _fwd_abstract_eval(*avals, **params)
 
 
 def _bwd_abstract_eval(*avals, **params):
@@ -131,11 +132,6 @@ def _tangent_operands(primals, outs, tangents):
   return [*primals, *outs, *instantiate(wanted)]
 
 
-def _lse_tangent(primals, outs, operands):
-  """``lse`` is the forward's residual and carries no derivative (stop_gradient, as jax.nn)."""
-  return [ad.Zero(jax.typeof(outs[1]).to_tangent_aval())]
-
-
 def _linear(*, has_bias, **params) -> slice:
   """The tangents block: dq, dk, dv and, with a bias, dbias."""
   return slice(-4 if has_bias else -3, None)
@@ -148,7 +144,6 @@ attention_p = define_residual_op(
   bwd=_stage("bwd", _bwd_abstract_eval),
   linear=_linear,
   tangent_operands=_tangent_operands,
-  residual_tangents=_lse_tangent,
 )
 
 

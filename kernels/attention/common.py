@@ -78,7 +78,7 @@ class Problem:
       params["has_bias"],
       params["has_mask"],
       extra is not None and extra.shape[0] > 1,
-      extra is not None and extra.shape[1] > 1,
+      extra is not None and varies_over_heads(extra),
     )
 
   @property
@@ -106,6 +106,17 @@ class Operands:
     bias = rest.pop(0) if p.has_bias else None
     mask = rest.pop(0) if p.has_mask else None
     return cls(q, k, v, q_len, kv_len, bias, mask, tuple(rest))
+
+
+def varies_over_heads(extra) -> bool:
+  """Whether a bias-like (Bb, Kb, Gb, T, S) operand has its own tile per query head."""
+  return extra.shape[1] * extra.shape[2] > 1
+
+
+def extra_lead(extra, b, kv_head, group) -> tuple:
+  """The leading block indices of a bias-like operand for batch ``b`` and that query head."""
+  heads = (kv_head, group) if varies_over_heads(extra) else (0, 0)
+  return (b if extra.shape[0] > 1 else 0, *heads)
 
 
 def visible(p: Problem, t_pos, s_pos, q_len=None, kv_len=None) -> Optional[jax.Array]:
@@ -246,6 +257,11 @@ def bwd_probs(p: Problem, dot, v, do, s, lse, delta):
   return pr, pr * (dot(do, v, "qk") - delta)
 
 
+def bwd_delta(p: Problem, out, do, dlse):
+  """``rowsum(do * out) - dlse``: with ``lse``'s cotangent, ``ds = P (dp - delta)`` still."""
+  return jnp.sum(do.astype(p.stat) * out.astype(p.stat), axis=-1) - dlse.astype(p.stat)
+
+
 def bwd_dq(p: Problem, dot, ds, k):
   """A key block's contribution to ``dq``."""
   return dot(ds.astype(k.dtype), k, "pv") * p.scale
@@ -270,8 +286,9 @@ def block_dot(a, b, kind: str):
 def tangent_block(p: Problem, dot, q, k, v, s, lse, dq, dk, dv, dbias=None):
   """One key block of the tangent: ``(sum P dS v, rowsum P dS, P dv)``, stats dtype.
 
-  ``dS = scale (dq k^T + q dk^T) + dbias`` is the logits' tangent; the output
-  tangent is ``sum P dS v - rowsum(P dS) out + P dv`` over the blocks.
+  ``dS = scale (dq k^T + q dk^T) + dbias`` is the logits' tangent; over the
+  blocks, the output's tangent is ``sum P dS v - rowsum(P dS) out + P dv`` and
+  ``lse``'s is ``rowsum(P dS)``.
   """
   pr = probs(s, lse)
   ds = (dot(dq, k, "qk") + dot(q, dk, "qk")) * p.scale

@@ -102,9 +102,7 @@ class _Grid:
         i, j = self._blocks(b, outer, inner, *lens)
       else:
         i, j = (outer, inner) if self.query_major else (inner, outer)
-      kh, g = self.heads(n)
-      lead = (b if aval.shape[0] > 1 else 0, *((kh, g) if aval.shape[1] > 1 else (0, 0)))
-      return (*lead, i, j)
+      return (*common.extra_lead(aval, b, *self.heads(n)), i, j)
 
     return pl.BlockSpec((None, None, None, self.bq, self.bk), index)
 
@@ -264,7 +262,7 @@ def fwd(*operands, config: AttentionConfig, interpret: Any, **params):
 
 
 def jvp(*operands, config: AttentionConfig, interpret: Any, **params):
-  """``(out_dot,)``."""
+  """``(out_dot, lse_dot)``."""
   p, ops, grid = _setup(operands, config, params)
   out, lse, dq, dk, dv, *dbias = ops.rest
   st_dtype = p.stat
@@ -272,7 +270,7 @@ def jvp(*operands, config: AttentionConfig, interpret: Any, **params):
   def kernel(*refs):
     st = _Step(grid, refs[:-3], 5 + len(dbias))
     out_ref, lse_ref, dq_ref, dk_ref, dv_ref, *dbias_ref = st.rest
-    (dout_ref,) = st.outs
+    dout_ref, dlse_ref = st.outs
 
     def update(carry):
       k, v, dk_blk, dv_blk = (st.rows(r, st.s_ok) for r in (st.k, st.v, dk_ref, dv_ref))
@@ -288,6 +286,7 @@ def jvp(*operands, config: AttentionConfig, interpret: Any, **params):
       pdsv, rows, pdv = carry
       dout = pdsv - rows * out_ref[...].astype(st_dtype) + pdv
       dout_ref[...] = dout.astype(dout_ref.dtype)
+      dlse_ref[...] = rows
 
     init = (
       jnp.zeros((grid.bq, p.value_dim), st_dtype),
@@ -305,14 +304,17 @@ def jvp(*operands, config: AttentionConfig, interpret: Any, **params):
     *(grid.tile(d) for d in dbias),
   ]
   rows = (p.batch, p.kv_heads, p.groups, p.t)
-  (dout,) = _pallas(
+  dout, dlse = _pallas(
     kernel,
     grid,
     ops,
     [out, _stats(lse), dq, dk, dv, *dbias],
     rest_specs,
-    [jax.ShapeDtypeStruct((*rows, p.value_dim), p.dtype)],
-    [grid.query_side(p.value_dim)],
+    [
+      jax.ShapeDtypeStruct((*rows, p.value_dim), p.dtype),
+      jax.ShapeDtypeStruct((*rows, 1), st_dtype),
+    ],
+    [grid.query_side(p.value_dim), grid.query_side(1)],
     [
       pltpu.VMEM((grid.bq, p.value_dim), st_dtype),
       pltpu.VMEM((grid.bq, 1), st_dtype),
@@ -321,7 +323,7 @@ def jvp(*operands, config: AttentionConfig, interpret: Any, **params):
     interpret,
     "attention_jvp",
   )
-  return [dout]
+  return [dout, dlse[..., 0]]
 
 
 def _dq(p, ops, grid, lse, delta, do, interpret):
@@ -420,8 +422,8 @@ def _dkdv(p, ops, grid, lse, delta, do, interpret):
 def bwd(*operands, config: AttentionConfig, interpret: Any, **params):
   """``(dq, dk, dv[, dbias])``."""
   p, ops, grid = _setup(operands, config, params)
-  out, lse, do = ops.rest
-  delta = jnp.sum(do.astype(p.stat) * out.astype(p.stat), axis=-1)
+  out, lse, do, dlse = ops.rest
+  delta = common.bwd_delta(p, out, do, dlse)
   dq, *ds = _dq(p, ops, grid, lse, delta, do, interpret)
   key_grid = dataclasses.replace(grid, query_major=False)
   dk, dv = _dkdv(p, ops, key_grid, lse, delta, do, interpret)

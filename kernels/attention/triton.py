@@ -87,8 +87,7 @@ class _Layout:
     shape = (self.bq, self.nk * self.bk) if query_blocks else (self.nq * self.bq, self.bk)
 
     def index(i, n, b):
-      kh, g = self.heads(n)
-      lead = (b if aval.shape[0] > 1 else 0, *((kh, g) if aval.shape[1] > 1 else (0, 0)))
+      lead = common.extra_lead(aval, b, *self.heads(n))
       return (*lead, i, 0) if query_blocks else (*lead, 0, i)
 
     return pl.BlockSpec((None, None, None, *shape), index)
@@ -264,7 +263,7 @@ def fwd(*operands, config: AttentionConfig, interpret: Any, **params):
 
 
 def jvp(*operands, config: AttentionConfig, interpret: Any, **params):
-  """``(out_dot,)``: the tangent, one pass over the visible key blocks."""
+  """``(out_dot, lse_dot)``: the tangents, one pass over the visible key blocks."""
   p, ops, lay = _setup(operands, config, params)
   out, lse, dq, dk, dv, *dbias = ops.rest
   st = p.stat
@@ -272,7 +271,7 @@ def jvp(*operands, config: AttentionConfig, interpret: Any, **params):
   def kernel(*refs):
     r = _Refs(p, refs, 5 + len(dbias))
     out_ref, lse_ref, dq_ref, dk_ref, dv_ref, *dbias_ref = r.rest
-    (dout_ref,) = r.outs
+    dout_ref, dlse_ref = r.outs
     t0 = pl.program_id(0) * lay.bq
     _, t_ok = _positions(t0, lay.bq, p.t)
     h_ok = _cols_ok(lay.width(p.head_dim), p.head_dim)
@@ -293,6 +292,7 @@ def jvp(*operands, config: AttentionConfig, interpret: Any, **params):
     mask = _tile_mask(t_ok, hv_ok)
     dout = pdsv - rows * load(out_ref, mask).astype(st) + pdv
     store(dout_ref, dout.astype(dout_ref.dtype), mask)
+    store(dlse_ref, rows[:, 0], t_ok)
 
   rest_specs = [
     lay.rows(p.value_dim, True),
@@ -307,8 +307,11 @@ def jvp(*operands, config: AttentionConfig, interpret: Any, **params):
     lay.nq,
     _inputs(ops) + [out, lse, dq, dk, dv, *dbias],
     _input_specs(lay, ops, True) + rest_specs,
-    [_row_shape(p, p.value_dim, p.dtype)],
-    [lay.rows(p.value_dim, True)],
+    [
+      _row_shape(p, p.value_dim, p.dtype),
+      jax.ShapeDtypeStruct((p.batch, p.kv_heads, p.groups, p.t), st),
+    ],
+    [lay.rows(p.value_dim, True), lay.row_stats(True)],
     config,
     interpret,
     "attention_jvp",
@@ -445,8 +448,8 @@ def _dkdv(p, ops, lay, lse, delta, do, config, interpret):
 def bwd(*operands, config: AttentionConfig, interpret: Any, **params):
   """``(dq, dk, dv[, dbias])``: the dq kernel and the dk/dv kernel."""
   p, ops, lay = _setup(operands, config, params)
-  out, lse, do = ops.rest
-  delta = jnp.sum(do.astype(p.stat) * out.astype(p.stat), axis=-1)
+  out, lse, do, dlse = ops.rest
+  delta = common.bwd_delta(p, out, do, dlse)
   dq, *ds = _dq(p, ops, lay, lse, delta, do, config, interpret)
   dk, dv = _dkdv(p, ops, lay, lse, delta, do, config, interpret)
   return [dq, dk, dv, *(reduce_bias_grad(d, ops.bias) for d in ds)]

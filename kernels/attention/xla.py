@@ -19,6 +19,7 @@ from pallax.kernels.attention.common import (
   Operands,
   Problem,
   block_unmasked,
+  bwd_delta,
   bwd_dkdv,
   bwd_dq,
   bwd_probs,
@@ -175,7 +176,7 @@ def attention_fwd(*operands, **params):
 
 
 def attention_jvp(*operands, **params):
-  """``(out_dot,)``: the output's tangent, linear in ``(dq, dk, dv[, dbias])``."""
+  """``(out_dot, lse_dot)``: the tangents, linear in ``(dq, dk, dv[, dbias])``."""
   p = Problem.of(operands, **params)
   ops = Operands.of(p, operands)
   out, lse, dq, dk, dv, *dbias = ops.rest
@@ -197,7 +198,7 @@ def attention_jvp(*operands, **params):
   def finish(carry, t0):
     pdsv, rows, pdv = carry
     out_blk = _slice(out, t0, bq, 3).astype(p.stat)
-    return ((pdsv - rows * out_blk + pdv).astype(p.dtype),)
+    return (pdsv - rows * out_blk + pdv).astype(p.dtype), rows[..., 0]
 
   st = p.stat
   init = (
@@ -205,19 +206,22 @@ def attention_jvp(*operands, **params):
     jnp.zeros((b, kh, g, bq, 1), st),
     jnp.zeros((b, kh, g, bq, p.value_dim), st),
   )
-  outs = (jnp.zeros((b, kh, g, blocks.tp, p.value_dim), p.dtype),)
-  (dout,) = _per_query_block(blocks, q, step, init, finish, outs)
-  return [dout[:, :, :, : p.t]]
+  outs = (
+    jnp.zeros((b, kh, g, blocks.tp, p.value_dim), p.dtype),
+    jnp.zeros((b, kh, g, blocks.tp), st),
+  )
+  dout, dlse = _per_query_block(blocks, q, step, init, finish, outs)
+  return [dout[:, :, :, : p.t], dlse[..., : p.t]]
 
 
 def attention_bwd(*operands, **params):
   """``(dq, dk, dv[, dbias])``: the backward, per key block over the query blocks seeing it."""
   p = Problem.of(operands, **params)
   ops = Operands.of(p, operands)
-  out, lse, do = ops.rest
+  out, lse, do, dlse = ops.rest
   blocks = _Blocks(p, ops)
   st = p.stat
-  delta = jnp.sum(do.astype(st) * out.astype(st), axis=-1)
+  delta = bwd_delta(p, out, do, dlse)
   q, do, delta = blocks.pad_t(ops.q), blocks.pad_t(do), blocks.pad_t(delta)
   lse = blocks.pad_t(lse, value=NEG_INF)
   k, v = blocks.pad_s(ops.k), blocks.pad_s(ops.v)
