@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import pallax
-from tests.helpers import TOL, f64, rand, to64
+from tests.helpers import TOL, f64, rand
 
 
 # Pinned configs with blocks smaller than T and S on the interpreted kernels:
@@ -155,8 +155,8 @@ class Case:
   n: int = 4
   k: int = 4
   h: int = 64
-  bias: Optional[tuple[int, ...]] = None  # bias shape ("full" dims filled in by inputs())
-  mask: Optional[tuple[int, ...]] = None
+  bias: Optional[tuple[int, ...]] = None  # its shape; fewer than 4 dims broadcast from the front
+  mask: Optional[tuple[int, ...]] = None  # likewise; random, keeping about 70%
   is_causal: bool = False
   window: Any = None
   q_len: Optional[tuple[int, ...]] = None
@@ -190,12 +190,6 @@ def inputs(case: Case, dtype=jnp.float32, seed: int = 0) -> tuple[tuple, dict]:
     key_value_seq_lengths=None if case.kv_len is None else jnp.asarray(case.kv_len, jnp.int32),
   )
   return (q, k, v, bias, mask), kwargs
-
-
-def reference64(args, kwargs, **extra):
-  """``reference`` on float64 copies of the float arrays of ``args`` (call under x64())."""
-  q, k, v, bias, mask = args
-  return reference(*(to64(a) for a in (q, k, v, bias)), mask, **kwargs, **extra)
 
 
 # ------------------------------------------------------------------------------
