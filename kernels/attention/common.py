@@ -88,6 +88,28 @@ class Problem:
 
 
 @dataclasses.dataclass(frozen=True)
+class Blocks:
+  """A call cut into (block_q, block_k) blocks, as the kernels' grids see it."""
+
+  p: Problem
+  bq: int
+  bk: int
+
+  @property
+  def nq(self) -> int:
+    return -(-self.p.t // self.bq)
+
+  @property
+  def nk(self) -> int:
+    return -(-self.p.s // self.bk)
+
+  def heads(self, n):
+    """``(kv head, group)`` of the grid's query head ``n``."""
+    g = jnp.int32(self.p.groups)
+    return lax.div(n, g), lax.rem(n, g)
+
+
+@dataclasses.dataclass(frozen=True)
 class Operands:
   """A primitive's operands by role: the inputs, then the stage's own (``rest``)."""
 
@@ -164,41 +186,40 @@ def _div(a, b: int):
   return lax.div(a, jnp.int32(b))
 
 
+def _visible_blocks(start, own: int, other: int, extent: int, ahead, behind, own_len, other_len):
+  """``[lo, hi)`` of the other side's blocks that a block of ``own`` rows at ``start`` meets.
+
+  ``ahead``/``behind``: how far past (before) its own positions the block sees
+  (None: unbounded); ``own_len``/``other_len``: the lengths (None: whole).
+  """
+  start = jnp.asarray(start, jnp.int32)
+  hi_pos = jnp.int32(extent)
+  if other_len is not None:
+    hi_pos = jnp.minimum(hi_pos, other_len)
+  if ahead is not None:
+    hi_pos = jnp.minimum(hi_pos, start + (own + ahead))
+  lo = jnp.int32(0)
+  if behind is not None:
+    lo = _div(jnp.maximum(start - behind, 0), other)
+  hi = _div(jnp.maximum(hi_pos, 0) + (other - 1), other)
+  if own_len is not None:
+    hi = jnp.where(start < own_len, hi, 0)
+  return lo, jnp.maximum(hi, lo)
+
+
 def key_range(p: Problem, t0, block_q: int, block_k: int, q_len=None, kv_len=None):
   """``[lo, hi)`` of the key blocks a query block starting at ``t0`` can see.
 
   Blocks outside are entirely hidden (causal, window, lengths) and skipped.
   """
-  t0 = jnp.asarray(t0, jnp.int32)
-  hi_pos = jnp.int32(p.s)
-  if p.has_lengths:
-    hi_pos = jnp.minimum(hi_pos, kv_len)
-  if p.right is not None:
-    hi_pos = jnp.minimum(hi_pos, t0 + (block_q + p.right))
-  lo = jnp.int32(0)
-  if p.left is not None:
-    lo = _div(jnp.maximum(t0 - p.left, 0), block_k)
-  hi = _div(jnp.maximum(hi_pos, 0) + (block_k - 1), block_k)
-  if p.has_lengths:
-    hi = jnp.where(t0 < q_len, hi, 0)
-  return lo, jnp.maximum(hi, lo)
+  lens = (q_len, kv_len) if p.has_lengths else (None, None)
+  return _visible_blocks(t0, block_q, block_k, p.s, p.right, p.left, *lens)
 
 
 def query_range(p: Problem, s0, block_q: int, block_k: int, q_len=None, kv_len=None):
   """``[lo, hi)`` of the query blocks that can see a key block starting at ``s0``."""
-  s0 = jnp.asarray(s0, jnp.int32)
-  hi_pos = jnp.int32(p.t)
-  if p.has_lengths:
-    hi_pos = jnp.minimum(hi_pos, q_len)
-  if p.left is not None:
-    hi_pos = jnp.minimum(hi_pos, s0 + (block_k + p.left))
-  lo = jnp.int32(0)
-  if p.right is not None:
-    lo = _div(jnp.maximum(s0 - p.right, 0), block_q)
-  hi = _div(jnp.maximum(hi_pos, 0) + (block_q - 1), block_q)
-  if p.has_lengths:
-    hi = jnp.where(s0 < kv_len, hi, 0)
-  return lo, jnp.maximum(hi, lo)
+  lens = (kv_len, q_len) if p.has_lengths else (None, None)
+  return _visible_blocks(s0, block_k, block_q, p.t, p.left, p.right, *lens)
 
 
 def scores(p: Problem, dot, q, k, bias=None, keep=None):

@@ -33,35 +33,20 @@ from pallax.kernels.attention.xla import reduce_bias_grad
 
 
 @dataclasses.dataclass(frozen=True)
-class _Grid:
+class _Grid(common.Blocks):
   """One kernel's grid ``(B, N, outer, inner)`` and the BlockSpecs of its operands.
 
   ``query_major``: the outer axis walks query blocks and the inner one the key
   blocks they see (forward, tangent, dq); otherwise the reverse (dk, dv).
   """
 
-  p: Problem
-  bq: int
-  bk: int
   query_major: bool
-
-  @property
-  def nq(self) -> int:
-    return pl.cdiv(self.p.t, self.bq)
-
-  @property
-  def nk(self) -> int:
-    return pl.cdiv(self.p.s, self.bk)
 
   @property
   def shape(self) -> tuple[int, ...]:
     p = self.p
     blocks = (self.nq, self.nk) if self.query_major else (self.nk, self.nq)
     return (p.batch, p.kv_heads * p.groups, *blocks)
-
-  def heads(self, n):
-    g = jnp.int32(self.p.groups)
-    return lax.div(n, g), lax.rem(n, g)
 
   def range(self, b, outer, q_len_ref, kv_len_ref):
     """``[lo, hi)`` of the inner blocks the outer block ``outer`` meets."""

@@ -33,27 +33,11 @@ from pallax.pallas_utils import and_masks, load, next_pow2, store, triton_compil
 
 
 @dataclasses.dataclass(frozen=True)
-class _Layout:
-  """Blocks of a call: sizes, counts and the BlockSpecs of each operand role."""
-
-  p: Problem
-  bq: int
-  bk: int
-
-  @property
-  def nq(self) -> int:
-    return pl.cdiv(self.p.t, self.bq)
-
-  @property
-  def nk(self) -> int:
-    return pl.cdiv(self.p.s, self.bk)
+class _Layout(common.Blocks):
+  """Blocks of a call and the BlockSpecs of each operand role."""
 
   def width(self, x: int) -> int:
     return next_pow2(max(x, 16))
-
-  def heads(self, n):
-    g = jnp.int32(self.p.groups)
-    return lax.div(n, g), lax.rem(n, g)
 
   def rows(self, x: int, per_block: bool):
     """A (B, K, G, T, x) operand: a query block, or all queries (``per_block=False``)."""
