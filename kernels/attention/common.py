@@ -222,6 +222,11 @@ def query_range(p: Problem, s0, block_q: int, block_k: int, q_len=None, kv_len=N
   return _visible_blocks(s0, block_k, block_q, p.t, p.left, p.right, *lens)
 
 
+def soft_cap(s, cap: Optional[float]):
+  """``cap * tanh(s / cap)`` (Gemma 2's logit soft-capping); ``s`` itself without a cap."""
+  return s if cap is None else cap * jnp.tanh(s / cap)
+
+
 def scores(p: Problem, dot, q, k, bias=None, keep=None):
   """``scale * q k^T + bias`` in the stats dtype, -inf where ``keep`` is False."""
   s = dot(q, k, "qk") * p.scale
