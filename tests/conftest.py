@@ -7,6 +7,10 @@
   (Triton / Mosaic TPU) runs the real, compiled kernel; the other backend's kernel
   stays interpreted, float64 references are computed on the CPU, and the
   lowering and compile tests (marker ``lowering``) are skipped as redundant.
+  float32 tolerances assume float32 matmuls, so JAX's default matmul
+  precision is set to ``highest`` there (a GPU's default is TF32, a TPU's
+  bfloat16 passes): pallax ops with ``precision=None`` and the jax.nn
+  calls the tests compare against then both compute in full float32.
   Run it with ``-n 0`` (one process owns the device); with fewer than 8
   devices the sharding tests run on the 8 fake host CPUs
   (``tests.helpers.sharding_devices``).
@@ -37,6 +41,7 @@ def pytest_configure(config):
       )
     import jax
 
+    jax.config.update("jax_default_matmul_precision", "highest")
     platform = jax.devices()[0].platform
     if platform != PLATFORM:
       raise pytest.UsageError(

@@ -194,6 +194,7 @@ def test_config_validation_and_json_round_trip():
   assert str(config) == "pallas(block_m=64, block_n=128, block_k=32, num_warps=8, num_stages=4)"
 
 
+@pytest.mark.lowering
 @pytest.mark.parametrize(
   "platform, config, words",
   [

@@ -115,6 +115,7 @@ def test_config_validation_and_json_round_trip():
   assert str(NormConfig(block_rows=1, implementation="xla")) == "xla"
 
 
+@pytest.mark.lowering
 @pytest.mark.parametrize(
   "platform, block_rows, words", [("cuda", 24, "power of two"), ("tpu", 12, "multiple of 8")]
 )
@@ -220,6 +221,7 @@ def test_tpu_configs_fit_the_default_scoped_vmem(shape, dtype):
       assert tpu_vmem(rows, shape[-1], itemsize) <= TPU_VMEM_BUDGET, config
 
 
+@pytest.mark.lowering
 def test_tpu_kernel_raises_the_vmem_limit_only_for_blocks_that_need_it():
   w = jax.ShapeDtypeStruct((65536,), jnp.float32)
   wide = lower_text(pallax.rms_norm, "tpu", jax.ShapeDtypeStruct((16, 65536), jnp.float32), w)
