@@ -12,6 +12,7 @@ from pallax.interpret import interpret
 from pallax.primitives.attention import AttentionConfig, dot_product_attention
 from pallax.primitives.matmul import MatmulConfig, matmul
 from pallax.primitives.norm import NormConfig, fused_add_rms_norm, layer_norm, rms_norm
+from pallax.primitives.paged_attention import PagedAttentionConfig, paged_attention
 from pallax.primitives.softmax import SoftmaxConfig, log_softmax, softmax
 
 __version__ = "0.1.0"
@@ -28,6 +29,8 @@ __all__ = [
   "MatmulConfig",
   "dot_product_attention",
   "AttentionConfig",
+  "paged_attention",
+  "PagedAttentionConfig",
   "autobatch",
   "interpret",
   "Executor",

@@ -1,0 +1,154 @@
+"""The paged-attention kernels' config: ``PagedAttentionConfig``, heuristic, space, legality."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from typing import Any, Optional
+
+import jax.numpy as jnp
+
+from pallax.executor.config import KernelConfig
+from pallax.executor.registry import interpreted, kernel_backend
+from pallax.kernels.paged_attention.common import Problem
+from pallax.pallas_utils import (
+  TPU_VMEM_BUDGET,
+  mosaic_dtype_reason,
+  next_pow2,
+  sublanes,
+  triton_warps_reason,
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class PagedAttentionConfig(KernelConfig):
+  """Blocks of the paged-attention kernels.
+
+  block_k: Triton: tokens per inner step (a power of two >= 16; pages are
+    gathered token by token, so it need not be a multiple of the page size).
+  num_splits: Triton: programs per (sequence, kv head), each walking its
+    share of the page table (flash-decoding); their partial softmaxes are
+    combined afterwards.
+  pages_per_block: TPU: pages fetched per grid step (each its own pipelined
+    block).
+  num_warps, num_stages: Triton launch parameters.
+  """
+
+  block_k: int = 64
+  num_splits: int = 1
+  pages_per_block: int = 1
+  num_warps: int = 4
+  num_stages: int = 2
+
+
+CONFIG_CLS = PagedAttentionConfig
+
+# Triton: a kv head's query heads are one block of rows, padded to a power of
+# two >= 16 (Triton's dots need 16 rows); more than this runs the XLA program.
+MAX_TRITON_GROUPS = 128
+MAX_TRITON_HEAD = 256
+# Programs to aim for on a GPU (about two waves of an H100's 132 SMs).
+_TARGET_PROGRAMS = 264
+_MAX_SPLITS = 16
+# TPU: tokens per grid step to aim for, and the pages' operand count cap.
+_TPU_TOKENS = 256
+_TPU_MAX_PAGES_PER_BLOCK = 16
+# Scalar-prefetched page table (int32 in SMEM): the budget it may take.
+TPU_SMEM_BUDGET = 256 * 2**10
+
+
+def rows(p: Problem) -> int:
+  """Query rows of a Triton program: the kv head's query heads, padded."""
+  return next_pow2(max(p.groups, 16))
+
+
+def _triton_block_k(p: Problem) -> int:
+  width = next_pow2(max(p.head_dim, p.value_dim, 16))
+  return min(64 if width <= 128 else 32, max(16, next_pow2(p.max_len)))
+
+
+def splits_for(p: Problem, block_k: int) -> int:
+  """Splits filling the GPU with programs, each with at least two blocks of keys."""
+  want = -(-_TARGET_PROGRAMS // max(1, p.batch * p.kv_heads))
+  most = max(1, -(-p.max_len // (2 * block_k)))
+  return max(1, min(want, most, _MAX_SPLITS))
+
+
+def _tpu_pages(p: Problem) -> int:
+  if p.page_size % sublanes(p.dtype):  # pages do not stack on whole sublane tiles
+    return 1
+  return max(1, min(_TPU_TOKENS // p.page_size, p.pages_per_sequence, _TPU_MAX_PAGES_PER_BLOCK))
+
+
+def tpu_vmem(p: Problem, config: PagedAttentionConfig) -> int:
+  """Scoped VMEM of the TPU kernel: double-buffered pages, query, output and scratch."""
+  item = jnp.dtype(p.dtype).itemsize
+  lanes = lambda x: -(-x // 128) * 128
+  page_rows = -(-p.page_size // sublanes(p.dtype)) * sublanes(p.dtype)
+  group_rows = -(-p.groups // 8) * 8
+  pages = 2 * config.pages_per_block * page_rows * (lanes(p.head_dim) + lanes(p.value_dim)) * item
+  io = 2 * group_rows * (lanes(p.head_dim) + lanes(p.value_dim)) * item
+  tokens = config.pages_per_block * page_rows
+  scratch = 4 * group_rows * (lanes(p.value_dim) + 2 * 128 + 2 * lanes(tokens))
+  return pages + io + scratch
+
+
+def heuristic(avals: Sequence[Any], target: str, **params) -> PagedAttentionConfig:
+  p = Problem.of(avals, **params)
+  if kernel_backend(target) == "triton":
+    bk = _triton_block_k(p)
+    return PagedAttentionConfig(block_k=bk, num_splits=splits_for(p, bk))
+  return PagedAttentionConfig(pages_per_block=_tpu_pages(p))
+
+
+def candidates(avals: Sequence[Any], target: str, **params) -> list[PagedAttentionConfig]:
+  """The autotuning space: blocks, splits and warps (Triton), pages per step (TPU)."""
+  p = Problem.of(avals, **params)
+  base = heuristic(avals, target, **params)
+  if interpreted(target):
+    return [base]
+  if kernel_backend(target) == "triton":
+    out = []
+    for bk in (32, 64, 128):
+      bk = min(bk, max(16, next_pow2(p.max_len)))
+      splits = splits_for(p, bk)
+      for s in dict.fromkeys((splits, max(1, splits // 2), min(_MAX_SPLITS, 2 * splits))):
+        out += [PagedAttentionConfig(block_k=bk, num_splits=s, num_warps=w) for w in (4, 8)]
+  else:
+    out = [PagedAttentionConfig(pages_per_block=n) for n in (1, 2, 4, 8, 16)]
+  legal = [c for c in out if supports(avals, target, c, **params) is None]
+  return list(dict.fromkeys([base, *legal]))
+
+
+def supports(
+  avals: Sequence[Any], target: str, config: PagedAttentionConfig, **params
+) -> Optional[str]:
+  """Why the kernel cannot run this call on ``target`` with ``config``, if it cannot."""
+  p = Problem.of(avals, **params)
+  if p.dtype == jnp.float64:
+    return "float64 has no paged-attention kernel"
+  if kernel_backend(target) == "mosaic_tpu":
+    reason = mosaic_dtype_reason([p.dtype], target)
+    if reason:
+      return reason
+    if config.pages_per_block > 1 and p.page_size % sublanes(p.dtype):
+      return (
+        f"page_size={p.page_size} is not a multiple of {sublanes(p.dtype)} sublanes: "
+        "one page per step on TPU"
+      )
+    if config.pages_per_block > p.pages_per_sequence:
+      return f"pages_per_block={config.pages_per_block} > {p.pages_per_sequence} pages a sequence"
+    if not interpreted(target):
+      if tpu_vmem(p, config) > TPU_VMEM_BUDGET:
+        return f"pages_per_block={config.pages_per_block} needs more than the VMEM budget"
+      if 4 * p.batch * (p.pages_per_sequence + 1) > TPU_SMEM_BUDGET:
+        return f"a {p.batch}x{p.pages_per_sequence} page table is too large for TPU SMEM"
+    return None
+  value = config.block_k
+  if value & (value - 1) or value < 16:
+    return f"block_k={value} must be a power of two >= 16 on Triton"
+  if p.groups > MAX_TRITON_GROUPS:
+    return f"{p.groups} query heads a kv head: at most {MAX_TRITON_GROUPS} on Triton"
+  if max(p.head_dim, p.value_dim) > MAX_TRITON_HEAD:
+    return f"head dims up to {MAX_TRITON_HEAD} on Triton, got {max(p.head_dim, p.value_dim)}"
+  return triton_warps_reason(config)

@@ -1,0 +1,244 @@
+"""Paged attention: ``pallax.paged_attention``, one decode step against a paged KV cache.
+
+The layout and signature of JAX's TPU ``paged_attention`` op: each sequence's
+keys and values live in fixed-size pages of a shared pool, and a page table
+says which pages, in order, hold it. One primitive:
+
+* ``paged_attention (q, k_pages, v_pages, lengths, page_indices) -> (out,)``
+  with the operands of ``kernels/paged_attention/common.py`` (query heads
+  grouped by their kv head); its lowering is the blockwise XLA program
+  (CPU), the flash-decoding Triton kernel (GPU) or the Mosaic kernel (TPU),
+  as the executor's ``PagedAttentionConfig`` says.
+
+An inference op: it has no derivatives, and ``grad`` / ``jvp`` raise
+``NotImplementedError`` rather than return anything. vmap folds into the batch
+(``batching_rules/paged_attention.py``); batch and kv heads (with their query
+heads) shard freely, the pools' pages and the page table's columns are
+replicated.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.interpreters import ad
+
+from pallax.batching_rules import paged_attention as paged_batching
+from pallax.kernels import paged_attention as kernels
+from pallax.kernels.paged_attention import PagedAttentionConfig
+from pallax.kernels.paged_attention import xla as paged_xla
+from pallax.op import (
+  Dims,
+  PrimitiveSpec,
+  bind,
+  define_primitive,
+  derived_aval,
+  full_spec,
+  match_manual_axes,
+)
+from pallax.validation import check_config, check_static_float
+
+__all__ = ["paged_attention", "PagedAttentionConfig"]
+
+_OP = "paged_attention"
+
+
+def _abstract_eval(q, k_pages, v_pages, lengths, page_indices, **params):
+  spec = full_spec(q)
+  return [derived_aval(q, (*q.shape[:3], v_pages.shape[3]), q.dtype, spec[:3] + (None,))]
+
+
+def _dims(*avals, **params) -> Dims:
+  return Dims(
+    operands=(
+      ("b", "k", "g", "h"),
+      ("k", "p", "ps", "h"),
+      ("k", "p", "ps", "hv"),
+      ("b",),
+      ("b", "pp"),
+    ),
+    results=(("b", "k", "g", "hv"),),
+    replicated=("h", "hv", "p", "ps", "pp"),
+  )
+
+
+paged_attention_p = define_primitive(
+  _OP,
+  PrimitiveSpec(
+    abstract_eval=_abstract_eval,
+    xla=paged_xla.paged_attention,
+    kernel=kernels.KERNEL,
+    dims=_dims,
+    batching=paged_batching.fold_into_batch,
+  ),
+)
+
+
+def _no_derivatives(primals, tangents, **params):
+  raise NotImplementedError(
+    "pallax.paged_attention is an inference op: it has no derivatives (grad, jvp, vjp, "
+    "linearize); differentiate pallax.dot_product_attention on the gathered keys and values "
+    "instead, or wrap the call in jax.lax.stop_gradient"
+  )
+
+
+ad.primitive_jvps[paged_attention_p] = _no_derivatives
+
+
+# ----------------------------------------------------------------------------
+# The public function: validation and layout.
+
+
+def _array(name: str, x, ndim: int) -> jax.Array:
+  x = jnp.asarray(x)
+  if x.ndim != ndim:
+    raise ValueError(f"{_OP}: {name} must have {ndim} dims, got shape {x.shape}")
+  return x
+
+
+def _integer(name: str, x) -> None:
+  if not jnp.issubdtype(x.dtype, jnp.integer):
+    raise TypeError(f"{_OP}: {name} must have an integer dtype, got {x.dtype}")
+
+
+def _concrete(x) -> Optional[np.ndarray]:
+  """``x``'s values when they are known at trace time (not a tracer)."""
+  return None if isinstance(x, jax.core.Tracer) else np.asarray(x)
+
+
+def _check_table(lengths, page_indices, page_size: int, total_pages: int) -> None:
+  """Static checks of concrete lengths and page indices (traced ones are clamped)."""
+  lens = _concrete(lengths)
+  max_len = page_indices.shape[1] * page_size
+  if lens is not None and lens.size and (lens.min() < 0 or lens.max() > max_len):
+    raise ValueError(
+      f"{_OP}: lengths must lie in [0, pages_per_sequence * page_size] = [0, {max_len}], got "
+      f"values from {lens.min()} to {lens.max()}"
+    )
+  table = _concrete(page_indices)
+  if lens is None or table is None or not table.size:
+    return
+  needed = np.arange(table.shape[1])[None, :] * page_size < lens[:, None]
+  bad = needed & ((table < 0) | (table >= total_pages))
+  if bad.any():
+    b, i = (int(x[0]) for x in np.nonzero(bad))
+    raise ValueError(
+      f"{_OP}: page_indices must lie in [0, total_pages) = [0, {total_pages}) for every page "
+      f"below a sequence's length; page_indices[{b}, {i}] = {table[b, i]}"
+    )
+
+
+def paged_attention(
+  q: jax.Array,
+  k_pages: jax.Array,
+  v_pages: jax.Array,
+  lengths: jax.Array,
+  page_indices: jax.Array,
+  *,
+  scale: Optional[float] = None,
+  logits_soft_cap: Optional[float] = None,
+  config: Optional[PagedAttentionConfig] = None,
+) -> jax.Array:
+  """Attention of one query per sequence over that sequence's pages of a KV cache.
+
+  Token ``s`` of sequence ``b`` is row ``s % page_size`` of page
+  ``page_indices[b, s // page_size]`` of the pools; sequence ``b`` has
+  ``lengths[b]`` tokens, and pages past its length are never read (the TPU
+  kernel fetches the first page of a sequence of length 0 once). Per query
+  head: ``softmax(soft_cap(scale * q k^T)) v`` with logits and softmax
+  statistics in float32 (float64 for float64 inputs). A sequence of length 0
+  gives 0.
+
+  Lengths and page indices known at trace time are checked; traced ones are
+  clamped: lengths into ``[0, pages_per_sequence * page_size]``, page
+  indices into ``[0, total_pages)`` (a wrong index reads a wrong page, never
+  memory outside the pool).
+
+  Args:
+    q: ``(B, N, H)``, floating: one query per sequence and head.
+    k_pages: ``(K, total_pages, page_size, H)``, q's dtype; ``K`` divides
+      ``N`` (grouped-query attention: query head ``n`` reads kv head
+      ``n // (N // K)``).
+    v_pages: ``(K, total_pages, page_size, Hv)``, q's dtype (``Hv`` may
+      differ from ``H``).
+    lengths: ``(B,)`` integer: each sequence's token count.
+    page_indices: ``(B, pages_per_sequence)`` integer: each sequence's pages
+      in order; entries past a sequence's length are ignored.
+    scale: the logits' scale; default ``1 / sqrt(H)``.
+    logits_soft_cap: ``c > 0``: logits become ``c * tanh(logits / c)`` after
+      scaling (Gemma 2); None: no cap.
+    config: pin the kernel's ``PagedAttentionConfig`` (or
+      ``PagedAttentionConfig(implementation="xla")``).
+
+  Returns:
+    ``(B, N, Hv)`` in q's dtype.
+
+  Raises:
+    NotImplementedError: under ``grad``, ``jvp`` and the like: an inference op.
+  """
+  q = _array("q", q, 3)
+  k_pages = _array("k_pages", k_pages, 4)
+  v_pages = _array("v_pages", v_pages, 4)
+  for name, x in (("q", q), ("k_pages", k_pages), ("v_pages", v_pages)):
+    if not jnp.issubdtype(x.dtype, jnp.floating):
+      raise TypeError(f"{_OP}: {name} must have a floating dtype, got {x.dtype}")
+  if not q.dtype == k_pages.dtype == v_pages.dtype:
+    raise TypeError(
+      f"{_OP}: q, k_pages and v_pages must have one dtype, got {q.dtype}, {k_pages.dtype}, "
+      f"{v_pages.dtype}"
+    )
+  b, n, h = q.shape
+  kv_heads, total_pages, page_size, kh = k_pages.shape
+  if kh != h:
+    raise ValueError(
+      f"{_OP}: k_pages of shape {k_pages.shape} must have q's head dim {h} (q {q.shape})"
+    )
+  if v_pages.shape[:3] != k_pages.shape[:3]:
+    raise ValueError(
+      f"{_OP}: v_pages of shape {v_pages.shape} must match k_pages {k_pages.shape} in "
+      "(K, total_pages, page_size)"
+    )
+  if kv_heads == 0 or n % kv_heads:
+    raise ValueError(
+      f"{_OP}: the pools' {kv_heads} kv heads must divide q's {n} heads (q {q.shape}, "
+      f"k_pages {k_pages.shape})"
+    )
+  lengths = _array("lengths", lengths, 1)
+  page_indices = _array("page_indices", page_indices, 2)
+  _integer("lengths", lengths)
+  _integer("page_indices", page_indices)
+  if lengths.shape != (b,):
+    raise ValueError(f"{_OP}: lengths must have shape (B,) = ({b},), got {lengths.shape}")
+  if page_indices.shape[0] != b:
+    raise ValueError(
+      f"{_OP}: page_indices must have shape (B, pages_per_sequence) with B = {b}, got "
+      f"{page_indices.shape}"
+    )
+  check_config(_OP, config, PagedAttentionConfig)
+  scale = 1 / np.sqrt(h) if scale is None else check_static_float(_OP, "scale", scale)
+  cap = None
+  if logits_soft_cap is not None:
+    cap = check_static_float(_OP, "logits_soft_cap", logits_soft_cap)
+    if not cap > 0:
+      raise ValueError(f"{_OP}: logits_soft_cap must be > 0, got {cap}")
+  max_len = page_indices.shape[1] * page_size
+  if total_pages == 0 and max_len:
+    raise ValueError(f"{_OP}: k_pages of shape {k_pages.shape} holds no page")
+  _check_table(lengths, page_indices, page_size, total_pages)
+  hv = v_pages.shape[3]
+  if 0 in (b, n, max_len):  # no query, or no token: nothing to attend to
+    return jnp.zeros((b, n, hv), q.dtype)
+  lengths = jnp.clip(lengths, 0, max_len).astype(jnp.int32)
+  page_indices = jnp.clip(page_indices, 0, total_pages - 1).astype(jnp.int32)
+  q4 = q.reshape(b, kv_heads, n // kv_heads, h)
+  (out,) = bind(
+    paged_attention_p,
+    *match_manual_axes(q4, k_pages, v_pages, lengths, page_indices),
+    config=config,
+    scale=float(scale),
+    logits_soft_cap=cap,
+  )
+  return out.reshape(b, n, hv)
