@@ -270,7 +270,7 @@ def define_residual_op(
     bwd: the backward primitive; None when ``tangent`` is its own transpose.
     linear: the block of ``tangent``'s operands it is linear in, or a function
       of the primitives' params giving it (where optional operands move it).
-    tangent_operands: ``(primals, outs, tangents) -> operands`` of ``tangent``
+    tangent_operands: ``(primals, outs, tangents, **params) -> operands`` of ``tangent``
       from the forward's operands, its results and its operands' tangents
       (symbolic zeros included: ``instantiate`` those used).
     residual_tangents: ``(primals, outs, operands) -> tangents`` of the
@@ -284,7 +284,7 @@ def define_residual_op(
 
   def fwd_jvp_rule(primals, tangents, **params):
     outs = fwd_p.bind(*primals, **params)
-    operands = list(tangent_operands(primals, outs, tangents))
+    operands = list(tangent_operands(primals, outs, tangents, **params))
     shared = {k: v for k, v in params.items() if k not in fwd_only_params}
     out_tangents = list(tangent_p.bind(*operands, **shared))
     if residual_tangents is not None:

@@ -33,7 +33,7 @@ from pallax.batching_rules import attention as attention_batching
 from pallax.kernels import attention as kernels
 from pallax.kernels.attention import AttentionConfig
 from pallax.kernels.attention import xla as attention_xla
-from pallax.kernels.attention.common import Problem, varies_over_heads
+from pallax.kernels.attention.common import Operands, Problem, varies_over_heads, with_sinks
 from pallax.op import (
   Dims,
   PrimitiveSpec,
@@ -71,6 +71,10 @@ def _input_names(p: Problem, avals) -> list[tuple[str, ...]]:
   for i, flag in enumerate((p.has_bias, p.has_mask)):
     if flag:
       names.append(_extra_names(avals[len(names)], ("bias", "mask")[i]))
+  if p.has_segments:
+    names += [("b", "t"), ("b", "s")]
+  if p.has_sinks:
+    names.append(("b" if avals[len(names)].shape[0] > 1 else "sinks_b", "k", "g"))
   return names
 
 
@@ -82,15 +86,16 @@ def _dims(stage: str):
   def dims(*avals, **params) -> Dims:
     p = Problem.of(avals, **params)
     names = _input_names(p, avals)
-    bias_names = [names[5]] if p.has_bias else []
+    grad_names = [names[5]] if p.has_bias else []
+    grad_names += [names[-1]] if p.has_sinks else []
     if stage == "fwd":
       results = (_OUT, _LSE)
     elif stage == "jvp":
-      names += [_OUT, _LSE, names[0], names[1], names[2], *bias_names]
+      names += [_OUT, _LSE, names[0], names[1], names[2], *grad_names]
       results = (_OUT, _LSE)
     else:
       names += [_OUT, _LSE, _OUT, _LSE]
-      results = (names[0], names[1], names[2], *bias_names)
+      results = (names[0], names[1], names[2], *grad_names)
     return Dims(operands=tuple(names), results=results, replicated=("h", "hv"), refused=_REFUSED)
 
   return dims
@@ -111,30 +116,30 @@ def _jvp_abstract_eval(*avals, **params):
 
 def _bwd_abstract_eval(*avals, **params):
   p = Problem.of(avals, **params)
-  grads = [a.update(weak_type=False) for a in avals[:3]]
-  return grads + ([avals[5].update(weak_type=False)] if p.has_bias else [])
+  ops = Operands.of(p, avals)
+  wrt = [ops.q, ops.k, ops.v, *(a for a in (ops.bias, ops.sinks) if a is not None)]
+  return [a.update(weak_type=False) for a in wrt]
 
 
 def _stage(stage: str, abstract_eval) -> PrimitiveSpec:
   return PrimitiveSpec(
     abstract_eval=abstract_eval,
-    xla=getattr(attention_xla, f"attention_{stage}"),
+    xla=with_sinks(stage, getattr(attention_xla, f"attention_{stage}")),
     kernel=kernels.kernel(stage),
     dims=_dims(stage),
     batching=attention_batching.fold_into_batch,
   )
 
 
-def _tangent_operands(primals, outs, tangents):
-  """``(*primals, out, lse, dq, dk, dv, [dbias])``: lengths and mask have no tangents."""
-  has_bias = len(primals) > 5 and primals[5].dtype != jnp.bool_
-  wanted = [*tangents[:3], *([tangents[5]] if has_bias else [])]
+def _tangent_operands(primals, outs, tangents, *, has_bias, has_sinks, **params):
+  """``(*primals, out, lse, dq, dk, dv, [dbias], [dsinks])``: only these have tangents."""
+  wanted = [*tangents[:3], *tangents[5:6][:has_bias], *tangents[-1:][:has_sinks]]
   return [*primals, *outs, *instantiate(wanted)]
 
 
-def _linear(*, has_bias, **params) -> slice:
-  """The tangents block: dq, dk, dv and, with a bias, dbias."""
-  return slice(-4 if has_bias else -3, None)
+def _linear(*, has_bias, has_sinks, **params) -> slice:
+  """The tangents block: dq, dk, dv, then dbias and dsinks where there are a bias, sinks."""
+  return slice(-(3 + has_bias + has_sinks), None)
 
 
 attention_p = define_residual_op(
@@ -216,6 +221,38 @@ def _bias_like(name: str, x, b: int, n: int, t: int, s: int, kv_heads: int) -> j
   return x.reshape(x.shape[0], kv_heads, n // kv_heads, t, s)
 
 
+def _segment_ids(q_segment_ids, kv_segment_ids, b: int, t: int, s: int, unbatched: bool):
+  """The segment ids as int32 ``(B, T)``, ``(B, S)``, or None."""
+  given = (q_segment_ids is not None, kv_segment_ids is not None)
+  if not any(given):
+    return None
+  if not all(given):
+    raise ValueError(f"{_OP}: pass both q_segment_ids and kv_segment_ids, or neither")
+  out = []
+  for name, x, length in (
+    ("q_segment_ids", q_segment_ids, t),
+    ("kv_segment_ids", kv_segment_ids, s),
+  ):
+    x = jnp.asarray(x)
+    if not jnp.issubdtype(x.dtype, jnp.integer):
+      raise TypeError(f"{_OP}: {name} must have an integer dtype, got {x.dtype}")
+    want = (length,) if unbatched else (b, length)
+    if x.shape != want:
+      raise ValueError(f"{_OP}: {name} must have shape {want}, got {x.shape}")
+    out.append(x.astype(jnp.int32).reshape(b, length))
+  return out
+
+
+def _sinks(sinks, n: int, kv_heads: int) -> jax.Array:
+  """``sinks (N,)`` laid out as ``(1, K, G)``."""
+  sinks = jnp.asarray(sinks)
+  if not jnp.issubdtype(sinks.dtype, jnp.floating):
+    raise TypeError(f"{_OP}: sinks must have a floating dtype, got {sinks.dtype}")
+  if sinks.shape != (n,):
+    raise ValueError(f"{_OP}: sinks must have shape (N,) = ({n},), got {sinks.shape}")
+  return sinks.reshape(1, kv_heads, n // kv_heads)
+
+
 def _check_unsharded_sequence(q, k) -> None:
   """A clear error for sequence-sharded arrays whose sharding is known at trace time."""
   for name, x, dim in (("query", q, 1), ("key/value", k, 1)):
@@ -240,6 +277,10 @@ def dot_product_attention(
   query_seq_lengths: Optional[jax.Array] = None,
   key_value_seq_lengths: Optional[jax.Array] = None,
   local_window_size: Union[int, tuple[int, int], None] = None,
+  q_segment_ids: Optional[jax.Array] = None,
+  kv_segment_ids: Optional[jax.Array] = None,
+  logits_soft_cap: Optional[float] = None,
+  sinks: Optional[jax.Array] = None,
   implementation: Optional[str] = None,
   return_residual: bool = False,
   config: Optional[AttentionConfig] = None,
@@ -248,7 +289,8 @@ def dot_product_attention(
 
   ``softmax(scale * q k^T + bias, masked) v`` per query head, computed
   blockwise (flash attention): memory grows with ``T x block``, not ``T x S``,
-  and blocks that causal, window or length masks hide entirely are skipped.
+  and blocks that causal, window, length or segment masks hide entirely are
+  skipped.
   Logits and softmax are float32; the probabilities are cast to the value's
   dtype for the product with it, as in jax.nn.
 
@@ -256,6 +298,9 @@ def dot_product_attention(
   (every key masked) gives output 0 and zero gradients, where jax.nn's finite
   large negative gives the mean of ``value``. Rows padded by
   ``query_seq_lengths`` are 0 in both.
+
+  Beyond jax.nn: packed sequences (segment ids), Gemma 2's logit soft cap,
+  attention sinks (gpt-oss), and a value head dim unlike the query's.
 
   Args:
     query: ``(B, T, N, H)`` or ``(T, N, H)``, floating.
@@ -275,6 +320,16 @@ def dot_product_attention(
     key_value_seq_lengths: optional int32 ``(B,)``: keys ``s >= len`` are hidden.
     local_window_size: ``(left, right)`` or an int for both: query ``t`` sees
       keys ``t - left <= s <= t + right``.
+    q_segment_ids: optional integer ``(B, T)`` (``(T,)`` unbatched), with
+      ``kv_segment_ids`` ``(B, S)``: query ``t`` sees key ``s`` only where
+      their ids are equal (packed sequences; with ``is_causal``, document
+      masking). Blocks whose id ranges cannot meet are skipped.
+    kv_segment_ids: see ``q_segment_ids``; both or neither.
+    logits_soft_cap: optional ``cap > 0``: the scaled logits become
+      ``cap * tanh(logits / cap)`` before the bias and masks (Gemma 2).
+    sinks: optional floating ``(N,)``, differentiable: a logit per query head
+      that joins each row's softmax denominator and attends to nothing
+      (gpt-oss). A row that sees no key then has ``lse = sink``.
     implementation: None lets the executor choose; ``"xla"`` runs the XLA
       program, ``"pallas"`` the kernel (Triton on GPU, Mosaic on TPU).
     return_residual: also return the forward's ``lse``.
@@ -284,8 +339,9 @@ def dot_product_attention(
   Returns:
     The output, shaped like ``query`` with the value's head dim; with
     ``return_residual``, ``(output, lse)`` where ``lse (B, T, N)`` (``(T, N)``)
-    is the natural-log sum of the exponentiated visible logits, in the key's
-    dtype, ``-inf`` on rows that see nothing, without gradient (as jax.nn).
+    is the natural-log sum of the exponentiated visible logits (and sink),
+    in the key's dtype, ``-inf`` on rows that see nothing, without gradient
+    (as jax.nn).
   """
   q = _array("query", query, (3, 4))
   k = _array("key", key, (q.ndim,))
@@ -343,9 +399,20 @@ def dot_product_attention(
     if mask.dtype != jnp.bool_:
       raise TypeError(f"{_OP}: mask must be a boolean array, got {mask.dtype}")
     extra.append(_bias_like("mask", mask, b, n, t, s, kv_heads))
+  segments = _segment_ids(q_segment_ids, kv_segment_ids, b, t, s, unbatched)
+  if segments is not None:
+    extra += segments
+  cap = None
+  if logits_soft_cap is not None:
+    cap = check_static_float(_OP, "logits_soft_cap", logits_soft_cap)
+    if not cap > 0:
+      raise ValueError(f"{_OP}: logits_soft_cap must be > 0, got {logits_soft_cap!r}")
+  if sinks is not None:
+    extra.append(_sinks(sinks, n, kv_heads))
   _check_unsharded_sequence(q, k)
   if 0 in (b, t, n, s):  # nothing to attend to, or nobody asking: no kernel to run
-    out, lse = jnp.zeros((b, t, n, v.shape[3]), q.dtype), jnp.full((b, t, n), -jnp.inf, k.dtype)
+    empty = -jnp.inf if sinks is None else jnp.asarray(sinks)  # a row's lse: its sink
+    out, lse = jnp.zeros((b, t, n, v.shape[3]), q.dtype), jnp.full((b, t, n), empty, k.dtype)
     out, lse = (x[0] for x in (out, lse)) if unbatched else (out, lse)
     return (out, lse) if return_residual else out
   g = n // kv_heads
@@ -361,6 +428,9 @@ def dot_product_attention(
     has_lengths=has_lengths,
     has_bias=bias is not None,
     has_mask=mask is not None,
+    has_segments=segments is not None,
+    has_sinks=sinks is not None,
+    logits_soft_cap=cap,
   )
   out = jnp.transpose(out, (0, 3, 1, 2, 4)).reshape(b, t, n, v.shape[3])
   if unbatched:

@@ -102,7 +102,7 @@ def _stage(kind: NormKind, stage: str) -> PrimitiveSpec:
   )
 
 
-def _tangent_operands(kind, primals, outs, tangents):
+def _tangent_operands(kind, primals, outs, tangents, **params):
   """The tangent stage's operands: residuals, then the tangents of x (h) and the weights."""
   operands, results = kind.names("fwd")
   primal, out = dict(zip(operands, primals)), dict(zip(results, outs))

@@ -80,7 +80,7 @@ def _stage(name: str, abstract_eval) -> PrimitiveSpec:
   )
 
 
-def _tangent_operands(primals, outs, tangents):
+def _tangent_operands(primals, outs, tangents, **params):
   """``(out, x_dot, [mask])``: the mask is bool, it has no tangent and gets no cotangent."""
   _, *mask = primals
   return [outs[0], *instantiate(tangents[:1]), *mask]

@@ -13,7 +13,10 @@ backward (its transpose).
 
 from __future__ import annotations
 
+import dataclasses
+
 from pallax.kernels.attention import config, mosaic_tpu, triton
+from pallax.kernels.attention.common import with_sinks
 from pallax.kernels.attention.config import STAGES, AttentionConfig
 from pallax.op import Kernel
 
@@ -21,7 +24,9 @@ __all__ = ["AttentionConfig", "STAGES", "kernel"]
 
 
 def kernel(stage: str) -> Kernel:
-  """The Pallas kernel of ``stage`` (``"fwd"``, ``"jvp"`` or ``"bwd"``)."""
-  return Kernel.of_family(
+  """The Pallas kernel of ``stage`` (``"fwd"``, ``"jvp"`` or ``"bwd"``), sinks applied around it."""
+  family = Kernel.of_family(
     stage, config=config.for_stage(stage), backends={"triton": triton, "mosaic_tpu": mosaic_tpu}
   )
+  impls = {name: with_sinks(stage, fn) for name, fn in family.impls.items()}
+  return dataclasses.replace(family, impls=impls)

@@ -9,16 +9,23 @@ The primitives' operands (``primitives/attention.py`` builds them):
 * optional ``bias (Bb, Kb, Gb, T, S)`` and bool ``mask`` of the same layout,
   where ``Bb`` is 1 or ``B`` and ``(Kb, Gb)`` is ``(1, 1)`` or ``(K, G)``:
   broadcasting over batch and heads stays in the index maps;
+* optional segment ids ``q_seg (B, T)``, ``kv_seg (B, S)`` int32 (packed
+  sequences: a query sees only keys of its segment);
+* optional ``sinks (Bs, K, G)`` (``Bs`` 1 or ``B``): a logit per query head
+  that joins every row's softmax denominator and attends to nothing. The
+  kernels never see it: ``with_sinks`` applies it around them, exactly;
 * ``out (B, K, G, T, Hv)`` and ``lse (B, K, G, T)`` float32: the forward's
   results (natural-log logsumexp of a row's visible logits; -inf for a row
   with no visible key, whose output is 0).
 
 Query ``t`` sees key ``s`` iff ``t < q_len``, ``s < kv_len`` (with lengths),
-``t - left <= s <= t + right`` (the window; causal is ``right = 0``) and the
-mask allows it. The block math below is written once, on arrays with any
-leading dims, and runs in the XLA programs and inside both kernels; ``dot``
-is the implementation's matmul ``(a, b, kind) -> stats dtype`` of kind
-``"qk"`` (``a b^T``), ``"pv"`` (``a b``) or ``"tn"`` (``a^T b``).
+``t - left <= s <= t + right`` (the window; causal is ``right = 0``), their
+segment ids are equal and the mask allows it. Logits are ``scale * q k^T``,
+soft-capped (``cap * tanh(x / cap)``) with ``soft_cap``, plus the bias.
+The block math below is written once, on arrays with any leading dims, and
+runs in the XLA programs and inside both kernels; ``dot`` is the
+implementation's matmul ``(a, b, kind) -> stats dtype`` of kind ``"qk"``
+(``a b^T``), ``"pv"`` (``a b``) or ``"tn"`` (``a^T b``).
 """
 
 from __future__ import annotations
@@ -54,6 +61,9 @@ class Problem:
   has_lengths: bool
   has_bias: bool
   has_mask: bool
+  has_segments: bool
+  has_sinks: bool
+  soft_cap: Optional[float]
   bias_batch: bool  # the bias (and mask) vary over the batch
   bias_heads: bool  # ... and over the heads
 
@@ -77,6 +87,9 @@ class Problem:
       params["has_lengths"],
       params["has_bias"],
       params["has_mask"],
+      params["has_segments"],
+      params["has_sinks"],
+      params["logits_soft_cap"],
       extra is not None and extra.shape[0] > 1,
       extra is not None and varies_over_heads(extra),
     )
@@ -120,14 +133,25 @@ class Operands:
   kv_len: Any
   bias: Any
   mask: Any
+  q_seg: Any
+  kv_seg: Any
+  sinks: Any
   rest: tuple
 
   @classmethod
   def of(cls, p: Problem, operands: Sequence[Any]) -> Operands:
     q, k, v, q_len, kv_len, *rest = operands
-    bias = rest.pop(0) if p.has_bias else None
-    mask = rest.pop(0) if p.has_mask else None
-    return cls(q, k, v, q_len, kv_len, bias, mask, tuple(rest))
+    take = lambda flag: rest.pop(0) if flag else None
+    bias, mask = take(p.has_bias), take(p.has_mask)
+    q_seg, kv_seg = take(p.has_segments), take(p.has_segments)
+    sinks = take(p.has_sinks)
+    return cls(q, k, v, q_len, kv_len, bias, mask, q_seg, kv_seg, sinks, tuple(rest))
+
+  def inputs(self, sinks: bool = True) -> list:
+    """The operands before the stage's own (``rest``), in order."""
+    optional = (self.bias, self.mask, self.q_seg, self.kv_seg, self.sinks if sinks else None)
+    core = [self.q, self.k, self.v, self.q_len, self.kv_len]
+    return core + [x for x in optional if x is not None]
 
 
 def varies_over_heads(extra) -> bool:
@@ -141,18 +165,24 @@ def extra_lead(extra, b, kv_head, group) -> tuple:
   return (b if extra.shape[0] > 1 else 0, *heads)
 
 
-def visible(p: Problem, t_pos, s_pos, q_len=None, kv_len=None) -> Optional[jax.Array]:
+def visible(
+  p: Problem, t_pos, s_pos, q_len=None, kv_len=None, q_seg=None, kv_seg=None
+) -> Optional[jax.Array]:
   """Which (query, key) positions see each other; None: all of them.
 
   ``t_pos``, ``s_pos``: int32 positions broadcasting against each other (a
-  column and a row of a block). ``q_len``/``kv_len`` are only read with
-  lengths. Positions past the arrays' ends are the caller's to mask.
+  column and a row of a block); ``q_seg``/``kv_seg`` the segment ids at those
+  positions, shaped alike (read with segments only). ``q_len``/``kv_len`` are
+  only read with lengths. Positions past the arrays' ends are the caller's to
+  mask.
   """
   out = None
 
   def both(a, b):
     return b if a is None else a & b
 
+  if p.has_segments:
+    out = q_seg == kv_seg
   if p.has_lengths:
     out = both(out, (t_pos < q_len) & (s_pos < kv_len))
   if p.left is not None:
@@ -162,16 +192,21 @@ def visible(p: Problem, t_pos, s_pos, q_len=None, kv_len=None) -> Optional[jax.A
   return out
 
 
-def block_unmasked(p: Problem, t0, s0, block_q: int, block_k: int, q_len=None, kv_len=None):
+def block_unmasked(
+  p: Problem, t0, s0, block_q: int, block_k: int, q_len=None, kv_len=None, one_segment=None
+):
   """Whether every query of a block sees every key of it (its logits need no mask).
 
   Python False with a user mask (it is data); otherwise a traced bool from the
-  window and lengths (the shortest example's, for a block shared by a batch).
-  Keys past ``S`` count as masked.
+  window, lengths (the shortest example's, for a block shared by a batch) and,
+  with segments, ``one_segment``: whether the block's queries and keys all
+  share one segment. Keys past ``S`` count as masked.
   """
   if p.has_mask:
     return False
   ok = s0 + block_k <= p.s
+  if p.has_segments:
+    ok = ok & one_segment
   if p.has_lengths:
     ok = ok & (t0 + block_q <= q_len) & (s0 + block_k <= kv_len)
   if p.left is not None:
@@ -207,19 +242,92 @@ def _visible_blocks(start, own: int, other: int, extent: int, ahead, behind, own
   return lo, jnp.maximum(hi, lo)
 
 
-def key_range(p: Problem, t0, block_q: int, block_k: int, q_len=None, kv_len=None):
+def _intersect(r, other):
+  if other is None:
+    return r
+  lo = jnp.maximum(r[0], other[0])
+  return lo, jnp.maximum(jnp.minimum(r[1], other[1]), lo)
+
+
+def key_range(p: Problem, t0, block_q: int, block_k: int, q_len=None, kv_len=None, seg=None):
   """``[lo, hi)`` of the key blocks a query block starting at ``t0`` can see.
 
-  Blocks outside are entirely hidden (causal, window, lengths) and skipped.
+  Blocks outside are entirely hidden (causal, window, lengths) and skipped;
+  ``seg``: the ``[lo, hi)`` of the key blocks its segments meet (``SEG_LO``,
+  ``SEG_HI`` of its row of ``segment_tables``), intersected with the rest.
   """
   lens = (q_len, kv_len) if p.has_lengths else (None, None)
-  return _visible_blocks(t0, block_q, block_k, p.s, p.right, p.left, *lens)
+  return _intersect(_visible_blocks(t0, block_q, block_k, p.s, p.right, p.left, *lens), seg)
 
 
-def query_range(p: Problem, s0, block_q: int, block_k: int, q_len=None, kv_len=None):
+def query_range(p: Problem, s0, block_q: int, block_k: int, q_len=None, kv_len=None, seg=None):
   """``[lo, hi)`` of the query blocks that can see a key block starting at ``s0``."""
   lens = (kv_len, q_len) if p.has_lengths else (None, None)
-  return _visible_blocks(s0, block_k, block_q, p.t, p.left, p.right, *lens)
+  return _intersect(_visible_blocks(s0, block_k, block_q, p.t, p.left, p.right, *lens), seg)
+
+
+# Columns of ``segment_tables``' rows.
+SEG_MIN, SEG_MAX, SEG_LO, SEG_HI = range(4)
+
+
+def _block_bounds(seg, block: int):
+  """Per-block min and max of ``(B, L)`` segment ids; the last block padded with its edge."""
+  n = -(-seg.shape[1] // block)
+  seg = jnp.pad(seg, ((0, 0), (0, n * block - seg.shape[1])), mode="edge")
+  seg = seg.reshape(seg.shape[0], n, block)
+  return jnp.min(seg, axis=-1), jnp.max(seg, axis=-1)
+
+
+def segments_meet(q_min, q_max, k_min, k_max):
+  """Whether a query block's and a key block's segment ranges intersect (else: skip it)."""
+  return (q_min <= k_max) & (k_min <= q_max)
+
+
+def one_segment(q_min, q_max, k_min, k_max):
+  """Whether a block's queries and keys all share one segment (no segment mask needed)."""
+  return (q_min == q_max) & (k_min == k_max) & (q_min == k_min)
+
+
+def segment_blocks(q_seg, kv_seg, block_q: int, block_k: int):
+  """``(meets, one)``, ``(B, nq, nk)`` bools: which blocks' segments meet / are one."""
+  q_bounds = tuple(x[:, :, None] for x in _block_bounds(q_seg, block_q))
+  k_bounds = tuple(x[:, None, :] for x in _block_bounds(kv_seg, block_k))
+  return segments_meet(*q_bounds, *k_bounds), one_segment(*q_bounds, *k_bounds)
+
+
+def _first_last(meets, axis: int):
+  """``[lo, hi)`` spanning the True entries along ``axis`` (``[0, 0)`` where none)."""
+  n = meets.shape[axis]
+  lo = jnp.argmax(meets, axis=axis)
+  hi = n - jnp.argmax(jnp.flip(meets, axis=axis), axis=axis)
+  found = jnp.any(meets, axis=axis)
+  return jnp.where(found, lo, 0), jnp.where(found, hi, 0)
+
+
+def meeting_runs(meets):
+  """Per query block the ``[lo, hi)`` of the key blocks it meets, and per key block its own.
+
+  ``meets (..., nq, nk)``: which (query block, key block) pairs meet.
+  """
+  return _first_last(meets, meets.ndim - 1), _first_last(meets, meets.ndim - 2)
+
+
+def segment_tables(q_seg, kv_seg, block_q: int, block_k: int):
+  """The segment ids' per-block facts, computed once per call (int32).
+
+  ``q_tab (B, nq, 4)``: per query block its min and max segment id
+  (``SEG_MIN``, ``SEG_MAX``) and the ``[SEG_LO, SEG_HI)`` of the key blocks
+  whose segment ranges meet it; ``k_tab (B, nk, 4)`` the same for key blocks
+  and query blocks. Sorted (packed) ids meet in one contiguous run of blocks;
+  the kernels loop over that run and skip blocks inside it that do not meet.
+  """
+  q_min, q_max = _block_bounds(q_seg, block_q)
+  k_min, k_max = _block_bounds(kv_seg, block_k)
+  meets = segments_meet(q_min[:, :, None], q_max[:, :, None], k_min[:, None, :], k_max[:, None, :])
+  key_run, query_run = meeting_runs(meets)
+  q_tab = jnp.stack([q_min, q_max, *key_run], axis=-1)
+  k_tab = jnp.stack([k_min, k_max, *query_run], axis=-1)
+  return q_tab.astype(jnp.int32), k_tab.astype(jnp.int32)
 
 
 def soft_cap(s, cap: Optional[float]):
@@ -227,12 +335,31 @@ def soft_cap(s, cap: Optional[float]):
   return s if cap is None else cap * jnp.tanh(s / cap)
 
 
-def scores(p: Problem, dot, q, k, bias=None, keep=None):
-  """``scale * q k^T + bias`` in the stats dtype, -inf where ``keep`` is False."""
-  s = dot(q, k, "qk") * p.scale
+def logits(p: Problem, dot, q, k):
+  """``scale * q k^T``, soft-capped, and the cap's derivative (None without a cap)."""
+  z = dot(q, k, "qk") * p.scale
+  if p.soft_cap is None:
+    return z, None
+  t = jnp.tanh(z / p.soft_cap)
+  return p.soft_cap * t, 1.0 - t * t
+
+
+def scores(p: Problem, dot, q, k, bias=None, keep=None, cap_grad: bool = False):
+  """``logits + bias`` in the stats dtype, -inf where ``keep`` is False.
+
+  With ``cap_grad``, ``(scores, g)`` where ``g`` is the soft cap's derivative
+  (None without a cap): the backward and tangent scale the logits' gradient
+  (tangent) by it on its way to (from) ``q`` and ``k``.
+  """
+  s, g = logits(p, dot, q, k)
   if bias is not None:
     s = s + bias.astype(s.dtype)
-  return s if keep is None else jnp.where(keep, s, NEG_INF)
+  s = s if keep is None else jnp.where(keep, s, NEG_INF)
+  return (s, g) if cap_grad else s
+
+
+def _through_cap(ds, g):
+  return ds if g is None else ds * g
 
 
 def online_init(p: Problem, shape_rows, width: int):
@@ -288,14 +415,15 @@ def bwd_delta(p: Problem, out, do, dlse):
   return jnp.sum(do.astype(p.stat) * out.astype(p.stat), axis=-1) - dlse.astype(p.stat)
 
 
-def bwd_dq(p: Problem, dot, ds, k):
-  """A key block's contribution to ``dq``."""
-  return dot(ds.astype(k.dtype), k, "pv") * p.scale
+def bwd_dq(p: Problem, dot, ds, k, g=None):
+  """A key block's contribution to ``dq`` (``g``: the soft cap's derivative)."""
+  return dot(_through_cap(ds, g).astype(k.dtype), k, "pv") * p.scale
 
 
-def bwd_dkdv(p: Problem, dot, pr, ds, q, do):
+def bwd_dkdv(p: Problem, dot, pr, ds, q, do, g=None):
   """A query block's contributions to ``dk`` and ``dv``."""
-  return dot(ds.astype(q.dtype), q, "tn") * p.scale, dot(pr.astype(do.dtype), do, "tn")
+  dk = dot(_through_cap(ds, g).astype(q.dtype), q, "tn") * p.scale
+  return dk, dot(pr.astype(do.dtype), do, "tn")
 
 
 def block_dot(a, b, kind: str):
@@ -309,15 +437,15 @@ def block_dot(a, b, kind: str):
   return lax.dot_general(a, b, dims, precision=precision, preferred_element_type=st)
 
 
-def tangent_block(p: Problem, dot, q, k, v, s, lse, dq, dk, dv, dbias=None):
+def tangent_block(p: Problem, dot, q, k, v, s, lse, dq, dk, dv, dbias=None, g=None):
   """One key block of the tangent: ``(sum P dS v, rowsum P dS, P dv)``, stats dtype.
 
-  ``dS = scale (dq k^T + q dk^T) + dbias`` is the logits' tangent; over the
-  blocks, the output's tangent is ``sum P dS v - rowsum(P dS) out + P dv`` and
-  ``lse``'s is ``rowsum(P dS)``.
+  ``dS = g scale (dq k^T + q dk^T) + dbias`` is the logits' tangent (``g`` the
+  soft cap's derivative); over the blocks, the output's tangent is
+  ``sum P dS v - rowsum(P dS) out + P dv`` and ``lse``'s is ``rowsum(P dS)``.
   """
   pr = probs(s, lse)
-  ds = (dot(dq, k, "qk") + dot(q, dk, "qk")) * p.scale
+  ds = _through_cap((dot(dq, k, "qk") + dot(q, dk, "qk")) * p.scale, g)
   if dbias is not None:
     ds = ds + dbias.astype(ds.dtype)
   pds = pr * ds
@@ -326,3 +454,52 @@ def tangent_block(p: Problem, dot, q, k, v, s, lse, dq, dk, dv, dbias=None):
     jnp.sum(pds, axis=-1, keepdims=True),
     dot(pr.astype(dv.dtype), dv, "pv"),
   )
+
+
+def _sink_probs(sinks, lse):
+  """``exp(sink - lse)``, each row's probability of its head's sink (0 where lse is -inf)."""
+  sink = sinks.astype(lse.dtype)[..., None]
+  return jnp.where(lse == NEG_INF, 0.0, jnp.exp(sink - jnp.where(lse == NEG_INF, 0.0, lse)))
+
+
+def with_sinks(stage: str, fn):
+  """``fn``, one stage of an implementation that knows no sinks, taking them.
+
+  A sink is a logit of value 0 in every row's softmax. With ``out0``, ``lse0``
+  the results without it, ``lse = logaddexp(lse0, sink)`` and
+  ``out = out0 exp(lse0 - lse)``: an exact rescaling of the output rows. Given
+  these ``out`` and ``lse``, the implementation's tangent and backward are
+  already right for q, k, v and bias (they recompute ``P`` from ``lse``); the
+  sink's own terms use ``P_sink = exp(sink - lse)``: the tangent adds
+  ``P_sink dsink`` to ``lse``'s tangent and subtracts it times ``out`` from
+  the output's, and ``dsink = -sum_rows P_sink (rowsum(do * out) - dlse)``.
+  """
+
+  def run(*operands, **params):
+    p = Problem.of(operands, **params)
+    if not p.has_sinks:
+      return fn(*operands, **params)
+    ops = Operands.of(p, operands)
+    inner = dict(params, has_sinks=False)
+    base = ops.inputs(sinks=False)
+    st = p.stat
+    if stage == "fwd":
+      out, lse0 = fn(*base, **inner)
+      lse = jnp.logaddexp(lse0, ops.sinks.astype(st)[..., None])
+      empty = lse0 == NEG_INF
+      rescale = jnp.where(empty, 0.0, jnp.exp(jnp.where(empty, 0.0, lse0) - lse))
+      return [(out.astype(st) * rescale[..., None]).astype(out.dtype), lse]
+    if stage == "jvp":
+      out, lse, *tangents, dsinks = ops.rest
+      dout, dlse = fn(*base, out, lse, *tangents, **inner)
+      r = _sink_probs(ops.sinks, lse) * dsinks.astype(st)[..., None]
+      dout = dout.astype(st) - r[..., None] * out.astype(st)
+      return [dout.astype(out.dtype), dlse + r]
+    out, lse, do, dlse = ops.rest
+    grads = fn(*base, *ops.rest, **inner)
+    dsinks = -jnp.sum(_sink_probs(ops.sinks, lse) * bwd_delta(p, out, do, dlse), axis=-1)
+    if ops.sinks.shape[0] == 1:
+      dsinks = jnp.sum(dsinks, axis=0, keepdims=True)
+    return [*grads, dsinks.astype(ops.sinks.dtype)]
+
+  return run

@@ -24,11 +24,13 @@ from pallax.kernels.attention.common import (
   bwd_dq,
   bwd_probs,
   key_range,
+  meeting_runs,
   online_finish,
   online_init,
   online_step,
   query_range,
   scores,
+  segment_blocks,
   tangent_block,
   visible,
 )
@@ -63,6 +65,14 @@ class _Blocks:
     self.len5 = tuple(a[:, None, None, None, None] for a in lengths)
     self.bias = self.pad_ts(ops.bias)
     self.mask = self.pad_ts(ops.mask)
+    self.meets = self.one = self.runs = None
+    if p.has_segments:
+      # Blocks span the batch: a block runs where any example's segments meet.
+      meets, one = segment_blocks(ops.q_seg, ops.kv_seg, self.bq, self.bk)
+      self.meets, self.one = jnp.any(meets, axis=0), jnp.all(one, axis=0)
+      self.runs = meeting_runs(self.meets)
+      self.q_seg = self.pad(ops.q_seg, 1, self.tp)[:, None, None, :, None]
+      self.kv_seg = self.pad(ops.kv_seg, 1, self.sp)[:, None, None, None, :]
 
   def pad(self, x, axis: int, to: int, value=0):
     """``x`` padded with ``value`` to ``to`` along ``axis``."""
@@ -85,7 +95,10 @@ class _Blocks:
     """Visibility of the block at (t0, s0), shape broadcasting to (B, K, G, bq, bk)."""
     t_pos = t0 + lax.broadcasted_iota(jnp.int32, (self.bq, 1), 0)
     s_pos = s0 + lax.broadcasted_iota(jnp.int32, (1, self.bk), 1)
-    out = visible(self.p, t_pos, s_pos, *self.len5)
+    segs = (None, None)
+    if self.p.has_segments:
+      segs = (_slice(self.q_seg, t0, self.bq, 3), _slice(self.kv_seg, s0, self.bk, 4))
+    out = visible(self.p, t_pos, s_pos, *self.len5, *segs)
     if self.sp != self.p.s:
       out = s_pos < self.p.s if out is None else out & (s_pos < self.p.s)
     if self.mask is not None:
@@ -103,25 +116,35 @@ class _Blocks:
     )
 
   def scores(self, q_blk, k_blk, t0, s0):
-    """The block's logits; blocks every query sees whole skip the mask's arithmetic."""
+    """The block's logits and the soft cap's derivative (``common.scores``).
+
+    Blocks every query sees whole skip the mask's arithmetic.
+    """
     bias = self.bias_block(t0, s0)
     keep = self.keep(t0, s0)
+    run = lambda keep: scores(self.p, _dot, q_blk, k_blk, bias, keep, cap_grad=True)
     if keep is None:
-      return scores(self.p, _dot, q_blk, k_blk, bias)
-    unmasked = block_unmasked(self.p, t0, s0, self.bq, self.bk, *self.min_len)
+      return run(None)
+    one = None if self.one is None else self.one[t0 // self.bq, s0 // self.bk]
+    unmasked = block_unmasked(self.p, t0, s0, self.bq, self.bk, *self.min_len, one)
     if unmasked is False:
-      return scores(self.p, _dot, q_blk, k_blk, bias, keep)
-    return lax.cond(
-      unmasked,
-      lambda: scores(self.p, _dot, q_blk, k_blk, bias),
-      lambda: scores(self.p, _dot, q_blk, k_blk, bias, keep),
-    )
+      return run(keep)
+    return lax.cond(unmasked, lambda: run(None), lambda: run(keep))
+
+  def skip_unmet(self, step, t0, s0):
+    """``step(carry)`` where the block's segments meet, else the carry unchanged."""
+    if self.meets is None:
+      return step
+    meets = self.meets[t0 // self.bq, s0 // self.bk]
+    return lambda carry: lax.cond(meets, step, lambda c: c, carry)
 
   def key_range(self, t0):
-    return key_range(self.p, t0, self.bq, self.bk, *self.max_len)
+    seg = None if self.runs is None else tuple(r[t0 // self.bq] for r in self.runs[0])
+    return key_range(self.p, t0, self.bq, self.bk, *self.max_len, seg)
 
   def query_range(self, s0):
-    return query_range(self.p, s0, self.bq, self.bk, *self.max_len)
+    seg = None if self.runs is None else tuple(r[s0 // self.bk] for r in self.runs[1])
+    return query_range(self.p, s0, self.bq, self.bk, *self.max_len, seg)
 
 
 def _slice(x, start, size, axis):
@@ -144,7 +167,12 @@ def _per_query_block(blocks: _Blocks, q, step, init, finish, outs):
     t0 = i * bq
     q_blk = _slice(q, t0, bq, 3)
     lo, hi = blocks.key_range(t0)
-    carry = lax.fori_loop(lo, hi, lambda j, c: step(c, q_blk, t0, j * blocks.bk), init)
+
+    def body(j, carry):
+      s0 = j * blocks.bk
+      return blocks.skip_unmet(lambda c: step(c, q_blk, t0, s0), t0, s0)(carry)
+
+    carry = lax.fori_loop(lo, hi, body, init)
     return tuple(_update(b, x, t0, 3) for b, x in zip(bufs, finish(carry, t0)))
 
   return lax.fori_loop(0, blocks.nq, q_block, outs)
@@ -159,7 +187,7 @@ def attention_fwd(*operands, **params):
   b, kh, g = p.batch, p.kv_heads, p.groups
 
   def step(carry, q_blk, t0, s0):
-    s = blocks.scores(q_blk, _slice(k, s0, blocks.bk, 2), t0, s0)
+    s, _ = blocks.scores(q_blk, _slice(k, s0, blocks.bk, 2), t0, s0)
     return online_step(carry, s, _slice(v, s0, blocks.bk, 2), _dot)
 
   def finish(carry, t0):
@@ -189,10 +217,11 @@ def attention_jvp(*operands, **params):
 
   def step(carry, q_blk, t0, s0):
     cut = lambda x: _slice(x, s0, bk, 2)
-    s = blocks.scores(q_blk, cut(k), t0, s0)
+    s, g = blocks.scores(q_blk, cut(k), t0, s0)
     db = None if dbias is None else _slice(_slice(dbias, t0, bq, 3), s0, bk, 4)
     lse_blk, dq_blk = _slice(lse, t0, bq, 3)[..., None], _slice(dq, t0, bq, 3)
-    terms = tangent_block(p, _dot, q_blk, cut(k), cut(v), s, lse_blk, dq_blk, cut(dk), cut(dv), db)
+    blk = (q_blk, cut(k), cut(v), s, lse_blk, dq_blk, cut(dk), cut(dv), db, g)
+    terms = tangent_block(p, _dot, *blk)
     return tuple(a + t for a, t in zip(carry, terms))
 
   def finish(carry, t0):
@@ -237,11 +266,11 @@ def attention_bwd(*operands, **params):
       t0 = i * bq
       cut = lambda x: _slice(x, t0, bq, 3)
       q_blk = cut(q)
-      s = blocks.scores(q_blk, k_blk, t0, s0)
+      s, g = blocks.scores(q_blk, k_blk, t0, s0)
       do_blk = cut(do)
       pr, ds = bwd_probs(p, _dot, v_blk, do_blk, s, cut(lse)[..., None], cut(delta)[..., None])
-      dq_c = bwd_dq(p, _dot, ds, k_blk)
-      dk_c, dv_c = bwd_dkdv(p, _dot, pr, ds, q_blk, do_blk)
+      dq_c = bwd_dq(p, _dot, ds, k_blk, g)
+      dk_c, dv_c = bwd_dkdv(p, _dot, pr, ds, q_blk, do_blk, g)
       dq_buf = _update(dq_buf, cut(dq_buf) + dq_c, t0, 3)
       if dbias_buf:
         dbias_buf = [_update(dbias_buf[0], _update(cut(dbias_buf[0]), ds, s0, 4), t0, 3)]
@@ -254,7 +283,8 @@ def attention_bwd(*operands, **params):
       dq_buf,
       *dbias_buf,
     )
-    dk_blk, dv_blk, dq_buf, *dbias_buf = lax.fori_loop(lo, hi, q_block, init)
+    skipping = lambda i, c: blocks.skip_unmet(lambda c: q_block(i, c), i * bq, s0)(c)
+    dk_blk, dv_blk, dq_buf, *dbias_buf = lax.fori_loop(lo, hi, skipping, init)
     dk_buf = _update(dk_buf, dk_blk.astype(dk_buf.dtype), s0, 2)
     dv_buf = _update(dv_buf, dv_blk.astype(dv_buf.dtype), s0, 2)
     return (dq_buf, dk_buf, dv_buf, *dbias_buf)
