@@ -81,7 +81,7 @@ def _no_derivatives(primals, tangents, **params):
   raise NotImplementedError(
     "pallax.paged_attention is an inference op: it has no derivatives (grad, jvp, vjp, "
     "linearize); differentiate pallax.dot_product_attention on the gathered keys and values "
-    "instead, or wrap the call in jax.lax.stop_gradient"
+    "instead, or stop_gradient its inputs"
   )
 
 

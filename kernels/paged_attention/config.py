@@ -131,7 +131,8 @@ def supports(
     reason = mosaic_dtype_reason([p.dtype], target)
     if reason:
       return reason
-    if config.pages_per_block > 1 and p.page_size % sublanes(p.dtype):
+    stacks = config.pages_per_block > 1 and p.page_size % sublanes(p.dtype)
+    if stacks and not interpreted(target):  # Mosaic's layouts; the interpreter stacks any
       return (
         f"page_size={p.page_size} is not a multiple of {sublanes(p.dtype)} sublanes: "
         "one page per step on TPU"
