@@ -6,6 +6,13 @@ float64, the causal, window, length and boolean masks ANDed, a softmax over
 the visible keys and the product with ``value``. A query row with no visible
 key gives 0 (output and gradients) and ``lse = -inf``; that is where pallax
 differs from jax.nn by design.
+
+The extensions of issue 14 are written from their definitions too: the
+Gemma 2 soft cap ``c * tanh(l / c)`` on the scaled logits before the bias,
+segment ids (query ``t`` sees key ``s`` only within the same segment) ANDed
+with the other masks, and per-head sinks: a logit that joins each row's
+softmax denominator and attends to nothing, so a row that sees no key gives 0
+with ``lse = sink``.
 """
 
 from __future__ import annotations
@@ -34,8 +41,11 @@ def small_blocks(path: str):
   }[path]
 
 
-def _visible(b, n, t, s, mask, is_causal, q_len, kv_len, window):
-  """The (b, n, t, s) bool array of the keys each query sees (jnp: lengths may be traced)."""
+def _visible(b, n, t, s, mask, is_causal, q_len, kv_len, window, q_seg=None, kv_seg=None):
+  """The (b, n, t, s) bool array of the keys each query sees (jnp: lengths may be traced).
+
+  ``q_seg`` ``(b, t)`` and ``kv_seg`` ``(b, s)``: segment ids (both or neither).
+  """
   qi = jnp.arange(t)[:, None]
   ki = jnp.arange(s)[None, :]
   vis = jnp.ones((b, n, t, s), bool)
@@ -50,7 +60,19 @@ def _visible(b, n, t, s, mask, is_causal, q_len, kv_len, window):
     vis = vis & (qi < jnp.asarray(q_len)[:, None, None, None])
   if kv_len is not None:
     vis = vis & (ki < jnp.asarray(kv_len)[:, None, None, None])
+  if (q_seg is None) != (kv_seg is None):
+    raise ValueError("reference: give both segment ids or neither")
+  if q_seg is not None:
+    same = jnp.asarray(q_seg)[:, :, None] == jnp.asarray(kv_seg)[:, None, :]  # (b, t, s)
+    vis = vis & same[:, None]
   return vis
+
+
+def _batched_segments(q_seg, kv_seg, unbatched: bool):
+  """Segment ids with a batch dim (unbatched calls give ``(T,)`` and ``(S,)``)."""
+  if q_seg is None or not unbatched:
+    return q_seg, kv_seg
+  return jnp.asarray(q_seg)[None], jnp.asarray(kv_seg)[None]
 
 
 def reference(
@@ -65,6 +87,10 @@ def reference(
   query_seq_lengths=None,
   key_value_seq_lengths=None,
   local_window_size=None,
+  q_segment_ids=None,
+  kv_segment_ids=None,
+  logits_soft_cap=None,
+  sinks=None,
   return_residual=False,
 ):
   """Independent float64 dot-product attention (call under ``tests.helpers.x64()``).
@@ -73,7 +99,7 @@ def reference(
     query: ``(B, T, N, H)`` or ``(T, N, H)``.
     key: ``(B, S, K, H)`` or ``(S, K, H)``; query head ``n`` uses key head
       ``n // (N // K)``.
-    value: like ``key``.
+    value: like ``key``, with any head dim ``Hv`` (the output's).
     bias: broadcastable to ``(B, N, T, S)`` (dims missing at the front).
     mask: bool, broadcastable to ``(B, N, T, S)``.
     scale: the logits' scale; ``1 / sqrt(H)`` when None.
@@ -82,8 +108,16 @@ def reference(
     key_value_seq_lengths: ``(B,)``; keys ``s >= kv_len[b]`` are never seen.
     local_window_size: ``w`` or ``(left, right)``: query ``t`` sees keys
       ``t - left <= s <= t + right``.
-    return_residual: also return the logsumexp of the visible logits, ``(B, T, N)``
-      (``-inf`` where no key is visible), with no gradient.
+    q_segment_ids: int ``(B, T)`` (``(T,)``); with ``kv_segment_ids`` ``(B, S)``
+      (``(S,)``): query ``t`` sees key ``s`` only if their ids are equal.
+    kv_segment_ids: see ``q_segment_ids``.
+    logits_soft_cap: ``c``: the scaled logits become ``c * tanh(l / c)``
+      (before the bias is added).
+    sinks: ``(N,)``: per query head, a logit added to every row's softmax
+      denominator that attends to nothing (differentiable).
+    return_residual: also return the logsumexp of the visible logits (and the
+      sink), ``(B, T, N)`` (``-inf`` where no key is visible and there is no
+      sink), with no gradient.
 
   Returns:
     The float64 output shaped like ``query`` (and the residual).
@@ -99,17 +133,36 @@ def reference(
   scale = 1.0 / np.sqrt(h) if scale is None else scale
   hi = jax.lax.Precision.HIGHEST
   logits = jnp.einsum("btnh,bsnh->bnts", q, k, precision=hi) * scale
+  if logits_soft_cap is not None:
+    logits = logits_soft_cap * jnp.tanh(logits / logits_soft_cap)
   if bias is not None:
     logits = logits + jnp.asarray(bias).astype(jnp.float64)
+  q_seg, kv_seg = _batched_segments(q_segment_ids, kv_segment_ids, unbatched)
   vis = _visible(
-    b, n, t, s, mask, is_causal, query_seq_lengths, key_value_seq_lengths, local_window_size
+    b,
+    n,
+    t,
+    s,
+    mask,
+    is_causal,
+    query_seq_lengths,
+    key_value_seq_lengths,
+    local_window_size,
+    q_seg,
+    kv_seg,
   )
   # Double where: masked logits never reach exp (no inf * 0 in the gradient).
   safe = jnp.where(vis, logits, 0.0)
-  m = jax.lax.stop_gradient(jnp.max(jnp.where(vis, logits, -jnp.inf), -1, keepdims=True))
+  m = jnp.max(jnp.where(vis, logits, -jnp.inf), -1, keepdims=True)
+  if sinks is not None:
+    sink = jnp.asarray(sinks).astype(jnp.float64)[None, :, None, None]  # (1, n, 1, 1)
+    m = jnp.maximum(m, sink)
+  m = jax.lax.stop_gradient(m)
   m = jnp.where(jnp.isfinite(m), m, 0.0)
   e = jnp.where(vis, jnp.exp(safe - m), 0.0)
   total = jnp.sum(e, -1, keepdims=True)
+  if sinks is not None:
+    total = total + jnp.exp(sink - m)  # the sink's share: in the denominator only
   any_visible = total > 0
   total = jnp.where(any_visible, total, 1.0)
   p = e / total
@@ -122,10 +175,17 @@ def reference(
 
 
 def visible_rows(query_shape, key_shape, **masks) -> np.ndarray:
-  """Bool ``(B, T, N)`` (``(T, N)`` unbatched): query rows that see at least one key."""
+  """Bool ``(B, T, N)`` (``(T, N)`` unbatched): query rows that see at least one key.
+
+  ``masks``: the reference's masking keywords (``mask``, ``is_causal``, the
+  lengths, ``local_window_size``, the segment ids).
+  """
   unbatched = len(query_shape) == 3
   b, t, n = (1,) + tuple(query_shape[:2]) if unbatched else tuple(query_shape[:3])
   s = key_shape[-3]
+  q_seg, kv_seg = _batched_segments(
+    masks.get("q_segment_ids"), masks.get("kv_segment_ids"), unbatched
+  )
   vis = _visible(
     b,
     n,
@@ -136,6 +196,8 @@ def visible_rows(query_shape, key_shape, **masks) -> np.ndarray:
     masks.get("query_seq_lengths"),
     masks.get("key_value_seq_lengths"),
     masks.get("local_window_size"),
+    q_seg,
+    kv_seg,
   )
   rows = np.transpose(np.asarray(jnp.any(vis, -1)), (0, 2, 1))
   return rows[0] if unbatched else rows
