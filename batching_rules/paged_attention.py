@@ -45,5 +45,8 @@ def fold_into_batch(prim, args, bdims, **params):
     offsets = jnp.arange(size, dtype=table.dtype) * pages
     table = table + offsets[:, None, None]
   table = table.reshape(size * batch, table.shape[-1])
+  if size * batch == 0:  # no sequence: no kernel to run
+    shape = (size, batch, *q.shape[1:3], v_pages.shape[3])
+    return [jnp.zeros(shape, q.dtype)], [0]
   (out,) = prim.bind(q, k_pages, v_pages, lengths, table, **params)
   return [out.reshape(size, batch, *out.shape[1:])], [0]

@@ -46,7 +46,7 @@ def paged_attention(q, k_pages, v_pages, lengths, page_indices, **params):
   table = page_indices
   if steps * per_step != p.pages_per_sequence:
     table = jnp.pad(table, ((0, 0), (0, steps * per_step - p.pages_per_sequence)))
-  needed = (jnp.max(lengths) + block - 1) // block  # the longest sequence's steps
+  needed = (jnp.max(lengths, initial=0) + block - 1) // block  # the longest sequence's steps
   lens = lengths[:, None, None, None]
 
   def gather(pages, idx):
