@@ -62,9 +62,22 @@ def rows(p: Problem) -> int:
   return next_pow2(max(p.groups, 16))
 
 
+def max_triton_block_k(p: Problem) -> int:
+  """The largest ``block_k`` ptxas compiled spill-free for H100 and A100 (``pallax.verify``).
+
+  16-bit operands compiled at every block up to 128 (148 KiB of shared memory
+  at head dim 256). float32 dots at precision HIGHEST hold their operands in
+  registers: 64-token blocks spilled at padded head dims 128 and 256 (with 4
+  and 8 warps), 128-token ones at 64 and 128 and overflowed shared memory at
+  256; 32 compiled everywhere, 64 at head dims up to 64.
+  """
+  if jnp.dtype(p.dtype).itemsize < 4:
+    return 128
+  return 64 if next_pow2(max(p.head_dim, p.value_dim, 16)) <= 64 else 32
+
+
 def _triton_block_k(p: Problem) -> int:
-  width = next_pow2(max(p.head_dim, p.value_dim, 16))
-  return min(64 if width <= 128 else 32, max(16, next_pow2(p.max_len)))
+  return min(64, max_triton_block_k(p), max(16, next_pow2(p.max_len)))
 
 
 def splits_for(p: Problem, block_k: int) -> int:
@@ -148,6 +161,11 @@ def supports(
   value = config.block_k
   if value & (value - 1) or value < 16:
     return f"block_k={value} must be a power of two >= 16 on Triton"
+  if not interpreted(target) and value > max_triton_block_k(p):
+    return (
+      f"block_k={value} spills for {jnp.dtype(p.dtype).name} at head dim "
+      f"{max(p.head_dim, p.value_dim)} (at most {max_triton_block_k(p)})"
+    )
   if p.groups > MAX_TRITON_GROUPS:
     return f"{p.groups} query heads a kv head: at most {MAX_TRITON_GROUPS} on Triton"
   if max(p.head_dim, p.value_dim) > MAX_TRITON_HEAD:

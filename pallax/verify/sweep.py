@@ -43,7 +43,9 @@ DTYPES = ("float32", "bfloat16", "float16")
 class Op:
   """A public op as the sweep calls it: ``fn(*arrays)`` with shapes from a size.
 
-  The last ``masks`` arrays are boolean masks: not differentiated.
+  The last ``masks`` arrays are boolean masks, and the ``ints`` arrays before
+  them int32 (lengths, indices): neither is differentiated. ``stages``: those
+  the op has (an inference op has no ``bwd`` or ``jvp``).
   """
 
   fn: Callable
@@ -51,6 +53,8 @@ class Op:
   sizes: tuple[tuple[int, ...], ...]
   quick: tuple[tuple[int, ...], ...]
   masks: int = 0
+  ints: int = 0
+  stages: tuple[str, ...] = STAGES
 
 
 _rows = lambda r, h: [(r, h)]
@@ -74,6 +78,24 @@ _ATTENTION_SIZES = (
   (4, 512, 8, 8, 32),
 )
 _ATTENTION_QUICK = ((2, 1024, 8, 8, 64), (1, 1000, 8, 2, 128))
+# Paged attention (B, N, K, H, page_size, pages_per_sequence), a pool of
+# B * pages_per_sequence pages: the bench's decode step, a padded head dim 80
+# with odd counts and small pages, MQA, head dim 256, MHA with large pages.
+_paged = lambda b, n, kv, h, ps, pps: [
+  (b, n, h),
+  (kv, b * pps, ps, h),
+  (kv, b * pps, ps, h),
+  (b,),
+  (b, pps),
+]
+_PAGED_SIZES = (
+  (32, 32, 8, 128, 16, 256),
+  (3, 12, 4, 80, 8, 37),
+  (8, 8, 1, 64, 32, 64),
+  (4, 16, 2, 256, 16, 64),
+  (4, 8, 8, 128, 128, 8),
+)
+_PAGED_QUICK = ((32, 32, 8, 128, 16, 256), (3, 12, 4, 80, 8, 37))
 
 OPS = {
   "rms_norm": Op(pallax.rms_norm, _norm, _NORM_SIZES, _NORM_QUICK),
@@ -103,6 +125,9 @@ OPS = {
     _ATTENTION_SIZES,
     _ATTENTION_QUICK,
   ),
+  "paged_attention": Op(
+    pallax.paged_attention, _paged, _PAGED_SIZES, _PAGED_QUICK, ints=2, stages=("fwd",)
+  ),
 }
 
 
@@ -127,7 +152,8 @@ class Case:
   def structs(self) -> list[jax.ShapeDtypeStruct]:
     op = OPS[self.op]
     shapes = op.shapes(*self.size)
-    dtypes = [self.dtype] * (len(shapes) - op.masks) + ["bool"] * op.masks
+    floats = len(shapes) - op.masks - op.ints
+    dtypes = [self.dtype] * floats + ["int32"] * op.ints + ["bool"] * op.masks
     return [jax.ShapeDtypeStruct(s, d) for s, d in zip(shapes, dtypes)]
 
   def function(self) -> Callable:
@@ -135,7 +161,7 @@ class Case:
     op = OPS[self.op]
     if self.stage == "fwd":
       return op.fn
-    n = len(self.structs()) - op.masks
+    n = len(self.structs()) - op.masks - op.ints
     if self.stage == "jvp":
       return lambda *args: jax.jvp(lambda *x: op.fn(*x, *args[n:]), args[:n], args[:n])
     loss = lambda *args: sum(jnp.sum(y.astype(jnp.float32)) for y in jax.tree.leaves(op.fn(*args)))
@@ -154,7 +180,7 @@ def cases(ops: Optional[Iterable[str]] = None, quick: bool = False) -> list[Case
       sized = [(op.quick[0], "float32"), (op.quick[1], "bfloat16")]
     else:
       sized = [(s, d) for s in op.sizes for d in DTYPES[:2]] + [(op.sizes[0], "float16")]
-    out += [Case(name, stage, size, dtype) for size, dtype in sized for stage in STAGES]
+    out += [Case(name, stage, size, dtype) for size, dtype in sized for stage in op.stages]
   return out
 
 
