@@ -61,7 +61,7 @@ def _dims(*avals, **params) -> Dims:
       ("b", "pp"),
     ),
     results=(("b", "k", "g", "hv"),),
-    replicated=("h", "hv", "p", "ps", "pp"),
+    replicated=("h", "p", "ps", "hv", "pp"),  # in order of appearance (Shardy sorts them)
   )
 
 
