@@ -8,11 +8,13 @@ accumulators in VMEM scratch:
 * the backward's ``dk, dv`` kernel: ``(B, N, key blocks, query blocks)``, per
   query head (GQA partials are summed afterwards).
 
-The lengths are prefetched scalars; the index maps clamp the reduction index
-into the range of blocks a block can see (``common.key_range`` /
-``query_range``), so a skipped step fetches nothing new, and ``pl.when`` skips
-its compute. Edge blocks are padded by Mosaic with undefined values: they are
-hidden by position and zeroed before every product that sums over them.
+The lengths (and, with segment ids, the flattened ``common.segment_tables``)
+are prefetched scalars; the index maps clamp the reduction index into the
+range of blocks a block can see (``common.key_range`` / ``query_range``), so a
+skipped step fetches nothing new, and ``pl.when`` skips its compute, also for
+blocks inside the range whose segment ranges do not meet. Edge blocks are
+padded by Mosaic with undefined values: they are hidden by position and zeroed
+before every product that sums over them.
 """
 
 from __future__ import annotations
@@ -48,16 +50,32 @@ class _Grid(common.Blocks):
     blocks = (self.nq, self.nk) if self.query_major else (self.nk, self.nq)
     return (p.batch, p.kv_heads * p.groups, *blocks)
 
-  def range(self, b, outer, q_len_ref, kv_len_ref):
+  def entry(self, tabs, query_side: bool, b, block, column: int):
+    """An entry of a flattened (B, blocks, 4) segment table among the prefetched ``tabs``."""
+    n = self.nq if query_side else self.nk
+    return tabs[0 if query_side else 1][(b * n + block) * 4 + column]
+
+  def range(self, b, outer, q_len_ref, kv_len_ref, *tabs):
     """``[lo, hi)`` of the inner blocks the outer block ``outer`` meets."""
     lens = (q_len_ref[b], kv_len_ref[b]) if self.p.has_lengths else (None, None)
+    seg = None
+    if tabs:
+      cols = (common.SEG_LO, common.SEG_HI)
+      seg = tuple(self.entry(tabs, self.query_major, b, outer, c) for c in cols)
     if self.query_major:
-      return common.key_range(self.p, outer * self.bq, self.bq, self.bk, *lens)
-    return common.query_range(self.p, outer * self.bk, self.bq, self.bk, *lens)
+      return common.key_range(self.p, outer * self.bq, self.bq, self.bk, *lens, seg)
+    return common.query_range(self.p, outer * self.bk, self.bq, self.bk, *lens, seg)
 
-  def _blocks(self, b, outer, inner, q_len_ref, kv_len_ref):
+  def meets(self, b, i, j, tabs):
+    """Whether query block ``i`` and key block ``j`` have segments that meet."""
+    cols = (common.SEG_MIN, common.SEG_MAX)
+    q_bounds = (self.entry(tabs, True, b, i, c) for c in cols)
+    k_bounds = (self.entry(tabs, False, b, j, c) for c in cols)
+    return common.segments_meet(*q_bounds, *k_bounds)
+
+  def _blocks(self, b, outer, inner, *prefetch):
     """(query block, key block) of a step; the inner one clamped into the visible range."""
-    lo, hi = self.range(b, outer, q_len_ref, kv_len_ref)
+    lo, hi = self.range(b, outer, *prefetch)
     inner = jnp.clip(inner, lo, jnp.maximum(hi - 1, lo))
     return (outer, inner) if self.query_major else (inner, outer)
 
@@ -91,6 +109,15 @@ class _Grid(common.Blocks):
 
     return pl.BlockSpec((None, None, None, self.bq, self.bk), index)
 
+  def segments(self, query_side: bool):
+    """Segment ids: ``(B, T, 1)`` query blocks (columns) or ``(B, 1, S)`` key blocks (rows)."""
+
+    def index(b, n, outer, inner, *prefetch):
+      i, j = self._blocks(b, outer, inner, *prefetch)
+      return (b, i, 0) if query_side else (b, 0, j)
+
+    return pl.BlockSpec((None, self.bq, 1) if query_side else (None, 1, self.bk), index)
+
   def per_head_keys(self, width):
     """A (B, K, G, S, width) result of the dk/dv kernel."""
     return pl.BlockSpec(
@@ -105,17 +132,22 @@ class _Step:
   def __init__(self, grid: _Grid, refs, n_rest: int):
     p = self.p = grid.p
     self.grid = grid
-    q_len, kv_len, q, k, v, *rest = refs
+    n_prefetch = 4 if p.has_segments else 2
+    prefetch, (q, k, v, *rest) = refs[:n_prefetch], refs[n_prefetch:]
+    q_len, kv_len, *tabs = prefetch
     self.q, self.k, self.v = q, k, v
     self.bias = rest.pop(0) if p.has_bias else None
     self.mask = rest.pop(0) if p.has_mask else None
+    self.segs = (rest.pop(0), rest.pop(0)) if p.has_segments else None
     self.rest, self.outs = rest[:n_rest], rest[n_rest:]
     b, outer, inner = pl.program_id(0), pl.program_id(2), pl.program_id(3)
     self.lens = (q_len[b], kv_len[b]) if p.has_lengths else (None, None)
-    lo, hi = grid.range(b, outer, q_len, kv_len)
+    lo, hi = grid.range(b, outer, *prefetch)
     self.first, self.last = inner == 0, inner == pl.num_programs(3) - 1
     self.runs = (inner >= lo) & (inner < hi)
     i, j = (outer, inner) if grid.query_major else (inner, outer)
+    if tabs:
+      self.runs = self.runs & grid.meets(b, i, j, tabs)
     self.t0, self.s0 = i * grid.bq, j * grid.bk
     tile = (grid.bq, grid.bk)
     self.t_pos = self.t0 + lax.broadcasted_iota(jnp.int32, tile, 0)
@@ -128,13 +160,15 @@ class _Step:
     return jnp.where(ok, ref[...], 0)
 
   def scores(self, q, k):
+    """The block's logits and the soft cap's derivative (``common.scores``)."""
     p = self.p
-    keep = common.visible(p, self.t_pos, self.s_pos, *self.lens)
+    segs = (None, None) if self.segs is None else (self.segs[0][...], self.segs[1][...])
+    keep = common.visible(p, self.t_pos, self.s_pos, *self.lens, *segs)
     keep = (self.s_pos < p.s) & (self.t_pos < p.t) & (True if keep is None else keep)
     if self.mask is not None:
       keep = keep & (self.mask[...] != 0)
     bias = None if self.bias is None else self.bias[...]
-    return common.scores(p, block_dot, q, k, bias, keep)
+    return common.scores(p, block_dot, q, k, bias, keep, cap_grad=True)
 
 
 def _pallas(
@@ -157,14 +191,19 @@ def _pallas(
     grid.key_side(p.head_dim),
     grid.key_side(p.value_dim),
     *(grid.tile(x) for x in extras),
-    *rest_specs,
   ]
+  prefetch = [ops.q_len, ops.kv_len]
+  if p.has_segments:
+    tabs = common.segment_tables(ops.q_seg, ops.kv_seg, grid.bq, grid.bk)
+    prefetch += [tab.reshape(-1) for tab in tabs]
+    extras += [ops.q_seg[:, :, None], ops.kv_seg[:, None, :]]
+    in_specs += [grid.segments(True), grid.segments(False)]
   return pl.pallas_call(
     kernel,
     grid_spec=pltpu.PrefetchScalarGridSpec(
-      num_scalar_prefetch=2,
+      num_scalar_prefetch=len(prefetch),
       grid=grid.shape,
-      in_specs=in_specs,
+      in_specs=in_specs + list(rest_specs),
       out_specs=out_specs,
       scratch_shapes=scratch,
     ),
@@ -174,7 +213,7 @@ def _pallas(
     ),
     interpret=interpret,
     name=name,
-  )(ops.q_len, ops.kv_len, ops.q, ops.k, ops.v, *extras, *rest)
+  )(*prefetch, ops.q, ops.k, ops.v, *extras, *rest)
 
 
 def _setup(operands, config: AttentionConfig, params, query_major=True):
@@ -217,7 +256,8 @@ def fwd(*operands, config: AttentionConfig, interpret: Any, **params):
 
     def update(carry):
       v = st.rows(st.v, st.s_ok)
-      return common.online_step(carry, st.scores(st.q[...], st.k[...]), v, block_dot)
+      s, _ = st.scores(st.q[...], st.k[...])
+      return common.online_step(carry, s, v, block_dot)
 
     def finish(carry):
       out, lse = common.online_finish(carry)
@@ -261,10 +301,9 @@ def jvp(*operands, config: AttentionConfig, interpret: Any, **params):
       k, v, dk_blk, dv_blk = (st.rows(r, st.s_ok) for r in (st.k, st.v, dk_ref, dv_ref))
       db = dbias_ref[0][...] if dbias_ref else None
       q = st.q[...]
-      s = st.scores(q, k)
-      terms = common.tangent_block(
-        p, block_dot, q, k, v, s, lse_ref[...], dq_ref[...], dk_blk, dv_blk, db
-      )
+      s, g = st.scores(q, k)
+      blk = (q, k, v, s, lse_ref[...], dq_ref[...], dk_blk, dv_blk, db, g)
+      terms = common.tangent_block(p, block_dot, *blk)
       return tuple(a + b for a, b in zip(carry, terms))
 
     def finish(carry):
@@ -324,11 +363,11 @@ def _dq(p, ops, grid, lse, delta, do, interpret):
     def update(carry):
       (acc,) = carry
       v, k = st.rows(st.v, st.s_ok), st.rows(st.k, st.s_ok)
-      s = st.scores(st.q[...], k)
+      s, g = st.scores(st.q[...], k)
       _, ds = common.bwd_probs(p, block_dot, v, do_ref[...], s, lse_ref[...], delta_ref[...])
       if ds_ref:
         ds_ref[0][...] = ds.astype(ds_ref[0].dtype)
-      return (acc + common.bwd_dq(p, block_dot, ds, k),)
+      return (acc + common.bwd_dq(p, block_dot, ds, k, g),)
 
     def finish(carry):
       dq_ref[...] = carry[0].astype(dq_ref.dtype)
@@ -374,11 +413,11 @@ def _dkdv(p, ops, grid, lse, delta, do, interpret):
 
     def update(carry):
       q, do = st.rows(st.q, st.t_ok), st.rows(do_ref, st.t_ok)
-      s = st.scores(q, st.k[...])
+      s, g = st.scores(q, st.k[...])
       lse = jnp.where(st.t_ok, lse_ref[...], NEG_INF)
       delta = st.rows(delta_ref, st.t_ok)
       pr, ds = common.bwd_probs(p, block_dot, st.rows(st.v, st.s_ok), do, s, lse, delta)
-      dk, dv = common.bwd_dkdv(p, block_dot, pr, ds, q, do)
+      dk, dv = common.bwd_dkdv(p, block_dot, pr, ds, q, do, g)
       return carry[0] + dk, carry[1] + dv
 
     def finish(carry):

@@ -9,6 +9,11 @@
   (``common.query_range``); with GQA its per-query-head partials are summed
   over each kv head's query heads afterwards.
 
+With segment ids, each program reads its block's row of the segment tables
+(``common.segment_tables``: min/max id and the run of blocks it meets) and the
+other side's whole table, loops over that run only and skips (``lax.cond``)
+blocks inside it whose segment ranges do not meet.
+
 Blocks are powers of two; head dims are padded to one (80 -> 128) and every
 load and store along a dim its block overhangs is masked by hand (Pallas-Triton
 does not bound-check). The key-side (or, in the dk/dv kernel, query-side)
@@ -66,6 +71,20 @@ class _Layout(common.Blocks):
   def length(self):
     return pl.BlockSpec((1,), lambda i, n, b: (b,))
 
+  def segments(self, query_side: bool, per_block: bool):
+    """A (B, T) or (B, S) segment-id operand: the program's block, or the whole row."""
+    rows = self.bq if query_side else self.bk
+    if not per_block:
+      rows *= self.nq if query_side else self.nk
+    return pl.BlockSpec((None, rows), lambda i, n, b: (b, i if per_block else 0))
+
+  def table(self, query_side: bool, per_block: bool):
+    """A (B, blocks, 4) segment table: the program's block's row, or the whole table."""
+    if per_block:
+      return pl.BlockSpec((None, None, 4), lambda i, n, b: (b, i, 0))
+    rows = self.nq if query_side else self.nk
+    return pl.BlockSpec((None, rows, 4), lambda i, n, b: (b, 0, 0))
+
   def tile(self, aval, query_blocks: bool):
     """A bias-like (Bb, Kb, Gb, T, S) operand: a query block's rows or a key block's columns."""
     shape = (self.bq, self.nk * self.bk) if query_blocks else (self.nq * self.bq, self.bk)
@@ -94,31 +113,74 @@ def _tile_mask(rows_ok, cols_ok):
 
 
 class _Refs:
-  """A kernel's input refs by role, and the lengths as scalars."""
+  """A kernel's input refs by role, and the lengths as scalars.
+
+  With segments: ``own_seg``/``other_seg`` the segment ids of the program's
+  block and of the whole other side, ``own_tab``/``other_tab`` their tables.
+  """
 
   def __init__(self, p: Problem, refs, n_rest: int):
     q, k, v, q_len, kv_len, *rest = refs
     self.q, self.k, self.v = q, k, v
     self.bias = rest.pop(0) if p.has_bias else None
     self.mask = rest.pop(0) if p.has_mask else None
+    if p.has_segments:
+      self.own_seg, self.other_seg, self.own_tab, self.other_tab = rest[:4]
+      rest = rest[4:]
     self.rest, self.outs = rest[:n_rest], rest[n_rest:]
     self.lens = (q_len[0], kv_len[0]) if p.has_lengths else (None, None)
 
+  def run(self):
+    """``[lo, hi)`` of the other side's blocks the program's segments meet (None: all)."""
+    if not hasattr(self, "own_tab"):
+      return None
+    return self.own_tab[common.SEG_LO], self.own_tab[common.SEG_HI]
 
-def _keep(p: Problem, t_pos, s_pos, s_ok, lens, mask_blk):
-  keep = common.visible(p, t_pos[:, None], s_pos[None, :], *lens)
+  def meets(self, j):
+    """Whether the other side's block ``j`` meets the program's segments (None: yes)."""
+    if not hasattr(self, "own_tab"):
+      return None
+    own = (self.own_tab[common.SEG_MIN], self.own_tab[common.SEG_MAX])
+    return common.segments_meet(
+      *own, self.other_tab[j, common.SEG_MIN], self.other_tab[j, common.SEG_MAX]
+    )
+
+
+def _keep(p: Problem, t_pos, s_pos, s_ok, lens, mask_blk, segs=(None, None)):
+  q_seg, kv_seg = (None, None) if segs[0] is None else (segs[0][:, None], segs[1][None, :])
+  keep = common.visible(p, t_pos[:, None], s_pos[None, :], *lens, q_seg, kv_seg)
   return and_masks(keep, None if s_ok is None else s_ok[None, :], mask_blk)
+
+
+def _skipping(r: _Refs, body, skipped=None):
+  """``body(j, carry)`` run only where block ``j``'s segments meet; else ``skipped(j)``."""
+
+  def run(j, carry):
+    meets = r.meets(j)
+    if meets is None:
+      return body(j, carry)
+
+    def skip(carry):
+      if skipped is not None:
+        skipped(j)
+      return carry
+
+    return lax.cond(meets, lambda c: body(j, c), skip, carry)
+
+  return run
 
 
 def _tile(ref, ok):
   return None if ref is None else load(ref, ok)
 
 
-def _over_key_blocks(lay: _Layout, r: _Refs, step, init, extra_loads=()):
-  """The query-block programs' loop: ``step(carry, s, k, v, tile_ok, s0, *extra)`` per key block.
+def _over_key_blocks(lay: _Layout, r: _Refs, step, init, extra_loads=(), skipped=None):
+  """The query-block programs' loop: ``step(carry, s, g, q, k, v, tile_ok, s0, *extra)``.
 
-  ``s`` are the block's masked, scaled, biased logits; ``extra_loads`` are more
-  key-side refs (tangents of k and v) loaded per block like ``v``.
+  Per visible key block: ``s`` are the block's masked, scaled, biased logits,
+  ``g`` the soft cap's derivative; ``extra_loads`` are more key-side refs
+  (tangents of k and v) loaded per block like ``v``; ``skipped(j)`` runs for
+  the blocks in the loop's range whose segments do not meet.
   """
   p = lay.p
   t0 = pl.program_id(0) * lay.bq
@@ -128,6 +190,7 @@ def _over_key_blocks(lay: _Layout, r: _Refs, step, init, extra_loads=()):
     _cols_ok(lay.width(p.value_dim), p.value_dim),
   )
   q = load(r.q, _tile_mask(t_ok, h_ok))
+  q_seg = load(r.own_seg, t_ok) if p.has_segments else None
 
   def body(j, carry):
     s0 = j * lay.bk
@@ -138,16 +201,18 @@ def _over_key_blocks(lay: _Layout, r: _Refs, step, init, extra_loads=()):
     ok = _tile_mask(t_ok, s_ok)
     cols = lambda ref: None if ref is None else ref.at[:, pl.ds(s0, lay.bk)]
     mask = _tile(cols(r.mask), ok)
-    keep = _keep(p, t_pos, s_pos, s_ok, r.lens, None if mask is None else mask != 0)
-    s = common.scores(p, block_dot, q, k, _tile(cols(r.bias), ok), keep)
+    segs = (q_seg, load(r.other_seg.at[pl.ds(s0, lay.bk)], s_ok)) if p.has_segments else (None,) * 2
+    keep = _keep(p, t_pos, s_pos, s_ok, r.lens, None if mask is None else mask != 0, segs)
+    s, g = common.scores(p, block_dot, q, k, _tile(cols(r.bias), ok), keep, cap_grad=True)
     extra = [
       load(cut(ref), _tile_mask(s_ok, h_ok if i == 0 else hv_ok))
       for i, ref in enumerate(extra_loads)
     ]
-    return step(carry, s, q, k, v, ok, s0, *extra)
+    return step(carry, s, g, q, k, v, ok, s0, *extra)
 
-  lo, hi = common.key_range(p, t0, lay.bq, lay.bk, *r.lens)
-  return lax.fori_loop(lo, hi, body, init), (t_ok, h_ok, hv_ok), (lo, hi)
+  lo, hi = common.key_range(p, t0, lay.bq, lay.bk, *r.lens, r.run())
+  loop = lax.fori_loop(lo, hi, _skipping(r, body, skipped), init)
+  return loop, (t_ok, h_ok, hv_ok), (lo, hi)
 
 
 def _call(
@@ -183,13 +248,18 @@ def _input_specs(lay: _Layout, ops: Operands, query_blocks: bool) -> list:
     lay.length(),
     lay.length(),
   ]
-  return specs + [lay.tile(x, query_blocks) for x in (ops.bias, ops.mask) if x is not None]
+  specs += [lay.tile(x, query_blocks) for x in (ops.bias, ops.mask) if x is not None]
+  if p.has_segments:  # the program's side per block, the other whole
+    own, other = query_blocks, not query_blocks
+    specs += [lay.segments(own, True), lay.segments(other, False)]
+    specs += [lay.table(own, True), lay.table(other, False)]
+  return specs
 
 
-def _inputs(ops: Operands) -> list:
+def _inputs(lay: _Layout, ops: Operands, query_blocks: bool) -> list:
   """The core operands; the mask travels as int8 (bool refs are not portable)."""
   mask = None if ops.mask is None else ops.mask.astype(jnp.int8)
-  return [
+  inputs = [
     ops.q,
     ops.k,
     ops.v,
@@ -197,6 +267,13 @@ def _inputs(ops: Operands) -> list:
     ops.kv_len,
     *(x for x in (ops.bias, mask) if x is not None),
   ]
+  if lay.p.has_segments:
+    q_tab, k_tab = common.segment_tables(ops.q_seg, ops.kv_seg, lay.bq, lay.bk)
+    segs, tabs = (ops.q_seg, ops.kv_seg), (q_tab, k_tab)
+    if not query_blocks:
+      segs, tabs = segs[::-1], tabs[::-1]
+    inputs += [*segs, *tabs]
+  return inputs
 
 
 def _setup(operands, config: AttentionConfig, params) -> tuple[Problem, Operands, _Layout]:
@@ -220,7 +297,7 @@ def fwd(*operands, config: AttentionConfig, interpret: Any, **params):
     carry, (t_ok, _, hv_ok), _ = _over_key_blocks(
       lay,
       r,
-      lambda c, s, q, k, v, *_: common.online_step(c, s, v, block_dot),
+      lambda c, s, g, q, k, v, *_: common.online_step(c, s, v, block_dot),
       common.online_init(p, (lay.bq,), lay.width(p.value_dim)),
     )
     out, lse = common.online_finish(carry)
@@ -236,7 +313,7 @@ def fwd(*operands, config: AttentionConfig, interpret: Any, **params):
     kernel,
     lay,
     lay.nq,
-    _inputs(ops),
+    _inputs(lay, ops, True),
     _input_specs(lay, ops, True),
     out_shapes,
     out_specs,
@@ -262,9 +339,10 @@ def jvp(*operands, config: AttentionConfig, interpret: Any, **params):
     lse_blk = load(lse_ref, t_ok, other=NEG_INF)[:, None]
     dq_blk = load(dq_ref, _tile_mask(t_ok, h_ok))
 
-    def step(carry, s, q, k, v, ok, s0, dk_blk, dv_blk):
+    def step(carry, s, g, q, k, v, ok, s0, dk_blk, dv_blk):
       db = None if not dbias_ref else load(dbias_ref[0].at[:, pl.ds(s0, lay.bk)], ok)
-      terms = common.tangent_block(p, block_dot, q, k, v, s, lse_blk, dq_blk, dk_blk, dv_blk, db)
+      blk = (q, k, v, s, lse_blk, dq_blk, dk_blk, dv_blk, db, g)
+      terms = common.tangent_block(p, block_dot, *blk)
       return tuple(a + b for a, b in zip(carry, terms))
 
     init = (
@@ -289,7 +367,7 @@ def jvp(*operands, config: AttentionConfig, interpret: Any, **params):
     kernel,
     lay,
     lay.nq,
-    _inputs(ops) + [out, lse, dq, dk, dv, *dbias],
+    _inputs(lay, ops, True) + [out, lse, dq, dk, dv, *dbias],
     _input_specs(lay, ops, True) + rest_specs,
     [
       _row_shape(p, p.value_dim, p.dtype),
@@ -317,25 +395,25 @@ def _dq(p, ops, lay, lse, delta, do, config, interpret):
     delta_blk = load(delta_ref, t_ok)[:, None]
     do_blk = load(do_ref, _tile_mask(t_ok, hv_ok))
 
-    def step(acc, s, q, k, v, ok, s0):
+    def step(acc, s, g, q, k, v, ok, s0):
       _, ds = common.bwd_probs(p, block_dot, v, do_blk, s, lse_blk, delta_blk)
       if ds_ref:
         store(ds_ref[0].at[:, pl.ds(s0, lay.bk)], ds.astype(ds_ref[0].dtype), ok)
-      return acc + common.bwd_dq(p, block_dot, ds, k)
+      return acc + common.bwd_dq(p, block_dot, ds, k, g)
+
+    def clear(j):  # a key block the loop skips has a zero bias gradient
+      _, s_ok = _positions(j * lay.bk, lay.bk, p.s)
+      zeros = jnp.zeros((lay.bq, lay.bk), ds_ref[0].dtype)
+      store(ds_ref[0].at[:, pl.ds(j * lay.bk, lay.bk)], zeros, _tile_mask(t_ok, s_ok))
 
     init = jnp.zeros((lay.bq, lay.width(p.head_dim)), st)
-    acc, (t_ok, h_ok, _), (lo, hi) = _over_key_blocks(lay, r, step, init)
+    skipped = clear if ds_ref else None
+    acc, (t_ok, h_ok, _), (lo, hi) = _over_key_blocks(lay, r, step, init, skipped=skipped)
     store(dq_ref, acc.astype(dq_ref.dtype), _tile_mask(t_ok, h_ok))
-    if ds_ref:  # the key blocks the loop skipped have a zero gradient
-      zeros = jnp.zeros((lay.bq, lay.bk), ds_ref[0].dtype)
-
-      def clear(j, carry):
-        _, s_ok = _positions(j * lay.bk, lay.bk, p.s)
-        store(ds_ref[0].at[:, pl.ds(j * lay.bk, lay.bk)], zeros, _tile_mask(t_ok, s_ok))
-        return carry
-
-      lax.fori_loop(0, lo, clear, 0)
-      lax.fori_loop(hi, lay.nk, clear, 0)
+    if ds_ref:
+      clearing = lambda j, carry: clear(j) or carry
+      lax.fori_loop(0, lo, clearing, 0)
+      lax.fori_loop(hi, lay.nk, clearing, 0)
 
   out_shapes = [_row_shape(p, p.head_dim, p.dtype)]
   out_specs = [lay.rows(p.head_dim, True)]
@@ -347,7 +425,7 @@ def _dq(p, ops, lay, lse, delta, do, config, interpret):
     kernel,
     lay,
     lay.nq,
-    _inputs(ops) + [lse, delta, do],
+    _inputs(lay, ops, True) + [lse, delta, do],
     _input_specs(lay, ops, True) + specs,
     out_shapes,
     out_specs,
@@ -374,6 +452,7 @@ def _dkdv(p, ops, lay, lse, delta, do, config, interpret):
     )
     k = load(r.k, _tile_mask(s_ok, h_ok))
     v = load(r.v, _tile_mask(s_ok, hv_ok))
+    kv_seg = load(r.own_seg, s_ok) if p.has_segments else None
 
     def body(i, carry):
       t0 = i * lay.bq
@@ -384,8 +463,11 @@ def _dkdv(p, ops, lay, lse, delta, do, config, interpret):
       ok = _tile_mask(t_ok, s_ok)
       tile = lambda ref: None if ref is None else load(ref.at[pl.ds(t0, lay.bq), :], ok)
       mask = tile(r.mask)
-      keep = _keep(p, t_pos, s_pos, s_ok, r.lens, None if mask is None else mask != 0)
-      s = common.scores(p, block_dot, q, k, tile(r.bias), keep)
+      segs = (
+        (load(r.other_seg.at[pl.ds(t0, lay.bq)], t_ok), kv_seg) if p.has_segments else (None,) * 2
+      )
+      keep = _keep(p, t_pos, s_pos, s_ok, r.lens, None if mask is None else mask != 0, segs)
+      s, g = common.scores(p, block_dot, q, k, tile(r.bias), keep, cap_grad=True)
       pr, ds = common.bwd_probs(
         p,
         block_dot,
@@ -395,15 +477,15 @@ def _dkdv(p, ops, lay, lse, delta, do, config, interpret):
         load(rows(lse_ref), t_ok, other=NEG_INF)[:, None],
         load(rows(delta_ref), t_ok)[:, None],
       )
-      dk, dv = common.bwd_dkdv(p, block_dot, pr, ds, q, do_blk)
+      dk, dv = common.bwd_dkdv(p, block_dot, pr, ds, q, do_blk, g)
       return carry[0] + dk, carry[1] + dv
 
-    lo, hi = common.query_range(p, s0, lay.bq, lay.bk, *r.lens)
+    lo, hi = common.query_range(p, s0, lay.bq, lay.bk, *r.lens, r.run())
     init = (
       jnp.zeros((lay.bk, lay.width(p.head_dim)), st),
       jnp.zeros((lay.bk, lay.width(p.value_dim)), st),
     )
-    dk, dv = lax.fori_loop(lo, hi, body, init)
+    dk, dv = lax.fori_loop(lo, hi, _skipping(r, body), init)
     store(dk_ref, dk.astype(dk_ref.dtype), _tile_mask(s_ok, h_ok))
     store(dv_ref, dv.astype(dv_ref.dtype), _tile_mask(s_ok, hv_ok))
 
@@ -418,7 +500,7 @@ def _dkdv(p, ops, lay, lse, delta, do, config, interpret):
     kernel,
     lay,
     lay.nk,
-    _inputs(ops) + [lse, delta, do],
+    _inputs(lay, ops, False) + [lse, delta, do],
     _input_specs(lay, ops, False) + specs,
     [shape(p.head_dim), shape(p.value_dim)],
     [per_head(p.head_dim), per_head(p.value_dim)],
