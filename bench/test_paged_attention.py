@@ -1,0 +1,183 @@
+"""paged_attention: pallax vs gathering the pages then jax.nn, time, bandwidth and peak memory.
+
+Run (``-n 0``: pytest-benchmark does not time under xdist)::
+
+  pytest -n 0 bench/test_paged_attention.py
+  pytest -n 0 bench/test_paged_attention.py -k "full and pallax"
+  pytest -n 0 bench/test_paged_attention.py --benchmark-json paged.json   # extra_info in the JSON
+
+On a GPU, add ``XLA_PYTHON_CLIENT_PREALLOCATE=false`` (the peak-memory
+subprocess needs device memory the pytest process would otherwise reserve).
+
+One decode step of the issue's shape: B = 32 sequences, N = 32 query heads,
+K = 8 kv heads, H = 128, a context of 4096 tokens in pages of 16 (256 pages
+a sequence, a pool of B * 256 pages in a random order), bfloat16. Cases:
+``full`` (every sequence 4096 tokens) and ``ragged`` (lengths drawn
+uniformly from 1..4096: pallax reads only the pages below each length).
+
+Two implementations side by side, each its own benchmark in the case's group:
+``pallax.paged_attention``, and ``gather+jax.nn``: gather every sequence's
+pages into dense ``(B, S, K, H)`` keys and values (``k_pages[:, table]``)
+and call ``jax.nn.dot_product_attention`` with ``key_value_seq_lengths``,
+what one writes without a paged kernel.
+
+``extra_info`` of each benchmark:
+
+- ``kv_bytes``: the bytes of keys and values a sequence needs, summed over the
+  batch (``sum(lengths) * K * (H + Hv) * itemsize``): the traffic floor of a
+  decode step, which is bandwidth-bound. ``gb_per_s``: ``kv_bytes`` over the
+  median time (on a GPU/TPU, compare with the device's HBM bandwidth).
+- ``peak_rss_mib``, ``call_peak_rss_mib``, ``baseline_rss_mib``,
+  ``call_growth_mib`` (and ``device_*`` on a GPU): ``bench/peak_memory.py``
+  in a fresh process; ``xla_temp_mib``: XLA's temporaries for the call.
+- ``max_rel_err``: against a float64 NumPy reference on the first sequences.
+- ``pallax_kernels`` (pallax only): ``pallax.explain``'s pick.
+"""
+
+import dataclasses
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from peak_memory import measure
+
+import pallax
+
+MIB = 2**20
+CHECK_SEQUENCES = 2
+TOLERANCE = 2e-2  # bfloat16
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+  ragged: bool = False
+  batch: int = 32
+  heads: int = 32
+  kv_heads: int = 8
+  head_dim: int = 128
+  context: int = 4096
+  page_size: int = 16
+  dtype: str = "bfloat16"
+
+  @property
+  def id(self):
+    return f"{'ragged' if self.ragged else 'full'}-B{self.batch}-ctx{self.context}-{self.dtype}"
+
+  @property
+  def pages_per_sequence(self):
+    return -(-self.context // self.page_size)
+
+
+CASES = [Case(), Case(ragged=True)]
+IMPLS = ["pallax", "gather+jax.nn"]
+
+
+def _gather_then_jax_nn(q, k_pages, v_pages, lengths, page_indices):
+  """Dense keys and values from every sequence's pages, then ``jax.nn``."""
+
+  def dense(pages):  # (K, P, page_size, H) -> (B, S, K, H)
+    x = pages[:, page_indices]  # (K, B, pages_per_sequence, page_size, H)
+    k, b, n, ps, h = x.shape
+    return jnp.transpose(x.reshape(k, b, n * ps, h), (1, 2, 0, 3))
+
+  out = jax.nn.dot_product_attention(
+    q[:, None], dense(k_pages), dense(v_pages), key_value_seq_lengths=lengths
+  )
+  return out[:, 0]
+
+
+def program(case, impl):
+  """``(fn, inputs)`` of one benchmark; ``case`` is a ``Case`` or its fields as a dict."""
+  case = Case(**case) if isinstance(case, dict) else case
+  rng = np.random.default_rng(0)
+  b, pps = case.batch, case.pages_per_sequence
+  total = b * pps
+  dtype = jnp.dtype(case.dtype)
+  keys = jax.random.split(jax.random.key(0), 3)
+  q = jax.random.normal(keys[0], (b, case.heads, case.head_dim), jnp.float32).astype(dtype)
+  pool = (case.kv_heads, total, case.page_size, case.head_dim)
+  k_pages = jax.random.normal(keys[1], pool, jnp.float32).astype(dtype)
+  v_pages = jax.random.normal(keys[2], pool, jnp.float32).astype(dtype)
+  if case.ragged:
+    lengths = rng.integers(1, case.context + 1, b)
+  else:
+    lengths = np.full(b, case.context)
+  table = rng.permutation(total).reshape(b, pps)
+  inputs = (q, k_pages, v_pages, jnp.asarray(lengths, jnp.int32), jnp.asarray(table, jnp.int32))
+  fn = pallax.paged_attention if impl == "pallax" else _gather_then_jax_nn
+  return fn, inputs
+
+
+def kv_bytes(case, lengths) -> int:
+  item = jnp.dtype(case.dtype).itemsize
+  return int(np.sum(np.asarray(lengths, np.int64))) * case.kv_heads * 2 * case.head_dim * item
+
+
+def reference(inputs, sequences=CHECK_SEQUENCES):
+  """Float64 outputs of the first ``sequences`` sequences, ``(sequences, N, H)``."""
+  q, k_pages, v_pages, lengths, table = (np.asarray(x) for x in inputs)
+  q, k_pages, v_pages = (x.astype(np.float32).astype(np.float64) for x in (q, k_pages, v_pages))
+  kv, _, ps, h = k_pages.shape
+  group = q.shape[1] // kv
+  out = []
+  for b in range(sequences):
+    n = int(lengths[b])
+    k = k_pages[:, table[b]].reshape(kv, -1, h)[:, :n]
+    v = v_pages[:, table[b]].reshape(kv, -1, h)[:, :n]
+    s = np.einsum("kgh,klh->kgl", q[b].reshape(kv, group, h), k) / np.sqrt(h)
+    w = np.exp(s - s.max(-1, keepdims=True))
+    w /= w.sum(-1, keepdims=True)
+    out.append(np.einsum("kgl,klh->kgh", w, v).reshape(-1, h))
+  return np.stack(out)
+
+
+PARAMS = [pytest.param(case, impl, id=f"{case.id}-{impl}") for case in CASES for impl in IMPLS]
+
+
+@pytest.mark.parametrize("case, impl", PARAMS)
+def test_paged_attention(benchmark, case, impl):
+  benchmark.group = case.id
+  fn, inputs = program(case, impl)
+  inputs = jax.block_until_ready(inputs)
+  device = jax.devices()[0]
+  compiled = jax.jit(fn).lower(*inputs).compile()
+  info = benchmark.extra_info
+  builder = f"{os.path.abspath(__file__)}:program"
+  try:
+    memory = measure(builder, dataclasses.asdict(case), impl, calls=2)
+  except RuntimeError as error:
+    if device.platform == "cpu":
+      raise
+    memory = None  # a TPU (or a GPU held whole by this process) has no room for a second process
+    info["peak_memory_error"] = str(error)[-500:]
+  if memory is not None:
+    for name in ("peak_rss", "call_peak_rss", "baseline_rss", "call_growth"):
+      info[f"{name}_mib"] = round(memory[name] / MIB, 1)
+    for name in ("device_peak", "device_call_growth"):
+      if memory.get(name) is not None:
+        info[f"{name}_mib"] = round(memory[name] / MIB, 1)
+    info["peak_exact"] = memory["peak_exact"]
+  if impl == "pallax":
+    info["pallax_kernels"] = [
+      f"{s.op}: {s.implementation} ({s.source})" for s in pallax.explain(fn, *inputs)
+    ]
+  analysis = compiled.memory_analysis()
+  if analysis is not None:
+    info["xla_temp_mib"] = round(analysis.temp_size_in_bytes / MIB, 1)
+
+  def call():
+    return jax.block_until_ready(compiled(*inputs))
+
+  got = np.asarray(call()[:CHECK_SEQUENCES].astype(jnp.float32), np.float64)
+  want = reference(inputs)
+  error = float(np.max(np.abs(got - want)) / np.max(np.abs(want)))
+  info["max_rel_err"] = error
+  assert error < TOLERANCE, f"{impl} is wrong: max rel err {error:.2e}"
+
+  benchmark.pedantic(call, rounds=5, iterations=1, warmup_rounds=1)
+  nbytes = kv_bytes(case, inputs[3])
+  info.update(kv_bytes=nbytes, case=case.id, impl=impl, platform=device.platform)
+  if benchmark.stats is not None:  # None under --benchmark-disable
+    info["gb_per_s"] = round(nbytes / benchmark.stats.stats.median / 1e9, 2)
