@@ -62,6 +62,18 @@ S=4096 forward at most 0.5x jax.nn's time in at most 512 MB peak RSS; S=4096
 forward+backward at most jax.nn's time in at most a third of its peak RSS;
 S=16384 forward+backward under 2 GiB and faster than tokamax ``xla_chunked``.
 
+Packed documents (issue 14), pallax only: ``test_attention_packed``, ids
+``packed-causal-mha-float32-S4096-{docs}-{mode}-pallax`` with ``docs``
+``8docs`` (``q_segment_ids = kv_segment_ids = arange(4096) // 512``: 8
+documents of 512) or ``1seg`` (all zeros: the same call with one segment),
+in one group per mode, so ``-k packed`` runs the four. Segment ids are
+arguments of the jitted call (not constants folded at compile time). The
+``8docs`` benchmark also times the ``1seg`` call (same rounds) and records
+``one_segment_median_s``, ``speedup_vs_one_segment`` (the ``1seg`` median
+over the ``8docs`` one) and ``speedup_target`` (3.0, the issue's target on a
+CPU) in ``extra_info``; both check 128 query rows across a document
+boundary (rows 960-1087) against a float64 reference with the segment mask.
+
 An implementation whose call would not fit in memory is not run (its result
 records ``not_run`` with the reason in ``extra_info``): on a
 CPU when 1.5x XLA's buffer assignment (XLA:CPU's peak RSS reaches 1.6x its
@@ -75,6 +87,8 @@ import importlib.util
 import inspect
 import math
 import os
+import statistics
+import time
 
 import jax
 import jax.numpy as jnp
@@ -329,3 +343,116 @@ def test_attention(benchmark, fwd_bwd, case, mode, impl):
     info.update(
       gflop_per_s=round(flops / median / 1e9, 2), tflop_per_s=round(flops / median / 1e12, 4)
     )
+
+
+# ------------------------------------------------------------------------------
+# Packed documents: block skipping by segment ids (module docstring).
+
+PACKED = Case(4096)  # causal, B=1, N=K=8, H=64, float32
+PACKED_DOCS = {"8docs": 8, "1seg": 1}
+PACKED_ROWS = slice(960, 1088)  # across the boundary of documents 1 and 2 (at 1024)
+SPEEDUP_TARGET = 3.0
+
+
+def packed_program(docs, mode):
+  """``(fn, inputs)``: pallax with ``docs`` equal documents as segment ids (arguments)."""
+  b, t, n, h = PACKED.batch, PACKED.seq, PACKED.heads, PACKED.head_dim
+  keys = jax.random.split(jax.random.key(0), 4)
+  q, k, v = (jax.random.normal(key, (b, t, n, h), jnp.float32) for key in keys[:3])
+  seg = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32) // (t // docs), (b, t))
+
+  def fn(q, k, v, seg):
+    return pallax.dot_product_attention(
+      q, k, v, is_causal=True, q_segment_ids=seg, kv_segment_ids=seg
+    )
+
+  if mode == "fwd":
+    return fn, (q, k, v, seg)
+
+  def fwd_bwd(q, k, v, seg, c):
+    loss = lambda q, k, v: jnp.sum(fn(q, k, v, seg) * c)
+    return jax.value_and_grad(loss, (0, 1, 2))(q, k, v)
+
+  return fwd_bwd, (q, k, v, seg, jax.random.normal(keys[3], (b, t, n, h), jnp.float32))
+
+
+def packed_reference_rows(mode, inputs, rows=PACKED_ROWS):
+  """Float64 output (``fwd``) or dL/dquery (``fwd+bwd``) of query ``rows``, segments masked."""
+  q, k, v = (np.asarray(x, np.float64) for x in inputs[:3])
+  seg = np.asarray(inputs[3])
+  qi = np.arange(q.shape[1])[rows]
+  scale = 1 / math.sqrt(q.shape[-1])
+  logits = np.einsum("brnh,bsnh->bnrs", q[:, rows], k) * scale
+  visible = (np.arange(k.shape[1])[None, :] <= qi[:, None])[None] & (
+    seg[:, rows, None] == seg[:, None, :]
+  )
+  logits = np.where(visible[:, None], logits, -np.inf)
+  p = np.exp(logits - logits.max(-1, keepdims=True))
+  p /= p.sum(-1, keepdims=True)
+  out = np.einsum("bnrs,bsnh->brnh", p, v)
+  if mode == "fwd":
+    return out
+  dout = np.asarray(inputs[4], np.float64)[:, rows]
+  dp = np.einsum("brnh,bsnh->bnrs", dout, v)
+  delta = np.einsum("brnh,brnh->bnr", dout, out)
+  return np.einsum("bnrs,bsnh->brnh", p * (dp - delta[..., None]), k) * scale
+
+
+def _packed_call(docs, mode):
+  """``(fn, call, inputs, error)``: the compiled, blocking call, checked once."""
+  fn, inputs = packed_program(docs, mode)
+  inputs = jax.block_until_ready(inputs)
+  compiled = jax.jit(fn).lower(*inputs).compile()
+  call = lambda: jax.block_until_ready(compiled(*inputs))
+  result = call()
+  got = result[:, PACKED_ROWS] if mode == "fwd" else result[1][0][:, PACKED_ROWS]
+  want = packed_reference_rows(mode, inputs)
+  error = float(np.max(np.abs(np.asarray(got, np.float64) - want)) / np.max(np.abs(want)))
+  return fn, call, inputs, error
+
+
+@pytest.mark.parametrize(
+  "docs, mode",
+  [(d, m) for m in MODES for d in PACKED_DOCS],
+  ids=[f"packed-causal-mha-float32-S4096-{d}-{m}-pallax" for m in MODES for d in PACKED_DOCS],
+)
+def test_attention_packed(benchmark, docs, mode):
+  benchmark.group = f"packed-causal-mha-float32-S4096-{mode}"
+  info = benchmark.extra_info
+  fn, call, inputs, error = _packed_call(PACKED_DOCS[docs], mode)
+  info["max_rel_err"] = error
+  assert error < TOLERANCE["float32"], f"pallax ({docs}) is wrong: max rel err {error:.2e}"
+  info["pallax_kernels"] = [
+    f"{s.op}: {s.implementation} ({s.source})" for s in pallax.explain(fn, *inputs)
+  ]
+  rounds, warmup = _rounds(PACKED, mode)
+  one_segment = None
+  if docs == "8docs":  # the same call with one segment, timed here too for the ratio
+    _, one_call, _, one_error = _packed_call(1, mode)
+    assert one_error < TOLERANCE["float32"], f"pallax (1seg) is wrong: {one_error:.2e}"
+    for _ in range(warmup):
+      one_call()
+    times = []
+    for _ in range(rounds):
+      start = time.perf_counter()
+      one_call()
+      times.append(time.perf_counter() - start)
+    one_segment = statistics.median(times)
+  benchmark.pedantic(call, rounds=rounds, iterations=1, warmup_rounds=warmup)
+  docs_n = PACKED_DOCS[docs]
+  # Unmasked pairs: per document of length L, L (L + 1) / 2 under the causal mask.
+  length = PACKED.seq // docs_n
+  forward = (
+    4 * PACKED.batch * PACKED.heads * docs_n * (length * (length + 1) // 2) * PACKED.head_dim
+  )
+  flops = forward if mode == "fwd" else int(3.5 * forward)
+  info.update(flops=flops, case=f"packed-{docs}", mode=mode, impl="pallax")
+  info["platform"] = jax.devices()[0].platform
+  if one_segment is not None:
+    info["one_segment_median_s"] = round(one_segment, 4)
+    info["speedup_target"] = SPEEDUP_TARGET
+  if benchmark.stats is not None:  # None under --benchmark-disable
+    median = benchmark.stats.stats.median
+    info["gflop_per_s"] = round(flops / median / 1e9, 2)
+    if one_segment is not None:
+      info["speedup_vs_one_segment"] = round(one_segment / median, 2)
