@@ -95,14 +95,31 @@ _TRITON_CONFIGS = {
 }
 
 
+# The configs above that spill once the kernel also masks by segment ids and
+# soft-caps its logits (``pallax.verify``'s ``attention_features``: the cap's
+# derivative and the segment ids take registers of their own).
+_TRITON_SPILL_WITH_FEATURES = {
+  ("fwd", 2, 128): {(128, 64, 8, 2), (128, 64, 8, 3)},
+  ("fwd", 4, 64): {(32, 32, 8, 2)},
+  ("fwd", 4, 128): {(16, 32, 4, 2)},
+  ("jvp", 2, 64): {(64, 64, 8, 2)},
+  ("jvp", 4, 64): {(16, 16, 4, 2), (16, 16, 4, 3)},
+  ("bwd", 2, 128): {(64, 32, 4, 2)},
+}
+
+
 def _triton_configs(p: Problem, stage: str) -> list[AttentionConfig]:
   """The verified Triton configs of a call, blocks clamped to its lengths (may be empty)."""
   width = 4 if jnp.dtype(p.dtype).itemsize == 4 else 2
+  key = (stage, width, max(_head(p), 64))
+  spill = _TRITON_SPILL_WITH_FEATURES.get(key, set())
+  features = p.has_segments or p.soft_cap is not None
   clamp = lambda x, n: min(x, max(16, next_pow2(n)))
   return list(
     dict.fromkeys(
       AttentionConfig(block_q=clamp(bq, p.t), block_k=clamp(bk, p.s), num_warps=w, num_stages=st)
-      for bq, bk, w, st in _TRITON_CONFIGS.get((stage, width, max(_head(p), 64)), ())
+      for bq, bk, w, st in _TRITON_CONFIGS.get(key, ())
+      if not (features and (bq, bk, w, st) in spill)
     )
   )
 

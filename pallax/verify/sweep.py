@@ -125,6 +125,24 @@ OPS = {
     _ATTENTION_SIZES,
     _ATTENTION_QUICK,
   ),
+  # Packed documents with Gemma 2's soft cap and sinks: causal within each
+  # segment; the two trailing int32 arrays are the query's and key's segment ids.
+  "attention_features": Op(
+    lambda q, k, v, sinks, q_seg, kv_seg: pallax.dot_product_attention(
+      q,
+      k,
+      v,
+      is_causal=True,
+      q_segment_ids=q_seg,
+      kv_segment_ids=kv_seg,
+      logits_soft_cap=30.0,
+      sinks=sinks,
+    ),
+    lambda b, t, n, kv, h: [*_attention(b, t, n, kv, h), (n,), (b, t), (b, t)],
+    _ATTENTION_QUICK + ((1, 1000, 8, 2, 80), (1, 2048, 4, 4, 256)),
+    _ATTENTION_QUICK,
+    ints=2,
+  ),
   "paged_attention": Op(
     pallax.paged_attention, _paged, _PAGED_SIZES, _PAGED_QUICK, ints=2, stages=("fwd",)
   ),
