@@ -84,6 +84,7 @@ class Case:
 def _packed_ids(rng, length: int, docs: int) -> np.ndarray:
   """Sorted ids ``0..docs-1`` over ``length`` tokens, documents of random lengths >= 1."""
   cuts = np.sort(rng.choice(np.arange(1, length), docs - 1, replace=False))
+  assert np.any(cuts % 8), cuts  # a boundary inside the kernels' query and key blocks
   return np.searchsorted(cuts, np.arange(length), side="right")
 
 
