@@ -57,7 +57,7 @@ def fold_into_batch(prim, args, bdims, **params):
   broadcast = _broadcast_operands(prim, p, len(args))
   folded, summed = [], []
   for i, (a, d) in enumerate(zip(args, bdims)):
-    shared = i in broadcast and a.shape[0] == 1
+    shared = i in broadcast and examples[i].shape[0] == 1
     grad = broadcast.get(i) if returns_grads else None
     if d is NOT_MAPPED and shared and grad is None:
       folded.append(a)  # broadcasts over every example

@@ -25,7 +25,8 @@ soft-capped (``cap * tanh(x / cap)``) with ``soft_cap``, plus the bias.
 The block math below is written once, on arrays with any leading dims, and
 runs in the XLA programs and inside both kernels; ``dot`` is the
 implementation's matmul ``(a, b, kind) -> stats dtype`` of kind ``"qk"``
-(``a b^T``), ``"pv"`` (``a b``) or ``"tn"`` (``a^T b``).
+(``a b^T``), ``"pv"`` (``a b``), ``"tn"`` (``a^T b``) or ``"qk2"`` (on pairs,
+``a0 b0^T + a1 b1^T``: the logits' tangent).
 """
 
 from __future__ import annotations
@@ -428,6 +429,8 @@ def bwd_dkdv(p: Problem, dot, pr, ds, q, do, g=None):
 
 def block_dot(a, b, kind: str):
   """``dot`` of the kernels, on 2-D blocks, accumulating in the stats dtype."""
+  if kind == "qk2":
+    return block_dot(a[0], b[0], "qk") + block_dot(a[1], b[1], "qk")
   if kind == "qk":
     dims, (a, b) = (((1,), (1,)), ((), ())), (a, b)
   else:  # "pv", and "tn" as a transposed "pv" (Mosaic's dots want the lhs contracted last)
@@ -445,7 +448,7 @@ def tangent_block(p: Problem, dot, q, k, v, s, lse, dq, dk, dv, dbias=None, g=No
   ``sum P dS v - rowsum(P dS) out + P dv`` and ``lse``'s is ``rowsum(P dS)``.
   """
   pr = probs(s, lse)
-  ds = _through_cap((dot(dq, k, "qk") + dot(q, dk, "qk")) * p.scale, g)
+  ds = _through_cap(dot((dq, q), (k, dk), "qk2") * p.scale, g)
   if dbias is not None:
     ds = ds + dbias.astype(ds.dtype)
   pds = pr * ds

@@ -44,7 +44,16 @@ _EINSUM = {"qk": "bkgmd,bknd->bkgmn", "pv": "bkgmn,bknd->bkgmd", "tn": "bkgnm,bk
 
 
 def _dot(a, b, kind):
-  """The block matmuls on (B, K, G, rows, cols) and (B, K, rows, cols) blocks."""
+  """The block matmuls on (B, K, G, rows, cols) and (B, K, rows, cols) blocks.
+
+  ``"qk2"``, ``a0 b0^T + a1 b1^T``, is one product over the concatenated
+  contraction: also a workaround, as the sum of the two products gave
+  uninitialised values in a jit'd jvp of grouped-query attention on XLA:CPU
+  (jax 0.10.2; the algebraic simplifier's rewrite of it, which
+  ``--xla_disable_hlo_passes=algsimp`` avoided).
+  """
+  if kind == "qk2":
+    a, b, kind = jnp.concatenate(a, axis=-1), jnp.concatenate(b, axis=-1), "qk"
   st = jnp.promote_types(a.dtype, jnp.float32)
   precision = lax.Precision.HIGHEST if a.dtype == b.dtype == st else None
   return jnp.einsum(_EINSUM[kind], a, b, preferred_element_type=st, precision=precision)
