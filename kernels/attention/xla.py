@@ -216,7 +216,9 @@ def attention_jvp(*operands, **params):
   """``(out_dot, lse_dot)``: the tangents, linear in ``(dq, dk, dv[, dbias])``."""
   p = Problem.of(operands, **params)
   ops = Operands.of(p, operands)
-  out, lse, dq, dk, dv, *dbias = ops.rest
+  # A barrier keeps XLA from seeing constant (zero) tangents: its algebraic
+  # simplifier's rewrites of them gave uninitialised values on the CPU.
+  out, lse, dq, dk, dv, *dbias = lax.optimization_barrier(ops.rest)
   blocks = _Blocks(p, ops)
   q, dq, out = blocks.pad_t(ops.q), blocks.pad_t(dq), blocks.pad_t(out)
   lse = blocks.pad_t(lse, value=NEG_INF)

@@ -401,6 +401,28 @@ def test_jvp(path, name):
   np.testing.assert_array_equal(np.asarray(y_dot)[~rows], 0.0)
 
 
+def test_jvp_is_the_same_on_every_run_of_one_executable():
+  """A compiled GQA jvp, run again and again (XLA:CPU once gave uninitialised values).
+
+  jax 0.10.2's algebraic simplifier rewrote constant (zero) tangents and the
+  sum of the two logits-tangent products so that the second and later runs of
+  one executable read memory nobody wrote; the XLA program now hides its
+  tangents behind a barrier and takes one product over a concatenation.
+  """
+  case = Case(n=8, k=2, t=40, s=40)
+  args, kwargs = inputs(case, seed=10)
+  arrays, statics = _arrays(args, kwargs), _statics(kwargs)
+  rng = np.random.default_rng(11)
+  diff = _diff_args(arrays)
+  tangents = (jnp.zeros_like(diff[0]), *(rand(rng, a.shape) for a in diff[1:]))
+  with x64():
+    arrays64 = tuple(as64(*arrays[:4])) + arrays[4:]
+    _, want = jax.jit(functools.partial(_jvp, reference, statics))(arrays64, tuple(as64(*tangents)))
+  run = jax.jit(functools.partial(_jvp, _pallax(None), statics))
+  for attempt in range(4):
+    assert_close(run(arrays, tangents)[1], want, jnp.float32, f"run {attempt}")
+
+
 # A tiny case for the Jacobians and HVPs: GQA, causal, a broadcast bias and a
 # kv length, blocks split on the kernels.
 TINY = Case(b=2, t=20, s=24, n=2, k=1, h=32, is_causal=True, bias=(2, 1, 20, 24), kv_len=(24, 13))
