@@ -189,3 +189,25 @@ def executor_view(op: str):
     lambda avals, target, **p: candidate_configs(spec, avals, target, p),
     lambda avals, target, config, **p: unsupported_reason(spec, avals, target, config, p),
   )
+
+
+# jaxpr inspection -----------------------------------------------------------
+
+
+def primitive_names(jaxpr) -> list[str]:
+  """Names of every equation's primitive, those of nested jaxprs (loops, jit) included."""
+  names = []
+  for eqn in jaxpr.eqns:
+    names.append(eqn.primitive.name)
+    for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+      names += primitive_names(sub)
+  return names
+
+
+def assert_tree_close(got, want, rtol=2e-5, atol=2e-5) -> None:
+  """Leaves of equal shape and dtype, the same -inf entries, close elsewhere."""
+  for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+    assert g.shape == w.shape and g.dtype == w.dtype, (g.shape, w.shape, g.dtype, w.dtype)
+    np.testing.assert_array_equal(np.isneginf(g), np.isneginf(w))
+    finite = np.isfinite(np.asarray(w))
+    np.testing.assert_allclose(np.asarray(g)[finite], np.asarray(w)[finite], rtol=rtol, atol=atol)

@@ -21,11 +21,13 @@ from tests.helpers import (
   NESTED_IN_AXES,
   as64,
   assert_close,
+  assert_tree_close,
   batched,
   check_nested_vmap,
   loop_stack,
   nested_shape,
   on_path,
+  primitive_names,
   rand,
   x64,
 )
@@ -85,27 +87,10 @@ def _attention(config=None, return_residual=False, is_causal=True, window=None):
   return f
 
 
-def _primitive_names(jaxpr) -> list[str]:
-  names = []
-  for eqn in jaxpr.eqns:
-    names.append(eqn.primitive.name)
-    for sub in jax.extend.core.jaxprs_in_params(eqn.params):
-      names += _primitive_names(sub)
-  return names
-
-
 def _attention_prims(jaxpr) -> collections.Counter:
-  names = _primitive_names(jaxpr)
+  names = primitive_names(jaxpr)
   assert not {"while", "scan"} & set(names), names
   return collections.Counter(n for n in names if "attention" in n)
-
-
-def _assert_tree_close(got, want, rtol=2e-5, atol=2e-5):
-  for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
-    assert g.shape == w.shape and g.dtype == w.dtype, (g.shape, w.shape, g.dtype, w.dtype)
-    np.testing.assert_array_equal(np.isneginf(g), np.isneginf(w))
-    finite = np.isfinite(np.asarray(w))
-    np.testing.assert_allclose(np.asarray(g)[finite], np.asarray(w)[finite], rtol=rtol, atol=atol)
 
 
 # in_axes of (q, k, v, bias, mask, q_len, kv_len).
@@ -140,7 +125,7 @@ def test_vmap_matches_loop(example, in_axes):
   vf = jax.vmap(f, in_axes=in_axes)
   got = jax.jit(vf)(*args)
   want = loop_stack(jax.jit(f), args, in_axes, size)
-  _assert_tree_close(got, want)
+  assert_tree_close(got, want)
   assert _attention_prims(jax.make_jaxpr(vf)(*args).jaxpr) == {FWD: 1}
 
 
@@ -180,7 +165,7 @@ def test_vmap_on_kernels(path, in_axes):
   with on_path(path):
     got = jax.jit(jax.vmap(f, in_axes=in_axes))(*args)
     want = loop_stack(jax.jit(f), args, in_axes, size)
-  _assert_tree_close(got, want)
+  assert_tree_close(got, want)
 
 
 GRAD_IN_AXES = [IN_AXES[0], IN_AXES[1], IN_AXES[4], IN_AXES[9]]
@@ -204,7 +189,7 @@ def test_vmap_of_grad_matches_loop(in_axes):
   args = _data(rng, in_axes, size)
   g = _grads(_attention())
   vg = jax.vmap(g, in_axes=in_axes)
-  _assert_tree_close(jax.jit(vg)(*args), loop_stack(jax.jit(g), args, in_axes, size))
+  assert_tree_close(jax.jit(vg)(*args), loop_stack(jax.jit(g), args, in_axes, size))
   assert _attention_prims(jax.make_jaxpr(vg)(*args).jaxpr) == {FWD: 1, BWD: 1}
 
 
@@ -217,7 +202,7 @@ def test_vmap_of_grad_on_kernels(path):
   with on_path(path):
     got = jax.jit(jax.vmap(g, in_axes=in_axes))(*args)
     want = loop_stack(jax.jit(g), args, in_axes, 2)
-  _assert_tree_close(got, want)
+  assert_tree_close(got, want)
 
 
 # (q, k, v, bias, mask, q_len, kv_len, q_dot, k_dot, v_dot, bias_dot): jacfwd
@@ -245,7 +230,7 @@ def test_vmap_of_jvp_matches_loop(in_axes):
 
   vj = jax.vmap(jvp, in_axes=in_axes)
   all_args = args + tangents
-  _assert_tree_close(jax.jit(vj)(*all_args), loop_stack(jax.jit(jvp), all_args, in_axes, size))
+  assert_tree_close(jax.jit(vj)(*all_args), loop_stack(jax.jit(jvp), all_args, in_axes, size))
   assert _attention_prims(jax.make_jaxpr(vj)(*all_args).jaxpr) == {FWD: 1, JVP: 1}
 
 
@@ -263,7 +248,7 @@ def test_jacfwd_under_vmap_is_one_kernel_each_way():
     return jax.jacfwd(along)(jnp.zeros(3))
 
   vf = jax.vmap(per_example)
-  _assert_tree_close(jax.jit(vf)(*args), loop_stack(jax.jit(per_example), args, (0,) * 7, 2))
+  assert_tree_close(jax.jit(vf)(*args), loop_stack(jax.jit(per_example), args, (0,) * 7, 2))
   assert _attention_prims(jax.make_jaxpr(vf)(*args).jaxpr) == {FWD: 1, JVP: 1}
 
 
@@ -293,6 +278,6 @@ def test_nested_vmap(outer, inner, which):
     _draw(rng, NAMES[i], nested_shape(outer, inner, j, EXAMPLES["batched"][i]))
     for j, i in enumerate(operands)
   )
-  close = lambda got, want: _assert_tree_close(got, want)
+  close = lambda got, want: assert_tree_close(got, want)
   jaxpr = check_nested_vmap(fn, args, outer, inner, close)
   assert _attention_prims(jaxpr) == {FWD: 1}

@@ -18,7 +18,17 @@ import numpy as np
 import pytest
 
 import pallax
-from tests.helpers import assert_close, batched, loop_stack, on_path, rand, to64, x64
+from tests.helpers import (
+  assert_close,
+  assert_tree_close,
+  batched,
+  loop_stack,
+  on_path,
+  primitive_names,
+  rand,
+  to64,
+  x64,
+)
 from tests.primitives.attention_reference import reference, small_blocks
 
 # One example: B=2, T=12, S=20, N=4 query heads, K=2 kv heads, H=32, Hv=16.
@@ -63,26 +73,10 @@ def _attention(config=None, return_residual=False, fn=None):
   return f
 
 
-def _primitive_names(jaxpr) -> list[str]:
-  names = []
-  for eqn in jaxpr.eqns:
-    names.append(eqn.primitive.name)
-    for sub in jax.extend.core.jaxprs_in_params(eqn.params):
-      names += _primitive_names(sub)
-  return names
-
-
 def _attention_prims(jaxpr) -> collections.Counter:
-  names = _primitive_names(jaxpr)
+  names = primitive_names(jaxpr)
   assert not {"while", "scan"} & set(names), names
   return collections.Counter(n for n in names if "attention" in n)
-
-
-def _assert_tree_close(got, want, rtol=2e-5, atol=2e-5):
-  for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
-    assert g.shape == w.shape and g.dtype == w.dtype, (g.shape, w.shape, g.dtype, w.dtype)
-    assert np.all(np.isfinite(np.asarray(g))), "non-finite values"
-    np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=rtol, atol=atol)
 
 
 # in_axes of (q, k, v, q_seg, kv_seg, sinks).
@@ -108,7 +102,7 @@ def test_vmap_matches_loop(example, in_axes):
   vf = jax.vmap(f, in_axes=in_axes)
   got = jax.jit(vf)(*args)
   want = loop_stack(jax.jit(f), args, in_axes, size)
-  _assert_tree_close(got, want)
+  assert_tree_close(got, want)
   assert _attention_prims(jax.make_jaxpr(vf)(*args).jaxpr) == {FWD: 1}
 
 
@@ -149,7 +143,7 @@ def test_vmap_of_grad_matches_loop(in_axes):
   vg = jax.vmap(g, in_axes=in_axes)
   got = jax.jit(vg)(*args)
   assert got[3].shape == (size, N)
-  _assert_tree_close(got, loop_stack(jax.jit(g), args, in_axes, size))
+  assert_tree_close(got, loop_stack(jax.jit(g), args, in_axes, size))
   assert _attention_prims(jax.make_jaxpr(vg)(*args).jaxpr) == {FWD: 1, BWD: 1}
 
 
@@ -169,7 +163,7 @@ def test_vmap_of_jvp_matches_loop():
     tangents = tuple(batched(rng, ax, size, s) for ax, s in zip(in_axes[6:], shapes))
     vj = jax.vmap(jvp, in_axes=in_axes)
     all_args = args + tangents
-    _assert_tree_close(jax.jit(vj)(*all_args), loop_stack(jax.jit(jvp), all_args, in_axes, size))
+    assert_tree_close(jax.jit(vj)(*all_args), loop_stack(jax.jit(jvp), all_args, in_axes, size))
     assert _attention_prims(jax.make_jaxpr(vj)(*all_args).jaxpr) == {FWD: 1, JVP: 1}
 
 
@@ -183,4 +177,4 @@ def test_vmap_on_kernels(path):
   with on_path(path):
     got = jax.jit(jax.vmap(f, in_axes=in_axes))(*args)
     want = loop_stack(jax.jit(f), args, in_axes, size)
-  _assert_tree_close(got, want)
+  assert_tree_close(got, want)

@@ -20,6 +20,7 @@ from tests.helpers import (
   loop_stack,
   nested_shape,
   on_path,
+  primitive_names,
   rand,
 )
 
@@ -33,20 +34,6 @@ def _batched(rng, axis, size, shape, mask=False):
     (lambda s: jnp.asarray(rng.random(s) < 0.7)) if mask else (lambda s: rand(rng, s, scale=2.0))
   )
   return batched(rng, axis, size, shape, draw)
-
-
-def _primitive_names(jaxpr) -> list[str]:
-  """Names of every equation's primitive, nested jaxprs (jnp.where's jit) included."""
-  names = []
-  for eqn in jaxpr.eqns:
-    names.append(eqn.primitive.name)
-    for value in eqn.params.values():
-      for sub in value if isinstance(value, (tuple, list)) else (value,):
-        if isinstance(sub, jax.extend.core.ClosedJaxpr):
-          names += _primitive_names(sub.jaxpr)
-        elif isinstance(sub, jax.extend.core.Jaxpr):
-          names += _primitive_names(sub)
-  return names
 
 
 # (x, where) in_axes; the softmax axis of each example is its last.
@@ -121,7 +108,7 @@ def test_nested_vmap(outer, inner):
   close = functools.partial(assert_close_neginf, rtol=2e-5, atol=2e-5)
   for op in OPS:
     jaxpr = check_nested_vmap(lambda x, w: op(x, where=w), (x, w), outer, inner, close)
-    names = _primitive_names(jaxpr)
+    names = primitive_names(jaxpr)
     assert names.count(f"{op.__name__}_fwd") == 1, names
 
 
@@ -140,7 +127,7 @@ def test_vmap_is_one_primitive(op, in_axes, mode):
     # jacfwd of grad: the forward's tangent kernel vmapped over the basis.
     "hessian": jax.hessian(loss),
   }[mode]
-  names = _primitive_names(jax.make_jaxpr(jax.vmap(f, in_axes=in_axes))(x, w).jaxpr)
+  names = primitive_names(jax.make_jaxpr(jax.vmap(f, in_axes=in_axes))(x, w).jaxpr)
   assert not {"while", "scan"} & set(names), names
   name = op.__name__
   fwd, tangent = f"{name}_fwd", "softmax_bwd" if name == "softmax" else "log_softmax_jvp"

@@ -30,6 +30,7 @@ from tests.helpers import (
   assert_close,
   f64,
   on_path,
+  primitive_names,
   rand,
   to64,
   x64,
@@ -488,18 +489,8 @@ def test_jacobians_linearize_and_hessian_vector_products(path):
 # Primitives in the jaxpr.
 
 
-def _primitive_names(jaxpr) -> list[str]:
-  """Every equation's primitive name, nested jaxprs included."""
-  names = []
-  for eqn in jaxpr.eqns:
-    names.append(eqn.primitive.name)
-    for sub in jax.extend.core.jaxprs_in_params(eqn.params):
-      names += _primitive_names(sub)
-  return names
-
-
 def _attention_prims(fn, *args) -> collections.Counter:
-  names = _primitive_names(jax.make_jaxpr(fn)(*args).jaxpr)
+  names = primitive_names(jax.make_jaxpr(fn)(*args).jaxpr)
   return collections.Counter(n for n in names if "attention" in n)
 
 

@@ -36,6 +36,7 @@ from tests.helpers import (
   f64,
   lower_text,
   on_path,
+  primitive_names,
   rand,
   to64,
   x64,
@@ -490,17 +491,8 @@ def test_jvp_of_each_new_operand_alone():
 # Primitives in the jaxpr.
 
 
-def _primitive_names(jaxpr) -> list[str]:
-  names = []
-  for eqn in jaxpr.eqns:
-    names.append(eqn.primitive.name)
-    for sub in jax.extend.core.jaxprs_in_params(eqn.params):
-      names += _primitive_names(sub)
-  return names
-
-
 def _attention_prims(fn, *args) -> collections.Counter:
-  names = _primitive_names(jax.make_jaxpr(fn)(*args).jaxpr)
+  names = primitive_names(jax.make_jaxpr(fn)(*args).jaxpr)
   return collections.Counter(n for n in names if "attention" in n)
 
 

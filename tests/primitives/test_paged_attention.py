@@ -20,7 +20,14 @@ import numpy as np
 import pytest
 
 import pallax
-from tests.helpers import CALL_TARGET, FLOAT_DTYPES, assert_close, lower_text, on_path
+from tests.helpers import (
+  CALL_TARGET,
+  FLOAT_DTYPES,
+  assert_close,
+  lower_text,
+  on_path,
+  primitive_names,
+)
 from tests.primitives.paged_attention_reference import Case, inputs, reference
 
 KERNEL_PATHS = ("triton", "mosaic_tpu")
@@ -152,17 +159,8 @@ def test_stop_gradient_on_the_inputs_is_fine():
   np.testing.assert_array_equal(jax.grad(f)(q), 0.0)
 
 
-def _primitive_names(jaxpr) -> list[str]:
-  names = []
-  for eqn in jaxpr.eqns:
-    names.append(eqn.primitive.name)
-    for sub in jax.extend.core.jaxprs_in_params(eqn.params):
-      names += _primitive_names(sub)
-  return names
-
-
 def test_one_primitive():
-  names = _primitive_names(jax.make_jaxpr(pallax.paged_attention)(*_small()).jaxpr)
+  names = primitive_names(jax.make_jaxpr(pallax.paged_attention)(*_small()).jaxpr)
   assert collections.Counter(n for n in names if "attention" in n) == {"paged_attention": 1}
 
 
