@@ -179,3 +179,26 @@ def measure(builder, *args, calls=2, timeout=3600):
 
 if __name__ == "__main__":
   _child(sys.argv[1], json.loads(sys.argv[2]), int(sys.argv[3]))
+
+
+def record(info: dict, builder: str, *args, platform: str, calls: int = 2) -> None:
+  """``measure``'s numbers into a benchmark's ``extra_info``, in MiB.
+
+  On a GPU/TPU a second process may find no device memory (a TPU, or a GPU
+  this process holds whole): the error is recorded instead; on a CPU it raises.
+  """
+  try:
+    memory = measure(builder, *args, calls=calls)
+  except RuntimeError as error:
+    if platform == "cpu":
+      raise
+    info["peak_memory_error"] = str(error)[-500:]
+    return
+  for name in ("peak_rss", "call_peak_rss", "baseline_rss", "call_growth"):
+    info[f"{name}_mib"] = round(memory[name] / 2**20, 1)
+  for name in ("device_peak", "device_call_growth"):
+    if memory.get(name) is not None:
+      info[f"{name}_mib"] = round(memory[name] / 2**20, 1)
+  info["peak_exact"] = memory["peak_exact"]
+  info["memory_calls"] = memory["calls"]
+  info["memory_call_seconds"] = [round(s, 3) for s in memory["call_seconds"]]

@@ -94,7 +94,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from peak_memory import measure
+from peak_memory import record
 
 import pallax
 
@@ -301,22 +301,7 @@ def test_attention(benchmark, fwd_bwd, case, mode, impl):
   calls = 1 if case.slow else 2
   builder = f"{os.path.abspath(__file__)}:program"
   info = benchmark.extra_info
-  try:
-    memory = measure(builder, dataclasses.asdict(case), impl, mode, calls=calls)
-  except RuntimeError as error:
-    if device.platform == "cpu":
-      raise
-    memory = None  # a TPU (or a GPU held whole by this process) has no room for a second process
-    info["peak_memory_error"] = str(error)[-500:]
-  if memory is not None:
-    for name in ("peak_rss", "call_peak_rss", "baseline_rss", "call_growth"):
-      info[f"{name}_mib"] = round(memory[name] / MIB, 1)
-    for name in ("device_peak", "device_call_growth"):
-      if memory.get(name) is not None:
-        info[f"{name}_mib"] = round(memory[name] / MIB, 1)
-    info["peak_exact"] = memory["peak_exact"]
-    info["memory_calls"] = memory["calls"]
-    info["memory_call_seconds"] = [round(s, 3) for s in memory["call_seconds"]]
+  record(info, builder, dataclasses.asdict(case), impl, mode, platform=device.platform, calls=calls)
   if impl == "pallax":  # which implementation the executor picked for each kernel call
     info["pallax_kernels"] = [
       f"{s.op}: {s.implementation} ({s.source})" for s in pallax.explain(fn, *inputs)

@@ -41,7 +41,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from peak_memory import measure
+from peak_memory import record
 
 import pallax
 
@@ -145,20 +145,7 @@ def test_paged_attention(benchmark, case, impl):
   compiled = jax.jit(fn).lower(*inputs).compile()
   info = benchmark.extra_info
   builder = f"{os.path.abspath(__file__)}:program"
-  try:
-    memory = measure(builder, dataclasses.asdict(case), impl, calls=2)
-  except RuntimeError as error:
-    if device.platform == "cpu":
-      raise
-    memory = None  # a TPU (or a GPU held whole by this process) has no room for a second process
-    info["peak_memory_error"] = str(error)[-500:]
-  if memory is not None:
-    for name in ("peak_rss", "call_peak_rss", "baseline_rss", "call_growth"):
-      info[f"{name}_mib"] = round(memory[name] / MIB, 1)
-    for name in ("device_peak", "device_call_growth"):
-      if memory.get(name) is not None:
-        info[f"{name}_mib"] = round(memory[name] / MIB, 1)
-    info["peak_exact"] = memory["peak_exact"]
+  record(info, builder, dataclasses.asdict(case), impl, platform=device.platform)
   if impl == "pallax":
     info["pallax_kernels"] = [
       f"{s.op}: {s.implementation} ({s.source})" for s in pallax.explain(fn, *inputs)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import itertools
 
@@ -202,6 +203,18 @@ def primitive_names(jaxpr) -> list[str]:
     for sub in jax.extend.core.jaxprs_in_params(eqn.params):
       names += primitive_names(sub)
   return names
+
+
+def attention_primitives(jaxpr, *, loops: bool = True) -> collections.Counter:
+  """How often each attention primitive occurs in ``jaxpr``; ``loops=False`` asserts no loop."""
+  names = primitive_names(jaxpr)
+  assert loops or not {"while", "scan"} & set(names), names
+  return collections.Counter(n for n in names if "attention" in n)
+
+
+def attention_primitives_of(fn, *args) -> collections.Counter:
+  """``attention_primitives`` of ``fn``'s jaxpr at ``args``."""
+  return attention_primitives(jax.make_jaxpr(fn)(*args).jaxpr)
 
 
 def assert_tree_close(got, want, rtol=2e-5, atol=2e-5) -> None:

@@ -124,6 +124,7 @@ class _Refs:
     self.q, self.k, self.v = q, k, v
     self.bias = rest.pop(0) if p.has_bias else None
     self.mask = rest.pop(0) if p.has_mask else None
+    self.own_seg = self.other_seg = self.own_tab = self.other_tab = None
     if p.has_segments:
       self.own_seg, self.other_seg, self.own_tab, self.other_tab = rest[:4]
       rest = rest[4:]
@@ -132,13 +133,13 @@ class _Refs:
 
   def run(self):
     """``[lo, hi)`` of the other side's blocks the program's segments meet (None: all)."""
-    if not hasattr(self, "own_tab"):
+    if self.own_tab is None:
       return None
     return self.own_tab[common.SEG_LO], self.own_tab[common.SEG_HI]
 
   def meets(self, j):
     """Whether the other side's block ``j`` meets the program's segments (None: yes)."""
-    if not hasattr(self, "own_tab"):
+    if self.own_tab is None:
       return None
     own = (self.own_tab[common.SEG_MIN], self.own_tab[common.SEG_MAX])
     return common.segments_meet(

@@ -8,7 +8,6 @@ are batched BTNH calls or unbatched TNH ones (treated as B = 1).
 
 from __future__ import annotations
 
-import collections
 import functools
 
 import jax
@@ -22,12 +21,12 @@ from tests.helpers import (
   as64,
   assert_close,
   assert_tree_close,
+  attention_primitives,
   batched,
   check_nested_vmap,
   loop_stack,
   nested_shape,
   on_path,
-  primitive_names,
   rand,
   x64,
 )
@@ -87,12 +86,6 @@ def _attention(config=None, return_residual=False, is_causal=True, window=None):
   return f
 
 
-def _attention_prims(jaxpr) -> collections.Counter:
-  names = primitive_names(jaxpr)
-  assert not {"while", "scan"} & set(names), names
-  return collections.Counter(n for n in names if "attention" in n)
-
-
 # in_axes of (q, k, v, bias, mask, q_len, kv_len).
 IN_AXES = [
   (0, 0, 0, 0, 0, 0, 0),
@@ -126,7 +119,7 @@ def test_vmap_matches_loop(example, in_axes):
   got = jax.jit(vf)(*args)
   want = loop_stack(jax.jit(f), args, in_axes, size)
   assert_tree_close(got, want)
-  assert _attention_prims(jax.make_jaxpr(vf)(*args).jaxpr) == {FWD: 1}
+  assert attention_primitives(jax.make_jaxpr(vf)(*args).jaxpr, loops=False) == {FWD: 1}
 
 
 def test_vmap_matches_float64_reference():
@@ -190,7 +183,7 @@ def test_vmap_of_grad_matches_loop(in_axes):
   g = _grads(_attention())
   vg = jax.vmap(g, in_axes=in_axes)
   assert_tree_close(jax.jit(vg)(*args), loop_stack(jax.jit(g), args, in_axes, size))
-  assert _attention_prims(jax.make_jaxpr(vg)(*args).jaxpr) == {FWD: 1, BWD: 1}
+  assert attention_primitives(jax.make_jaxpr(vg)(*args).jaxpr, loops=False) == {FWD: 1, BWD: 1}
 
 
 @pytest.mark.parametrize("path", ["triton", "mosaic_tpu"])
@@ -231,7 +224,7 @@ def test_vmap_of_jvp_matches_loop(in_axes):
   vj = jax.vmap(jvp, in_axes=in_axes)
   all_args = args + tangents
   assert_tree_close(jax.jit(vj)(*all_args), loop_stack(jax.jit(jvp), all_args, in_axes, size))
-  assert _attention_prims(jax.make_jaxpr(vj)(*all_args).jaxpr) == {FWD: 1, JVP: 1}
+  assert attention_primitives(jax.make_jaxpr(vj)(*all_args).jaxpr, loops=False) == {FWD: 1, JVP: 1}
 
 
 def test_jacfwd_under_vmap_is_one_kernel_each_way():
@@ -249,7 +242,7 @@ def test_jacfwd_under_vmap_is_one_kernel_each_way():
 
   vf = jax.vmap(per_example)
   assert_tree_close(jax.jit(vf)(*args), loop_stack(jax.jit(per_example), args, (0,) * 7, 2))
-  assert _attention_prims(jax.make_jaxpr(vf)(*args).jaxpr) == {FWD: 1, JVP: 1}
+  assert attention_primitives(jax.make_jaxpr(vf)(*args).jaxpr, loops=False) == {FWD: 1, JVP: 1}
 
 
 # Nested vmaps over two operands; the others are shared.
@@ -280,4 +273,4 @@ def test_nested_vmap(outer, inner, which):
   )
   close = lambda got, want: assert_tree_close(got, want)
   jaxpr = check_nested_vmap(fn, args, outer, inner, close)
-  assert _attention_prims(jaxpr) == {FWD: 1}
+  assert attention_primitives(jaxpr, loops=False) == {FWD: 1}

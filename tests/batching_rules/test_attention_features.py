@@ -9,7 +9,6 @@ value head dim unlike the query's. Examples are batched BTNH calls (ids
 
 from __future__ import annotations
 
-import collections
 import functools
 
 import jax
@@ -21,10 +20,10 @@ import pallax
 from tests.helpers import (
   assert_close,
   assert_tree_close,
+  attention_primitives,
   batched,
   loop_stack,
   on_path,
-  primitive_names,
   rand,
   to64,
   x64,
@@ -73,12 +72,6 @@ def _attention(config=None, return_residual=False, fn=None):
   return f
 
 
-def _attention_prims(jaxpr) -> collections.Counter:
-  names = primitive_names(jaxpr)
-  assert not {"while", "scan"} & set(names), names
-  return collections.Counter(n for n in names if "attention" in n)
-
-
 # in_axes of (q, k, v, q_seg, kv_seg, sinks).
 IN_AXES = [
   (0, 0, 0, 0, 0, 0),
@@ -103,7 +96,7 @@ def test_vmap_matches_loop(example, in_axes):
   got = jax.jit(vf)(*args)
   want = loop_stack(jax.jit(f), args, in_axes, size)
   assert_tree_close(got, want)
-  assert _attention_prims(jax.make_jaxpr(vf)(*args).jaxpr) == {FWD: 1}
+  assert attention_primitives(jax.make_jaxpr(vf)(*args).jaxpr, loops=False) == {FWD: 1}
 
 
 def test_vmap_matches_float64_reference():
@@ -144,7 +137,7 @@ def test_vmap_of_grad_matches_loop(in_axes):
   got = jax.jit(vg)(*args)
   assert got[3].shape == (size, N)
   assert_tree_close(got, loop_stack(jax.jit(g), args, in_axes, size))
-  assert _attention_prims(jax.make_jaxpr(vg)(*args).jaxpr) == {FWD: 1, BWD: 1}
+  assert attention_primitives(jax.make_jaxpr(vg)(*args).jaxpr, loops=False) == {FWD: 1, BWD: 1}
 
 
 def test_vmap_of_jvp_matches_loop():
@@ -164,7 +157,10 @@ def test_vmap_of_jvp_matches_loop():
     vj = jax.vmap(jvp, in_axes=in_axes)
     all_args = args + tangents
     assert_tree_close(jax.jit(vj)(*all_args), loop_stack(jax.jit(jvp), all_args, in_axes, size))
-    assert _attention_prims(jax.make_jaxpr(vj)(*all_args).jaxpr) == {FWD: 1, JVP: 1}
+    assert attention_primitives(jax.make_jaxpr(vj)(*all_args).jaxpr, loops=False) == {
+      FWD: 1,
+      JVP: 1,
+    }
 
 
 @pytest.mark.parametrize("path", ["triton", "mosaic_tpu"])

@@ -11,7 +11,6 @@ causal and window masks), and once with the executor's choice.
 
 from __future__ import annotations
 
-import collections
 import dataclasses
 import functools
 
@@ -28,9 +27,9 @@ from tests.helpers import (
   TOL,
   as64,
   assert_close,
+  attention_primitives_of,
   f64,
   on_path,
-  primitive_names,
   rand,
   to64,
   x64,
@@ -489,11 +488,6 @@ def test_jacobians_linearize_and_hessian_vector_products(path):
 # Primitives in the jaxpr.
 
 
-def _attention_prims(fn, *args) -> collections.Counter:
-  names = primitive_names(jax.make_jaxpr(fn)(*args).jaxpr)
-  return collections.Counter(n for n in names if "attention" in n)
-
-
 FWD, BWD, JVP = (f"dot_product_attention_{s}" for s in ("fwd", "bwd", "jvp"))
 
 
@@ -509,17 +503,17 @@ def test_one_primitive_each_way(name):
   f_res = _op(_pallax(), statics, return_residual=True)
   diff = _diff_args(arrays)
   loss = lambda *d: jnp.sum(jnp.sin(f(*_with_diff(arrays, d))))
-  assert _attention_prims(f, *arrays) == {FWD: 1}
-  assert _attention_prims(f_res, *arrays) == {FWD: 1}
+  assert attention_primitives_of(f, *arrays) == {FWD: 1}
+  assert attention_primitives_of(f_res, *arrays) == {FWD: 1}
   grad_all = jax.grad(loss, tuple(range(len(diff))))
-  assert _attention_prims(grad_all, *diff) == {FWD: 1, BWD: 1}
-  assert _attention_prims(jax.grad(loss), *diff) == {FWD: 1, BWD: 1}
-  assert _attention_prims(jax.value_and_grad(loss), *diff) == {FWD: 1, BWD: 1}
+  assert attention_primitives_of(grad_all, *diff) == {FWD: 1, BWD: 1}
+  assert attention_primitives_of(jax.grad(loss), *diff) == {FWD: 1, BWD: 1}
+  assert attention_primitives_of(jax.value_and_grad(loss), *diff) == {FWD: 1, BWD: 1}
   jvp = lambda *d: jax.jvp(lambda *d: f(*_with_diff(arrays, d)), d, d)
-  assert _attention_prims(jvp, *diff) == {FWD: 1, JVP: 1}
+  assert attention_primitives_of(jvp, *diff) == {FWD: 1, JVP: 1}
   # With the residual returned too, grad still runs one forward.
   res_loss = lambda q: jnp.sum(f_res(q, *arrays[1:])[0])
-  assert _attention_prims(jax.grad(res_loss), arrays[0]) == {FWD: 1, BWD: 1}
+  assert attention_primitives_of(jax.grad(res_loss), arrays[0]) == {FWD: 1, BWD: 1}
 
 
 def test_lse_has_no_gradient():

@@ -17,7 +17,6 @@ ROCm and TPU.
 
 from __future__ import annotations
 
-import collections
 import dataclasses
 import functools
 from typing import Any, Optional
@@ -33,10 +32,10 @@ from tests.helpers import (
   PATHS,
   TOL,
   assert_close,
+  attention_primitives_of,
   f64,
   lower_text,
   on_path,
-  primitive_names,
   rand,
   to64,
   x64,
@@ -491,11 +490,6 @@ def test_jvp_of_each_new_operand_alone():
 # Primitives in the jaxpr.
 
 
-def _attention_prims(fn, *args) -> collections.Counter:
-  names = primitive_names(jax.make_jaxpr(fn)(*args).jaxpr)
-  return collections.Counter(n for n in names if "attention" in n)
-
-
 @pytest.mark.parametrize("name", ["hv-all-features", "unbatched-packed-sinks-cap-hv"])
 def test_one_primitive_each_way(name):
   """Forward: one fwd; grad of all five operands: one fwd + one bwd; jvp: fwd + jvp."""
@@ -506,15 +500,18 @@ def test_one_primitive_each_way(name):
   diff = tuple(ops[n] for n in names)
   assert "sinks" in names
   loss = lambda *d: jnp.sum(jnp.sin(f(*d)))
-  assert _attention_prims(f, *diff) == {FWD: 1}
-  assert _attention_prims(f_res, *diff) == {FWD: 1}
-  assert _attention_prims(jax.grad(loss, tuple(range(len(diff)))), *diff) == {FWD: 1, BWD: 1}
+  assert attention_primitives_of(f, *diff) == {FWD: 1}
+  assert attention_primitives_of(f_res, *diff) == {FWD: 1}
+  assert attention_primitives_of(jax.grad(loss, tuple(range(len(diff)))), *diff) == {FWD: 1, BWD: 1}
   sinks_only = lambda s: jax.grad(lambda s: loss(*diff[:-1], s))(s)
-  assert _attention_prims(sinks_only, diff[-1]) == {FWD: 1, BWD: 1}
+  assert attention_primitives_of(sinks_only, diff[-1]) == {FWD: 1, BWD: 1}
   jvp = lambda *d: jax.jvp(f, d, d)
-  assert _attention_prims(jvp, *diff) == {FWD: 1, JVP: 1}
+  assert attention_primitives_of(jvp, *diff) == {FWD: 1, JVP: 1}
   res_loss = lambda *d: jnp.sum(f_res(*d)[0])
-  assert _attention_prims(jax.grad(res_loss, tuple(range(len(diff)))), *diff) == {FWD: 1, BWD: 1}
+  assert attention_primitives_of(jax.grad(res_loss, tuple(range(len(diff)))), *diff) == {
+    FWD: 1,
+    BWD: 1,
+  }
 
 
 def test_lse_has_no_gradient():
