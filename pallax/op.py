@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import types
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -69,10 +70,11 @@ class Dims:
 
   ``per_shard`` is for ops whose results are not plain sums over a reduced
   factor (a matmul with a fused bias or activation must sum the partial
-  products before the epilogue): ``(psum, *args) -> results`` runs on each
-  device instead of the kernel when a reduced factor is sharded, where
-  ``psum(x, i)`` sums ``x`` across the devices that result ``i`` is summed
-  over. None: the kernel runs and its results are summed as they are.
+  products before the epilogue; a loss combines per-shard log-sum-exps):
+  ``(shards, *args) -> results`` runs on each device instead of the kernel
+  when a reduced factor is sharded, where ``shards`` (a ``Shards``) sums a
+  result across the devices it is summed over and names each factor's mesh
+  axes. None: the kernel runs and its results are summed as they are.
 
   ``refused`` maps factors that the op cannot shard (yet) to the error a
   sharded one raises, instead of being gathered quietly.
@@ -83,6 +85,27 @@ class Dims:
   replicated: tuple[str, ...] = ()
   per_shard: Callable[..., Sequence[Any]] | None = None
   refused: Mapping[str, str] = dataclasses.field(default_factory=dict)
+
+
+@dataclasses.dataclass(frozen=True)
+class Shards:
+  """What a ``Dims.per_shard`` function knows of how its call is partitioned.
+
+  factors: each sharded factor's mesh axes.
+  summed: per result, the mesh axes it is summed over (those of the reduced
+    factors that are sharded).
+  """
+
+  factors: Mapping[str, tuple[str, ...]]
+  summed: Sequence[tuple[str, ...]]
+
+  def psum(self, x: jax.Array, i: int) -> jax.Array:
+    """``x`` summed across the devices that result ``i`` is summed over."""
+    return jax.lax.psum(x, self.summed[i]) if self.summed[i] else x
+
+  def axes(self, factor: str) -> tuple[str, ...]:
+    """The mesh axes ``factor`` is sharded over (empty: not sharded)."""
+    return tuple(self.factors.get(factor) or ())
 
 
 @dataclasses.dataclass(frozen=True)
@@ -125,6 +148,24 @@ class Kernel:
       config.supports,
       getattr(config, "VERSION", 1),
     )
+
+  @classmethod
+  def of_stage(cls, stage: str, *, config: Any, backends: Mapping[str, Any]) -> Kernel:
+    """The kernel function ``stage`` of a family whose config space takes ``stage=``.
+
+    For ops with several stages (forward, tangent, backward) sharing one config
+    module whose ``heuristic``, ``candidates`` and ``supports`` take a
+    ``stage`` keyword.
+    """
+    bound = lambda f: functools.partial(f, stage=stage)
+    space = types.SimpleNamespace(
+      CONFIG_CLS=config.CONFIG_CLS,
+      heuristic=bound(config.heuristic),
+      candidates=bound(config.candidates),
+      supports=bound(config.supports),
+      VERSION=getattr(config, "VERSION", 1),
+    )
+    return cls.of_family(stage, config=space, backends=backends)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -383,13 +424,12 @@ def _partitioned(kernel: Primitive, dims: Dims, params: dict) -> Callable:
       for names in dims.results
     ]
 
-    def psum(x, i):
-      return jax.lax.psum(x, summed[i]) if summed[i] else x
+    shards = Shards(factors, summed)
 
     def lower_fn(*args):
       if dims.per_shard is not None and any(summed):
-        return tuple(dims.per_shard(psum, *args))
-      return tuple(psum(out, i) for i, out in enumerate(kernel.bind(*args, **params)))
+        return tuple(dims.per_shard(shards, *args))
+      return tuple(shards.psum(out, i) for i, out in enumerate(kernel.bind(*args, **params)))
 
     return mesh, lower_fn, out_shardings, arg_shardings
 

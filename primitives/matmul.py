@@ -110,7 +110,7 @@ def _product(prim, a, b, *, a_batch, b_batch, **params) -> jax.Array:
   return jnp.expand_dims(out, missing) if missing else out
 
 
-def _matmul_per_shard(psum, a, b, *bias, out_dtype, **params):
+def _matmul_per_shard(shards, a, b, *bias, out_dtype, **params):
   """Sharded K: this device's partial product, summed across devices, then the epilogue.
 
   The sum is in float32: the bias and the activation must see the whole sum.
@@ -118,7 +118,7 @@ def _matmul_per_shard(psum, a, b, *bias, out_dtype, **params):
   product, epilogue_params = kernels.split_params(params)
   acc = kernels.acc_dtype(a.dtype, b.dtype)
   partial = _product(matmul_p.kernel, a, b, out_dtype=acc, **product)
-  return kernels.epilogue(psum(partial, 0), *bias, out_dtype=out_dtype, **epilogue_params)
+  return kernels.epilogue(shards.psum(partial, 0), *bias, out_dtype=out_dtype, **epilogue_params)
 
 
 def _matmul_dims(a, b, *bias, **params) -> Dims:

@@ -25,8 +25,8 @@ __all__ = ["AttentionConfig", "STAGES", "kernel"]
 
 def kernel(stage: str) -> Kernel:
   """The Pallas kernel of ``stage`` (``"fwd"``, ``"jvp"`` or ``"bwd"``), sinks applied around it."""
-  family = Kernel.of_family(
-    stage, config=config.for_stage(stage), backends={"triton": triton, "mosaic_tpu": mosaic_tpu}
+  family = Kernel.of_stage(
+    stage, config=config, backends={"triton": triton, "mosaic_tpu": mosaic_tpu}
   )
   impls = {name: with_sinks(stage, fn) for name, fn in family.impls.items()}
   return dataclasses.replace(family, impls=impls)

@@ -7,7 +7,6 @@ stage has its own heuristic (the backward holds more accumulators per block).
 from __future__ import annotations
 
 import dataclasses
-import types
 from collections.abc import Sequence
 from typing import Any, Optional
 
@@ -36,6 +35,9 @@ class AttentionConfig(KernelConfig):
   block_k: int
   num_warps: int = 4
   num_stages: int = 2
+
+
+CONFIG_CLS = AttentionConfig
 
 
 _TPU_SUBLANES, _TPU_LANES = 8, 128
@@ -220,14 +222,3 @@ def supports(
       f"{max(p.head_dim, p.value_dim)} (float32 dots at precision HIGHEST need too many registers)"
     )
   return triton_warps_reason(config)
-
-
-def for_stage(stage: str) -> types.SimpleNamespace:
-  """The config space of one stage's kernel, as ``Kernel.of_family`` reads it."""
-  bound = lambda f: lambda *a, **kw: f(*a, stage=stage, **kw)
-  return types.SimpleNamespace(
-    CONFIG_CLS=AttentionConfig,
-    heuristic=bound(heuristic),
-    candidates=bound(candidates),
-    supports=bound(supports),
-  )
