@@ -76,6 +76,10 @@ class Dims:
   result across the devices it is summed over and names each factor's mesh
   axes. None: the kernel runs and its results are summed as they are.
 
+  ``indexed`` names factors that ``per_shard`` must see sharded even where no
+  result is summed over them: operands hold global indices into them (labels
+  into a sharded vocabulary), which each shard must offset.
+
   ``refused`` maps factors that the op cannot shard (yet) to the error a
   sharded one raises, instead of being gathered quietly.
   """
@@ -84,6 +88,7 @@ class Dims:
   results: tuple[tuple[str, ...], ...]
   replicated: tuple[str, ...] = ()
   per_shard: Callable[..., Sequence[Any]] | None = None
+  indexed: tuple[str, ...] = ()
   refused: Mapping[str, str] = dataclasses.field(default_factory=dict)
 
 
@@ -157,7 +162,9 @@ class Kernel:
     module whose ``heuristic``, ``candidates`` and ``supports`` take a
     ``stage`` keyword.
     """
-    bound = lambda f: functools.partial(f, stage=stage)
+    def bound(f):
+      return functools.wraps(f)(lambda *args, **kw: f(*args, stage=stage, **kw))
+
     space = types.SimpleNamespace(
       CONFIG_CLS=config.CONFIG_CLS,
       heuristic=bound(config.heuristic),
@@ -427,7 +434,7 @@ def _partitioned(kernel: Primitive, dims: Dims, params: dict) -> Callable:
     shards = Shards(factors, summed)
 
     def lower_fn(*args):
-      if dims.per_shard is not None and any(summed):
+      if dims.per_shard is not None and (any(summed) or any(f in factors for f in dims.indexed)):
         return tuple(dims.per_shard(shards, *args))
       return tuple(shards.psum(out, i) for i, out in enumerate(kernel.bind(*args, **params)))
 
