@@ -10,6 +10,12 @@ from pallax.executor import Executor, KernelConfig, default_executor, set_defaul
 from pallax.executor.tools import autotune, explain, pmap_with_config, vmap_with_config
 from pallax.interpret import interpret
 from pallax.primitives.attention import AttentionConfig, dot_product_attention
+from pallax.primitives.cross_entropy import (
+  CrossEntropyConfig,
+  cross_entropy,
+  linear_cross_entropy,
+  linear_softmax_cross_entropy_loss,
+)
 from pallax.primitives.matmul import MatmulConfig, matmul
 from pallax.primitives.norm import NormConfig, fused_add_rms_norm, layer_norm, rms_norm
 from pallax.primitives.paged_attention import PagedAttentionConfig, paged_attention
@@ -31,6 +37,10 @@ __all__ = [
   "AttentionConfig",
   "paged_attention",
   "PagedAttentionConfig",
+  "cross_entropy",
+  "linear_cross_entropy",
+  "linear_softmax_cross_entropy_loss",
+  "CrossEntropyConfig",
   "autobatch",
   "interpret",
   "Executor",

@@ -31,6 +31,7 @@ from pallax.executor.autotune import median_time
 from pallax.executor.tools import explain
 from pallax.interpret import BACKENDS, interpret
 from pallax.primitives.attention import dot_product_attention
+from pallax.primitives.cross_entropy import linear_cross_entropy
 from pallax.primitives.matmul import matmul, matmul_reference
 from pallax.primitives.norm import (
   fused_add_rms_norm,
@@ -118,6 +119,29 @@ def _causal_attention_reference(q: jax.Array, k: jax.Array, v: jax.Array) -> jax
   return jax.nn.dot_product_attention(q, k, v, is_causal=True)
 
 
+def _lm_head_args(rng: np.random.Generator, dtype, small: bool) -> tuple[jax.Array, ...]:
+  n, d, v = (37, 64, 301) if small else (2048, 512, 32000)
+  x = jnp.asarray(rng.standard_normal((n, d)), dtype)
+  return x, jnp.asarray(rng.standard_normal((d, v)) / np.sqrt(d), dtype)
+
+
+def _lm_head_labels(x: jax.Array, w: jax.Array) -> jax.Array:
+  """Fixed labels spread over the vocabulary (integer labels are not differentiated)."""
+  return (jnp.arange(x.shape[0], dtype=jnp.int32) * 7919) % w.shape[1]
+
+
+def _lm_head_loss(x: jax.Array, w: jax.Array) -> jax.Array:
+  return linear_cross_entropy(x, w, _lm_head_labels(x, w), label_smoothing=0.1)
+
+
+def _lm_head_loss_reference(x: jax.Array, w: jax.Array) -> jax.Array:
+  """Optax's formulation: the logits in full, log_softmax, the smoothed targets."""
+  st = jnp.promote_types(x.dtype, jnp.float32)
+  logp = jax.nn.log_softmax(jnp.dot(x, w, preferred_element_type=st), axis=-1)
+  target = 0.9 * jax.nn.one_hot(_lm_head_labels(x, w), w.shape[1], dtype=st) + 0.1 / w.shape[1]
+  return -jnp.mean(jnp.sum(target * logp, axis=-1))
+
+
 # Every op's self-check, in report order.
 CHECKS: tuple[SelfCheck, ...] = (
   SelfCheck("matmul", _matmul_args, _matmul_gelu, _matmul_gelu_reference),
@@ -134,6 +158,7 @@ CHECKS: tuple[SelfCheck, ...] = (
   SelfCheck(
     "dot_product_attention", _attention_args, _causal_attention, _causal_attention_reference
   ),
+  SelfCheck("linear_cross_entropy", _lm_head_args, _lm_head_loss, _lm_head_loss_reference),
 )
 
 

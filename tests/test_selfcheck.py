@@ -34,6 +34,7 @@ OPS = [
   "softmax",
   "log_softmax",
   "dot_product_attention",
+  "linear_cross_entropy",
 ]
 TIME_CELL = re.compile(r"^(\d+\.\d\dx ±\d+\.\d\d|unreliable)$")
 

@@ -97,6 +97,13 @@ _PAGED_SIZES = (
 )
 _PAGED_QUICK = ((32, 32, 8, 128, 16, 256), (3, 12, 4, 80, 8, 37))
 
+# LM-head losses (N tokens, D hidden, V vocabulary): the bench's, GPT-2's odd
+# vocabulary with a wide hidden dim, a few tokens of a Llama-2 one, Llama-3's.
+_lm_head = lambda n, d, v: [(n, d), (d, v), (n,)]
+_LM_HEAD_SIZES = ((8192, 1024, 32768), (1000, 4096, 50257), (16, 2048, 32001), (2048, 4096, 128256))
+_LM_HEAD_QUICK = ((8192, 1024, 32768), (1000, 4096, 50257))
+_LOGITS_SIZES = ((4096, 32768), (1000, 50257), (16, 128256))
+
 OPS = {
   "rms_norm": Op(pallax.rms_norm, _norm, _NORM_SIZES, _NORM_QUICK),
   "layer_norm": Op(pallax.layer_norm, lambda r, h: [(r, h), (h,), (h,)], _NORM_SIZES, _NORM_QUICK),
@@ -142,6 +149,22 @@ OPS = {
     _ATTENTION_QUICK + ((1, 1000, 8, 2, 80), (1, 2048, 4, 4, 256)),
     _ATTENTION_QUICK,
     ints=2,
+  ),
+  "linear_cross_entropy": Op(
+    pallax.linear_cross_entropy, _lm_head, _LM_HEAD_SIZES, _LM_HEAD_QUICK, ints=1
+  ),
+  # Gemma 2's soft cap with a bias, label smoothing and z-loss.
+  "linear_cross_entropy_features": Op(
+    lambda x, w, b, labels: pallax.linear_cross_entropy(
+      x, w, labels, bias=b, logit_soft_cap=30.0, label_smoothing=0.1, z_loss=1e-4
+    ),
+    lambda n, d, v: [(n, d), (d, v), (v,), (n,)],
+    _LM_HEAD_QUICK,
+    _LM_HEAD_QUICK,
+    ints=1,
+  ),
+  "cross_entropy": Op(
+    pallax.cross_entropy, lambda n, v: [(n, v), (n,)], _LOGITS_SIZES, _LOGITS_SIZES[:2], ints=1
   ),
   "paged_attention": Op(
     pallax.paged_attention, _paged, _PAGED_SIZES, _PAGED_QUICK, ints=2, stages=("fwd",)

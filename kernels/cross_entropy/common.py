@@ -1,0 +1,245 @@
+"""What every cross-entropy implementation shares: the operands' layout and the tile math.
+
+The primitives (``primitives/cross_entropy.py``) never hold the loss itself:
+they compute three float32 statistics per token of the logits ``z`` (``x @ w
++ b`` for ``linear_cross_entropy``, the given logits for ``cross_entropy``),
+after the optional soft cap ``z' = cap * tanh(z / cap)``:
+
+* ``lse = log(sum_v exp(z'_v))``,
+* ``zy = z'_label`` (0 when the label is outside ``[0, V)``),
+* ``zsum = sum_v z'_v`` (what label smoothing needs).
+
+Every loss option (ignored tokens, label smoothing, z-loss, reductions) is
+plain jnp on these ``(G, N)`` statistics in the public functions, so JAX
+differentiates it, and the kernels stay small. With ``p = exp(z' - lse)``
+and ``c = dz'/dz`` (``1 - (z'/cap)**2``, or 1 without a cap), the tangent
+stage maps a tangent ``dz`` of the logits to the statistics' tangents
+``(sum p c dz, c_y dz_y, sum c dz)``, and the backward stage maps their
+cotangents ``(a_lse, a_zy, a_sum)`` to the logits' cotangent
+``g = c * (p * a_lse + [v == label] * a_zy + a_sum)``, then to ``x``, ``w``
+and ``b`` (``g @ w^T``, ``x^T @ g``, ``sum_n g``). Statistics are shared
+across vocabulary shards by all-reduces (a max and sums), so a vocab-sharded
+weight is never gathered.
+
+Operands of the primitives (``G`` groups: 1 unless vmap folded a mapped
+weight into it; ``N`` tokens; ``D`` hidden; ``V`` vocabulary):
+
+* ``linear``: ``x (G, N, D)``, ``w (G, D, V)`` (``(G, V, D)`` with
+  ``transposed_weight``: a tied embedding table read in place), optional
+  ``b (G, V)`` (``has_bias``), ``labels (G, N)`` int32;
+* not ``linear``: ``logits (G, N, V)``, ``labels (G, N)`` int32.
+
+The primitives keep the caller's token dims (``N`` stands for any number of
+them); the implementations see them flattened (``flat_tokens``).
+
+Stages (their extra operands follow the primal ones):
+
+* ``fwd (*primals) -> (lse, zy, zsum)``, each ``(G, N)`` in the stats dtype
+  (float32; float64 for float64 inputs);
+* ``jvp (*primals, lse, *tangents) -> (dlse, dzy, dzsum)``, tangents of the
+  floating primals in order (``dx, dw, [db]`` or ``dlogits``), linear in them;
+* ``bwd (*primals, lse, a_lse, a_zy, a_sum) -> cotangents`` of the floating
+  primals (``dx, dw, [db]`` or ``dlogits``), in their dtypes; ``dw`` in
+  ``w``'s layout, accumulated in float32.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from collections.abc import Sequence
+from typing import Any, Optional
+
+import jax
+import jax.numpy as jnp
+
+from pallax.pallas_utils import stat_dtype
+
+
+@dataclasses.dataclass(frozen=True)
+class Problem:
+  """The static shape of a call: sizes, dtypes and the features it uses."""
+
+  groups: int
+  tokens: int
+  hidden: int  # D; 0 without ``linear``
+  vocab: int
+  dtype: Any  # of x (or the logits)
+  w_dtype: Any  # of w (None without ``linear``)
+  linear: bool
+  has_bias: bool
+  transposed_weight: bool
+  soft_cap: Optional[float]
+
+  @classmethod
+  def of(
+    cls,
+    avals: Sequence[Any],
+    *,
+    linear: bool,
+    has_bias: bool,
+    transposed_weight: bool,
+    soft_cap: Optional[float],
+    **params,
+  ) -> Problem:
+    first = avals[0]
+    groups, tokens = first.shape[0], math.prod(first.shape[1:-1])
+    if linear:
+      w = avals[1]
+      vocab = w.shape[1] if transposed_weight else w.shape[2]
+      return cls(
+        groups,
+        tokens,
+        first.shape[-1],
+        vocab,
+        first.dtype,
+        w.dtype,
+        True,
+        has_bias,
+        transposed_weight,
+        soft_cap,
+      )
+    return cls(groups, tokens, 0, first.shape[-1], first.dtype, None, False, False, False, soft_cap)
+
+  @property
+  def primals(self) -> int:
+    """How many primal operands (labels included) the stages start with."""
+    return 3 + self.has_bias if self.linear else 2
+
+  @property
+  def stat_dtype(self):
+    return stat_dtype(self.dtype)
+
+
+@dataclasses.dataclass(frozen=True)
+class Operands:
+  """A stage's operands by name (None where a call has none)."""
+
+  x: jax.Array  # x, or the logits without ``linear``
+  w: Optional[jax.Array]
+  b: Optional[jax.Array]
+  labels: jax.Array
+  rest: tuple  # lse and the stage's tangents / cotangents
+
+  @classmethod
+  def of(cls, ops: Sequence[Any], *, linear: bool, has_bias: bool, **params) -> Operands:
+    if not linear:
+      return cls(ops[0], None, None, ops[1], tuple(ops[2:]))
+    b = ops[2] if has_bias else None
+    return cls(ops[0], ops[1], b, ops[2 + has_bias], tuple(ops[3 + has_bias :]))
+
+
+def weight_like(stage: str, p: Problem) -> frozenset[int]:
+  """Positions of a stage's operands without token dims: ``w``, ``b`` and their tangents."""
+  if not p.linear:
+    return frozenset()
+  weights = set(range(1, 2 + p.has_bias))
+  if stage == "jvp":
+    weights |= {p.primals + 1 + i for i in weights}
+  return frozenset(weights)
+
+
+def flat_tokens(stage: str, fn):
+  """``fn`` (an implementation of ``stage`` on ``(G, N, ...)`` operands) for any token dims.
+
+  The primitives keep the caller's token dims, ``(G, *T, ...)``, so that
+  sharded token dims never meet a reshape outside a shard (merging two
+  sharded dims would gather them); inside the lowering, arrays are local and
+  the reshape to one token dim is free.
+  """
+
+  @functools.wraps(fn)
+  def run(*ops, **params):
+    p = Problem.of([jax.typeof(o) for o in ops], **params)
+    tokens = ops[p.primals - 1].shape[1:]
+    weights = weight_like(stage, p)
+    flat = [
+      o if i in weights else o.reshape(p.groups, p.tokens, *o.shape[1 + len(tokens) :])
+      for i, o in enumerate(ops)
+    ]
+    outs = fn(*flat, **params)
+    token_outs = len(outs) if stage != "bwd" else 1
+    return [
+      o.reshape(p.groups, *tokens, *o.shape[2:]) if i < token_outs else o
+      for i, o in enumerate(outs)
+    ]
+
+  return run
+
+
+def capped(z: jax.Array, soft_cap: Optional[float]) -> tuple[jax.Array, Optional[jax.Array]]:
+  """``(z', c)``: the soft-capped logits and ``dz'/dz`` (None without a cap)."""
+  if soft_cap is None:
+    return z, None
+  zc = soft_cap * jnp.tanh(z / soft_cap)
+  return zc, 1 - jnp.square(zc / soft_cap)
+
+
+def stats_init(rows: int, dtype) -> tuple[jax.Array, ...]:
+  """Initial running statistics ``(m, s, zy, zsum)``, each ``(rows, 1)``."""
+  zeros = jnp.zeros((rows, 1), dtype)
+  return jnp.full((rows, 1), -jnp.inf, dtype), zeros, zeros, zeros
+
+
+def stats_update(acc, zc: jax.Array, hit: jax.Array, valid: Optional[jax.Array]):
+  """Folds a ``(rows, cols)`` tile of capped logits into ``(m, s, zy, zsum)``.
+
+  ``m`` and ``s`` are the running max and sum of ``exp(z' - m)`` (online
+  logsumexp); ``hit`` marks each row's label column; ``valid`` (None: all)
+  the columns inside the vocabulary.
+  """
+  m, s, zy, zsum = acc
+  if valid is not None:
+    zc_sum = jnp.where(valid, zc, 0)
+    zc = jnp.where(valid, zc, -jnp.inf)
+  else:
+    zc_sum = zc
+  m_new = jnp.maximum(m, jnp.max(zc, axis=1, keepdims=True))
+  s = s * jnp.exp(m - m_new) + jnp.sum(jnp.exp(zc - m_new), axis=1, keepdims=True)
+  zy = zy + jnp.sum(jnp.where(hit, zc_sum, 0), axis=1, keepdims=True)
+  return m_new, s, zy, zsum + jnp.sum(zc_sum, axis=1, keepdims=True)
+
+
+def stats_finish(acc) -> tuple[jax.Array, jax.Array, jax.Array]:
+  """``(lse, zy, zsum)`` from the running statistics."""
+  m, s, zy, zsum = acc
+  return m + jnp.log(s), zy, zsum
+
+
+def tangent_update(acc, zc, c, lse, dz, hit, valid):
+  """Adds a tile's terms to ``(dlse, dzy, dzsum)``: ``(sum p c dz, c_y dz_y, sum c dz)``.
+
+  ``dz`` is the logits' tangent tile; columns outside ``valid`` count nothing.
+  """
+  cdz = dz if c is None else c * dz
+  if valid is not None:
+    cdz = jnp.where(valid, cdz, 0)
+  p = jnp.exp(zc - lse)
+  dlse, dzy, dzsum = acc
+  return (
+    dlse + jnp.sum(p * cdz, axis=1, keepdims=True),
+    dzy + jnp.sum(jnp.where(hit, cdz, 0), axis=1, keepdims=True),
+    dzsum + jnp.sum(cdz, axis=1, keepdims=True),
+  )
+
+
+def cotangent(zc, c, lse, hit, valid, a_lse, a_zy, a_sum) -> jax.Array:
+  """The logits' cotangent tile ``c * (p a_lse + [v == label] a_zy + a_sum)`` (0 outside ``valid``).
+
+  ``lse`` and the ``a_*`` are ``(rows, 1)`` columns.
+  """
+  g = jnp.exp(zc - lse) * a_lse + jnp.where(hit, a_zy, 0) + a_sum
+  if c is not None:
+    g = c * g
+  return g if valid is None else jnp.where(valid, g, 0)
+
+
+def combine_stats(lse, zy, zsum, *, pmax, psum):
+  """Statistics of the whole vocabulary from per-part ones (vocab shards or splits).
+
+  ``pmax`` and ``psum`` reduce across the parts; ``zy`` and ``zsum`` are plain
+  sums (a label lies in one part; the others contribute 0).
+  """
+  m = jax.lax.stop_gradient(pmax(lse))
+  return m + jnp.log(psum(jnp.exp(lse - m))), psum(zy), psum(zsum)

@@ -1,0 +1,255 @@
+"""The cross-entropy kernels' config: ``CrossEntropyConfig``, heuristic, autotuning space, legality.
+
+One config class serves the three stages (forward, tangent, backward) of both
+ops; the executor selects one per stage and call.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from typing import Any, Optional
+
+import jax.numpy as jnp
+
+from pallax.executor.config import KernelConfig
+from pallax.executor.registry import interpreted, kernel_backend
+from pallax.kernels.cross_entropy.common import Problem
+from pallax.pallas_utils import mosaic_dtype_reason, next_pow2, sublanes, triton_warps_reason
+
+
+@dataclasses.dataclass(frozen=True)
+class CrossEntropyConfig(KernelConfig):
+  """Blocks of the cross-entropy kernels.
+
+  block_n: tokens per program (Triton: a power of two >= 16; TPU: a multiple
+    of the sublane tile or all tokens).
+  block_v: vocabulary columns per step (Triton: a power of two >= 16; TPU: a
+    multiple of 128 or the whole vocabulary).
+  block_d: hidden columns per step of the logits' matmul (``linear`` only;
+    Triton: a power of two >= 16; TPU: a multiple of 128 or all of D).
+  num_warps, num_stages: Triton launch parameters (ignored on TPU).
+  """
+
+  block_n: int
+  block_v: int
+  block_d: int = 64
+  num_warps: int = 4
+  num_stages: int = 2
+
+
+CONFIG_CLS = CrossEntropyConfig
+
+
+def _problem(avals, params) -> Problem:
+  return Problem.of(avals, **params)
+
+
+# The Triton tiles (block_n, block_v, block_d, num_warps, num_stages) per kind
+# of call, the heuristic's first. Every one compiled spill-free and within
+# shared memory on H100 and A100 (deviceless compiles, ptxas -v) for the
+# forward, tangent and backward at N x D x V = 8192 x 1024 x 32768,
+# 1000 x 4096 x 50257 and 16 x 2048 x 32001 (logits: 4096 x 32768,
+# 1000 x 50257), with and without bias, transposed weight and soft cap.
+# Left out for spilling there: float32 tiles over 64 x 64 x 16 in the tangent
+# (its two accumulators, and float32 dots at precision HIGHEST run on FMAs)
+# and over 32 x 128 x 32 elsewhere; 16-bit 128 x 128 and 64 x 128 x 64 tiles in
+# the backward (its dw kernel holds g, the dw tile and its update), 64 x 128
+# tiles and 64-deep D steps in the tangent (A100); logits-only rows over 32
+# (forward) or 64 (tangent, backward) float32 elements per thread.
+_TRITON_LINEAR = {
+  ("fwd", 2): ((64, 128, 32, 4, 3), (128, 128, 32, 8, 2), (32, 128, 64, 4, 2), (64, 64, 64, 4, 2)),
+  ("jvp", 2): ((64, 64, 32, 4, 2), (32, 128, 32, 4, 2)),
+  ("bwd", 2): ((64, 128, 32, 8, 2), (64, 64, 64, 4, 2), (64, 64, 32, 4, 2)),
+  ("fwd", 4): ((32, 128, 32, 8, 2), (64, 64, 32, 8, 2), (32, 64, 32, 4, 2), (16, 128, 32, 4, 2)),
+  ("jvp", 4): ((16, 64, 16, 4, 2), (64, 64, 16, 8, 2)),
+  ("bwd", 4): ((32, 128, 32, 8, 2), (32, 64, 16, 4, 2), (16, 64, 16, 4, 2), (32, 128, 16, 8, 2)),
+}
+_TRITON_LOGITS = {
+  "fwd": ((16, 512, 16, 8, 2), (16, 256, 16, 4, 2)),
+  "jvp": ((16, 1024, 16, 8, 2), (16, 512, 16, 4, 2)),
+  "bwd": ((16, 1024, 16, 8, 2), (16, 512, 16, 4, 2)),
+}
+
+
+def _triton_tiles(p: Problem, stage: str) -> list[CrossEntropyConfig]:
+  """The verified tiles of this kind of call, each clamped to the problem (powers of two >= 16)."""
+  if p.linear:
+    wide = max(jnp.dtype(p.dtype).itemsize, jnp.dtype(p.w_dtype).itemsize)
+    tiles = _TRITON_LINEAR[stage, 2 if wide <= 2 else 4]
+  else:
+    tiles = _TRITON_LOGITS[stage]
+  fit = lambda block, extent: min(block, max(16, next_pow2(extent)))
+  return [
+    CrossEntropyConfig(
+      block_n=fit(bn, p.tokens),
+      block_v=fit(bv, p.vocab),
+      block_d=fit(bd, p.hidden) if p.linear else bd,
+      num_warps=warps,
+      num_stages=stages,
+    )
+    for bn, bv, bd, warps, stages in tiles
+  ]
+
+
+def _triton_heuristic(p: Problem, stage: str) -> CrossEntropyConfig:
+  """The first verified tile of the call's kind (stage; 16-bit or float32 dots; logits only)."""
+  return _triton_tiles(p, stage)[0]
+
+
+# -- Mosaic TPU --------------------------------------------------------------------
+
+_MiB = 2**20
+# The scoped VMEM the Mosaic kernels ask for (``vmem_limit_bytes``): v5e and
+# v6e have 128 MiB a core, their default limits are 16 and 32 MiB.
+TPU_VMEM_LIMIT = 64 * _MiB
+# The most a config's modelled VMEM (``tpu_vmem``) may reach (``supports``):
+# headroom under the limit for what the model leaves out.
+_TPU_VMEM_CAP = 48 * _MiB
+# What the heuristic's blocks stay under: room for the candidates' larger ones.
+_TPU_VMEM_TARGET = 24 * _MiB
+# float32 (block_n, block_v) temporaries of the tile math the model counts.
+_TPU_TEMPS = 6
+
+
+def _up(n: int, m: int) -> int:
+  return -(-n // m) * m
+
+
+def tpu_vmem(p: Problem, config: CrossEntropyConfig, stage: str) -> int:
+  """Modelled scoped VMEM of the stage's largest Mosaic kernel with ``config``, in bytes.
+
+  Double-buffered operand and result blocks (tiles padded to (16, 128);
+  ``(block_n, 1)`` columns take 128 lanes), float32 scratch and the tile
+  math's float32 temporaries. The backward reads all of ``D`` a step.
+  """
+  bn, bv = _up(min(config.block_n, p.tokens), 16), _up(min(config.block_v, p.vocab), 128)
+  ix = jnp.dtype(p.dtype).itemsize
+  col = bn * 128 * 4
+  tile = bn * bv * 4
+  temps = _TPU_TEMPS * tile
+  if not p.linear:
+    block = bn * bv * ix
+    return {"fwd": 2 * block + 12 * col, "jvp": 4 * block + 13 * col, "bwd": 4 * block + 10 * col}[
+      stage
+    ] + temps
+  iw = jnp.dtype(p.w_dtype).itemsize
+  d = _up(p.hidden, 128)
+  bias = 16 * bv * 4 if p.has_bias else 0
+  if stage == "bwd":
+    xb, wb = bn * d * ix, d * bv * iw
+    dx = 4 * xb + wb * 3 + 2 * bn * d * 4  # x, w, dx blocks, masked w; accumulator and product
+    dw = 4 * wb + xb * 4 + 2 * d * bv * 4  # x, w, dw blocks, masked / transposed x; acc, product
+    return max(dx, dw) + 2 * bias + 10 * col + temps
+  bd = min(config.block_d, p.hidden)
+  split = bd < p.hidden
+  xb, wb = bn * _up(bd, 128) * ix, _up(bd, 128) * bv * iw
+  copies = (xb + wb) if split else 0  # the hidden tail zeroed in both factors
+  if stage == "fwd":
+    return 2 * (xb + wb) + 2 * bias + copies + 12 * col + split * tile + temps
+  return 4 * (xb + wb) + 4 * bias + 2 * copies + 13 * col + 2 * split * tile + temps
+
+
+def _mosaic_heuristic(p: Problem, stage: str) -> CrossEntropyConfig:
+  """Big tiles within ``_TPU_VMEM_TARGET`` of modelled VMEM.
+
+  Without ``linear`` (bandwidth-bound): 2048-column blocks (the whole
+  vocabulary up to 2048) and about 256K logits a block. With ``linear``
+  (MXU-bound): 256 tokens (each weight block is reused by that many rows) by
+  512 columns (256 in the backward, which holds all of D), and all of D per
+  step in the forward and tangent when it fits (x's block is then fetched once
+  per token block); blocks shrink (D first, then columns, then tokens) until
+  the model fits.
+  """
+  tile = sublanes(p.dtype)
+  rows = lambda n: p.tokens if p.tokens <= n else max(tile, n // tile * tile)
+  cols = lambda n: p.vocab if p.vocab <= n else n
+  if not p.linear:
+    block_v = cols(2048)
+    block_n = rows(min(512, max(tile, (1 << 18) // block_v)))
+    config = CrossEntropyConfig(block_n=block_n, block_v=block_v, block_d=128)
+    while tpu_vmem(p, config, stage) > _TPU_VMEM_TARGET and config.block_n > tile:
+      config = dataclasses.replace(config, block_n=rows(config.block_n // 2))
+    return config
+  bwd = stage == "bwd"
+  steps = [dict(block_d=d) for d in (2048, 1024, 512, 256) if d < p.hidden and not bwd]
+  steps += [dict(block_v=cols(v)) for v in (256, 128)]
+  steps += [dict(block_n=rows(n)) for n in (128, 64, 32, tile)]
+  config = CrossEntropyConfig(
+    block_n=rows(256), block_v=cols(256 if bwd else 512), block_d=p.hidden
+  )
+  for step in steps:
+    if tpu_vmem(p, config, stage) <= _TPU_VMEM_TARGET:
+      break
+    config = dataclasses.replace(config, **step)
+  return config
+
+
+def _mosaic_candidates(p: Problem, base: CrossEntropyConfig) -> list[CrossEntropyConfig]:
+  """The heuristic and its neighbours: tokens x2 or /2, columns x2 or /2 (``supports`` filters)."""
+  tile = sublanes(p.dtype)
+  rows = lambda n: p.tokens if p.tokens <= n else max(tile, n // tile * tile)
+  cols = lambda n: p.vocab if p.vocab <= n else max(128, n // 128 * 128)
+  out = [base]
+  for bn in (base.block_n // 2, base.block_n * 2):
+    out.append(dataclasses.replace(base, block_n=rows(bn)))
+  for bv in (base.block_v // 2, base.block_v * 2):
+    out.append(dataclasses.replace(base, block_v=cols(bv)))
+  return out
+
+
+def heuristic(avals: Sequence[Any], target: str, *, stage: str, **params) -> CrossEntropyConfig:
+  """The kernel's config for this call."""
+  p = _problem(avals, params)
+  if kernel_backend(target) == "triton":
+    return _triton_heuristic(p, stage)
+  return _mosaic_heuristic(p, stage)
+
+
+def candidates(avals: Sequence[Any], target: str, *, stage: str, **params):
+  """The autotuning space (the heuristic alone for interpreted targets)."""
+  base = heuristic(avals, target, stage=stage, **params)
+  if interpreted(target):
+    return [base]
+  p = _problem(avals, params)
+  if kernel_backend(target) == "triton":
+    out = _triton_tiles(p, stage)
+  else:
+    out = _mosaic_candidates(p, base)
+  return [
+    c for c in dict.fromkeys(out) if supports(avals, target, c, stage=stage, **params) is None
+  ]
+
+
+def supports(
+  avals: Sequence[Any], target: str, config: CrossEntropyConfig, *, stage: str, **params
+) -> Optional[str]:
+  """Why the kernel cannot run this call on ``target`` with ``config``, if it cannot."""
+  p = _problem(avals, params)
+  if kernel_backend(target) == "mosaic_tpu":
+    if p.dtype == jnp.float64:
+      return "float64 has no Mosaic TPU kernel"
+    reason = mosaic_dtype_reason([a.dtype for a in avals], target)
+    if reason:
+      return reason
+    tile = sublanes(p.dtype)
+    if config.block_n < p.tokens and config.block_n % tile:
+      return f"block_n={config.block_n} must be a multiple of {tile} on TPU (or cover all tokens)"
+    if config.block_v < p.vocab and config.block_v % 128:
+      return f"block_v={config.block_v} must be a multiple of 128 on TPU (or cover the vocabulary)"
+    if p.linear and config.block_d < p.hidden and config.block_d % 128:
+      return f"block_d={config.block_d} must be a multiple of 128 on TPU (or cover all of D)"
+    vmem = tpu_vmem(p, config, stage)
+    if not interpreted(target) and vmem > _TPU_VMEM_CAP:
+      return (
+        f"{config} needs about {vmem / _MiB:.1f} MiB of VMEM in the {stage} stage, over the "
+        f"{_TPU_VMEM_CAP // _MiB} MiB a Mosaic TPU cross-entropy kernel may take"
+      )
+    return None
+  if p.stat_dtype != jnp.float32:
+    return "float64 has no Triton cross-entropy kernel (it computes in float32)"
+  for name in ("block_n", "block_v", "block_d"):
+    value = getattr(config, name)
+    if value < 16 or value & (value - 1):
+      return f"{name}={value} must be a power of two >= 16 on Triton"
+  return triton_warps_reason(config)

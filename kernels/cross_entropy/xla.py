@@ -1,0 +1,154 @@
+"""The cross-entropy XLA programs: the CPU path and the float64 reference's twin.
+
+Each stage walks the vocabulary in chunks of ``chunk`` columns (a loop over
+the whole chunks, then the remainder), so no more than ``(G, N, chunk)``
+logits are ever held: the forward keeps running statistics, the tangent
+running sums, the backward accumulates ``dx`` and writes each chunk's ``dw``
+and ``db`` columns. The chunk is picked by size (``chunk_of``). The tile math
+is ``common.py``'s, shared with the kernels.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from pallax.kernels.cross_entropy import common
+from pallax.kernels.cross_entropy.common import Operands, Problem
+
+# Logit elements per chunk: 4M float32 (16 MiB) keeps a chunk's logits and
+# cotangents in the CPU's caches' reach while its matmuls stay large.
+_CHUNK_ELEMENTS = 1 << 22
+_MIN_CHUNK, _MAX_CHUNK = 128, 8192
+
+
+def chunk_of(p: Problem) -> int:
+  """Vocabulary columns per chunk: about ``_CHUNK_ELEMENTS`` logits, a multiple of 128."""
+  rows = max(1, p.groups * p.tokens)
+  chunk = max(_MIN_CHUNK, min(_MAX_CHUNK, _CHUNK_ELEMENTS // rows // 128 * 128))
+  return min(chunk, p.vocab)
+
+
+def _problem(ops, params) -> Problem:
+  return Problem.of([jax.typeof(o) for o in ops], **params)
+
+
+def _chunks(p: Problem, body, carry):
+  """``body(start, size, carry)`` over the vocabulary's chunks: a loop, then the remainder."""
+  size = chunk_of(p)
+  whole, rest = divmod(p.vocab, size)
+  if whole:
+    carry = lax.fori_loop(0, whole, lambda i, c: body(i * size, size, c), carry)
+  if rest:
+    carry = body(whole * size, rest, carry)
+  return carry
+
+
+def _w_chunk(o: Operands, p: Problem, start, size):
+  axis = 1 if p.transposed_weight else 2
+  return lax.dynamic_slice_in_dim(o.w, start, size, axis)
+
+
+def _dot(a, b, spec: str, dtype):
+  return jnp.einsum(spec, a, b, preferred_element_type=dtype, precision=lax.Precision.HIGHEST)
+
+
+def _logits(o: Operands, p: Problem, start, size):
+  """The chunk's raw logits ``(G, N, size)`` in the stats dtype."""
+  st = p.stat_dtype
+  if not p.linear:
+    return lax.dynamic_slice_in_dim(o.x, start, size, 2).astype(st)
+  spec = "gnd,gvd->gnv" if p.transposed_weight else "gnd,gdv->gnv"
+  z = _dot(o.x, _w_chunk(o, p, start, size), spec, st)
+  if o.b is not None:
+    z = z + lax.dynamic_slice_in_dim(o.b, start, size, 1)[:, None, :].astype(st)
+  return z
+
+
+def _hit(o: Operands, start, size):
+  cols = start + lax.broadcasted_iota(jnp.int32, (1, 1, size), 2)
+  return cols == o.labels[:, :, None]
+
+
+def _rows(f, *tiles):
+  """Applies a tile function written for ``(rows, cols)`` tiles to ``(G, N, cols)`` ones."""
+  return jax.vmap(f)(*tiles)
+
+
+def fwd(*ops, **params):
+  o, p = Operands.of(ops, **params), _problem(ops, params)
+
+  def body(start, size, acc):
+    zc, _ = common.capped(_logits(o, p, start, size), p.soft_cap)
+    return _rows(common.stats_update, acc, zc, _hit(o, start, size), None)
+
+  init = jax.vmap(lambda _: common.stats_init(p.tokens, p.stat_dtype))(jnp.arange(p.groups))
+  return [s[..., 0] for s in common.stats_finish(_chunks(p, body, init))]
+
+
+def _tangent_logits(o: Operands, p: Problem, start, size):
+  """The chunk's logits tangent ``dx w + x dw + db`` (or ``dlogits``)."""
+  st = p.stat_dtype
+  if not p.linear:
+    (dlogits,) = o.rest[1:]
+    return lax.dynamic_slice_in_dim(dlogits, start, size, 2).astype(st)
+  dx, dw, *db = o.rest[1:]
+  spec = "gnd,gvd->gnv" if p.transposed_weight else "gnd,gdv->gnv"
+  axis = 1 if p.transposed_weight else 2
+  dz = _dot(dx, _w_chunk(o, p, start, size), spec, st)
+  dz = dz + _dot(o.x, lax.dynamic_slice_in_dim(dw, start, size, axis), spec, st)
+  if db:
+    dz = dz + lax.dynamic_slice_in_dim(db[0], start, size, 1)[:, None, :].astype(st)
+  return dz
+
+
+def jvp(*ops, **params):
+  o, p = Operands.of(ops, **params), _problem(ops, params)
+  lse = o.rest[0][..., None].astype(p.stat_dtype)
+
+  def body(start, size, acc):
+    zc, c = common.capped(_logits(o, p, start, size), p.soft_cap)
+    dz = _tangent_logits(o, p, start, size)
+    return _rows(common.tangent_update, acc, zc, c, lse, dz, _hit(o, start, size), None)
+
+  zero = jnp.zeros((p.groups, p.tokens, 1), p.stat_dtype)
+  return [t[..., 0] for t in _chunks(p, body, (zero, zero, zero))]
+
+
+def bwd(*ops, **params):
+  o, p = Operands.of(ops, **params), _problem(ops, params)
+  st = p.stat_dtype
+  lse, a_lse, a_zy, a_sum = (r[..., None].astype(st) for r in o.rest)
+
+  def g_of(start, size):
+    zc, c = common.capped(_logits(o, p, start, size), p.soft_cap)
+    hit = _hit(o, start, size)
+    return _rows(common.cotangent, zc, c, lse, hit, None, a_lse, a_zy, a_sum)
+
+  if not p.linear:
+
+    def body(start, size, out):
+      return lax.dynamic_update_slice_in_dim(out, g_of(start, size).astype(out.dtype), start, 2)
+
+    return [_chunks(p, body, jnp.zeros(o.x.shape, o.x.dtype))]
+
+  w_axis = 1 if p.transposed_weight else 2
+  spec_dx = "gnv,gvd->gnd" if p.transposed_weight else "gnv,gdv->gnd"
+  spec_dw = "gnv,gnd->gvd" if p.transposed_weight else "gnd,gnv->gdv"
+
+  def body(start, size, carry):
+    dx, dw, db = carry
+    g = g_of(start, size)
+    w = _w_chunk(o, p, start, size)
+    dx = dx + _dot(g, w, spec_dx, st)
+    args = (g, o.x) if p.transposed_weight else (o.x, g)
+    dw_chunk = _dot(*args, spec_dw, st)
+    dw = lax.dynamic_update_slice_in_dim(dw, dw_chunk.astype(dw.dtype), start, w_axis)
+    if db is not None:
+      db = lax.dynamic_update_slice_in_dim(db, jnp.sum(g, axis=1).astype(db.dtype), start, 1)
+    return dx, dw, db
+
+  db0 = None if o.b is None else jnp.zeros(o.b.shape, o.b.dtype)
+  dx, dw, db = _chunks(p, body, (jnp.zeros(o.x.shape, st), jnp.zeros(o.w.shape, o.w.dtype), db0))
+  return [dx.astype(o.x.dtype), dw, *([] if db is None else [db])]

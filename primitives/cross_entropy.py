@@ -1,0 +1,406 @@
+"""Cross-entropy losses: ``pallax.cross_entropy`` and ``pallax.linear_cross_entropy``.
+
+``linear_cross_entropy(x, weight, labels)`` is the language-model head's loss,
+``cross_entropy(x @ weight + bias, labels)``, without ever holding the
+``[tokens, vocab]`` logits: the kernels compute them tile by tile. Both ops
+share three primitives (``kernels/cross_entropy/common.py`` has their contract),
+declared with ``define_residual_op`` (design.md section 2):
+
+* ``cross_entropy_fwd (*primals) -> (lse, zy, zsum)``: per-token statistics of
+  the (soft-capped) logits: log-sum-exp, the label's logit, their sum;
+* ``cross_entropy_jvp (*primals, lse, *tangents)``: their tangents, linear in
+  the tangents of ``x``, ``weight``, ``bias`` (or the logits);
+* ``cross_entropy_bwd (*primals, lse, *cotangents)``: its transpose, the
+  gradients, recomputing the logits block by block from the saved ``lse``.
+
+The loss itself (ignored tokens, label smoothing, z-loss, the reduction) is
+jnp on the statistics, so JAX differentiates it: ``grad`` costs one forward
+and one backward primitive, ``jvp`` one forward and one tangent primitive.
+Primitive operands lead with a group dim ``G`` (1 unless vmap folds a mapped
+weight into it), then the caller's token dims; vmap of activations adds one.
+Sharding: tokens shard freely; a vocabulary-sharded weight (a tensor-parallel
+LM head) combines the statistics across shards with all-reduces of ``(N,)``
+vectors, and its gradient stays sharded: the weight and the logits are never
+gathered.
+"""
+
+from __future__ import annotations
+
+import functools
+import numbers
+from typing import Optional, Union
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from pallax.batching_rules import cross_entropy as cross_entropy_batching
+from pallax.kernels import cross_entropy as kernels
+from pallax.kernels.cross_entropy import CrossEntropyConfig
+from pallax.kernels.cross_entropy import xla as cross_entropy_xla
+from pallax.kernels.cross_entropy.common import Problem, combine_stats, flat_tokens
+from pallax.op import (
+  Dims,
+  PrimitiveSpec,
+  Shards,
+  bind,
+  define_residual_op,
+  derived_aval,
+  full_spec,
+  instantiate,
+  match_manual_axes,
+)
+from pallax.pallas_utils import stat_dtype
+from pallax.validation import check_config, check_floating, check_static_float
+
+__all__ = [
+  "cross_entropy",
+  "linear_cross_entropy",
+  "linear_softmax_cross_entropy_loss",
+  "CrossEntropyConfig",
+]
+
+Config = Optional[CrossEntropyConfig]
+REDUCTIONS = ("mean", "sum", "none")
+
+
+# ----------------------------------------------------------------------------
+# Shapes and shardings.
+
+
+def _primal_factors(token, linear: bool, has_bias: bool, transposed_weight: bool, **params):
+  """Factor names of the primal operands: groups and tokens (``token``), hidden, vocabulary."""
+  if not linear:
+    return (token + ("v",), token)
+  w = ("g", "v", "d") if transposed_weight else ("g", "d", "v")
+  return (token + ("d",), w) + ((("g", "v"),) if has_bias else ()) + (token,)
+
+
+def _dims(stage: str):
+  def dims(*avals, **params) -> Dims:
+    token = ("g",) + tuple(f"n{i}" for i in range(avals[0].ndim - 2))
+    primals = _primal_factors(token, **params)
+    floats = primals[:-1]
+    if stage == "fwd":
+      operands, results = primals, (token,) * 3
+    elif stage == "jvp":
+      operands, results = primals + (token,) + floats, (token,) * 3
+    else:
+      operands, results = primals + (token,) * 4, floats
+    return Dims(
+      operands,
+      results,
+      replicated=("d",) if params["linear"] else (),
+      per_shard=functools.partial(_per_shard, stage, params),
+      indexed=("v",),
+    )
+
+  return dims
+
+
+def _per_shard(stage: str, params: dict, shards: Shards, *args):
+  """One device's share of a call whose vocabulary or tokens are sharded.
+
+  Labels are global vocabulary indices: each shard compares them with its own
+  columns. The forward's statistics combine across vocabulary shards; the
+  tangent's are plain sums, and so are the gradients (``dx`` over vocabulary
+  shards, ``dw`` and ``db`` over token shards).
+  """
+  vocab = shards.axes("v")
+  labels_at = Problem.of([jax.typeof(a) for a in args], **params).primals - 1
+  if vocab:
+    local = Problem.of([jax.typeof(a) for a in args], **params).vocab
+    args = list(args)
+    args[labels_at] = args[labels_at] - lax.axis_index(vocab) * local
+  outs = _STAGES[stage].kernel.bind(*args, **params)
+  if stage == "fwd":
+    return combine_stats(
+      *outs, pmax=lambda x: lax.pmax(x, vocab) if vocab else x, psum=lambda x: shards.psum(x, 0)
+    )
+  return [shards.psum(out, i) for i, out in enumerate(outs)]
+
+
+def _stats_abstract_eval(*avals, **params):
+  token = avals[0]
+  dtype = stat_dtype(token.dtype)
+  spec = full_spec(token)[:-1]
+  return [derived_aval(token, token.shape[:-1], dtype, spec) for _ in range(3)]
+
+
+def _bwd_abstract_eval(*avals, **params):
+  floats = Problem.of(avals, **params).primals - 1
+  return [a.update(weak_type=False) for a in avals[:floats]]
+
+
+def _stage(stage: str, abstract_eval) -> PrimitiveSpec:
+  return PrimitiveSpec(
+    abstract_eval=abstract_eval,
+    xla=flat_tokens(stage, getattr(cross_entropy_xla, stage)),
+    kernel=kernels.kernel(stage),
+    dims=_dims(stage),
+    batching=functools.partial(cross_entropy_batching.fold, stage),
+  )
+
+
+def _linear(**params) -> slice:
+  """The tangent primitive's linear block: the tangents after ``(*primals, lse)``."""
+  primals = 3 + params["has_bias"] if params["linear"] else 2
+  return slice(primals + 1, 2 * primals)
+
+
+def _tangent_operands(primals, outs, tangents, **params):
+  """``(*primals, lse, *tangents of the floating primals)``: labels have no tangent."""
+  return [*primals, outs[0], *instantiate(tangents[: len(primals) - 1])]
+
+
+cross_entropy_p = define_residual_op(
+  "cross_entropy",
+  fwd=_stage("fwd", _stats_abstract_eval),
+  tangent=_stage("jvp", _stats_abstract_eval),
+  bwd=_stage("bwd", _bwd_abstract_eval),
+  linear=_linear,
+  tangent_operands=_tangent_operands,
+)
+_STAGES = {"fwd": cross_entropy_p.fwd, "jvp": cross_entropy_p.tangent, "bwd": cross_entropy_p.bwd}
+
+
+# ----------------------------------------------------------------------------
+# The public functions: validation, layout and the loss from the statistics.
+
+
+def _options(op: str, ignore_index, label_smoothing, z_loss, logit_soft_cap, reduction) -> tuple:
+  """The loss options, checked: ``(ignore_index, smoothing, z_loss, soft_cap, reduction)``."""
+  if ignore_index is not None and (
+    isinstance(ignore_index, bool) or not isinstance(ignore_index, (numbers.Integral, np.integer))
+  ):
+    raise TypeError(f"{op}: ignore_index must be an int or None, got {ignore_index!r}")
+  smoothing = check_static_float(op, "label_smoothing", label_smoothing, minimum=0.0)
+  if smoothing > 1:
+    raise ValueError(f"{op}: label_smoothing must be in [0, 1], got {smoothing}")
+  z_loss = check_static_float(op, "z_loss", z_loss, minimum=0.0)
+  cap = None
+  if logit_soft_cap is not None:
+    cap = check_static_float(op, "logit_soft_cap", logit_soft_cap)
+    if not cap > 0:
+      raise ValueError(f"{op}: logit_soft_cap must be positive, got {cap}")
+  if reduction not in REDUCTIONS:
+    raise ValueError(f"{op}: reduction must be one of {REDUCTIONS}, got {reduction!r}")
+  return (None if ignore_index is None else int(ignore_index)), smoothing, z_loss, cap, reduction
+
+
+def _labels(op: str, labels, shape: tuple[int, ...], vocab: int, ignore_index) -> jax.Array:
+  """``labels`` as int32 of ``shape``; concrete labels outside the vocabulary raise."""
+  labels_in = labels
+  labels = jnp.asarray(labels)
+  if not jnp.issubdtype(labels.dtype, jnp.integer):
+    raise TypeError(f"{op}: labels must have an integer dtype, got {labels.dtype}")
+  if labels.shape != shape:
+    raise ValueError(
+      f"{op}: labels must have shape {shape} (the logits' leading dims), got {labels.shape}"
+    )
+  if not isinstance(labels_in, jax.core.Tracer) and labels.size:
+    values = np.asarray(labels_in)
+    bad = (values < 0) | (values >= vocab)
+    if ignore_index is not None:
+      bad &= values != ignore_index
+    if bad.any():
+      raise ValueError(
+        f"{op}: labels must lie in [0, {vocab}) or equal ignore_index={ignore_index}; "
+        f"got {values[bad].flat[0]}"
+      )
+  return labels.astype(jnp.int32)
+
+
+def _loss(op: str, operands, labels, params: dict, options: tuple, vocab: int, config):
+  """Binds the forward primitive and turns its statistics into the loss."""
+  ignore_index, smoothing, z_loss, cap, reduction = options
+  shape = labels.shape
+  tokens = labels.size
+  st = stat_dtype(operands[0].dtype)
+  if tokens:
+    stats = bind(
+      _STAGES["fwd"],
+      *match_manual_axes(*operands, labels[None]),
+      config=config,
+      **params,
+      soft_cap=cap,
+    )
+    lse, zy, zsum = (s[0] for s in stats)
+  else:
+    lse = zy = zsum = jnp.zeros(shape, st)
+  loss = lse - (1 - smoothing) * zy
+  if smoothing:
+    loss = loss - (smoothing / vocab) * zsum
+  if z_loss:
+    loss = loss + z_loss * jnp.square(lse)
+  loss = jnp.where((labels >= 0) & (labels < vocab), loss, jnp.nan)
+  if ignore_index is not None:
+    kept = labels != ignore_index
+    loss = jnp.where(kept, loss, 0)
+  else:
+    kept = jnp.ones(shape, bool)
+  if reduction == "sum":
+    loss = jnp.sum(loss)
+  elif reduction == "mean":
+    loss = jnp.sum(loss) / jnp.maximum(jnp.sum(kept), 1).astype(st)
+  return loss, lse
+
+
+def _floating(op: str, name: str, a) -> jax.Array:
+  a = jnp.asarray(a)
+  check_floating(op, name, a)
+  return a
+
+
+def cross_entropy(
+  logits: jax.Array,
+  labels: jax.Array,
+  *,
+  ignore_index: Optional[int] = -100,
+  label_smoothing: float = 0.0,
+  z_loss: float = 0.0,
+  logit_soft_cap: Optional[float] = None,
+  reduction: str = "mean",
+  return_lse: bool = False,
+  config: Config = None,
+) -> Union[jax.Array, tuple[jax.Array, jax.Array]]:
+  """Softmax cross-entropy of integer labels, fused forward and backward.
+
+  Per token, with ``z`` the logits (after ``cap * tanh(z / cap)`` with a
+  soft cap), ``lse = logsumexp(z)`` and ``eps = label_smoothing``::
+
+    loss = lse - (1 - eps) * z[label] - eps / V * sum(z) + z_loss * lse**2
+
+  Statistics are float32 (float64 for float64 logits) for any input dtype.
+
+  Args:
+    logits: floating array ``(..., V)``.
+    labels: integer array of the logits' leading shape.
+    ignore_index: tokens with this label have loss 0 and are left out of the
+      mean; None ignores none. Any other label outside ``[0, V)`` raises a
+      ValueError when ``labels`` is concrete and gives a NaN loss when traced.
+    label_smoothing: in ``[0, 1]``: the target puts ``1 - eps`` on the label
+      and ``eps / V`` on every class (as PyTorch and Optax).
+    z_loss: coefficient of PaLM's ``lse**2`` term.
+    logit_soft_cap: Gemma 2's cap on the logits, a positive number or None.
+    reduction: ``"mean"`` over the kept tokens (0 when none is kept),
+      ``"sum"`` or ``"none"`` (per-token losses, 0 where ignored).
+    return_lse: also return every token's ``lse`` (for z-loss logging).
+    config: pin the kernels' ``CrossEntropyConfig``.
+
+  Returns:
+    The loss (a scalar, or of ``labels``' shape for ``"none"``), and with
+    ``return_lse`` the pair ``(loss, lse)``.
+  """
+  op = "cross_entropy"
+  logits = _floating(op, "logits", logits)
+  if logits.ndim < 1 or logits.shape[-1] == 0:
+    raise ValueError(f"{op}: logits must have a non-empty last (class) axis, got {logits.shape}")
+  options = _options(op, ignore_index, label_smoothing, z_loss, logit_soft_cap, reduction)
+  check_config(op, config, CrossEntropyConfig)
+  vocab = logits.shape[-1]
+  labels = _labels(op, labels, logits.shape[:-1], vocab, options[0])
+  operands = [logits[None]]
+  params = dict(linear=False, has_bias=False, transposed_weight=False)
+  loss, lse = _loss(op, operands, labels, params, options, vocab, config)
+  return (loss, lse) if return_lse else loss
+
+
+def linear_cross_entropy(
+  x: jax.Array,
+  weight: jax.Array,
+  labels: jax.Array,
+  *,
+  bias: Optional[jax.Array] = None,
+  transposed_weight: bool = False,
+  ignore_index: Optional[int] = -100,
+  label_smoothing: float = 0.0,
+  z_loss: float = 0.0,
+  logit_soft_cap: Optional[float] = None,
+  reduction: str = "mean",
+  return_lse: bool = False,
+  config: Config = None,
+) -> Union[jax.Array, tuple[jax.Array, jax.Array]]:
+  """``cross_entropy(x @ weight + bias, labels)`` without materialising the logits.
+
+  The language-model head's loss: the kernels compute the logits block by
+  block (an online log-sum-exp over vocabulary blocks), and the backward
+  recomputes them from the saved ``lse`` to form ``dx``, ``dweight`` (summed
+  in float32) and ``dbias``. Memory stays ``O(tokens + weight)`` whatever the
+  vocabulary size.
+
+  Args:
+    x: floating array ``(..., D)``: the final hidden states.
+    weight: ``(D, V)``, a Flax ``Dense`` kernel; with ``transposed_weight``,
+      ``(V, D)``: a tied embedding table, read in place.
+    labels: integer array of ``x``'s leading shape.
+    bias: optional ``(V,)``.
+    transposed_weight: ``weight`` is ``(V, D)``. Tied embeddings pass the
+      table itself this way; ``embedding.T`` also works, and costs nothing on
+      the CPU path (XLA folds the transpose into the matmul), but a kernel
+      (GPU, TPU) takes its operands as laid out in memory, so there the
+      transpose is a copy of the table.
+    ignore_index: as for ``cross_entropy``.
+    label_smoothing: as for ``cross_entropy``.
+    z_loss: as for ``cross_entropy``.
+    logit_soft_cap: as for ``cross_entropy``.
+    reduction: as for ``cross_entropy``.
+    return_lse: as for ``cross_entropy``.
+    config: as for ``cross_entropy``.
+
+  Returns:
+    As ``cross_entropy``.
+  """
+  op = "linear_cross_entropy"
+  x = _floating(op, "x", x)
+  weight = _floating(op, "weight", weight)
+  if x.ndim < 1:
+    raise ValueError(f"{op}: x must have at least 1 dimension (..., D), got a scalar")
+  if not isinstance(transposed_weight, (bool, np.bool_)):
+    raise TypeError(f"{op}: transposed_weight must be a bool, got {transposed_weight!r}")
+  layout = "(V, D)" if transposed_weight else "(D, V)"
+  shape = weight.shape[::-1] if transposed_weight else weight.shape
+  if weight.ndim != 2 or shape[0] != x.shape[-1] or shape[1] == 0:
+    raise ValueError(
+      f"{op}: weight must have shape {layout} with D = x.shape[-1] = {x.shape[-1]} and V > 0, "
+      f"got {weight.shape}"
+    )
+  _, vocab = shape
+  floats = [x, weight]
+  if bias is not None:
+    bias = _floating(op, "bias", bias)
+    if bias.shape != (vocab,):
+      raise ValueError(f"{op}: bias must have shape ({vocab},), got {bias.shape}")
+    floats.append(bias)
+  options = _options(op, ignore_index, label_smoothing, z_loss, logit_soft_cap, reduction)
+  check_config(op, config, CrossEntropyConfig)
+  labels = _labels(op, labels, x.shape[:-1], vocab, options[0])
+  dtype = jnp.result_type(*floats)
+  x, weight, *rest = (a.astype(dtype) for a in floats)
+  operands = [x[None], weight[None], *(b[None] for b in rest)]
+  params = dict(linear=True, has_bias=bias is not None, transposed_weight=bool(transposed_weight))
+  loss, lse = _loss(op, operands, labels, params, options, vocab, config)
+  return (loss, lse) if return_lse else loss
+
+
+def linear_softmax_cross_entropy_loss(
+  x: jax.Array,
+  labels: jax.Array,
+  weights: jax.Array,
+  *,
+  reduction: str = "sum",
+  precision=None,
+) -> jax.Array:
+  """The ``linear_softmax_cross_entropy_loss`` of tokamax, on pallax's kernels.
+
+  ``x (B, H)``, ``labels (B,)``, ``weights (H, V)``; ``reduction`` is
+  ``"sum"`` or ``"mean"`` (over all ``B`` tokens). ``precision`` is accepted
+  for compatibility: the logits are always accumulated in float32 (float64
+  for float64 inputs). Unlike tokamax's, it supports ``jax.jvp`` and ``vmap``.
+  """
+  op = "linear_softmax_cross_entropy_loss"
+  if reduction not in ("sum", "mean"):
+    raise ValueError(f"{op}: reduction must be 'sum' or 'mean', got {reduction!r}")
+  del precision
+  return linear_cross_entropy(x, weights, labels, ignore_index=None, reduction=reduction)
