@@ -162,6 +162,7 @@ class Kernel:
     module whose ``heuristic``, ``candidates`` and ``supports`` take a
     ``stage`` keyword.
     """
+
     def bound(f):
       return functools.wraps(f)(lambda *args, **kw: f(*args, stage=stage, **kw))
 
