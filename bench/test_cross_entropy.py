@@ -99,7 +99,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from peak_memory import record
+from peak_memory import does_not_fit, record
 
 import pallax
 
@@ -109,7 +109,6 @@ REFERENCE_BLOCK = 256  # tokens per block of the float64 reference
 # Max relative error against the float64 reference. Accelerators get the bfloat16 bound for every
 # dtype: their default float32 matmul precision may be TF32 or one bfloat16 pass.
 TOLERANCE = {"float32": 1e-3, "bfloat16": 5e-2}
-CPU_MEMORY_FACTOR = 1.5  # XLA:CPU's peak RSS over its buffer assignment (bench/test_attention.py)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -302,45 +301,6 @@ def _errors(case, mode, result):
 
 
 # ------------------------------------------------------------------------------
-# Memory: skip what would not fit.
-
-
-def _available_bytes(device):
-  """Memory the call may take: free device memory, or the host's ``MemAvailable``."""
-  if device.platform != "cpu":
-    stats = device.memory_stats() or {}
-    if "bytes_limit" in stats:
-      return stats["bytes_limit"] - stats.get("bytes_in_use", 0)
-    return None
-  try:
-    with open("/proc/meminfo") as f:
-      for line in f:
-        if line.startswith("MemAvailable:"):
-          return int(line.split()[1]) * 1024
-  except OSError:
-    pass
-  return None
-
-
-def _does_not_fit(compiled, device):
-  """Why the compiled call would not fit in this machine's memory, if it would not."""
-  analysis = compiled.memory_analysis()
-  available = _available_bytes(device)
-  if analysis is None or available is None:
-    return None
-  need = (
-    analysis.temp_size_in_bytes + analysis.argument_size_in_bytes + analysis.output_size_in_bytes
-  )
-  factor = CPU_MEMORY_FACTOR if device.platform == "cpu" else 1.0
-  if factor * need > available:
-    return (
-      f"needs about {factor * need / 2**30:.1f} GiB ({factor}x XLA's buffer assignment), "
-      f"{available / 2**30:.1f} GiB available"
-    )
-  return None
-
-
-# ------------------------------------------------------------------------------
 # The benchmarks.
 
 _SEEN = {}  # (case id, mode) -> impl -> {"peak_rss_mib", "call_growth_mib", "median"}
@@ -381,7 +341,7 @@ def test_cross_entropy(benchmark, case, mode, impl):
   device = jax.devices()[0]
   info["platform"] = device.platform
   compiled = jax.jit(fn).lower(*inputs).compile()
-  too_big = _does_not_fit(compiled, device)
+  too_big = does_not_fit(compiled, device)
   if too_big:  # reported in the results as not run, not timed
     info["not_run"] = too_big
     return
