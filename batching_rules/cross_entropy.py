@@ -37,9 +37,6 @@ def fold(stage: str, prim, args, bdims, **params):
     moved = [a if i in weights else jnp.moveaxis(front(i), 0, 1) for i, a in enumerate(args)]
     outs = prim.bind(*moved, **params)
     return outs, [1] * len(outs)
-  folded = []
-  for i in range(len(args)):
-    m = front(i)
-    folded.append(m.reshape(size * m.shape[1], *m.shape[2:]))
-  outs = prim.bind(*folded, **params)
+  fronts = [front(i) for i in range(len(args))]
+  outs = prim.bind(*[m.reshape(size * m.shape[1], *m.shape[2:]) for m in fronts], **params)
   return [o.reshape(size, -1, *o.shape[1:]) for o in outs], [0] * len(outs)

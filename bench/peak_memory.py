@@ -95,6 +95,24 @@ def does_not_fit(compiled, device):
   return None
 
 
+def record_compiled(info, compiled, fn, inputs, impl):
+  """Adds what the compiled call tells about itself to a benchmark's ``extra_info``.
+
+  ``xla_temp_mib``: the temporaries of XLA's buffer assignment; for ``impl ==
+  "pallax"``, ``pallax_kernels``: the implementation the executor picked for
+  each kernel call (``pallax.explain``).
+  """
+  if impl == "pallax":
+    import pallax
+
+    info["pallax_kernels"] = [
+      f"{s.op}: {s.implementation} ({s.source})" for s in pallax.explain(fn, *inputs)
+    ]
+  analysis = compiled.memory_analysis()
+  if analysis is not None:
+    info["xla_temp_mib"] = round(analysis.temp_size_in_bytes / 2**20, 1)
+
+
 def _status_bytes(field):
   """A ``kB`` field of ``/proc/self/status`` in bytes, or None off Linux."""
   try:

@@ -94,11 +94,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from peak_memory import does_not_fit, record
+from peak_memory import does_not_fit, record, record_compiled
 
 import pallax
 
-MIB = 2**20
 CHECK_ROWS = 128  # query rows checked against the float64 reference
 # Max relative error of the checked rows. Accelerators get the bfloat16 bound for every dtype:
 # their default float32 matmul precision may be TF32 or one bfloat16 pass.
@@ -266,13 +265,7 @@ def test_attention(benchmark, fwd_bwd, case, mode, impl):
   builder = f"{os.path.abspath(__file__)}:program"
   info = benchmark.extra_info
   record(info, builder, dataclasses.asdict(case), impl, mode, platform=device.platform, calls=calls)
-  if impl == "pallax":  # which implementation the executor picked for each kernel call
-    info["pallax_kernels"] = [
-      f"{s.op}: {s.implementation} ({s.source})" for s in pallax.explain(fn, *inputs)
-    ]
-  analysis = compiled.memory_analysis()
-  if analysis is not None:
-    info["xla_temp_mib"] = round(analysis.temp_size_in_bytes / MIB, 1)
+  record_compiled(info, compiled, fn, inputs, impl)
 
   def call():
     return jax.block_until_ready(compiled(*inputs))

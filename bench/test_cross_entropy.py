@@ -99,11 +99,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from peak_memory import does_not_fit, record
+from peak_memory import does_not_fit, record, record_compiled
 
 import pallax
 
-MIB = 2**20
 CHECK_ROWS = 128  # tokens (rows of dL/dx) and vocabulary columns (of dL/dweight) checked
 REFERENCE_BLOCK = 256  # tokens per block of the float64 reference
 # Max relative error against the float64 reference. Accelerators get the bfloat16 bound for every
@@ -351,13 +350,7 @@ def test_cross_entropy(benchmark, case, mode, impl):
   builder = f"{os.path.abspath(__file__)}:program"
   calls = 1 if case.slow else 2
   record(info, builder, dataclasses.asdict(case), impl, mode, platform=device.platform, calls=calls)
-  if impl == "pallax":  # which implementation the executor picked for each kernel call
-    info["pallax_kernels"] = [
-      f"{s.op}: {s.implementation} ({s.source})" for s in pallax.explain(fn, *inputs)
-    ]
-  analysis = compiled.memory_analysis()
-  if analysis is not None:
-    info["xla_temp_mib"] = round(analysis.temp_size_in_bytes / MIB, 1)
+  record_compiled(info, compiled, fn, inputs, impl)
 
   def call():
     return jax.block_until_ready(compiled(*inputs))

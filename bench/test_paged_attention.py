@@ -41,11 +41,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from peak_memory import record
+from peak_memory import record, record_compiled
 
 import pallax
 
-MIB = 2**20
 CHECK_SEQUENCES = 2
 TOLERANCE = 2e-2  # bfloat16
 
@@ -146,13 +145,7 @@ def test_paged_attention(benchmark, case, impl):
   info = benchmark.extra_info
   builder = f"{os.path.abspath(__file__)}:program"
   record(info, builder, dataclasses.asdict(case), impl, platform=device.platform)
-  if impl == "pallax":
-    info["pallax_kernels"] = [
-      f"{s.op}: {s.implementation} ({s.source})" for s in pallax.explain(fn, *inputs)
-    ]
-  analysis = compiled.memory_analysis()
-  if analysis is not None:
-    info["xla_temp_mib"] = round(analysis.temp_size_in_bytes / MIB, 1)
+  record_compiled(info, compiled, fn, inputs, impl)
 
   def call():
     return jax.block_until_ready(compiled(*inputs))

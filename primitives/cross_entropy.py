@@ -108,11 +108,11 @@ def _per_shard(stage: str, params: dict, shards: Shards, *args):
   shards, ``dw`` and ``db`` over token shards).
   """
   vocab = shards.axes("v")
-  labels_at = Problem.of([jax.typeof(a) for a in args], **params).primals - 1
   if vocab:
-    local = Problem.of([jax.typeof(a) for a in args], **params).vocab
+    local = Problem.of([jax.typeof(a) for a in args], **params)
     args = list(args)
-    args[labels_at] = args[labels_at] - lax.axis_index(vocab) * local
+    at = local.primals - 1  # the labels
+    args[at] = args[at] - lax.axis_index(vocab) * local.vocab
   outs = _STAGES[stage].kernel.bind(*args, **params)
   if stage == "fwd":
     return combine_stats(
