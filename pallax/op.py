@@ -188,6 +188,11 @@ class PrimitiveSpec:
   dims: ``(*avals, **params) -> Dims``, the sharding description.
   batching: ``(prim, args, dims, **params) -> (outs, out_dims)``, the vmap
     rule (from ``pallax.batching_rules``).
+  rewrite: optional ``(values, avals, params) -> Rewrite | None``, a peephole
+    on the lowered operands (``ir.Value``s of the enclosing program): it may
+    read an operand where it was produced, e.g. a transposed table in place.
+    With one, the primitive is lowered inline (not through JAX's lowering
+    cache, which hides the operands' producers).
   """
 
   abstract_eval: Callable[..., Sequence[Any]]
@@ -195,6 +200,42 @@ class PrimitiveSpec:
   kernel: Kernel | None
   dims: Callable[..., Dims]
   batching: Callable[..., tuple[Sequence[Any], Sequence[Any]]]
+  rewrite: Callable[..., Rewrite | None] | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class Rewrite:
+  """A primitive call rewritten at lowering (``PrimitiveSpec.rewrite``).
+
+  values, avals: the operands to lower with instead, and their avals.
+  params: the primitive's params for the rewritten call.
+  prepare: ``(*arrays) -> [array]``, jnp from ``values`` to the primitive's
+    operands under ``params``.
+  finish: ``([array]) -> [array]``, jnp from the rewritten call's results to
+    the original call's.
+  """
+
+  values: Sequence[Any]
+  avals: Sequence[Any]
+  params: dict
+  prepare: Callable[..., Sequence[jax.Array]]
+  finish: Callable[[list], Sequence[jax.Array]]
+
+
+def produced_by(value: Any, op_name: str, **attributes: Sequence[int]) -> Any:
+  """The first operand of the op that produced ``value``, if it is ``op_name`` with ``attributes``.
+
+  ``value`` is an ``ir.Value`` of the program being lowered; returns None for
+  a block argument or another producer. ``attributes`` are integer-array
+  attributes that must match (``permutation=(1, 0)``).
+  """
+  owner = getattr(value.owner, "operation", None)  # a Block for block arguments
+  if owner is None or owner.name != op_name:
+    return None
+  for name, want in attributes.items():
+    if name not in owner.attributes or list(owner.attributes[name]) != list(want):
+      return None
+  return owner.operands[0]
 
 
 class KernelPrimitive(Primitive):
@@ -262,10 +303,20 @@ def define_primitive(name: str, spec: PrimitiveSpec) -> KernelPrimitive:
     mlir.register_lowering(kernel, platform_lowering(platform), platform=platform)
 
   def partitioned_lowering(ctx, *args, **params):
-    fn = _partitioned(kernel, spec.dims(*ctx.avals_in, **params), params)
-    return mlir.lower_fun(fn, multiple_results=True)(ctx, *args)
+    rewrite = spec.rewrite(args, ctx.avals_in, params) if spec.rewrite is not None else None
+    if rewrite is None:
+      fn = _partitioned(kernel, spec.dims(*ctx.avals_in, **params), params)
+      return mlir.lower_fun(fn, multiple_results=True)(ctx, *args)
 
-  mlir.register_lowering(prim, partitioned_lowering)
+    def rewritten(*values):
+      ops = rewrite.prepare(*values)
+      dims = spec.dims(*(jax.typeof(o) for o in ops), **rewrite.params)
+      return rewrite.finish(list(_partitioned(kernel, dims, rewrite.params)(*ops)))
+
+    lower = mlir.lower_fun(rewritten, multiple_results=True)
+    return lower(ctx.replace(avals_in=tuple(rewrite.avals)), *rewrite.values)
+
+  mlir.register_lowering(prim, partitioned_lowering, cacheable=spec.rewrite is None)
   return prim
 
 

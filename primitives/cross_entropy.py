@@ -43,6 +43,7 @@ from pallax.kernels.cross_entropy.common import Problem, combine_stats, flat_tok
 from pallax.op import (
   Dims,
   PrimitiveSpec,
+  Rewrite,
   Shards,
   bind,
   define_residual_op,
@@ -50,6 +51,7 @@ from pallax.op import (
   full_spec,
   instantiate,
   match_manual_axes,
+  produced_by,
 )
 from pallax.pallas_utils import stat_dtype
 from pallax.validation import check_config, check_floating, check_static_float
@@ -133,6 +135,50 @@ def _bwd_abstract_eval(*avals, **params):
   return [a.update(weak_type=False) for a in avals[:floats]]
 
 
+def _transposed_table(value, aval):
+  """The ``(V, D)`` table of a ``(1, D, V)`` weight lowered as ``table.T[None]``, or None."""
+  if any(full_spec(aval)) or getattr(aval, "vma", None):
+    return None  # sharding in types: keep the caller's layout
+  expanded = produced_by(value, "stablehlo.broadcast_in_dim", broadcast_dimensions=(1, 2))
+  if expanded is None:
+    return None
+  return produced_by(expanded, "stablehlo.transpose", permutation=(1, 0))
+
+
+def _read_table_in_place(stage: str, values, avals, params) -> Optional[Rewrite]:
+  """Reads a weight passed as ``table.T`` from the table itself, with the layout flag flipped.
+
+  A kernel takes its operands as laid out in memory, so ``linear_cross_entropy(x,
+  embedding.T, labels)`` would copy the table on GPU and TPU. When the weight
+  (and in the tangent stage its tangent) was lowered in the same program as a
+  2-D transpose, the call reads the transpose's operand instead and flips
+  ``transposed_weight``; XLA then drops the unused transpose. The backward's
+  weight gradient comes out in the table's layout and is transposed back,
+  which XLA folds into the caller's transpose of the cotangent.
+  """
+  if not params["linear"] or avals[1].shape[0] != 1:
+    return None
+  at = (1, Problem.of(avals, **params).primals + 2) if stage == "jvp" else (1,)
+  tables = [_transposed_table(values[i], avals[i]) for i in at]
+  if any(t is None for t in tables):
+    return None
+  new_values, new_avals = list(values), list(avals)
+  for i, table in zip(at, tables):
+    new_values[i] = table
+    new_avals[i] = jax.core.ShapedArray(avals[i].shape[:0:-1], avals[i].dtype)
+
+  def prepare(*ops):
+    return [o[None] if i in at else o for i, o in enumerate(ops)]
+
+  def finish(outs):
+    if stage == "bwd":
+      outs[1] = jnp.swapaxes(outs[1], 1, 2)
+    return outs
+
+  flipped = dict(params, transposed_weight=not params["transposed_weight"])
+  return Rewrite(new_values, new_avals, flipped, prepare, finish)
+
+
 def _stage(stage: str, abstract_eval) -> PrimitiveSpec:
   return PrimitiveSpec(
     abstract_eval=abstract_eval,
@@ -140,6 +186,7 @@ def _stage(stage: str, abstract_eval) -> PrimitiveSpec:
     kernel=kernels.kernel(stage),
     dims=_dims(stage),
     batching=functools.partial(cross_entropy_batching.fold, stage),
+    rewrite=functools.partial(_read_table_in_place, stage),
   )
 
 
@@ -336,11 +383,12 @@ def linear_cross_entropy(
       ``(V, D)``: a tied embedding table, read in place.
     labels: integer array of ``x``'s leading shape.
     bias: optional ``(V,)``.
-    transposed_weight: ``weight`` is ``(V, D)``. Tied embeddings pass the
-      table itself this way; ``embedding.T`` also works, and costs nothing on
-      the CPU path (XLA folds the transpose into the matmul), but a kernel
-      (GPU, TPU) takes its operands as laid out in memory, so there the
-      transpose is a copy of the table.
+    transposed_weight: ``weight`` is ``(V, D)``: a tied embedding table.
+      ``embedding.T`` (without the flag) is read in place too: the lowering
+      reads a weight made by a transpose in the same program from the
+      transpose's operand (``_read_table_in_place``). One made inside a
+      nested ``jit`` is a copy on GPU and TPU, where kernels read their
+      operands as laid out in memory; the flag never is.
     ignore_index: as for ``cross_entropy``.
     label_smoothing: as for ``cross_entropy``.
     z_loss: as for ``cross_entropy``.

@@ -15,13 +15,16 @@ AD is in test_cross_entropy_ad.py.
 
 from __future__ import annotations
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.experimental import topologies
 
 import pallax
-from tests.helpers import assert_close, on_path, rand, to64, x64
+from tests.helpers import assert_close, lower_text, on_path, rand, to64, x64
 from tests.primitives.cross_entropy_reference import (
   IGNORE,
   KERNEL_PATH_CONFIGS,
@@ -342,6 +345,59 @@ def test_tied_embedding_transpose():
   with x64():
     want = linear_reference(to64(x), to64(emb).T, labels, reduction="none")
   assert_close(got, want, jnp.float32, "tied embedding")
+
+
+def _table_programs(v: int, d: int):
+  """``value_and_grad`` of the loss through ``embedding.T``, and with the transpose hidden.
+
+  The second passes the transpose through a nested jit, whose result the
+  lowering cannot trace back to the table: it is the copy the first avoids.
+  """
+  labels = jnp.zeros((64,), jnp.int32)
+  direct = lambda x, emb: pallax.linear_cross_entropy(x, emb.T, labels)
+  hidden = lambda x, emb: pallax.linear_cross_entropy(x, jax.jit(lambda e: e.T)(emb), labels)
+  return [jax.jit(jax.value_and_grad(f, (0, 1))) for f in (direct, hidden)]
+
+
+def _table_sized(hlo: str, v: int, d: int) -> list[str]:
+  """Instructions of a compiled HLO module that write a (transposed) table besides the kernels."""
+  shapes = re.compile(rf"\[(1,)?({v},{d}|{d},{v})\]")
+  return [
+    line.strip()
+    for line in hlo.splitlines()
+    if " = " in line
+    and shapes.search(line.split(" = ")[1].split("(")[0])
+    and not re.search(r"custom-call|parameter\(|bitcast\(|ROOT %tuple", line)
+  ]
+
+
+@pytest.mark.lowering
+def test_embedding_transpose_is_not_copied_on_tpu():
+  """Compiled for TPU v5e: ``embedding.T`` costs no copy of the table, forward or backward."""
+  from pallax.verify.targets import TARGETS
+
+  v, d = 1000, 128
+  mesh = jax.sharding.Mesh(
+    np.array(topologies.get_topology_desc(**TARGETS["v5e"].topology_kwargs()).devices[:1]), ("x",)
+  )
+  s = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+  x = jax.ShapeDtypeStruct((64, d), jnp.bfloat16, sharding=s)
+  emb = jax.ShapeDtypeStruct((v, d), jnp.bfloat16, sharding=s)
+  direct, hidden = (f.trace(x, emb).lower().compile().as_text() for f in _table_programs(v, d))
+  assert _table_sized(direct, v, d) == []
+  assert _table_sized(hidden, v, d), "the control program should copy the table"
+
+
+@pytest.mark.lowering
+def test_embedding_transpose_is_read_in_place_on_gpu():
+  """Lowered for CUDA: the kernels read the table itself, not its transpose."""
+  v, d = 1000, 128
+  x = jax.ShapeDtypeStruct((64, d), jnp.bfloat16)
+  emb = jax.ShapeDtypeStruct((v, d), jnp.bfloat16)
+  direct, hidden = (lower_text(f, "cuda", x, emb) for f in _table_programs(v, d))
+  read_in_place = f"stablehlo.broadcast_in_dim %arg1, dims = [1, 2] : (tensor<{v}x{d}xbf16>)"
+  assert read_in_place in direct
+  assert read_in_place not in hidden
 
 
 def test_eager_matches_jit():

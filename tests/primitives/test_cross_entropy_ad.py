@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 
 import pallax
-from tests.helpers import assert_close, on_path, primitive_names, rand, to64, x64
+from tests.helpers import PATHS, assert_close, on_path, primitive_names, rand, to64, x64
 from tests.primitives.cross_entropy_reference import (
   IGNORE,
   KERNEL_PATH_CONFIGS,
@@ -211,18 +211,38 @@ def test_all_ignored_mean_has_zero_gradients(op):
       np.testing.assert_array_equal(np.asarray(g), 0.0, err_msg=f"{reduction}: d{name}")
 
 
-def test_tied_embedding_gradient():
-  """The embedding table's gradient when ``weight = embedding.T``."""
+@pytest.mark.parametrize("table_layout", ["embedding", "dense"])
+@pytest.mark.parametrize("path", PATHS)
+def test_transposed_weight_read_in_place(path, table_layout):
+  """A weight passed as ``table.T``: values, gradients and tangents through the table.
+
+  ``embedding``: a tied ``(V, D)`` table as ``embedding.T``; ``dense``: a
+  ``(D, V)`` kernel as ``kernel.T`` with ``transposed_weight=True``. The
+  lowering reads the table in place (flipping the layout flag); the tangent's
+  weight tangent is a transpose too.
+  """
   rng = np.random.default_rng(7)
-  x, emb = rand(rng, (3, 6, 32)), rand(rng, (V, 32), scale=0.3)
+  x = rand(rng, (3, 6, 32))
+  table = rand(rng, (V, 32) if table_layout == "embedding" else (32, V), scale=0.3)
+  dx, dtable = rand(rng, x.shape), rand(rng, table.shape)
   labels = labels_for(rng, (3, 6), V)
-  f = lambda x, emb: pallax.linear_cross_entropy(x, emb.T, labels, label_smoothing=0.1)
-  dx, demb = jax.jit(jax.grad(f, (0, 1)))(x, emb)
+  flag = table_layout == "dense"
+  f = lambda x, t: pallax.linear_cross_entropy(
+    x, t.T, labels, transposed_weight=flag, label_smoothing=0.1
+  )
+  with on_path(path):
+    value, grads = jax.jit(jax.value_and_grad(f, (0, 1)))(x, table)
+    _, tangent = jax.jit(lambda *a: jax.jvp(f, a[:2], a[2:]))(x, table, dx, dtable)
   with x64():
-    ref = lambda x, emb: linear_reference(x, emb.T, labels, label_smoothing=0.1)
-    dx_ref, demb_ref = jax.grad(ref, (0, 1))(to64(x), to64(emb))
-  assert_close(dx, dx_ref, jnp.float32, "dx")
-  assert_close(demb, demb_ref, jnp.float32, "dembedding")
+    weight = (lambda t: t) if flag else (lambda t: t.T)
+    ref = lambda x, t: linear_reference(x, weight(t), labels, label_smoothing=0.1)
+    args = (to64(x), to64(table))
+    value_ref, grads_ref = jax.value_and_grad(ref, (0, 1))(*args)
+    _, tangent_ref = jax.jvp(ref, args, (to64(dx), to64(dtable)))
+  assert_close(value, value_ref, jnp.float32, "loss")
+  assert_close(grads[0], grads_ref[0], jnp.float32, "dx")
+  assert_close(grads[1], grads_ref[1], jnp.float32, "dtable")
+  assert_close(tangent, tangent_ref, jnp.float32, "tangent")
 
 
 # ----------------------------------------------------------------------------
