@@ -49,10 +49,55 @@ def pytest_configure(config):
       )
 
 
+@pytest.hookimpl(tryfirst=True)  # before ``-m`` deselects the ``slow`` marks set here
 def pytest_collection_modifyitems(config, items):
+  for item in items_beyond_each_value(items):
+    item.add_marker(pytest.mark.slow)
   if PLATFORM == "cpu":
     return
   skip = pytest.mark.skip(reason=f"lowering/compile check: redundant on a real {PLATFORM}")
   for item in items:
     if "lowering" in item.keywords:
       item.add_marker(skip)
+
+
+def items_beyond_each_value(items):
+  """The parametrized items the default run leaves to ``-m slow``.
+
+  Per test function with two or more parameters, the default run keeps a
+  covering of their values: items picked greedily, in collection order, by
+  how many not yet covered (parameter, value) pairs they add, until every
+  value of every parameter has run at least once. The rest of the product
+  runs under ``-m slow`` (the default run stays within 20 minutes on 2
+  cores). A value is known by its first appearance in the group (the same
+  object in every item), so every xdist worker keeps the same items.
+  """
+  groups = {}
+  for item in items:
+    spec = getattr(item, "callspec", None)
+    if spec is not None and len(spec.params) > 1 and "slow" not in item.keywords:
+      groups.setdefault((item.path, item.cls, item.originalname), []).append(item)
+  beyond = []
+  for group in groups.values():
+    seen = {}
+    values = [
+      {(name, _first(seen.setdefault(name, []), v)) for name, v in item.callspec.params.items()}
+      for item in group
+    ]
+    uncovered = set().union(*values)
+    kept = set()
+    while uncovered:
+      best = max(range(len(group)), key=lambda i: len(values[i] & uncovered))
+      kept.add(best)
+      uncovered -= values[best]
+    beyond += [item for i, item in enumerate(group) if i not in kept]
+  return beyond
+
+
+def _first(seen, value):
+  """The index of ``value`` (by identity) in ``seen``, appended if new."""
+  for index, known in enumerate(seen):
+    if known is value:
+      return index
+  seen.append(value)
+  return len(seen) - 1

@@ -5,7 +5,7 @@ cannot see shared-memory or VMEM overflow, register spills or Mosaic layout
 failures. ``verify`` runs the real compilers for H100 (sm_90a), A100 (sm_80),
 TPU v5e and TPU v6e on a machine without any of them (``targets``), for each
 kernel call of a shape sweep over every op, forward, backward and tangent
-(``sweep``), with the heuristic's config and every autotuning candidate. It
+(``sweep``), with the heuristic's config and the autotuning candidates. It
 reports registers, spill bytes and shared memory per kernel (``ptxas -v``)
 and scoped VMEM (the compiled TPU program), and fails on any compile error or
 spill. ``python -m pallax.verify`` is the command line.
@@ -48,6 +48,7 @@ def verify(
   targets: Optional[Sequence[str]] = None,
   *,
   quick: bool = False,
+  exhaustive: bool = False,
   cases: Optional[Sequence[sweep.Case]] = None,
   heuristic_only: bool = False,
   pinned: Optional[dict[str, KernelConfig]] = None,
@@ -63,7 +64,10 @@ def verify(
     targets: names in ``TARGETS``; default all that the installed packages
       allow (the others are listed in the report's ``unavailable``).
     quick: two sizes per op instead of the full sweep.
-    cases: these cases instead of the sweep's (``ops`` and ``quick`` unused).
+    exhaustive: the autotuning candidates at every case of the sweep, not only
+      at each op's candidate cases (``sweep.candidate_cases``).
+    cases: these cases instead of the sweep's (``ops`` and ``quick`` unused);
+      the candidates are compiled at each.
     heuristic_only: only the heuristic's config, not the autotuning candidates.
     pinned: kernel name -> config: compile these configs for those kernels
       instead of the executor's choices (to check a config by hand).
@@ -79,7 +83,10 @@ def verify(
   chosen, unavailable = _targets(targets)
   swept = cases is None
   cases = sweep.cases(ops, quick=quick) if swept else list(cases)
-  jobs = sweep.jobs_for(cases, chosen, heuristic_only=heuristic_only, pinned=pinned)
+  candidates_at = None if exhaustive or not swept else sweep.candidate_cases(cases)
+  jobs = sweep.jobs_for(
+    cases, chosen, heuristic_only=heuristic_only, pinned=pinned, candidates_at=candidates_at
+  )
   store = ResultCache() if cache else None
   keys = {job.id: fingerprint(job.id, job.kernel, job.target) for job in jobs}
   results: dict[str, dict] = {}

@@ -39,6 +39,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
   )
   parser.add_argument("--quick", action="store_true", help="two sizes per op")
   parser.add_argument(
+    "--exhaustive",
+    action="store_true",
+    help="the autotuning candidates at every size and dtype, not only at each op's first size "
+    "in float32 (about an hour on 2 cores)",
+  )
+  parser.add_argument(
     "--heuristic-only", action="store_true", help="only the heuristic's configs, no candidates"
   )
   parser.add_argument(
@@ -58,6 +64,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
       args.ops,
       args.targets,
       quick=args.quick,
+      exhaustive=args.exhaustive,
       heuristic_only=args.heuristic_only,
       workers=args.workers,
       timeout_s=args.timeout,

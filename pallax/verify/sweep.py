@@ -7,6 +7,12 @@ call compiled for one target with one config the executor can choose there:
 the heuristic's, every autotuning candidate ``supports`` accepts, and shipped
 defaults. Identical jobs from different cases (the forward kernel appears in
 every stage) are compiled once.
+
+The heuristic's config is compiled at every case; the candidates at every
+case only in an exhaustive sweep, else at each op's candidate cases (its first
+size in float32: the bench's shape with the largest blocks' footprint). A
+cold exhaustive sweep of every op takes about an hour on 2 cores, the default
+one under 20 minutes.
 """
 
 from __future__ import annotations
@@ -225,6 +231,13 @@ def cases(ops: Optional[Iterable[str]] = None, quick: bool = False) -> list[Case
   return out
 
 
+def candidate_cases(case_list: Sequence[Case]) -> set[str]:
+  """The ids of the cases of ``case_list`` at their op's first size in float32."""
+  return {
+    case.id for case in case_list if case.size == OPS[case.op].sizes[0] and case.dtype == "float32"
+  }
+
+
 @functools.cache
 def kernel_calls_of(case_id: str) -> tuple:
   """The kernel calls (jaxpr equations) of a case, in trace order."""
@@ -303,28 +316,29 @@ def jobs_for(
   targets: Sequence[Target],
   heuristic_only: bool = False,
   pinned: Optional[dict[str, KernelConfig]] = None,
+  candidates_at: Optional[set[str]] = None,
 ) -> list[Job]:
   """The deduplicated jobs of ``case_list`` on ``targets``.
 
   ``pinned`` maps kernel names to a config to compile instead of the
-  executor's choices (for checking a config by hand).
+  executor's choices (for checking a config by hand). ``candidates_at``: the
+  ids of the cases whose calls get the candidates too (default: every case).
   """
   jobs: dict[str, Job] = {}
-  configs: dict[tuple[str, str], list] = {}  # per call and target: the forward is in every stage
+  configs: dict[tuple, list] = {}  # per call and target: the forward is in every stage
   for case in case_list:
+    only = heuristic_only or (candidates_at is not None and case.id not in candidates_at)
     for index, eqn in enumerate(kernel_calls_of(case.id)):
       name = eqn.primitive.name
       if pinned is not None and name not in pinned:
         continue
       for target in targets:
         key = call_key(eqn, target)
-        if (target.name, key) not in configs:
-          configs[target.name, key] = (
-            [("pinned", pinned[name])]
-            if pinned is not None
-            else configs_for(eqn, target, heuristic_only)
+        if (target.name, key, only) not in configs:
+          configs[target.name, key, only] = (
+            [("pinned", pinned[name])] if pinned is not None else configs_for(eqn, target, only)
           )
-        for source, config in configs[target.name, key]:
+        for source, config in configs[target.name, key, only]:
           job = Job(target.name, name, key, config.to_dict(), case.id, index)
           job = jobs.setdefault(job.id, job)
           job.sources.add(source)

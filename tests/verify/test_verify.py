@@ -1,8 +1,9 @@
 """pallax.verify: real compiles for H100, A100, TPU v5e and v6e, and that the check can fail.
 
 The default run compiles every kernel on every target with its heuristic
-config at two sizes (``--quick``); the full sweep with every autotuning
-candidate is behind ``-m slow`` (and ``python -m pallax.verify``).
+config at two sizes (``--quick``); the full sweep (``python -m pallax.verify``:
+heuristic configs at every size, autotuning candidates at each op's first) is
+behind ``-m slow``.
 """
 
 import json
@@ -68,6 +69,19 @@ def test_candidates_are_swept_and_deduplicated():
   # The forward kernel of the jvp case is the bwd case's: compiled once.
   both = sweep.jobs_for([case, Case("softmax", "jvp", (1000, 4000), "bfloat16")], [TARGETS["h100"]])
   assert len([j for j in both if j.kernel == "softmax_fwd"]) == len(fwd)
+  # Outside the candidate cases only the heuristic's configs are compiled.
+  only = sweep.jobs_for([case], [TARGETS["h100"]], candidates_at=set())
+  assert {frozenset(j.sources) for j in only} == {frozenset({"heuristic"})}
+  assert len(only) == len({j.kernel for j in jobs}) < len(jobs)
+
+
+def test_candidate_cases_are_the_first_size_in_float32():
+  chosen = sweep.candidate_cases(sweep.cases(["softmax", "matmul"]))
+  assert chosen == {
+    f"{op}:{stage}:{size}:float32"
+    for op, size in (("softmax", "1024x1024"), ("matmul", "1024x1024x1024"))
+    for stage in sweep.STAGES
+  }
 
 
 # The check can fail --------------------------------------------------------------------
