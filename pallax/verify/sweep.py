@@ -51,7 +51,9 @@ class Op:
 
   The last ``masks`` arrays are boolean masks, and the ``ints`` arrays before
   them int32 (lengths, indices): neither is differentiated. ``stages``: those
-  the op has (an inference op has no ``bwd`` or ``jvp``).
+  the op has (an inference op has no ``bwd`` or ``jvp``). ``candidates``:
+  whether the default sweep compiles the autotuning candidates at the first
+  size (``candidate_cases``).
   """
 
   fn: Callable
@@ -61,6 +63,7 @@ class Op:
   masks: int = 0
   ints: int = 0
   stages: tuple[str, ...] = STAGES
+  candidates: bool = True
 
 
 _rows = lambda r, h: [(r, h)]
@@ -72,18 +75,19 @@ _NORM_SIZES = ((1024, 1024), (8192, 4096), (1000, 4000), (64, 16384))
 _NORM_QUICK = ((1024, 1024), (1000, 4000))
 _SOFTMAX_SIZES = ((1024, 1024), (8192, 4096), (1000, 4000), (16, 50257))
 _MATMUL_SIZES = ((1024, 1024, 1024), (4096, 4096, 4096), (1000, 4000, 300), (8, 1000, 1000))
-# Attention (B, T, N, K, H), self-attention: head dims 64, 128, a padded 80
-# and 128 with GQA and odd lengths, 256, 32.
+# Attention (B, T, N, K, H), self-attention: head dims 64, a padded 80 and
+# 128 with GQA and odd lengths, 256, 32.
 _attention = lambda b, t, n, kv, h: [(b, t, n, h), (b, t, kv, h), (b, t, kv, h)]
 _ATTENTION_SIZES = (
   (2, 1024, 8, 8, 64),
-  (2, 1024, 8, 8, 128),
   (1, 1000, 8, 2, 80),
   (1, 1000, 8, 2, 128),
   (1, 2048, 4, 4, 256),
   (4, 512, 8, 8, 32),
 )
 _ATTENTION_QUICK = ((2, 1024, 8, 8, 64), (1, 1000, 8, 2, 128))
+# Causal: all but head dim 32.
+_CAUSAL_SIZES = _ATTENTION_SIZES[:4]
 # Paged attention (B, N, K, H, page_size, pages_per_sequence), a pool of
 # B * pages_per_sequence pages: the bench's decode step, a padded head dim 80
 # with odd counts and small pages, MQA, head dim 256, MHA with large pages.
@@ -132,11 +136,15 @@ OPS = {
     ((1024, 1024, 1024), (1000, 4000, 300)),
   ),
   "attention": Op(pallax.dot_product_attention, _attention, _ATTENTION_SIZES, _ATTENTION_QUICK),
+  # Its candidates compile in the exhaustive sweep; by default those of the
+  # packed-documents case below (the same blocks, with segments, a soft cap
+  # and sinks on top of the causal mask) stand for them.
   "attention_causal": Op(
     lambda q, k, v: pallax.dot_product_attention(q, k, v, is_causal=True),
     _attention,
-    _ATTENTION_SIZES,
+    _CAUSAL_SIZES,
     _ATTENTION_QUICK,
+    candidates=False,
   ),
   # Packed documents with Gemma 2's soft cap and sinks: causal within each
   # segment; the two trailing int32 arrays are the query's and key's segment ids.
@@ -152,12 +160,13 @@ OPS = {
       sinks=sinks,
     ),
     lambda b, t, n, kv, h: [*_attention(b, t, n, kv, h), (n,), (b, t), (b, t)],
-    _ATTENTION_QUICK + ((1, 1000, 8, 2, 80), (1, 2048, 4, 4, 256)),
+    _ATTENTION_QUICK + ((1, 2048, 4, 4, 256),),
     _ATTENTION_QUICK,
     ints=2,
   ),
+  # Candidates as for causal attention: the features case below stands for them.
   "linear_cross_entropy": Op(
-    pallax.linear_cross_entropy, _lm_head, _LM_HEAD_SIZES, _LM_HEAD_QUICK, ints=1
+    pallax.linear_cross_entropy, _lm_head, _LM_HEAD_SIZES, _LM_HEAD_QUICK, ints=1, candidates=False
   ),
   # Gemma 2's soft cap with a bias, label smoothing and z-loss.
   "linear_cross_entropy_features": Op(
@@ -232,9 +241,14 @@ def cases(ops: Optional[Iterable[str]] = None, quick: bool = False) -> list[Case
 
 
 def candidate_cases(case_list: Sequence[Case]) -> set[str]:
-  """The ids of the cases of ``case_list`` at their op's first size in float32."""
+  """The ids of the cases of ``case_list`` at their op's first size in float32.
+
+  Ops with ``candidates=False`` have none.
+  """
   return {
-    case.id for case in case_list if case.size == OPS[case.op].sizes[0] and case.dtype == "float32"
+    case.id
+    for case in case_list
+    if OPS[case.op].candidates and case.size == OPS[case.op].sizes[0] and case.dtype == "float32"
   }
 
 
