@@ -18,6 +18,9 @@ backend, sharding dims, batching rule) and declares them here, once:
   forward, tangent and backward primitives of an op with residuals and
   registers its AD: the JVP, the transpose (the backward kernel) and the
   second-order JVPs (design.md section 2).
+* ``define_composite(name, ...)`` builds a primitive that means a composition
+  of pallax primitives, optionally with its own JVP rule and a fused XLA
+  program for the CPU.
 * ``Kernel.of_family`` reads a ``kernels/<family>/`` package: the kernel
   function of each backend module and the config space of ``config.py``.
 
@@ -408,6 +411,96 @@ def define_residual_op(
   for p in {tangent_p, bwd_p}:
     _register_jvp_by_xla(p)
   return ResidualOp(fwd_p, tangent_p, bwd_p)
+
+
+def define_composite(
+  name: str,
+  *,
+  abstract_eval: Callable[..., Sequence[Any]],
+  reference: Callable[..., Sequence[jax.Array]],
+  jvp: Callable[..., tuple[list, list]] | None = None,
+  fused: Callable[..., Sequence[jax.Array]] | None = None,
+  decided_by: KernelPrimitive | None = None,
+  own_params: Sequence[str] = (),
+) -> Primitive:
+  """A primitive that means a composition of pallax primitives.
+
+  ``reference(*args, **params)`` binds other pallax primitives (``params``
+  with the framework's): it is what the primitive means, how it lowers (inline,
+  so the composed primitives' rewrites see the operands' producers) and how it
+  vmaps (``jax.vmap`` of it: its primitives' batching rules). It
+  differentiates as ``jax.jvp`` of it, unless ``jvp`` gives another rule: a
+  scalar loss whose tangent is its gradient dotted with the tangents, so that
+  ``grad`` computes the gradient in the forward pass.
+
+  ``fused(*args, **op_params)`` is one XLA program computing the same, which a
+  CPU runs faster than the composition (a loss and its gradients in one pass
+  where the composition recomputes). It is lowered where the executor would
+  run ``decided_by``'s XLA program anyway: on the CPU, the interpret switch
+  off, no config pinned, and a program that is not partitioned across devices
+  (the composed primitives shard by their own rules; inside a fully manual
+  ``shard_map`` or on one device, the fused program is the same computation).
+
+  Args:
+    name: the primitive's name.
+    abstract_eval: ``(*avals, **params) -> [aval]``.
+    reference: the composition.
+    jvp: ``(primals, tangents, **params) -> (outs, tangents)``, a JVP rule
+      (tangents may be ``ad.Zero``); None: ``jax.jvp`` of ``reference``.
+    fused: the CPU program, or None.
+    decided_by: the primitive whose executor selection (on the same operands
+      and params) must be its XLA program for ``fused`` to be lowered.
+    own_params: this primitive's params that ``decided_by`` does not take.
+  """
+  prim = Primitive(name)
+  prim.multiple_results = True
+  prim.def_impl(functools.partial(_jax_private.apply_primitive, prim))
+  prim.def_abstract_eval(abstract_eval)
+  _jax_private.require_devices_during_lowering(prim)
+
+  def batching_rule(args, dims, **params):
+    outs = jax.vmap(functools.partial(reference, **params), in_axes=list(dims))(*args)
+    return outs, [0] * len(outs)
+
+  def jvp_by_reference(primals, tangents, **params):
+    outs, out_tangents = jax.jvp(
+      functools.partial(reference, **params), tuple(primals), tuple(instantiate(tangents))
+    )
+    return list(outs), list(out_tangents)
+
+  def reference_lowering(ctx, *args, **params):
+    return mlir.lower_fun(functools.partial(reference, **params), multiple_results=True)(ctx, *args)
+
+  def cpu_lowering(ctx, *args, config, interpret, executor, **params):
+    framework = dict(config=config, interpret=interpret, executor=executor)
+    if config is None and not interpret and _one_program(ctx.module_context.axis_context):
+      shared = {k: v for k, v in params.items() if k not in own_params}
+      chosen = select_config(
+        decided_by, ctx.avals_in, "cpu", shared, config=None, interpret=None, scope=executor
+      )
+      if chosen.implementation == "xla":
+        fn = mlir.lower_fun(functools.partial(fused, **params), multiple_results=True)
+        with _jax_private.without_vma_checks():
+          return fn(_unvarying(ctx), *args)
+    return reference_lowering(ctx, *args, **framework, **params)
+
+  batching.primitive_batchers[prim] = batching_rule
+  ad.primitive_jvps[prim] = jvp or jvp_by_reference
+  # Inline, not through JAX's lowering cache: the composed primitives may read
+  # their operands' producers (``PrimitiveSpec.rewrite``).
+  mlir.register_lowering(prim, reference_lowering, cacheable=False)
+  if fused is not None:
+    mlir.register_lowering(prim, cpu_lowering, platform="cpu", cacheable=False)
+  return prim
+
+
+def _one_program(axis_context) -> bool:
+  """Whether a lowering is not partitioned across devices: one device, or all axes manual."""
+  if isinstance(axis_context, mlir.ShardingContext):
+    return axis_context.num_devices == 1
+  if isinstance(axis_context, mlir.SPMDAxisContext):
+    return set(axis_context.manual_axes) == set(axis_context.mesh.axis_names)
+  return False
 
 
 def select_config(

@@ -34,10 +34,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
+from jax.interpreters import ad
 
 from pallax.batching_rules import cross_entropy as cross_entropy_batching
 from pallax.kernels import cross_entropy as kernels
-from pallax.kernels.cross_entropy import CrossEntropyConfig
+from pallax.kernels.cross_entropy import CrossEntropyConfig, common
 from pallax.kernels.cross_entropy import xla as cross_entropy_xla
 from pallax.kernels.cross_entropy.common import Problem, combine_stats, flat_tokens
 from pallax.op import (
@@ -46,11 +47,13 @@ from pallax.op import (
   Rewrite,
   Shards,
   bind,
+  define_composite,
   define_residual_op,
   derived_aval,
   full_spec,
   instantiate,
   match_manual_axes,
+  op_params,
   produced_by,
 )
 from pallax.pallas_utils import stat_dtype
@@ -213,6 +216,81 @@ _STAGES = {"fwd": cross_entropy_p.fwd, "jvp": cross_entropy_p.tangent, "bwd": cr
 
 
 # ----------------------------------------------------------------------------
+# A scalar loss of linear_cross_entropy: its derivative in one pass on a CPU.
+
+_LOSS_PARAMS = ("ignore_index", "label_smoothing", "z_loss", "reduction")
+
+
+def _loss_params(options: tuple) -> dict:
+  ignore_index, smoothing, z_loss, _, reduction = options
+  return dict(
+    ignore_index=ignore_index, label_smoothing=smoothing, z_loss=z_loss, reduction=reduction
+  )
+
+
+def _token_options(options: tuple, vocab: int) -> dict:
+  ignore_index, smoothing, z_loss, _, _ = options
+  return dict(vocab=vocab, ignore_index=ignore_index, label_smoothing=smoothing, z_loss=z_loss)
+
+
+def _group_losses(*ops, ignore_index, label_smoothing, z_loss, reduction, **params):
+  """Each group's scalar loss, ``(G,)``, from the forward primitive's statistics."""
+  labels = ops[-1]
+  lse, zy, zsum = cross_entropy_p.fwd.bind(*ops, **params)
+  vocab = Problem.of([jax.typeof(o) for o in ops], **op_params(params)).vocab
+  options = dict(vocab=vocab, ignore_index=ignore_index, label_smoothing=label_smoothing)
+  loss = common.token_loss(lse, zy, zsum, labels, z_loss=z_loss, **options)
+  scale = common.mean_scale(labels, ignore_index, reduction, lse.dtype)
+  return jnp.sum(loss, axis=tuple(range(1, loss.ndim))) * scale
+
+
+def _value_and_grad_reference(*ops, **params):
+  """``(loss (G,), dx, dw[, db])`` from the forward and backward primitives (``jax.vjp``)."""
+  *floats, labels = ops
+  loss, pull = jax.vjp(lambda *f: _group_losses(*f, labels, **params), *floats)
+  return [loss, *pull(jnp.ones_like(loss))]
+
+
+def _value_and_grad_abstract_eval(*avals, **params):
+  token = avals[0]
+  loss = derived_aval(token, token.shape[:1], stat_dtype(token.dtype), full_spec(token)[:1])
+  return [loss, *(a.update(weak_type=False) for a in avals[:-1])]
+
+
+linear_cross_entropy_value_and_grad_p = define_composite(
+  "linear_cross_entropy_value_and_grad",
+  abstract_eval=_value_and_grad_abstract_eval,
+  reference=_value_and_grad_reference,
+  fused=cross_entropy_xla.value_and_grad,
+  decided_by=cross_entropy_p.fwd,
+  own_params=_LOSS_PARAMS,
+)
+
+
+def _scalar_loss_jvp(primals, tangents, **params):
+  """``<gradient, tangents>``, the gradient from ``linear_cross_entropy_value_and_grad_p``.
+
+  Linear in the tangents, so JAX transposes it for ``grad``: on a CPU one fused
+  pass of three matmuls, elsewhere the forward and backward kernels.
+  Forward-mode ``jvp`` costs the same: the gradient and a dot with the tangents.
+  """
+  loss, *grads = linear_cross_entropy_value_and_grad_p.bind(*primals, **params)
+  dloss = jnp.zeros_like(loss)
+  for g, t in zip(grads, tangents):
+    if type(t) is not ad.Zero:
+      dloss = dloss + jnp.sum(g.astype(loss.dtype) * t.astype(loss.dtype), axis=range(1, g.ndim))
+  return [loss], [dloss]
+
+
+linear_cross_entropy_loss_p = define_composite(
+  "linear_cross_entropy_loss",
+  abstract_eval=lambda *avals, **params: _value_and_grad_abstract_eval(*avals, **params)[:1],
+  reference=lambda *ops, **params: [_group_losses(*ops, **params)],
+  jvp=_scalar_loss_jvp,
+)
+
+
+# ----------------------------------------------------------------------------
 # The public functions: validation, layout and the loss from the statistics.
 
 
@@ -259,38 +337,30 @@ def _labels(op: str, labels, shape: tuple[int, ...], vocab: int, ignore_index) -
   return labels.astype(jnp.int32)
 
 
-def _loss(op: str, operands, labels, params: dict, options: tuple, vocab: int, config):
-  """Binds the forward primitive and turns its statistics into the loss."""
+def _loss(op: str, operands, labels, params, options, vocab, config, return_lse):
+  """The loss from the forward primitive's statistics, or from ``_scalar_loss``.
+
+  A scalar loss of ``linear_cross_entropy`` (without ``return_lse``) is
+  ``linear_cross_entropy_loss_p``, whose derivative is the value-and-gradient
+  primitive; the rest differentiates the statistics.
+  """
   ignore_index, smoothing, z_loss, cap, reduction = options
   shape = labels.shape
   tokens = labels.size
   st = stat_dtype(operands[0].dtype)
+  operands = match_manual_axes(*operands, labels[None])
+  if tokens and params["linear"] and reduction != "none" and not return_lse:
+    loss_params = dict(params, soft_cap=cap, **_loss_params(options))
+    (loss,) = bind(linear_cross_entropy_loss_p, *operands, config=config, **loss_params)
+    return loss[0], None
   if tokens:
-    stats = bind(
-      _STAGES["fwd"],
-      *match_manual_axes(*operands, labels[None]),
-      config=config,
-      **params,
-      soft_cap=cap,
-    )
+    stats = bind(_STAGES["fwd"], *operands, config=config, **params, soft_cap=cap)
     lse, zy, zsum = (s[0] for s in stats)
   else:
     lse = zy = zsum = jnp.zeros(shape, st)
-  loss = lse - (1 - smoothing) * zy
-  if smoothing:
-    loss = loss - (smoothing / vocab) * zsum
-  if z_loss:
-    loss = loss + z_loss * jnp.square(lse)
-  loss = jnp.where((labels >= 0) & (labels < vocab), loss, jnp.nan)
-  if ignore_index is not None:
-    kept = labels != ignore_index
-    loss = jnp.where(kept, loss, 0)
-  else:
-    kept = jnp.ones(shape, bool)
-  if reduction == "sum":
-    loss = jnp.sum(loss)
-  elif reduction == "mean":
-    loss = jnp.sum(loss) / jnp.maximum(jnp.sum(kept), 1).astype(st)
+  loss = common.token_loss(lse, zy, zsum, labels, **_token_options(options, vocab))
+  if reduction != "none":
+    loss = jnp.sum(loss) * common.mean_scale(labels[None], ignore_index, reduction, st)[0]
   return loss, lse
 
 
@@ -350,7 +420,7 @@ def cross_entropy(
   labels = _labels(op, labels, logits.shape[:-1], vocab, options[0])
   operands = [logits[None]]
   params = dict(linear=False, has_bias=False, transposed_weight=False)
-  loss, lse = _loss(op, operands, labels, params, options, vocab, config)
+  loss, lse = _loss(op, operands, labels, params, options, vocab, config, return_lse)
   return (loss, lse) if return_lse else loss
 
 
@@ -428,7 +498,7 @@ def linear_cross_entropy(
   x, weight, *rest = (a.astype(dtype) for a in floats)
   operands = [x[None], weight[None], *(b[None] for b in rest)]
   params = dict(linear=True, has_bias=bias is not None, transposed_weight=bool(transposed_weight))
-  loss, lse = _loss(op, operands, labels, params, options, vocab, config)
+  loss, lse = _loss(op, operands, labels, params, options, vocab, config, return_lse)
   return (loss, lse) if return_lse else loss
 
 

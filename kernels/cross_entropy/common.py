@@ -243,3 +243,48 @@ def combine_stats(lse, zy, zsum, *, pmax, psum):
   """
   m = jax.lax.stop_gradient(pmax(lse))
   return m + jnp.log(psum(jnp.exp(lse - m))), psum(zy), psum(zsum)
+
+
+def kept_tokens(labels: jax.Array, ignore_index: Optional[int]) -> jax.Array:
+  """The tokens that count: those whose label is not ``ignore_index``."""
+  if ignore_index is None:
+    return jnp.ones(labels.shape, bool)
+  return labels != ignore_index
+
+
+def token_loss(
+  lse: jax.Array,
+  zy: jax.Array,
+  zsum: jax.Array,
+  labels: jax.Array,
+  *,
+  vocab: int,
+  ignore_index: Optional[int],
+  label_smoothing: float,
+  z_loss: float,
+) -> jax.Array:
+  """Each token's loss from its statistics: 0 where ignored, NaN where the label is out of range.
+
+  ``lse - (1 - eps) zy - eps / V zsum + z_loss lse**2``: the one formula of
+  the loss options, which the public functions and the fused CPU program
+  (``xla.value_and_grad``) both differentiate with JAX.
+  """
+  loss = lse - (1 - label_smoothing) * zy
+  if label_smoothing:
+    loss = loss - (label_smoothing / vocab) * zsum
+  if z_loss:
+    loss = loss + z_loss * jnp.square(lse)
+  loss = jnp.where((labels >= 0) & (labels < vocab), loss, jnp.nan)
+  return jnp.where(kept_tokens(labels, ignore_index), loss, 0)
+
+
+def mean_scale(labels: jax.Array, ignore_index: Optional[int], reduction: str, dtype) -> jax.Array:
+  """The factor of the summed token losses: 1 (``"sum"``), or 1 / kept tokens (``"mean"``).
+
+  ``labels`` is ``(G, *T)``: one scale per group, ``(G,)``. Summed without a
+  reshape, which would gather token dims sharded over two mesh axes.
+  """
+  if reduction == "sum":
+    return jnp.ones(labels.shape[:1], dtype)
+  kept = jnp.sum(kept_tokens(labels, ignore_index), axis=tuple(range(1, labels.ndim)))
+  return 1 / jnp.maximum(kept, 1).astype(dtype)

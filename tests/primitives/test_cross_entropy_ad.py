@@ -8,7 +8,9 @@ reverse-over-reverse) Hessian-vector products. On the XLA path and both
 interpreted kernels (executor configs and small pinned blocks). Ignored
 tokens get zero gradients, an all-ignored "mean" zero gradients (not NaN);
 grad is one forward and one backward primitive, jvp one forward and one
-tangent primitive.
+tangent primitive, except for a scalar loss of ``linear_cross_entropy``: one
+value-and-gradient primitive either way, on a CPU one fused program over
+token chunks (checked here over several chunks against float64).
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import numpy as np
 import pytest
 
 import pallax
+from pallax.kernels.cross_entropy import xla as cross_entropy_xla
 from tests.helpers import PATHS, assert_close, on_path, primitive_names, rand, to64, x64
 from tests.primitives.cross_entropy_reference import (
   IGNORE,
@@ -41,6 +44,7 @@ from tests.primitives.cross_entropy_reference import (
 V = 301
 TOKENS = (2, 7)
 FWD, JVP, BWD = "cross_entropy_fwd", "cross_entropy_jvp", "cross_entropy_bwd"
+LOSS, VALUE_AND_GRAD = "linear_cross_entropy_loss", "linear_cross_entropy_value_and_grad"
 
 
 def _ignore_index(options: dict):
@@ -383,21 +387,70 @@ def test_one_kernel_each_way(op, return_lse):
   forward = jax.make_jaxpr(f)(floats).jaxpr
   grad = jax.make_jaxpr(jax.grad(f))(floats).jaxpr
   jvp = jax.make_jaxpr(lambda p: jax.jvp(f, (p,), (p,)))(floats).jaxpr
-  assert _counts(forward) == {FWD: 1}
-  assert _counts(grad) == {FWD: 1, BWD: 1}
-  assert _counts(jvp) == {FWD: 1, JVP: 1}
+  if op == "linear_cross_entropy" and not return_lse:  # a scalar loss: its gradient in one
+    assert _counts(forward) == {LOSS: 1}
+    assert _counts(grad) == _counts(jvp) == {VALUE_AND_GRAD: 1}
+  else:
+    assert _counts(forward) == {FWD: 1}
+    assert _counts(grad) == {FWD: 1, BWD: 1}
+    assert _counts(jvp) == {FWD: 1, JVP: 1}
 
 
 def test_grad_with_respect_to_some_operands_only():
-  """grad w.r.t. weight only (x constant) and x only: still one forward and one backward."""
+  """grad w.r.t. weight only (x constant) and x only: still one value-and-gradient primitive."""
   rng = np.random.default_rng(13)
   op = "linear_cross_entropy"
   ops = inputs(op, rng, (13,), V)
   for name in ("weight", "x", "bias"):
     f = lambda a, name=name: pallax_loss(op, {**ops, name: a}, label_smoothing=0.1)
     got = jax.jit(jax.grad(f))(ops[name])
-    assert _counts(jax.make_jaxpr(jax.grad(f))(ops[name]).jaxpr) == {FWD: 1, BWD: 1}
+    assert _counts(jax.make_jaxpr(jax.grad(f))(ops[name]).jaxpr) == {VALUE_AND_GRAD: 1}
     with x64():
       ref = lambda a, name=name: reference_loss(op, {**ops, name: a}, label_smoothing=0.1)
       want = jax.grad(ref)(to64(ops[name]))
     assert_close(got, want, jnp.float32, f"d{name} alone")
+
+
+# ----------------------------------------------------------------------------
+# The CPU's fused value and gradient of a scalar loss.
+
+
+def _while_loops(fn, *args) -> int:
+  return fn.lower(*args).as_text().count("stablehlo.while")
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+@pytest.mark.parametrize("transposed", [False, True], ids=["weight", "table"])
+def test_fused_value_and_grad_over_token_chunks(monkeypatch, transposed, reduction):
+  """On a CPU, ``value_and_grad`` of a scalar loss is one loop over token chunks.
+
+  Chunks of 8 tokens over 37 (four whole chunks and a remainder of 5), every
+  option on, against float64; the same loss with ``return_lse`` (the forward
+  and backward stages) is the control, with a loop each.
+  """
+  monkeypatch.setattr(cross_entropy_xla, "_FUSED_ELEMENTS", 8 * V)
+  rng = np.random.default_rng(21)
+  op = "linear_cross_entropy"
+  ops = inputs(op, rng, (37,), V, d=20)
+  x, w, b, labels = ops["x"], ops["weight"], ops["bias"], ops["labels"]
+  options = dict(label_smoothing=0.1, z_loss=1e-2, logit_soft_cap=3.0, reduction=reduction)
+  table = w.T if transposed else w
+
+  def loss(x, table, b, return_lse=False):
+    out = pallax.linear_cross_entropy(
+      x, table, labels, bias=b, transposed_weight=transposed, return_lse=return_lse, **options
+    )
+    return out[0] if return_lse else out
+
+  fused = jax.jit(jax.value_and_grad(loss, (0, 1, 2)))
+  stages = jax.jit(jax.value_and_grad(lambda *a: loss(*a, return_lse=True), (0, 1, 2)))
+  assert _while_loops(fused, x, table, b) == 1
+  assert _while_loops(stages, x, table, b) == 2
+  got, grads = fused(x, table, b)
+  with x64():
+    ref = lambda x, w, b: reference_loss(op, dict(ops, x=x, weight=w, bias=b), **options)
+    want, want_grads = jax.value_and_grad(ref, (0, 1, 2))(to64(x), to64(w), to64(b))
+  assert_loss_close(got, want, jnp.float32, reduction)
+  want_grads = (want_grads[0], want_grads[1].T if transposed else want_grads[1], want_grads[2])
+  for name, g, want_g in zip(("x", "weight", "bias"), grads, want_grads):
+    assert_close(g, want_g, jnp.float32, f"{reduction}: d{name}")
