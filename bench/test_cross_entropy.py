@@ -51,8 +51,9 @@ of the first 128 tokens and ``dL/dweight`` of the first 128 vocabulary columns
 - ``flops`` (linear family): the matmul FLOPs of the plain formulation, 2 per
   multiply-add. Forward: ``2 * N * D * V`` (``x @ W``). Forward+backward: 3x
   forward (``x @ W``, ``dlogits @ W^T`` and ``x^T @ dlogits``). pallax's
-  backward recomputes the logits (a fourth matmul): that is not counted, so
-  its GFLOP/s compare directly with the others' as inverse time. Softmax
+  backward kernels recompute the logits (a fourth matmul; on a CPU this
+  scalar loss's fused pass does not): that is not counted, so its GFLOP/s
+  compare directly with the others' as inverse time. Softmax
   exponentials are not counted. ``gflop_per_s``: ``flops`` over the median.
 - ``bytes`` (logits family): the logits read, ``N * V * itemsize`` forward
   and 3x that forward+backward (read in the forward, read again in the

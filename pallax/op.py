@@ -413,6 +413,16 @@ def define_residual_op(
   return ResidualOp(fwd_p, tangent_p, bwd_p)
 
 
+class CompositePrimitive(Primitive):
+  """A primitive defined by ``define_composite``: knows the composition it means.
+
+  The executor's tools (``pallax.explain``, ``autotune``, ``vmap_with_config``)
+  trace ``reference`` to find the kernel calls inside.
+  """
+
+  reference: Callable[..., Sequence[jax.Array]]
+
+
 def define_composite(
   name: str,
   *,
@@ -452,7 +462,8 @@ def define_composite(
       and params) must be its XLA program for ``fused`` to be lowered.
     own_params: this primitive's params that ``decided_by`` does not take.
   """
-  prim = Primitive(name)
+  prim = CompositePrimitive(name)
+  prim.reference = reference
   prim.multiple_results = True
   prim.def_impl(functools.partial(_jax_private.apply_primitive, prim))
   prim.def_abstract_eval(abstract_eval)

@@ -16,7 +16,13 @@ from jax.extend.core import Jaxpr, JaxprEqn, jaxprs_in_params
 from pallax.executor import Executor, Selection, default_executor
 from pallax.executor.registry import target_of
 from pallax.interpret import interpret_backend
-from pallax.op import KernelPrimitive, kernel_runner, op_params, select_config
+from pallax.op import (
+  CompositePrimitive,
+  KernelPrimitive,
+  kernel_runner,
+  op_params,
+  select_config,
+)
 
 
 def local_target() -> str:
@@ -29,11 +35,19 @@ def local_target() -> str:
 
 
 def kernel_calls(jaxpr: Jaxpr) -> list[JaxprEqn]:
-  """Every equation of ``jaxpr`` (nested jaxprs included) that runs a pallax kernel."""
+  """Every equation of ``jaxpr`` (nested jaxprs and compositions included) that runs a kernel.
+
+  A composite primitive (``define_composite``) is traced at its operands to
+  find the kernel calls it means; on a CPU it may run them as one fused
+  program, which the executor allows only where it picks their XLA program.
+  """
   calls = []
   for eqn in jaxpr.eqns:
     if isinstance(eqn.primitive, KernelPrimitive) and eqn.primitive.has_kernel:
       calls.append(eqn)
+    if isinstance(eqn.primitive, CompositePrimitive):
+      reference = functools.partial(eqn.primitive.reference, **eqn.params)
+      calls.extend(kernel_calls(jax.make_jaxpr(reference)(*(v.aval for v in eqn.invars)).jaxpr))
     for sub in jaxprs_in_params(eqn.params):
       calls.extend(kernel_calls(sub))
   return calls

@@ -133,6 +133,20 @@ def test_explain_reports_sources():
   assert [s.op for s in pallax.explain(jax.grad(loss), x, w)] == ["rms_norm_fwd", "rms_norm_bwd"]
 
 
+def test_explain_sees_the_kernels_of_a_composite_primitive():
+  """A scalar cross-entropy's gradient is one composite primitive; explain lists its kernels."""
+  x, w = _xw()
+  labels = jnp.arange(x.shape[0]) % w.shape[0]
+  table = jnp.ones((x.shape[1], 300))
+  loss = lambda x, table: pallax.linear_cross_entropy(x, table, labels)
+  assert [s.op for s in pallax.explain(loss, x, table)] == ["cross_entropy_fwd"]
+  picks = pallax.explain(jax.grad(loss, (0, 1)), x, table)
+  assert [s.op for s in picks] == ["cross_entropy_fwd", "cross_entropy_bwd"]
+  assert [s.implementation for s in picks] == ["xla", "xla"]
+  with pallax.interpret():
+    assert {s.implementation for s in pallax.explain(jax.grad(loss), x, table)} == {"pallas"}
+
+
 def test_overlay_and_override_reach_already_jitted_functions():
   x, w = _xw()
   f = jax.jit(pallax.rms_norm)
