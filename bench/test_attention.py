@@ -34,15 +34,19 @@ dL/dquery for forward+backward) and records the error.
 
 ``extra_info`` of each benchmark:
 
-- ``flops``: the convention of FlashAttention's papers. Forward: two matmuls
-  (``Q K^T`` and ``P V``) of 2 FLOPs per multiply-add over the *unmasked*
-  (query, key) pairs, ``4 * B * N * pairs * H``, with ``pairs = T * S`` for
-  full attention and ``T * (T + 1) / 2`` for causal (about half: masked blocks
-  are not counted as work). Forward+backward: 3.5x forward (the backward
-  recomputes ``Q K^T`` and does four more matmuls, ``dV``, ``dP``, ``dQ``,
-  ``dK``: seven in all against the forward's two). Softmax exponentials are
-  not counted. GQA counts query heads (N).
-- ``gflop_per_s`` / ``tflop_per_s``: ``flops`` over the median time.
+- ``flops`` and ``bytes``: ``pallax.roofline.attention_work``, FlashAttention
+  papers' convention. Forward: two matmuls (``Q K^T`` and ``P V``) of 2 FLOPs
+  per multiply-add over the *unmasked* (query, key) pairs, ``4 * B * N *
+  pairs * H``, with ``pairs = T * S`` for full attention and ``T * (T + 1) /
+  2`` for causal (about half: masked blocks are not counted as work).
+  Forward+backward: 3.5x forward (the backward recomputes ``Q K^T`` and does
+  four more matmuls, ``dV``, ``dP``, ``dQ``, ``dK``: seven in all against the
+  forward's two). Softmax exponentials are not counted. GQA counts query
+  heads (N). Bytes: ``q``, ``k``, ``v`` read and ``o`` written, and the
+  backward's reads and gradient writes.
+- ``tflop_per_s``, ``gbyte_per_s`` over the median time, and on a device
+  ``pallax.roofline`` knows, ``peak_device``, ``fraction_of_peak_flops`` and
+  ``fraction_of_peak_bandwidth`` (``bench/throughput.py``).
 - ``peak_rss_mib``: absolute peak resident set, in MiB, of a fresh process that
   imports jax and the implementation's library, builds the inputs, compiles
   the call and runs it (twice; once for ``slow`` cases): its lifetime peak,
@@ -95,8 +99,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from peak_memory import does_not_fit, record, record_compiled
+from throughput import record_throughput
 
 import pallax
+from pallax import roofline
 
 CHECK_ROWS = 128  # query rows checked against the float64 reference
 # Max relative error of the checked rows. Accelerators get the bfloat16 bound for every dtype:
@@ -138,15 +144,20 @@ MODES = ["fwd", "fwd+bwd"]
 IMPLS = ["pallax", "jax.nn", "tokamax"]
 
 
-def attention_flops(case, mode):
-  """FLOPs of one call, counting the unmasked (query, key) pairs (module docstring)."""
-  t = s = case.seq
-  if case.causal:  # query i sees keys 0..i (jax.nn's causal mask is tril((T, S)))
-    pairs = t * (t + 1) // 2 if t <= s else s * (s + 1) // 2 + (t - s) * s
-  else:
-    pairs = t * s
-  forward = 4 * case.batch * case.heads * pairs * case.head_dim
-  return forward if mode == "fwd" else int(3.5 * forward)
+def attention_work(case, mode, documents=1):
+  """``pallax.roofline.attention_work`` of one call (module docstring)."""
+  return roofline.attention_work(
+    case.batch,
+    case.heads,
+    case.kv_heads,
+    case.seq,
+    case.seq,
+    case.head_dim,
+    case.dtype,
+    mode,
+    causal=case.causal,
+    documents=documents,
+  )
 
 
 def _rounds(case, mode):
@@ -278,13 +289,8 @@ def test_attention(benchmark, fwd_bwd, case, mode, impl):
   assert error < tolerance, f"{impl} is wrong: max rel err {error:.2e}"
 
   benchmark.pedantic(call, rounds=rounds, iterations=1, warmup_rounds=warmup)
-  flops = attention_flops(case, mode)
-  info.update(flops=flops, case=case.id, mode=mode, impl=impl, platform=device.platform)
-  if benchmark.stats is not None:  # None under --benchmark-disable
-    median = benchmark.stats.stats.median
-    info.update(
-      gflop_per_s=round(flops / median / 1e9, 2), tflop_per_s=round(flops / median / 1e12, 4)
-    )
+  info.update(case=case.id, mode=mode, impl=impl, platform=device.platform)
+  record_throughput(benchmark, attention_work(case, mode), case.dtype)
 
 
 # ------------------------------------------------------------------------------
@@ -381,20 +387,13 @@ def test_attention_packed(benchmark, docs, mode):
       times.append(time.perf_counter() - start)
     one_segment = statistics.median(times)
   benchmark.pedantic(call, rounds=rounds, iterations=1, warmup_rounds=warmup)
-  docs_n = PACKED_DOCS[docs]
   # Unmasked pairs: per document of length L, L (L + 1) / 2 under the causal mask.
-  length = PACKED.seq // docs_n
-  forward = (
-    4 * PACKED.batch * PACKED.heads * docs_n * (length * (length + 1) // 2) * PACKED.head_dim
-  )
-  flops = forward if mode == "fwd" else int(3.5 * forward)
-  info.update(flops=flops, case=f"packed-{docs}", mode=mode, impl="pallax")
+  work = attention_work(PACKED, mode, documents=PACKED_DOCS[docs])
+  info.update(case=f"packed-{docs}", mode=mode, impl="pallax")
   info["platform"] = jax.devices()[0].platform
+  record_throughput(benchmark, work, PACKED.dtype)
   if one_segment is not None:
     info["one_segment_median_s"] = round(one_segment, 4)
     info["speedup_target"] = SPEEDUP_TARGET
-  if benchmark.stats is not None:  # None under --benchmark-disable
-    median = benchmark.stats.stats.median
-    info["gflop_per_s"] = round(flops / median / 1e9, 2)
-    if one_segment is not None:
-      info["speedup_vs_one_segment"] = round(one_segment / median, 2)
+    if benchmark.stats is not None:  # None under --benchmark-disable
+      info["speedup_vs_one_segment"] = round(one_segment / benchmark.stats.stats.median, 2)

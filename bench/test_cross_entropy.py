@@ -48,16 +48,20 @@ of the first 128 tokens and ``dL/dweight`` of the first 128 vocabulary columns
 
 ``extra_info`` of each benchmark:
 
-- ``flops`` (linear family): the matmul FLOPs of the plain formulation, 2 per
-  multiply-add. Forward: ``2 * N * D * V`` (``x @ W``). Forward+backward: 3x
-  forward (``x @ W``, ``dlogits @ W^T`` and ``x^T @ dlogits``). pallax's
-  backward kernels recompute the logits (a fourth matmul; on a CPU this
-  scalar loss's fused pass does not): that is not counted, so its GFLOP/s
-  compare directly with the others' as inverse time. Softmax
-  exponentials are not counted. ``gflop_per_s``: ``flops`` over the median.
-- ``bytes`` (logits family): the logits read, ``N * V * itemsize`` forward
-  and 3x that forward+backward (read in the forward, read again in the
-  backward, the gradient written). ``gbyte_per_s``: ``bytes`` over the median.
+- ``flops`` and ``bytes``: ``pallax.roofline.linear_cross_entropy_work``
+  (linear family) or ``cross_entropy_work`` (logits family), from the op's
+  definition. Linear: the matmul FLOPs of the plain formulation, 2 per
+  multiply-add, forward ``2 * N * D * V`` (``x @ W``), forward+backward 3x
+  (``x @ W``, ``dlogits @ W^T`` and ``x^T @ dlogits``); pallax's backward
+  kernels recompute the logits (a fourth matmul; on a CPU this scalar loss's
+  fused pass does not): that is not counted, so its TFLOP/s compare directly
+  with the others' as inverse time. Bytes: ``x`` and ``W`` read (the backward
+  reads them again and writes ``dx``, ``dW``); the logits need not leave the
+  chip. Logits family: no FLOPs; the logits read, ``N * V * itemsize``
+  forward, 3x forward+backward (read again, the gradient written).
+- ``tflop_per_s``, ``gbyte_per_s`` over the median, and on a device
+  ``pallax.roofline`` knows ``peak_device``, ``fraction_of_peak_flops`` and
+  ``fraction_of_peak_bandwidth`` (``bench/throughput.py``).
 - ``peak_rss_mib``: absolute peak resident set, in MiB, of a fresh process that
   imports jax, pallax and the implementation's library, builds the inputs,
   compiles the call and runs it (twice; once for ``slow`` cases): its
@@ -101,8 +105,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from peak_memory import does_not_fit, record, record_compiled
+from throughput import record_throughput
 
 import pallax
+from pallax import roofline
 
 CHECK_ROWS = 128  # tokens (rows of dL/dx) and vocabulary columns (of dL/dweight) checked
 REFERENCE_BLOCK = 256  # tokens per block of the float64 reference
@@ -307,11 +313,12 @@ _SEEN = {}  # (case id, mode) -> impl -> {"peak_rss_mib", "call_growth_mib", "me
 
 
 def _work(case, mode):
-  """``{"flops": ...}`` (linear) or ``{"bytes": ...}`` (logits) of one call (module docstring)."""
-  times = 1 if mode == "fwd" else 3
+  """The FLOPs and bytes of one call (module docstring)."""
   if case.linear:
-    return {"flops": times * 2 * case.tokens * case.hidden * case.vocab}
-  return {"bytes": times * case.tokens * case.vocab * jnp.dtype(case.dtype).itemsize}
+    return roofline.linear_cross_entropy_work(
+      case.tokens, case.hidden, case.vocab, case.dtype, mode
+    )
+  return roofline.cross_entropy_work(case.tokens, case.vocab, case.dtype, mode)
 
 
 def _load_avg():
@@ -365,15 +372,10 @@ def test_cross_entropy(benchmark, case, mode, impl):
   load_before = _load_avg()
   benchmark.pedantic(call, rounds=rounds, iterations=1, warmup_rounds=warmup)
   info["load_avg"] = [load_before, _load_avg()]
-  work = _work(case, mode)
-  info.update(work)
+  record_throughput(benchmark, _work(case, mode), case.dtype)
   if benchmark.stats is None:  # None under --benchmark-disable
     return
   median = benchmark.stats.stats.median
-  if "flops" in work:
-    info["gflop_per_s"] = round(work["flops"] / median / 1e9, 2)
-  else:
-    info["gbyte_per_s"] = round(work["bytes"] / median / 1e9, 2)
   seen = _SEEN.setdefault((case.id, mode), {})
   mine = {k: info.get(k) for k in ("peak_rss_mib", "call_growth_mib")}
   seen[impl] = dict(mine, median=median)

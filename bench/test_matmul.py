@@ -5,15 +5,20 @@ Run (``-n 0``: pytest-benchmark does not time under xdist)::
   pytest -n 0 bench/test_matmul.py --benchmark-group-by=param:shape,param:epilogue,param:mode
 
 Each group then holds the pallax and plain-jnp timings of one case side by side.
-Shapes are ``(M, K, N)``: ``[M, K] @ [K, N]``.
+Shapes are ``(M, K, N)``: ``[M, K] @ [K, N]``. ``extra_info``: the FLOPs and
+bytes of the op's definition (``pallax.roofline.matmul_work``), the achieved
+TFLOP/s and GB/s, and their fractions of the device's peaks where
+``pallax.roofline`` knows them.
 """
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from throughput import record_throughput
 
 import pallax
+from pallax import roofline
 from pallax.primitives.matmul import matmul_reference
 
 SHAPES = [(512, 512, 512), (2048, 2048, 2048), (8192, 1024, 4096)]
@@ -39,7 +44,7 @@ def _rounds(m, k, n) -> int:
 @pytest.mark.parametrize("epilogue", list(EPILOGUES))
 @pytest.mark.parametrize("dtype", [jnp.float32], ids=lambda d: jnp.dtype(d).name)
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
-def test_matmul(bench, impl, mode, epilogue, dtype, shape):
+def test_matmul(benchmark, bench, impl, mode, epilogue, dtype, shape):
   a, b, bias = _inputs(*shape, dtype)
   kwargs = EPILOGUES[epilogue]
   op = IMPLS[impl]
@@ -52,6 +57,8 @@ def test_matmul(bench, impl, mode, epilogue, dtype, shape):
       lambda *args, f=fn: jnp.sum(f(*args).astype(jnp.float32)), (0, 1, 2) if kwargs else (0, 1)
     )
   bench(fn, a, b, bias, rounds=_rounds(*shape))
+  work = roofline.matmul_work(*shape, dtype, mode, bias=bool(kwargs))
+  record_throughput(benchmark, work, dtype)
 
 
 VMAP_IMPLS = {
@@ -67,9 +74,10 @@ VMAP_IMPLS = {
 @pytest.mark.parametrize("mode", ["fwd", "fwd+bwd"])
 @pytest.mark.parametrize("epilogue", ["vmap"])
 @pytest.mark.parametrize("shape", [(256, 1024, 4096)], ids=lambda s: "x".join(map(str, s)))
-def test_vmap_vectors_times_shared_weight(bench, impl, mode, epilogue, shape):
+def test_vmap_vectors_times_shared_weight(benchmark, bench, impl, mode, epilogue, shape):
   vectors, weight, _ = _inputs(*shape, jnp.float32)
   fn = VMAP_IMPLS[impl]
   if mode == "fwd+bwd":
     fn = jax.value_and_grad(lambda v, w, f=fn: jnp.sum(f(v, w)), (0, 1))
   bench(fn, vectors, weight)
+  record_throughput(benchmark, roofline.matmul_work(*shape, jnp.float32, mode), jnp.float32)

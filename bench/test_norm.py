@@ -8,14 +8,18 @@ Each group then holds the pallax and baseline timings of one case side by
 side. ``fused_add_rms_norm`` is compared with plain jnp and with the unfused
 ``x + r`` followed by ``pallax.rms_norm``. The forward+backward loss takes a
 random cotangent per output (arguments, not constants), so neither side can
-fold the backward away.
+fold the backward away. ``extra_info``: the bytes the op's definition moves
+and the achieved GB/s, with the fraction of the device's bandwidth where
+``pallax.roofline`` knows it (``bench/throughput.py``).
 """
 
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from throughput import record_throughput
 
 import pallax
+from pallax import roofline
 from pallax.primitives.norm import (
   fused_add_rms_norm_reference,
   layer_norm_reference,
@@ -42,7 +46,7 @@ CASES = [(op, impl) for op, (_, impls) in OPS.items() for impl in impls]
 @pytest.mark.parametrize("mode", ["fwd", "fwd+bwd"])
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=lambda d: jnp.dtype(d).name)
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
-def test_norm(bench, fwd_bwd, op, impl, mode, dtype, shape):
+def test_norm(benchmark, bench, fwd_bwd, op, impl, mode, dtype, shape):
   names, impls = OPS[op]
   rng = np.random.default_rng(0)
   make = {
@@ -60,3 +64,4 @@ def test_norm(bench, fwd_bwd, op, impl, mode, dtype, shape):
       for _ in range(2 if op == "fused_add_rms_norm" else 1)
     ]
     bench(fwd_bwd(impls[impl], len(args)), *args, *cotangents)
+  record_throughput(benchmark, roofline.norm_work(op, shape, dtype, mode), dtype)

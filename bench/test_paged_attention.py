@@ -23,10 +23,12 @@ what one writes without a paged kernel.
 
 ``extra_info`` of each benchmark:
 
-- ``kv_bytes``: the bytes of keys and values a sequence needs, summed over the
-  batch (``sum(lengths) * K * (H + Hv) * itemsize``): the traffic floor of a
-  decode step, which is bandwidth-bound. ``gb_per_s``: ``kv_bytes`` over the
-  median time (on a GPU/TPU, compare with the device's HBM bandwidth).
+- ``flops`` and ``bytes``: ``pallax.roofline.paged_decode_work``: the keys
+  and values each sequence needs under its length (``sum(lengths) * K * 2H *
+  itemsize``), plus ``q`` read and ``o`` written: the traffic floor of a
+  decode step, which is bandwidth-bound. ``gbyte_per_s`` and ``tflop_per_s``
+  over the median time, and on a device ``pallax.roofline`` knows
+  ``fraction_of_peak_bandwidth`` (``bench/throughput.py``).
 - ``peak_rss_mib``, ``call_peak_rss_mib``, ``baseline_rss_mib``,
   ``call_growth_mib`` (and ``device_*`` on a GPU): ``bench/peak_memory.py``
   in a fresh process; ``xla_temp_mib``: XLA's temporaries for the call.
@@ -42,8 +44,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from peak_memory import record, record_compiled
+from throughput import record_throughput
 
 import pallax
+from pallax import roofline
 
 CHECK_SEQUENCES = 2
 TOLERANCE = 2e-2  # bfloat16
@@ -109,11 +113,6 @@ def program(case, impl):
   return fn, inputs
 
 
-def kv_bytes(case, lengths) -> int:
-  item = jnp.dtype(case.dtype).itemsize
-  return int(np.sum(np.asarray(lengths, np.int64))) * case.kv_heads * 2 * case.head_dim * item
-
-
 def reference(inputs, sequences=CHECK_SEQUENCES):
   """Float64 outputs of the first ``sequences`` sequences, ``(sequences, N, H)``."""
   q, k_pages, v_pages, lengths, table = (np.asarray(x) for x in inputs)
@@ -157,7 +156,6 @@ def test_paged_attention(benchmark, case, impl):
   assert error < TOLERANCE, f"{impl} is wrong: max rel err {error:.2e}"
 
   benchmark.pedantic(call, rounds=5, iterations=1, warmup_rounds=1)
-  nbytes = kv_bytes(case, inputs[3])
-  info.update(kv_bytes=nbytes, case=case.id, impl=impl, platform=device.platform)
-  if benchmark.stats is not None:  # None under --benchmark-disable
-    info["gb_per_s"] = round(nbytes / benchmark.stats.stats.median / 1e9, 2)
+  info.update(case=case.id, impl=impl, platform=device.platform)
+  work = roofline.paged_decode_work(inputs[3], case.heads, case.kv_heads, case.head_dim, case.dtype)
+  record_throughput(benchmark, work, case.dtype)
