@@ -1,9 +1,33 @@
-"""Benchmark helpers: jitted callables that block until their result is ready, and
-the forward+backward loss every bench uses."""
+"""Benchmark helpers: jitted callables that block until their result is ready, the
+forward+backward loss every bench uses, ``--peers``, and the report of peers that
+raise.
+
+``--peers`` adds the peers' cases (what a user would otherwise call: tokamax's
+ops, from the ``bench`` extra). A peer that raises where pallax works (tokamax's
+``custom_vjp`` ops under ``jvp``) is not a skip: the test passes, the terminal
+summary lists it, and ``--benchmark-json`` writes it under ``"raised"``.
+"""
 
 import jax
-import jax.numpy as jnp
 import pytest
+from modes import fwd_bwd as make_fwd_bwd
+
+RAISED = []  # {"name", "group", "error"} of each peer call that raised
+
+
+def pytest_addoption(parser):
+  parser.addoption(
+    "--peers", action="store_true", help="also time the peers (tokamax: the bench extra)"
+  )
+
+
+def pytest_benchmark_update_json(config, benchmarks, output_json):
+  output_json["raised"] = list(RAISED)
+
+
+def pytest_terminal_summary(terminalreporter):
+  for r in RAISED:
+    terminalreporter.write_line(f"raised: {r['name']}: {r['error']}")
 
 
 def ready(fn):
@@ -17,13 +41,33 @@ def ready(fn):
 
 
 @pytest.fixture
-def bench(benchmark):
-  """``bench(fn, *args)``: times the jitted ``fn`` after one warm-up call."""
+def with_peers(request):
+  """Whether ``--peers`` was given."""
+  return request.config.getoption("--peers")
 
-  def run(fn, *args, rounds=30):
+
+@pytest.fixture
+def bench(benchmark, request):
+  """``bench(fn, *args, peer=False)``: times the jitted ``fn`` after one warm-up call.
+
+  With ``peer=True`` an error of the first call is recorded (``RAISED``) and
+  the case is not timed; pallax's errors always fail the test. Returns
+  whether it was timed.
+  """
+
+  def run(fn, *args, rounds=30, peer=False):
     call = ready(fn)
-    call(*args)
-    return benchmark.pedantic(call, args=args, rounds=rounds, iterations=1, warmup_rounds=2)
+    try:
+      call(*args)
+    except Exception as err:  # noqa: BLE001 -- a peer's failure is a result to report
+      if not peer:
+        raise
+      message = f"{type(err).__name__}: {err}".splitlines()[0][:300]
+      RAISED.append({"name": request.node.name, "group": benchmark.group, "error": message})
+      benchmark.extra_info["raised"] = message
+      return False
+    benchmark.pedantic(call, args=args, rounds=rounds, iterations=1, warmup_rounds=2)
+    return True
 
   return run
 
@@ -36,12 +80,4 @@ def fwd_bwd():
   Random cotangents passed as arguments keep either side from folding its
   backward into a constant.
   """
-
-  def make(fn, n):
-    def loss(*a):
-      outs = jax.tree.leaves(fn(*a[:n]))
-      return sum(jnp.sum(o.astype(jnp.float32) * c) for o, c in zip(outs, a[n:]))
-
-    return jax.value_and_grad(loss, tuple(range(n)))
-
-  return make
+  return make_fwd_bwd

@@ -26,7 +26,7 @@ Test ids are ``{mask}-{heads}-{dtype}-S{seq}[-slow]-{mode}-{impl}``, made for
 on a CPU (S = 16384) carry ``slow`` in their id and run one or two rounds:
 ``-k "not slow"`` leaves them out. B = 1 and H = 64 throughout.
 
-Forward+backward goes through the ``fwd_bwd`` fixture of ``bench/conftest.py``:
+Forward+backward goes through ``bench/modes.py``'s ``fwd_bwd``:
 ``value_and_grad`` of ``sum(out * c)`` for a random cotangent ``c``, gradients
 for query, key and value. Before timing, each benchmark checks its first call
 against a float64 NumPy reference on the first 128 query rows (the output, or
@@ -87,8 +87,6 @@ exceeds the free device memory.
 """
 
 import dataclasses
-import importlib.util
-import inspect
 import math
 import os
 import statistics
@@ -96,7 +94,9 @@ import time
 
 import jax
 import jax.numpy as jnp
+import modes
 import numpy as np
+import peers
 import pytest
 from peak_memory import does_not_fit, record, record_compiled
 from throughput import record_throughput
@@ -176,24 +176,11 @@ def _attention(impl, causal):
   if impl == "jax.nn":
     return lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=causal)
   if impl == "tokamax":
-    import tokamax
-    from absl import flags
-
-    if not flags.FLAGS.is_parsed():  # else tokamax parses sys.argv (pytest's) on its first call
-      flags.FLAGS.mark_as_parsed()
+    tokamax = peers.tokamax()
     return lambda q, k, v: tokamax.dot_product_attention(
       q, k, v, is_causal=causal, implementation="xla_chunked"
     )
   raise ValueError(impl)
-
-
-def _conftest_fwd_bwd():
-  """``bench/conftest.py``'s ``fwd_bwd`` maker, for a process that runs no pytest fixtures."""
-  path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "conftest.py")
-  spec = importlib.util.spec_from_file_location("_bench_conftest", path)
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  return inspect.unwrap(module.fwd_bwd)()
 
 
 def program(case, impl, mode, fwd_bwd=None):
@@ -214,7 +201,7 @@ def program(case, impl, mode, fwd_bwd=None):
   fn = _attention(impl, case.causal)
   if mode == "fwd":
     return fn, (q, kk, v)
-  make = fwd_bwd if fwd_bwd is not None else _conftest_fwd_bwd()
+  make = fwd_bwd if fwd_bwd is not None else modes.fwd_bwd
   cotangent = jax.random.normal(keys[3], (b, t, n, h), jnp.float32)
   return make(fn, 3), (q, kk, v, cotangent)
 

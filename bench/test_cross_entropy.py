@@ -103,6 +103,7 @@ import os
 import jax
 import jax.numpy as jnp
 import numpy as np
+import peers
 import pytest
 from peak_memory import does_not_fit, record, record_compiled
 from throughput import record_throughput
@@ -182,11 +183,7 @@ def _loss_fn(case, impl):
   if impl == "pallax":
     return lambda x, w, labels: pallax.linear_cross_entropy(x, w, labels)
   if impl == "tokamax":
-    import tokamax
-    from absl import flags
-
-    if not flags.FLAGS.is_parsed():  # else tokamax parses sys.argv (pytest's) on its first call
-      flags.FLAGS.mark_as_parsed()
+    tokamax = peers.tokamax()
     return lambda x, w, labels: tokamax.linear_softmax_cross_entropy_loss(
       x, labels, w, reduction="mean", implementation="xla"
     )

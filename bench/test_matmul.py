@@ -5,7 +5,9 @@ Run (``-n 0``: pytest-benchmark does not time under xdist)::
   pytest -n 0 bench/test_matmul.py --benchmark-group-by=param:shape,param:epilogue,param:mode
 
 Each group then holds the pallax and plain-jnp timings of one case side by side.
-Shapes are ``(M, K, N)``: ``[M, K] @ [K, N]``. ``extra_info``: the FLOPs and
+Shapes are ``(M, K, N)``: ``[M, K] @ [K, N]``. Modes (``bench/modes.py``):
+``fwd``, ``fwd+bwd`` (random cotangents as arguments), ``jvp`` and ``hvp``.
+``extra_info`` (``fwd`` and ``fwd+bwd``): the FLOPs and
 bytes of the op's definition (``pallax.roofline.matmul_work``), the achieved
 TFLOP/s and GB/s, and their fractions of the device's peaks where
 ``pallax.roofline`` knows them.
@@ -15,6 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from modes import MODES, transformed
 from throughput import record_throughput
 
 import pallax
@@ -40,7 +43,7 @@ def _rounds(m, k, n) -> int:
 
 
 @pytest.mark.parametrize("impl", list(IMPLS))
-@pytest.mark.parametrize("mode", ["fwd", "fwd+bwd"])
+@pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("epilogue", list(EPILOGUES))
 @pytest.mark.parametrize("dtype", [jnp.float32], ids=lambda d: jnp.dtype(d).name)
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
@@ -49,16 +52,14 @@ def test_matmul(benchmark, bench, impl, mode, epilogue, dtype, shape):
   kwargs = EPILOGUES[epilogue]
   op = IMPLS[impl]
   if kwargs:
-    fn = lambda a, b, bias: op(a, b, bias=bias, **kwargs)
+    fn, args = (lambda a, b, bias: op(a, b, bias=bias, **kwargs)), [a, b, bias]
   else:
-    fn = lambda a, b, bias: op(a, b)
-  if mode == "fwd+bwd":
-    fn = jax.value_and_grad(
-      lambda *args, f=fn: jnp.sum(f(*args).astype(jnp.float32)), (0, 1, 2) if kwargs else (0, 1)
-    )
-  bench(fn, a, b, bias, rounds=_rounds(*shape))
-  work = roofline.matmul_work(*shape, dtype, mode, bias=bool(kwargs))
-  record_throughput(benchmark, work, dtype)
+    fn, args = (lambda a, b: op(a, b)), [a, b]
+  fn, args = transformed(fn, args, mode, np.random.default_rng(1))
+  bench(fn, *args, rounds=_rounds(*shape))
+  if mode in roofline.MODES:
+    work = roofline.matmul_work(*shape, dtype, mode, bias=bool(kwargs))
+    record_throughput(benchmark, work, dtype)
 
 
 VMAP_IMPLS = {
@@ -71,13 +72,12 @@ VMAP_IMPLS = {
 
 
 @pytest.mark.parametrize("impl", list(VMAP_IMPLS))
-@pytest.mark.parametrize("mode", ["fwd", "fwd+bwd"])
+@pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("epilogue", ["vmap"])
 @pytest.mark.parametrize("shape", [(256, 1024, 4096)], ids=lambda s: "x".join(map(str, s)))
 def test_vmap_vectors_times_shared_weight(benchmark, bench, impl, mode, epilogue, shape):
   vectors, weight, _ = _inputs(*shape, jnp.float32)
-  fn = VMAP_IMPLS[impl]
-  if mode == "fwd+bwd":
-    fn = jax.value_and_grad(lambda v, w, f=fn: jnp.sum(f(v, w)), (0, 1))
-  bench(fn, vectors, weight)
-  record_throughput(benchmark, roofline.matmul_work(*shape, jnp.float32, mode), jnp.float32)
+  fn, args = transformed(VMAP_IMPLS[impl], [vectors, weight], mode, np.random.default_rng(1))
+  bench(fn, *args)
+  if mode in roofline.MODES:
+    record_throughput(benchmark, roofline.matmul_work(*shape, jnp.float32, mode), jnp.float32)

@@ -1,21 +1,25 @@
-"""Norm ops vs their plain-jnp formulations, forward and forward+backward.
+"""Norm ops vs their plain-jnp formulations (and tokamax with ``--peers``), in every mode.
 
 Run (``-n 0``: pytest-benchmark does not time under xdist)::
 
   pytest -n 0 bench/test_norm.py --benchmark-group-by=param:op,param:shape,param:dtype,param:mode
+  pytest -n 0 bench/test_norm.py --peers      # with tokamax.layer_norm (the bench extra)
 
-Each group then holds the pallax and baseline timings of one case side by
-side. ``fused_add_rms_norm`` is compared with plain jnp and with the unfused
-``x + r`` followed by ``pallax.rms_norm``. The forward+backward loss takes a
-random cotangent per output (arguments, not constants), so neither side can
-fold the backward away. ``extra_info``: the bytes the op's definition moves
-and the achieved GB/s, with the fraction of the device's bandwidth where
+Each group then holds the timings of one case side by side. ``fused_add_rms_norm``
+is compared with plain jnp and with the unfused ``x + r`` followed by
+``pallax.rms_norm``. Modes (``bench/modes.py``): ``fwd``, ``fwd+bwd`` (random
+cotangents as arguments, so no side can fold the backward away), ``jvp`` and
+``hvp``; tokamax's ``custom_vjp`` raises under the last two, which the report
+lists. ``extra_info`` (``fwd`` and ``fwd+bwd``): the bytes the op's definition
+moves and the achieved GB/s, with the fraction of the device's bandwidth where
 ``pallax.roofline`` knows it (``bench/throughput.py``).
 """
 
 import jax.numpy as jnp
 import numpy as np
+import peers
 import pytest
+from modes import MODES, transformed
 from throughput import record_throughput
 
 import pallax
@@ -27,9 +31,24 @@ from pallax.primitives.norm import (
 )
 
 SHAPES = [(1024, 1024), (4096, 1024), (8192, 4096)]
+
+
+def _tokamax(subtract_mean):
+  def norm(x, w, b=None):
+    return peers.tokamax().layer_norm(x, w, b, subtract_mean=subtract_mean)
+
+  return norm
+
+
 OPS = {
-  "rms_norm": (("x", "w"), {"pallax": pallax.rms_norm, "jnp": rms_norm_reference}),
-  "layer_norm": (("x", "w", "b"), {"pallax": pallax.layer_norm, "jnp": layer_norm_reference}),
+  "rms_norm": (
+    ("x", "w"),
+    {"pallax": pallax.rms_norm, "jnp": rms_norm_reference, "tokamax": _tokamax(False)},
+  ),
+  "layer_norm": (
+    ("x", "w", "b"),
+    {"pallax": pallax.layer_norm, "jnp": layer_norm_reference, "tokamax": _tokamax(True)},
+  ),
   "fused_add_rms_norm": (
     ("x", "r", "w"),
     {
@@ -39,14 +58,19 @@ OPS = {
     },
   ),
 }
+PEERS = {"tokamax"}
 CASES = [(op, impl) for op, (_, impls) in OPS.items() for impl in impls]
 
 
 @pytest.mark.parametrize("op, impl", CASES, ids=[f"{o}-{i}" for o, i in CASES])
-@pytest.mark.parametrize("mode", ["fwd", "fwd+bwd"])
+@pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=lambda d: jnp.dtype(d).name)
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
-def test_norm(benchmark, bench, fwd_bwd, op, impl, mode, dtype, shape):
+def test_norm(benchmark, bench, with_peers, op, impl, mode, dtype, shape):
+  if impl in PEERS:
+    if not with_peers:
+      pytest.skip("a peer: run with --peers")
+    pytest.importorskip(impl, reason="install the bench extra: pip install -e '.[bench]'")
   names, impls = OPS[op]
   rng = np.random.default_rng(0)
   make = {
@@ -56,12 +80,6 @@ def test_norm(benchmark, bench, fwd_bwd, op, impl, mode, dtype, shape):
     "b": lambda: 0.5 * rng.standard_normal(shape[-1]),
   }
   args = [jnp.asarray(make[n](), dtype) for n in names]
-  if mode == "fwd":
-    bench(impls[impl], *args)
-  else:
-    cotangents = [
-      jnp.asarray(rng.standard_normal(shape), jnp.float32)
-      for _ in range(2 if op == "fused_add_rms_norm" else 1)
-    ]
-    bench(fwd_bwd(impls[impl], len(args)), *args, *cotangents)
-  record_throughput(benchmark, roofline.norm_work(op, shape, dtype, mode), dtype)
+  fn, call_args = transformed(impls[impl], args, mode, rng)
+  if bench(fn, *call_args, peer=impl in PEERS) and mode in roofline.MODES:
+    record_throughput(benchmark, roofline.norm_work(op, shape, dtype, mode), dtype)
