@@ -8,11 +8,15 @@ ops, from the ``bench`` extra). A peer that raises where pallax works (tokamax's
 summary lists it, and ``--benchmark-json`` writes it under ``"raised"``.
 """
 
+import time
+
 import jax
 import pytest
 from modes import fwd_bwd as make_fwd_bwd
 
 RAISED = []  # {"name", "group", "error"} of each peer call that raised
+ROUND_BUDGET_S = 1.5
+SLOW_S = 0.25
 
 
 def pytest_addoption(parser):
@@ -48,7 +52,10 @@ def with_peers(request):
 
 @pytest.fixture
 def bench(benchmark, request):
-  """``bench(fn, *args, peer=False)``: times the jitted ``fn`` after one warm-up call.
+  """``bench(fn, *args, rounds=30, peer=False)``: times the jitted ``fn`` after two warm-up calls.
+
+  Rounds: ``rounds``, fewer for slow calls (about ``ROUND_BUDGET_S`` seconds
+  of timed calls; at least 3, or 2 for calls over ``SLOW_S``).
 
   With ``peer=True`` an error of the first call is recorded (``RAISED``) and
   the case is not timed; pallax's errors always fail the test. Returns
@@ -66,7 +73,14 @@ def bench(benchmark, request):
       RAISED.append({"name": request.node.name, "group": benchmark.group, "error": message})
       benchmark.extra_info["raised"] = message
       return False
-    benchmark.pedantic(call, args=args, rounds=rounds, iterations=1, warmup_rounds=2)
+    start = time.perf_counter()
+    call(*args)
+    seconds = time.perf_counter() - start
+    # About ROUND_BUDGET_S of timed calls: at least 3 rounds after one more warm-up
+    # call, or 2 rounds straight away for calls slower than SLOW_S (already warm).
+    slow = seconds > SLOW_S
+    rounds = max(2 if slow else 3, min(rounds, int(ROUND_BUDGET_S / seconds)))
+    benchmark.pedantic(call, args=args, rounds=rounds, iterations=1, warmup_rounds=0 if slow else 1)
     return True
 
   return run

@@ -55,6 +55,8 @@ def test_matmul(benchmark, bench, impl, mode, epilogue, dtype, shape):
     fn, args = (lambda a, b, bias: op(a, b, bias=bias, **kwargs)), [a, b, bias]
   else:
     fn, args = (lambda a, b: op(a, b)), [a, b]
+  info = dict(op="matmul", impl=impl, mode=mode, dtype=jnp.dtype(dtype).name, shape=list(shape))
+  benchmark.extra_info.update(info, variant=epilogue)
   fn, args = transformed(fn, args, mode, np.random.default_rng(1))
   bench(fn, *args, rounds=_rounds(*shape))
   if mode in roofline.MODES:

@@ -80,6 +80,9 @@ def test_norm(benchmark, bench, with_peers, op, impl, mode, dtype, shape):
     "b": lambda: 0.5 * rng.standard_normal(shape[-1]),
   }
   args = [jnp.asarray(make[n](), dtype) for n in names]
+  benchmark.extra_info.update(
+    op=op, impl=impl, mode=mode, dtype=jnp.dtype(dtype).name, shape=list(shape)
+  )
   fn, call_args = transformed(impls[impl], args, mode, rng)
   if bench(fn, *call_args, peer=impl in PEERS) and mode in roofline.MODES:
     record_throughput(benchmark, roofline.norm_work(op, shape, dtype, mode), dtype)

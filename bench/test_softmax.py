@@ -35,6 +35,9 @@ IMPLS = {
 def test_softmax(benchmark, bench, op, impl, mode, dtype, shape):
   rng = np.random.default_rng(0)
   x = jnp.asarray(2 * rng.standard_normal(shape), dtype)
+  benchmark.extra_info.update(
+    op=op, impl=impl, mode=mode, dtype=jnp.dtype(dtype).name, shape=list(shape)
+  )
   fn, args = transformed(IMPLS[op][impl], [x], mode, rng)
   bench(fn, *args)
   if mode in roofline.MODES:

@@ -1,0 +1,80 @@
+"""python -m pallax.bench's report: the Markdown table and the plots, from benchmark JSON."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from pallax import bench
+
+
+def _benchmark(impl, mode, shape, median, **info):
+  extra = dict(op="rms_norm", impl=impl, mode=mode, dtype="float32", shape=list(shape), **info)
+  return {
+    "name": f"test_norm[{impl}-{mode}-{shape}]",
+    "stats": {"median": median},
+    "extra_info": extra,
+  }
+
+
+def _results(tmp_path):
+  data = {
+    "benchmarks": [
+      _benchmark("pallax", "fwd", (1024, 1024), 0.002, gbyte_per_s=4.2),
+      _benchmark("jnp", "fwd", (1024, 1024), 0.003, gbyte_per_s=2.8),
+      _benchmark("pallax", "fwd", (4096, 1024), 0.008, gbyte_per_s=4.2),
+      _benchmark("jnp", "fwd", (4096, 1024), 0.010, gbyte_per_s=3.3),
+      _benchmark("pallax", "jvp", (1024, 1024), 0.004),
+      _benchmark(
+        "pallax",
+        "fwd+bwd",
+        (1024, 1024),
+        0.001,
+        gbyte_per_s=3000.0,
+        fraction_of_peak_bandwidth=0.9,
+      ),
+      {"name": "no_info", "stats": {"median": 1.0}, "extra_info": {}},
+    ],
+    "raised": [{"name": "test_norm[tokamax-jvp]", "error": "TypeError: can't apply jvp"}],
+  }
+  path = tmp_path / "test_norm.json"
+  path.write_text(json.dumps(data))
+  return bench._rows([path])
+
+
+def test_markdown_table(tmp_path):
+  rows, raised = _results(tmp_path)
+  assert len(rows) == 6  # the benchmark without case fields is left out
+  text = bench.markdown(rows, raised)
+  assert "## rms_norm" in text
+  assert "| fwd | float32 | 1024x1024 |  | jnp | 3 ms | 2.8 GB/s |  | 1.50x |" in text
+  assert "| fwd | float32 | 4096x1024 |  | pallax | 8 ms | 4.2 GB/s |  | 1.00x |" in text
+  assert (
+    "| fwd+bwd | float32 | 1024x1024 |  | pallax | 1 ms | 3e+03 GB/s | 90.0% of bandwidth |" in text
+  )
+  lines = text.splitlines()
+  assert lines.index(
+    "| jvp | float32 | 1024x1024 |  | pallax | 4 ms |  |  | 1.00x |"
+  ) > lines.index(
+    "| fwd+bwd | float32 | 1024x1024 |  | pallax | 1 ms | 3e+03 GB/s | 90.0% of bandwidth | 1.00x |"
+  )
+  assert "## Peers that raised" in text
+  assert "- `test_norm[tokamax-jvp]`: TypeError: can't apply jvp" in text
+
+
+def test_plots(tmp_path):
+  pytest.importorskip("matplotlib")
+  from PIL import Image
+
+  rows, _ = _results(tmp_path)
+  (png,) = bench.plot(rows, tmp_path)
+  assert png.name == "rms_norm.png"
+  width, height = Image.open(png).size
+  assert width > 3 * height  # three panels side by side: fwd, fwd+bwd, jvp
+
+
+def test_unknown_op_is_refused(capsys):
+  with pytest.raises(SystemExit):
+    bench.main(["--ops", "rms_norm,nope", "--out", "unused"])
+  assert "unknown ops ['nope']" in capsys.readouterr().err
