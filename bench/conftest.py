@@ -3,7 +3,8 @@ forward+backward loss every bench uses, ``--peers``, and the report of peers tha
 raise.
 
 ``--peers`` adds the peers' cases (what a user would otherwise call: tokamax's
-ops, from the ``bench`` extra). A peer that raises where pallax works (tokamax's
+ops, from the ``bench`` extra), the ones marked ``peer``; without it they are
+deselected. A peer that raises where pallax works (tokamax's
 ``custom_vjp`` ops under ``jvp``) is not a skip: the test passes, the terminal
 summary lists it, and ``--benchmark-json`` writes it under ``"raised"``.
 """
@@ -25,6 +26,19 @@ def pytest_addoption(parser):
   )
 
 
+def pytest_configure(config):
+  config.addinivalue_line("markers", "peer: a peer's case, run with --peers")
+
+
+def pytest_collection_modifyitems(config, items):
+  if config.getoption("--peers"):
+    return
+  peers = [item for item in items if item.get_closest_marker("peer")]
+  if peers:
+    config.hook.pytest_deselected(items=peers)
+    items[:] = [item for item in items if not item.get_closest_marker("peer")]
+
+
 def pytest_benchmark_update_json(config, benchmarks, output_json):
   output_json["raised"] = list(RAISED)
 
@@ -42,12 +56,6 @@ def ready(fn):
     return jax.block_until_ready(jitted(*args))
 
   return call
-
-
-@pytest.fixture
-def with_peers(request):
-  """Whether ``--peers`` was given."""
-  return request.config.getoption("--peers")
 
 
 @pytest.fixture

@@ -59,17 +59,19 @@ OPS = {
   ),
 }
 PEERS = {"tokamax"}
-CASES = [(op, impl) for op, (_, impls) in OPS.items() for impl in impls]
+CASES = [
+  pytest.param(op, impl, id=f"{op}-{impl}", marks=[pytest.mark.peer] if impl in PEERS else [])
+  for op, (_, impls) in OPS.items()
+  for impl in impls
+]
 
 
-@pytest.mark.parametrize("op, impl", CASES, ids=[f"{o}-{i}" for o, i in CASES])
+@pytest.mark.parametrize("op, impl", CASES)
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=lambda d: jnp.dtype(d).name)
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
-def test_norm(benchmark, bench, with_peers, op, impl, mode, dtype, shape):
+def test_norm(benchmark, bench, op, impl, mode, dtype, shape):
   if impl in PEERS:
-    if not with_peers:
-      pytest.skip("a peer: run with --peers")
     pytest.importorskip(impl, reason="install the bench extra: pip install -e '.[bench]'")
   names, impls = OPS[op]
   rng = np.random.default_rng(0)

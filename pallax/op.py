@@ -473,12 +473,6 @@ def define_composite(
     outs = jax.vmap(functools.partial(reference, **params), in_axes=list(dims))(*args)
     return outs, [0] * len(outs)
 
-  def jvp_by_reference(primals, tangents, **params):
-    outs, out_tangents = jax.jvp(
-      functools.partial(reference, **params), tuple(primals), tuple(instantiate(tangents))
-    )
-    return list(outs), list(out_tangents)
-
   def reference_lowering(ctx, *args, **params):
     return mlir.lower_fun(functools.partial(reference, **params), multiple_results=True)(ctx, *args)
 
@@ -496,7 +490,7 @@ def define_composite(
     return reference_lowering(ctx, *args, **framework, **params)
 
   batching.primitive_batchers[prim] = batching_rule
-  ad.primitive_jvps[prim] = jvp or jvp_by_reference
+  ad.primitive_jvps[prim] = jvp or _jvp_by_differentiating(reference, all_params=True)
   # Inline, not through JAX's lowering cache: the composed primitives may read
   # their operands' producers (``PrimitiveSpec.rewrite``).
   mlir.register_lowering(prim, reference_lowering, cacheable=False)
@@ -672,16 +666,24 @@ def _register_jvp_by_xla(prim: KernelPrimitive) -> None:
   derivatives are only needed for second-order AD (Hessian-vector products,
   ``jacfwd`` of ``grad``).
   """
+  ad.primitive_jvps[prim] = _jvp_by_differentiating(prim.xla_impl, all_params=False)
+
+
+def _jvp_by_differentiating(fn: Callable, *, all_params: bool) -> Callable:
+  """A JVP rule: ``jax.jvp`` of ``fn(*primals, **params)``.
+
+  The framework's params are passed only with ``all_params``.
+  """
 
   def jvp(primals, tangents, **params):
     outs, out_tangents = jax.jvp(
-      functools.partial(prim.xla_impl, **op_params(params)),
+      functools.partial(fn, **(params if all_params else op_params(params))),
       tuple(primals),
       tuple(instantiate(tangents)),
     )
     return list(outs), list(out_tangents)
 
-  ad.primitive_jvps[prim] = jvp
+  return jvp
 
 
 def match_manual_axes(*args: jax.Array) -> list[jax.Array]:

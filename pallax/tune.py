@@ -57,23 +57,24 @@ def tune(
   fn: Callable,
   *args,
   grad: bool = False,
-  interpret: bool = False,
+  allow_interpreted: bool = False,
   executor: Optional[Executor] = None,
   **kwargs,
 ) -> Report:
   """Autotunes every kernel call of ``fn(*args, **kwargs)`` on this device.
 
   The winners go to ``executor``'s (default: the default executor's) memory
-  and persistent cache. Under the interpret switch the kernels run
-  interpreted, which says nothing about a GPU or TPU: tuning there raises
-  unless ``interpret=True``.
+  and persistent cache. Whether kernels run interpreted is the interpret
+  switch's business (``pallax.interpret``, ``PALLAX_INTERPRET``); interpreted
+  timings say nothing about a GPU or TPU, so under the switch this raises
+  unless ``allow_interpreted``.
 
   Args:
     fn: the function whose kernel calls to tune.
     *args: example arguments, arrays or ``jax.ShapeDtypeStruct``s.
     grad: also tune the backward's kernels: those of ``jax.grad`` of the sum
       of ``fn``'s floating outputs with respect to its floating arguments.
-    interpret: allow tuning under the interpret switch.
+    allow_interpreted: tune even when the interpret switch is on.
     executor: the executor to tune with.
     **kwargs: keyword arguments of ``fn``.
 
@@ -81,10 +82,10 @@ def tune(
     The report of every tuned call (``print`` it for a table).
   """
   target = local_target()
-  if target.startswith("interpret-") and not interpret:
+  if target.startswith("interpret-") and not allow_interpreted:
     raise ValueError(
       f"pallax.tune: the interpret switch is on ({target}): interpreted kernels' timings "
-      "say nothing about the hardware; turn it off or pass interpret=True"
+      "say nothing about the hardware; turn the switch off, or allow_interpreted=True"
     )
   report = autotune(fn, *args, executor=executor, **kwargs)
   if grad:
@@ -217,7 +218,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
   parser.add_argument("function", nargs="?", help="MODULE:FUNCTION to tune")
   parser.add_argument("--args", nargs="+", default=[], metavar="SHAPE", help="e.g. f32[8,1024]")
   parser.add_argument("--grad", action="store_true", help="also tune the backward's kernels")
-  parser.add_argument("--interpret", action="store_true", help="allow the interpret switch")
+  parser.add_argument(
+    "--allow-interpreted", action="store_true", help="tune even under the interpret switch"
+  )
   parser.add_argument("--export", metavar="FILE", help="write this device's tuned configs")
   parser.add_argument("--import", dest="import_", metavar="FILE", help="merge exported configs")
   parser.add_argument("--into", metavar="DIR", help="with --import: cache or defaults directory")
@@ -231,7 +234,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     print(f"imported {count} tuned configs into {_cache(ns.into).directory}")
   if ns.function:
     args = [parse_shape(a) for a in ns.args]
-    print(tune(_function(ns.function), *args, grad=ns.grad, interpret=ns.interpret))
+    print(tune(_function(ns.function), *args, grad=ns.grad, allow_interpreted=ns.allow_interpreted))
   if ns.export:
     count = export_configs(ns.export)
     print(f"exported {count} tuned configs for {this_device_kind()!r} to {ns.export}")

@@ -238,8 +238,16 @@ def _group_losses(*ops, ignore_index, label_smoothing, z_loss, reduction, **para
   labels = ops[-1]
   lse, zy, zsum = cross_entropy_p.fwd.bind(*ops, **params)
   vocab = Problem.of([jax.typeof(o) for o in ops], **op_params(params)).vocab
-  options = dict(vocab=vocab, ignore_index=ignore_index, label_smoothing=label_smoothing)
-  loss = common.token_loss(lse, zy, zsum, labels, z_loss=z_loss, **options)
+  loss = common.token_loss(
+    lse,
+    zy,
+    zsum,
+    labels,
+    vocab=vocab,
+    ignore_index=ignore_index,
+    label_smoothing=label_smoothing,
+    z_loss=z_loss,
+  )
   scale = common.mean_scale(labels, ignore_index, reduction, lse.dtype)
   return jnp.sum(loss, axis=tuple(range(1, loss.ndim))) * scale
 

@@ -64,8 +64,7 @@ def test_markdown_table(tmp_path):
 
 
 def test_plots(tmp_path):
-  pytest.importorskip("matplotlib")
-  from PIL import Image
+  from PIL import Image  # matplotlib's dependency
 
   rows, _ = _results(tmp_path)
   (png,) = bench.plot(rows, tmp_path)
