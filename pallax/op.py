@@ -48,7 +48,7 @@ from jax.extend.core import Primitive
 from jax.interpreters import ad, batching, mlir
 from jax.sharding import NamedSharding, PartitionSpec
 
-from pallax import _jax_private
+from pallax import _jax_private, triton_raw
 from pallax.executor import KernelConfig, KernelSpec, Scope, Selection, current_scope
 from pallax.executor.registry import (
   PLATFORMS,
@@ -120,7 +120,8 @@ class Shards:
 class Kernel:
   """An op's Pallas kernel and what it tells the executor.
 
-  impls: per Pallas backend (``"triton"``, ``"mosaic_tpu"``), the kernel
+  impls: per kernel backend (``"triton"``, ``"mosaic_tpu"``, and
+    ``"triton_raw"`` where the op has a raw Triton kernel), the kernel
     ``(*arrays, config, interpret, **params) -> [array]`` (``interpret`` goes
     to ``pallas_call`` as is).
   config_cls, heuristic, candidates, supports, version: the kernel's
@@ -136,6 +137,12 @@ class Kernel:
   supports: Callable[..., str | None]
   version: int = 1
 
+  @property
+  def implementations(self) -> tuple[str, ...]:
+    """``"pallas"``, and ``"triton_raw"`` where there is a raw Triton kernel."""
+    raw = triton_raw.IMPLEMENTATION
+    return ("pallas", raw) if raw in self.impls else ("pallas",)
+
   @classmethod
   def of_family(cls, name: str, *, config: Any, backends: Mapping[str, Any], **bound) -> Kernel:
     """The kernel ``name`` of a ``kernels/<family>/`` package.
@@ -144,10 +151,16 @@ class Kernel:
       name: the kernel function's name in each backend module.
       config: the family's ``config`` module: ``CONFIG_CLS``, ``heuristic``,
         ``candidates``, ``supports`` (and optionally ``VERSION``).
-      backends: Pallas backend name -> the family's module for it.
+      backends: kernel backend name -> the family's module for it; a
+        backend whose module lacks ``name`` has no kernel for it (a raw Triton
+        module, ``triton_raw.LazyKernels``, may have some stages only).
       **bound: static arguments bound to every backend's kernel function.
     """
-    impls = {b: functools.partial(getattr(m, name), **bound) for b, m in backends.items()}
+    impls = {
+      b: functools.partial(getattr(m, name), **bound)
+      for b, m in backends.items()
+      if hasattr(m, name)
+    }
     return cls(
       impls,
       config.CONFIG_CLS,
@@ -270,7 +283,9 @@ def define_primitive(name: str, spec: PrimitiveSpec) -> KernelPrimitive:
   if spec.kernel is not None:
     k = spec.kernel
     register_kernel(
-      KernelSpec(name, k.config_cls, k.heuristic, k.candidates, k.supports, k.version)
+      KernelSpec(
+        name, k.config_cls, k.heuristic, k.candidates, k.supports, k.version, k.implementations
+      )
     )
   batching.primitive_batchers[prim] = functools.partial(spec.batching, prim)
 
@@ -291,8 +306,9 @@ def define_primitive(name: str, spec: PrimitiveSpec) -> KernelPrimitive:
       )
       if chosen.implementation == "xla":
         return xla_lowering(ctx, *args, **params)
+      raw = chosen.implementation == triton_raw.IMPLEMENTATION
       fn = functools.partial(
-        spec.kernel.impls[kernel_backend(target)],
+        spec.kernel.impls[triton_raw.IMPLEMENTATION if raw else kernel_backend(target)],
         config=chosen.config,
         interpret=interpreted(target),
         **params,

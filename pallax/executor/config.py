@@ -2,9 +2,10 @@
 
 A config is a static parameter of a primitive (so it must hash) and is stored
 in the persistent cache (so it must round-trip through JSON). Every config
-names its implementation: ``"pallas"`` (the kernel; interpreted on CPU) or
-``"xla"`` (the op's XLA program), so choosing between them is config selection
-like any other.
+names its implementation: ``"pallas"`` (the Pallas kernel; interpreted on
+CPU), ``"triton_raw"`` (the raw Triton kernel, where the op has one:
+``pallax.triton_raw``) or ``"xla"`` (the op's XLA program), so choosing
+between them is config selection like any other.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from typing import Any, TypeVar
 
 C = TypeVar("C", bound="KernelConfig")
 
-IMPLEMENTATIONS = ("pallas", "xla")
+IMPLEMENTATIONS = ("pallas", "triton_raw", "xla")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,7 +48,7 @@ class KernelConfig:
       for f in dataclasses.fields(self)
       if f.name != "implementation"
     )
-    return f"pallas({fields})"
+    return f"{self.implementation}({fields})"
 
   def to_dict(self) -> dict[str, Any]:
     return dataclasses.asdict(self)

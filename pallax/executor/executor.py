@@ -41,13 +41,14 @@ from typing import Any, Optional
 
 import jax
 
-from pallax import _jax_private
+from pallax import _jax_private, triton_raw
 from pallax.executor import autotune as autotune_lib
 from pallax.executor.cache import DiskCache, shipped_defaults
 from pallax.executor.config import KernelConfig
 from pallax.executor.registry import (
   KernelSpec,
   describe_avals,
+  interpreted,
   kernel_spec,
   platform_of,
   xla_allowed,
@@ -135,9 +136,19 @@ def candidate_configs(
 
   A candidate XLA config from the kernel's own list stands for the XLA program
   if there is one; otherwise it is the heuristic's config made ``"xla"``.
+  Where the kernel has a raw Triton implementation that can run on
+  ``target`` (compiled, not interpreted), each Pallas candidate's blocks are a
+  raw Triton candidate too.
   """
   configs = list(dict.fromkeys(spec.candidates(avals, target, **params)))
   kernels = [c for c in configs if c.implementation != "xla"]
+  if _raw_candidates(spec, target):
+    kernels += [
+      dataclasses.replace(c, implementation=triton_raw.IMPLEMENTATION)
+      for c in kernels
+      if c.implementation == "pallas"
+    ]
+    kernels = list(dict.fromkeys(kernels))
   if not xla_allowed(target):
     return kernels
   xla = next((c for c in configs if c.implementation == "xla"), None)
@@ -152,7 +163,22 @@ def unsupported_reason(
   """Why ``config`` cannot run this call, if it cannot: the XLA program always can."""
   if config.implementation == "xla":
     return None
+  if config.implementation not in spec.implementations:
+    return f"{spec.op} has no {config.implementation} kernel"
+  if config.implementation == triton_raw.IMPLEMENTATION:
+    reason = triton_raw.unavailable_reason(target)
+    if reason is not None:
+      return reason
   return spec.supports(avals, target, config, **params)
+
+
+def _raw_candidates(spec: KernelSpec, target: str) -> bool:
+  """Whether autotuning on ``target`` also times the kernel's raw Triton implementation."""
+  return (
+    triton_raw.IMPLEMENTATION in spec.implementations
+    and not interpreted(target)
+    and triton_raw.unavailable_reason(target) is None
+  )
 
 
 def cache_key(spec: KernelSpec, avals: Sequence[Any], target: str, params: Mapping) -> str:
@@ -329,7 +355,7 @@ class Executor:
       )
     if not xla_allowed(target):
       raise NotImplementedError(f"pallax: {spec.op} has no {target} kernel for this call: {reason}")
-    note = f"pallas skipped: {reason}; running the XLA program"
+    note = f"{chosen.config.implementation} skipped: {reason}; running the XLA program"
     log.info("%s (%s): %s", spec.op, chosen.key, note)
     config = dataclasses.replace(chosen.config, implementation="xla")
     return dataclasses.replace(chosen, config=config, note=note)

@@ -60,6 +60,9 @@ class KernelSpec:
     config cannot run this call (unsupported dtype, illegal block), if so.
   version: bump when the kernel's config changes meaning; stale cache entries
     are then ignored.
+  implementations: the kernel implementations it has besides the XLA
+    program: ``"pallas"``, and ``"triton_raw"`` where it has a raw Triton
+    kernel.
   """
 
   op: str
@@ -68,6 +71,7 @@ class KernelSpec:
   candidates: Callable[..., Sequence[KernelConfig]]
   supports: Callable[..., Optional[str]]
   version: int = 1
+  implementations: tuple[str, ...] = ("pallas",)
 
 
 _SPECS: dict[str, KernelSpec] = {}

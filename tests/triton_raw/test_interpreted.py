@@ -1,0 +1,51 @@
+"""Runs the raw Triton kernels' interpreted suites (``interpreted_*.py``), each in its own process.
+
+Triton chooses at import whether it interprets kernels (``TRITON_INTERPRET=1``)
+or compiles them, and a process that did both is left in a bad state; so the
+numerics of the raw Triton kernels, run by Triton's interpreter on the CPU,
+are tested by an inner pytest per suite file, with the interpreter on and the
+outer run's marker expression (``-m``). This process only lowers and
+compiles raw kernels (``test_lowering_*``).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+HERE = Path(__file__).resolve().parent
+SUITES = sorted(p.name for p in HERE.glob("interpreted_*.py"))
+
+
+@pytest.mark.parametrize("suite", SUITES)
+def test_interpreted_suite(suite, request):
+  env = {k: v for k, v in os.environ.items() if not k.startswith("PYTEST_XDIST")}
+  env.update(TRITON_INTERPRET="1", JAX_PLATFORMS="cpu")
+  markers = request.config.getoption("markexpr") or "not slow"
+  done = subprocess.run(
+    [
+      sys.executable,
+      "-m",
+      "pytest",
+      str(HERE / suite),
+      "-q",
+      "-n",
+      "0",
+      "-m",
+      markers,
+      "-p",
+      "no:cacheprovider",
+    ],
+    cwd=HERE.parents[1],
+    env=env,
+    capture_output=True,
+    text=True,
+    check=False,
+  )
+  summary = done.stdout[-6000:] + done.stderr[-2000:]
+  assert done.returncode == 0, f"{suite} failed under Triton's interpreter:\n{summary}"
+  assert " passed" in done.stdout, f"{suite} ran no test:\n{summary}"
