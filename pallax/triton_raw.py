@@ -115,6 +115,29 @@ def _modules() -> tuple[Any, Any]:
   return triton, jax_triton
 
 
+@contextlib.contextmanager
+def dumping_to(directory: str) -> Iterator[None]:
+  """Has jax-triton write each kernel it compiles inside the block under ``directory``.
+
+  Per kernel, a folder with its PTX (``<name>.ptx``), its shared memory
+  (``<name>.compile_info``) and its Triton IRs: what ``pallax.verify`` reads,
+  since XLA's compile does not assemble raw Triton kernels (that happens at
+  launch). jax-triton reads ``JAX_TRITON_DUMP_DIR`` once, at import, and keeps
+  compiled kernels for the process: this sets its module's dump folder and
+  empties that cache (both private to jax-triton 0.3.1) so that every kernel
+  compiled in the block is written.
+  """
+  lib = _modules()[1].triton_lib
+  saved = lib._JAX_TRITON_DUMP_DIR
+  lib._JAX_TRITON_DUMP_DIR = directory
+  lib._COMPILED_KERNEL_CACHE.clear()
+  try:
+    yield
+  finally:
+    lib._JAX_TRITON_DUMP_DIR = saved
+    lib._COMPILED_KERNEL_CACHE.clear()
+
+
 class LazyKernels:
   """A family's raw Triton module, imported when one of its kernels first runs.
 

@@ -25,9 +25,11 @@ from pallax.verify.progress import Progress
 from pallax.verify.report import BAD, VerifyReport
 from pallax.verify.targets import TARGETS, Target
 
-__all__ = ["verify", "VerifyReport", "Case", "TARGETS", "Target"]
+__all__ = ["verify", "VerifyReport", "Case", "Op", "TARGETS", "Target", "register_op"]
 
 Case = sweep.Case
+Op = sweep.Op
+register_op = sweep.register_op
 
 
 def _targets(names: Optional[Iterable[str]]) -> tuple[list[Target], dict[str, str]]:

@@ -19,7 +19,7 @@ import jax
 
 from pallax.verify import TARGETS, verify
 from pallax.verify.pool import cpu_count
-from pallax.verify.sweep import OPS
+from pallax.verify.sweep import OPS, import_modules
 
 
 def _names(text: str) -> list[str]:
@@ -33,7 +33,16 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     description="Compile every pallax kernel (forward, backward, tangent) with every config "
     "the executor can choose, for GPUs and TPUs, without the hardware.",
   )
-  parser.add_argument("--ops", type=_names, help=f"comma-separated, of: {', '.join(OPS)}")
+  parser.add_argument(
+    "--module",
+    action="append",
+    default=[],
+    help="import this module first (repeatable): it registers its own ops "
+    "(pallax.verify.register_op), e.g. examples.swiglu",
+  )
+  parser.add_argument(
+    "--ops", type=_names, help=f"comma-separated, of: {', '.join(OPS)} and the modules' ops"
+  )
   parser.add_argument(
     "--targets", type=_names, help=f"comma-separated, of: {', '.join(TARGETS)} (default: all)"
   )
@@ -57,6 +66,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
   parser.add_argument("--no-cache", action="store_true", help="recompile cached results")
   parser.add_argument("--json", type=pathlib.Path, help="write every result to this file")
   args = parser.parse_args(argv)
+  try:
+    import_modules(args.module)
+  except ImportError as err:
+    parser.error(f"--module: {err}")
   # This process only traces (workers compile): the CPU spares it initialising GPU plugins.
   jax.config.update("jax_platforms", "cpu")
   try:

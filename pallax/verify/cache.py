@@ -30,6 +30,8 @@ _PACKAGES = (
   "jax-cuda12-plugin",
   "jax-cuda12-pjrt",
   "nvidia-cuda-nvcc-cu12",
+  "triton",
+  "jax-triton",
 )
 
 

@@ -4,12 +4,16 @@ The kernel call is bound alone with its config pinned and compiled for the
 target's compile-only topology. For CUDA the XLA dump holds the PTX of every
 kernel and the launch facts (threads, dynamic shared memory); ``ptxas -v``
 (XLA's own assembler and flags) gives registers and spill bytes per kernel.
-For TPU the optimized HLO after code generation holds each Mosaic kernel's
-scoped VMEM allocation.
+A raw Triton kernel is compiled to PTX by jax-triton while the call is
+lowered (for the target's compute capability) and assembled only at launch:
+its PTX and shared memory come from jax-triton's dump, and ptxas is run on it
+here. For TPU the optimized HLO after code generation holds each Mosaic
+kernel's scoped VMEM allocation.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import pathlib
@@ -23,11 +27,14 @@ import numpy as np
 from jax.experimental import topologies
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from pallax import triton_raw
 from pallax.executor.registry import kernel_spec
 from pallax.verify.sweep import kernel_calls_of
 from pallax.verify.targets import TARGETS, Target, ptxas
 
 CALL_TARGET = {"cuda": "__gpu$xla.gpu.triton", "tpu": "tpu_custom_call"}
+RAW_CALL_TARGET = "triton_kernel_call"
+_RAW_DUMP = "jax_triton"  # jax-triton's dump, beside XLA's
 _ERROR_CHARS = 600
 
 
@@ -55,16 +62,21 @@ def compile_job(message: dict) -> dict:
   params = {**eqn.params, "config": config}
   fn = lambda *args: eqn.primitive.bind(*args, **params)
   record = {"id": message["id"], "kernels": []}
+  raw = config.implementation == triton_raw.IMPLEMENTATION
   start = time.perf_counter()
-  with tempfile.TemporaryDirectory(prefix="pallax-verify-") as dump:
+  with contextlib.ExitStack() as stack:
+    dump = stack.enter_context(tempfile.TemporaryDirectory(prefix="pallax-verify-"))
     try:
+      if raw:
+        stack.enter_context(triton_raw.dumping_to(str(pathlib.Path(dump) / _RAW_DUMP)))
+        stack.enter_context(triton_raw.compute_capability(target.compute_capability))
       lowered = jax.jit(fn).trace(*_arguments(eqn, _mesh(target.name))).lower()
-      calls = lowered.as_text().count(CALL_TARGET[target.platform])
+      calls = lowered.as_text().count(RAW_CALL_TARGET if raw else CALL_TARGET[target.platform])
       if not calls:
-        raise RuntimeError("the lowered program has no Pallas kernel call")
+        raise RuntimeError(f"the lowered program has no {config.implementation} kernel call")
       lowered.compile(compiler_options={"xla_dump_to": dump})
       record["compile_s"] = round(time.perf_counter() - start, 3)
-      read = _gpu_kernels if target.platform == "cuda" else _tpu_kernels
+      read = _raw_kernels if raw else _gpu_kernels if target.platform == "cuda" else _tpu_kernels
       record["kernels"] = read(pathlib.Path(dump), target, calls)
     except Exception as err:  # noqa: BLE001: every compiler error is a result
       record.update(status="failed", error=_first_lines(err))
@@ -124,6 +136,32 @@ def _gpu_kernels(dump: pathlib.Path, target: Target, calls: int) -> list[dict]:
     kernel.update(launches[kernel["name"]])
   if len(kernels) < calls:
     raise ReportMissing(f"{len(kernels)} kernels in the dump for {calls} Pallas calls")
+  return kernels
+
+
+_THREADS = re.compile(r"\.reqntid\s+(\d+)")
+_RAW_SMEM = re.compile(r"shared_mem_bytes:\s*(\d+)")
+
+
+def _raw_kernels(dump: pathlib.Path, target: Target, calls: int) -> list[dict]:
+  """Every raw Triton kernel jax-triton compiled, with ptxas's facts and its shared memory.
+
+  Shared memory is what Triton allocates (dynamic, from its compile metadata),
+  checked against the block's limit by ``judge`` as for Pallas kernels.
+  """
+  kernels = []
+  for path in sorted(dump.glob(f"{_RAW_DUMP}/*/*.ptx")):
+    found = _ptxas_report(path, target.arch)
+    if len(found) != 1 or found[0]["registers"] is None:
+      raise ReportMissing(f"ptxas reported {found} for raw Triton kernel {path.name}")
+    threads = _THREADS.search(path.read_text())
+    smem = _RAW_SMEM.search(path.with_suffix(".compile_info").read_text())
+    if threads is None or smem is None:
+      raise ReportMissing(f"no thread count or shared memory for raw Triton kernel {path.name}")
+    found[0].update(threads=int(threads.group(1)), smem_bytes=int(smem.group(1)))
+    kernels += found
+  if len(kernels) < calls:
+    raise ReportMissing(f"{len(kernels)} raw Triton kernels dumped for {calls} calls")
   return kernels
 
 

@@ -19,7 +19,9 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import importlib
 import json
+import os
 from collections.abc import Callable, Iterable, Sequence
 from typing import Optional
 
@@ -185,6 +187,39 @@ OPS = {
     pallax.paged_attention, _paged, _PAGED_SIZES, _PAGED_QUICK, ints=2, stages=("fwd",)
   ),
 }
+
+
+MODULES_ENV = "PALLAX_VERIFY_MODULES"
+
+
+def register_op(name: str, op: Op) -> None:
+  """Adds a user's op (``pallax.custom_op``) to the sweep under ``name``.
+
+  Call it when the op's module is imported; ``import_modules`` (the command
+  line's ``--module``) imports that module here and in the compile workers.
+
+  Raises:
+    ValueError: another op is registered under ``name``.
+  """
+  if not isinstance(op, Op):
+    raise TypeError(f"op must be a pallax.verify.Op, got {type(op).__name__}")
+  if OPS.get(name, op) is not op:
+    raise ValueError(f"name: an op is already registered as {name!r} in pallax.verify")
+  OPS[name] = op
+
+
+def import_modules(names: Sequence[str]) -> None:
+  """Imports modules that register ops (``register_op``), here and in the compile workers.
+
+  The workers, started from this process's environment, import the modules
+  named in ``PALLAX_VERIFY_MODULES`` (``worker.py``).
+  """
+  known = [n for n in os.environ.get(MODULES_ENV, "").split(",") if n]
+  for name in names:
+    importlib.import_module(name)
+    if name not in known:
+      known.append(name)
+  os.environ[MODULES_ENV] = ",".join(known)
 
 
 @dataclasses.dataclass(frozen=True)

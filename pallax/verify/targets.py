@@ -64,6 +64,11 @@ class Target:
     return (_GPU_TARGETS / self.gpu_config).read_text()
 
   @property
+  def compute_capability(self) -> int:
+    """The CUDA compute capability of ``arch`` (``sm_90a`` -> 90), for raw Triton kernels."""
+    return int(re.search(r"sm_(\d+)", self.arch).group(1))
+
+  @property
   def shared_memory_limit(self) -> int:
     """Shared memory per block with opt-in (CUDA): the most a kernel may use."""
     return int(re.search(r"shared_memory_per_block_optin:\s*(\d+)", self.target_config).group(1))

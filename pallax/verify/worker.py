@@ -16,6 +16,9 @@ def main() -> None:
   results = os.fdopen(os.dup(sys.stdout.fileno()), "w", buffering=1)
   os.dup2(sys.stderr.fileno(), sys.stdout.fileno())
   from pallax.verify.compile import compile_job  # after the redirect: imports may print
+  from pallax.verify.sweep import MODULES_ENV, import_modules
+
+  import_modules([n for n in os.environ.get(MODULES_ENV, "").split(",") if n])
 
   results.write(json.dumps({"ready": True}) + "\n")
   for line in sys.stdin:
