@@ -346,7 +346,7 @@ def _labels(op: str, labels, shape: tuple[int, ...], vocab: int, ignore_index) -
 
 
 def _loss(op: str, operands, labels, params, options, vocab, config, return_lse):
-  """The loss from the forward primitive's statistics, or from ``_scalar_loss``.
+  """The loss from the forward primitive's statistics, or ``linear_cross_entropy_loss_p``.
 
   A scalar loss of ``linear_cross_entropy`` (without ``return_lse``) is
   ``linear_cross_entropy_loss_p``, whose derivative is the value-and-gradient
