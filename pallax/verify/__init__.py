@@ -54,6 +54,7 @@ def verify(
   cases: Optional[Sequence[sweep.Case]] = None,
   heuristic_only: bool = False,
   pinned: Optional[dict[str, KernelConfig]] = None,
+  implementations: Optional[Sequence[str]] = None,
   workers: int = 2,
   timeout_s: float = 300.0,
   cache: bool = True,
@@ -73,6 +74,8 @@ def verify(
     heuristic_only: only the heuristic's config, not the autotuning candidates.
     pinned: kernel name -> config: compile these configs for those kernels
       instead of the executor's choices (to check a config by hand).
+    implementations: only the configs of these implementations (``"pallas"``,
+      ``"triton_raw"``); default all.
     workers: compile processes (each runs one compile at a time).
     timeout_s: per-compile limit; an overrun is a failure.
     cache: reuse and store results (``cache.ResultCache``).
@@ -87,7 +90,12 @@ def verify(
   cases = sweep.cases(ops, quick=quick) if swept else list(cases)
   candidates_at = None if exhaustive or not swept else sweep.candidate_cases(cases)
   jobs = sweep.jobs_for(
-    cases, chosen, heuristic_only=heuristic_only, pinned=pinned, candidates_at=candidates_at
+    cases,
+    chosen,
+    heuristic_only=heuristic_only,
+    pinned=pinned,
+    candidates_at=candidates_at,
+    implementations=implementations,
   )
   store = ResultCache() if cache else None
   keys = {job.id: fingerprint(job.id, job.kernel, job.target) for job in jobs}

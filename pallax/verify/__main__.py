@@ -62,6 +62,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     default=min(2, cpu_count()),
     help="compile processes (default: 2, or 1 on one core)",
   )
+  parser.add_argument(
+    "--implementation",
+    action="append",
+    choices=("pallas", "triton_raw"),
+    help="only the configs of this kernel implementation (repeatable; default: all)",
+  )
   parser.add_argument("--timeout", type=float, default=300.0, help="seconds per compile")
   parser.add_argument("--no-cache", action="store_true", help="recompile cached results")
   parser.add_argument("--json", type=pathlib.Path, help="write every result to this file")
@@ -79,6 +85,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
       quick=args.quick,
       exhaustive=args.exhaustive,
       heuristic_only=args.heuristic_only,
+      implementations=args.implementation,
       workers=args.workers,
       timeout_s=args.timeout,
       cache=not args.no_cache,

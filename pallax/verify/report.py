@@ -16,6 +16,7 @@ class Summary:
 
   kernel: str
   target: str
+  implementation: str = "pallas"
   jobs: int = 0
   ok: int = 0
   spills: int = 0
@@ -33,10 +34,11 @@ def _max(current: Optional[int], value: Optional[int]) -> Optional[int]:
 
 
 def summarize(results: Sequence[dict]) -> list[Summary]:
-  """One ``Summary`` per kernel and target of ``results``."""
-  rows: dict[tuple[str, str], Summary] = {}
+  """One ``Summary`` per kernel, target and implementation (Pallas, raw Triton) of ``results``."""
+  rows: dict[tuple[str, str, str], Summary] = {}
   for r in results:
-    row = rows.setdefault((r["kernel"], r["target"]), Summary(r["kernel"], r["target"]))
+    impl = r["config"].get("implementation", "pallas")
+    row = rows.setdefault((r["kernel"], r["target"], impl), Summary(r["kernel"], r["target"], impl))
     row.jobs += 1
     row.ok += r["status"] == "ok"
     row.spills += r["status"] == "spills"
@@ -46,7 +48,7 @@ def summarize(results: Sequence[dict]) -> list[Summary]:
       row.max_registers = _max(row.max_registers, k.get("registers"))
       row.max_smem_bytes = _max(row.max_smem_bytes, k.get("smem_bytes"))
       row.max_vmem_bytes = _max(row.max_vmem_bytes, k.get("vmem_bytes"))
-  return sorted(rows.values(), key=lambda s: (s.kernel, s.target))
+  return sorted(rows.values(), key=lambda s: (s.kernel, s.implementation, s.target))
 
 
 def _kib(n: Optional[int]) -> str:
@@ -94,8 +96,9 @@ class VerifyReport:
       "|---|---|---|---|---|---|---|---|---|",
     ]
     for s in self.summary():
+      kernel = s.kernel if s.implementation == "pallas" else f"{s.kernel} ({s.implementation})"
       lines.append(
-        f"| {s.kernel} | {s.target} | {s.ok}/{s.jobs} | {s.spills} | {s.failed} "
+        f"| {kernel} | {s.target} | {s.ok}/{s.jobs} | {s.spills} | {s.failed} "
         f"| {s.max_registers if s.max_registers is not None else '-'} "
         f"| {_kib(s.max_smem_bytes)} | {_kib(s.max_vmem_bytes)} | {s.compile_s:.0f} |"
       )

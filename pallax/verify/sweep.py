@@ -366,12 +366,14 @@ def jobs_for(
   heuristic_only: bool = False,
   pinned: Optional[dict[str, KernelConfig]] = None,
   candidates_at: Optional[set[str]] = None,
+  implementations: Optional[Sequence[str]] = None,
 ) -> list[Job]:
   """The deduplicated jobs of ``case_list`` on ``targets``.
 
   ``pinned`` maps kernel names to a config to compile instead of the
   executor's choices (for checking a config by hand). ``candidates_at``: the
   ids of the cases whose calls get the candidates too (default: every case).
+  ``implementations``: only configs of these (``"pallas"``, ``"triton_raw"``).
   """
   jobs: dict[str, Job] = {}
   configs: dict[tuple, list] = {}  # per call and target: the forward is in every stage
@@ -388,6 +390,8 @@ def jobs_for(
             [("pinned", pinned[name])] if pinned is not None else configs_for(eqn, target, only)
           )
         for source, config in configs[target.name, key, only]:
+          if implementations is not None and config.implementation not in implementations:
+            continue
           job = Job(target.name, name, key, config.to_dict(), case.id, index)
           job = jobs.setdefault(job.id, job)
           job.sources.add(source)
