@@ -55,7 +55,34 @@ def ready(fn):
   def call(*args):
     return jax.block_until_ready(jitted(*args))
 
+  call.jitted = jitted
   return call
+
+
+def memory_info(jitted, args) -> dict:
+  """The memory of one call, for ``extra_info["memory"]`` (bytes).
+
+  ``arguments``, ``outputs``, ``temp``: XLA's buffer assignment of the
+  compiled call (``memory_analysis``), what a GPU or TPU allocates for it;
+  ``peak`` is their sum. On a GPU or TPU also ``device_peak``: the device's
+  ``peak_bytes_in_use`` less the bytes in use before the case, where the case
+  raised the process's peak (else None: an earlier case's peak hides it).
+  On the CPU, ``bench/peak_memory.py`` measures peak RSS in a fresh process
+  (the cross-entropy bench).
+  """
+  analysis = jitted.lower(*args).compile().memory_analysis()
+  info = {
+    "arguments": analysis.argument_size_in_bytes,
+    "outputs": analysis.output_size_in_bytes,
+    "temp": analysis.temp_size_in_bytes,
+  }
+  info["peak"] = sum(info.values())
+  return info
+
+
+def _device_stats():
+  device = jax.devices()[0]
+  return device.memory_stats() if device.platform != "cpu" else None
 
 
 @pytest.fixture
@@ -66,12 +93,14 @@ def bench(benchmark, request):
   of timed calls; at least 3, or 2 for calls over ``SLOW_S``).
 
   With ``peer=True`` an error of the first call is recorded (``RAISED``) and
-  the case is not timed; pallax's errors always fail the test. Returns
+  the case is not timed; pallax's errors always fail the test. A timed case
+  records its memory (``memory_info``) in ``extra_info["memory"]``. Returns
   whether it was timed.
   """
 
   def run(fn, *args, rounds=30, peer=False):
     call = ready(fn)
+    before = _device_stats()
     try:
       call(*args)
     except Exception as err:  # noqa: BLE001 -- a peer's failure is a result to report
@@ -89,6 +118,12 @@ def bench(benchmark, request):
     slow = seconds > SLOW_S
     rounds = max(2 if slow else 3, min(rounds, int(ROUND_BUDGET_S / seconds)))
     benchmark.pedantic(call, args=args, rounds=rounds, iterations=1, warmup_rounds=0 if slow else 1)
+    memory = memory_info(call.jitted, args)
+    after = _device_stats()
+    if after is not None:
+      rose = after["peak_bytes_in_use"] > before["peak_bytes_in_use"]
+      memory["device_peak"] = after["peak_bytes_in_use"] - before["bytes_in_use"] if rose else None
+    benchmark.extra_info["memory"] = memory
     return True
 
   return run

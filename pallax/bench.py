@@ -143,8 +143,19 @@ def _fraction(row: dict) -> str:
   return ", ".join(parts)
 
 
+def _memory(row: dict) -> str:
+  """XLA's allocation for the call (arguments, outputs, temporaries), and the device's peak."""
+  memory = row.get("memory")
+  if not memory:
+    return ""
+  text = f"{memory['peak'] / 2**20:,.1f} MiB"
+  if memory.get("device_peak") is not None:
+    text += f" (device peak {memory['device_peak'] / 2**20:,.1f} MiB)"
+  return text
+
+
 def markdown(rows: Sequence[dict], raised: Sequence[dict]) -> str:
-  """The summary table: per case, every implementation's median, rate, peak fraction, ratio."""
+  """The summary table: per case and implementation, median, rate, of peak, ratio, memory."""
   lines = []
   key = lambda r: (r["op"], MODES.index(r["mode"]), r["dtype"], _size(r), r["impl"])
   cases = defaultdict(list)
@@ -153,9 +164,10 @@ def markdown(rows: Sequence[dict], raised: Sequence[dict]) -> str:
   for op in sorted({r["op"] for r in rows}):
     lines += [f"## {op}", ""]
     lines += [
-      "| mode | dtype | shape | variant | impl | median | throughput | of peak | vs pallax |"
+      "| mode | dtype | shape | variant | impl | median | throughput | of peak | vs pallax "
+      "| memory |"
     ]
-    lines += ["|---|---|---|---|---|---|---|---|---|"]
+    lines += ["|---|---|---|---|---|---|---|---|---|---|"]
     for (case_op, mode, dtype, shape, variant), impls in cases.items():
       if case_op != op:
         continue
@@ -164,7 +176,8 @@ def markdown(rows: Sequence[dict], raised: Sequence[dict]) -> str:
         ratio = f"{r['median_s'] / ours:.2f}x" if ours else ""
         lines.append(
           f"| {mode} | {dtype} | {'x'.join(map(str, shape))} | {variant or ''} | {r['impl']} | "
-          f"{r['median_s'] * 1e3:.3g} ms | {_rate(r)} | {_fraction(r)} | {ratio} |"
+          f"{r['median_s'] * 1e3:.3g} ms | {_rate(r)} | {_fraction(r)} | {ratio} "
+          f"| {_memory(r)} |"
         )
     lines.append("")
   if raised:

@@ -21,8 +21,22 @@ def _benchmark(impl, mode, shape, median, **info):
 def _results(tmp_path):
   data = {
     "benchmarks": [
-      _benchmark("pallax", "fwd", (1024, 1024), 0.002, gbyte_per_s=4.2),
-      _benchmark("jnp", "fwd", (1024, 1024), 0.003, gbyte_per_s=2.8),
+      _benchmark(
+        "pallax",
+        "fwd",
+        (1024, 1024),
+        0.002,
+        gbyte_per_s=4.2,
+        memory={"arguments": 2**22, "outputs": 2**22, "temp": 2**20, "peak": 9 * 2**20},
+      ),
+      _benchmark(
+        "jnp",
+        "fwd",
+        (1024, 1024),
+        0.003,
+        gbyte_per_s=2.8,
+        memory={"peak": 3 * 2**20, "device_peak": 5 * 2**20},
+      ),
       _benchmark("pallax", "fwd", (4096, 1024), 0.008, gbyte_per_s=4.2),
       _benchmark("jnp", "fwd", (4096, 1024), 0.010, gbyte_per_s=3.3),
       _benchmark("pallax", "jvp", (1024, 1024), 0.004),
@@ -48,16 +62,21 @@ def test_markdown_table(tmp_path):
   assert len(rows) == 6  # the benchmark without case fields is left out
   text = bench.markdown(rows, raised)
   assert "## rms_norm" in text
-  assert "| fwd | float32 | 1024x1024 |  | jnp | 3 ms | 2.8 GB/s |  | 1.50x |" in text
-  assert "| fwd | float32 | 4096x1024 |  | pallax | 8 ms | 4.2 GB/s |  | 1.00x |" in text
+  assert "| fwd | float32 | 1024x1024 |  | pallax | 2 ms | 4.2 GB/s |  | 1.00x | 9.0 MiB |" in text
+  assert (
+    "| fwd | float32 | 1024x1024 |  | jnp | 3 ms | 2.8 GB/s |  | 1.50x "
+    "| 3.0 MiB (device peak 5.0 MiB) |" in text
+  )
+  assert "| fwd | float32 | 4096x1024 |  | pallax | 8 ms | 4.2 GB/s |  | 1.00x |  |" in text
   assert (
     "| fwd+bwd | float32 | 1024x1024 |  | pallax | 1 ms | 3e+03 GB/s | 90.0% of bandwidth |" in text
   )
   lines = text.splitlines()
   assert lines.index(
-    "| jvp | float32 | 1024x1024 |  | pallax | 4 ms |  |  | 1.00x |"
+    "| jvp | float32 | 1024x1024 |  | pallax | 4 ms |  |  | 1.00x |  |"
   ) > lines.index(
-    "| fwd+bwd | float32 | 1024x1024 |  | pallax | 1 ms | 3e+03 GB/s | 90.0% of bandwidth | 1.00x |"
+    "| fwd+bwd | float32 | 1024x1024 |  | pallax | 1 ms | 3e+03 GB/s | 90.0% of bandwidth "
+    "| 1.00x |  |"
   )
   assert "## Peers that raised" in text
   assert "- `test_norm[tokamax-jvp]`: TypeError: can't apply jvp" in text
