@@ -11,6 +11,7 @@ from typing import Any
 
 from jax._src import config as _config
 from jax._src import dispatch as _dispatch
+from jax._src.lib.mlir import ir
 
 # Eager evaluation of a primitive: compile it alone and run it (what every
 # jax.lax primitive uses as its impl).
@@ -55,3 +56,16 @@ def object_flag(name: str, default, help: str):
   return _config.string_or_object_state(
     name, default, help, include_in_jit_key=True, include_in_trace_context=True
   )
+
+
+def lowering_a_partition(ctx: Any) -> bool:
+  """Whether ``ctx`` lowers the per-device body of a ``custom_partitioning`` call.
+
+  jax 0.10.2 lowers that body, inside XLA's SPMD partitioner, as a module
+  named ``tmp_xla_computation`` (``jax._src.custom_partitioning``) and drops
+  the module's keep-alive objects, among them the host callbacks that
+  ``pure_callback`` registers: running one later crashes the process
+  (jax-ml/jax#23620).
+  """
+  name = ctx.module_context.module.operation.attributes["sym_name"]
+  return ir.StringAttr(name).value == "tmp_xla_computation"

@@ -307,6 +307,12 @@ def define_primitive(name: str, spec: PrimitiveSpec) -> KernelPrimitive:
       if chosen.implementation == "xla":
         return xla_lowering(ctx, *args, **params)
       raw = chosen.implementation == triton_raw.IMPLEMENTATION
+      if raw and interpreted(target) and _jax_private.lowering_a_partition(ctx):
+        raise NotImplementedError(
+          f"{name}: an interpreted raw Triton kernel runs as a host callback, which JAX "
+          "drops when it partitions the call across devices (jax-ml/jax#23620): shard it "
+          "with shard_map instead, or run it on one device"
+        )
       fn = functools.partial(
         spec.kernel.impls[triton_raw.IMPLEMENTATION if raw else kernel_backend(target)],
         config=chosen.config,

@@ -28,6 +28,7 @@ import functools
 import importlib
 import importlib.util
 import os
+import threading
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Optional
 
@@ -224,11 +225,17 @@ def _interpreted(kernel, args, out_shape, grid, zeroed, constexprs) -> list[jax.
     outs = [
       np.zeros(s.shape, s.dtype) if i in zeroed else _undefined(s) for i, s in enumerate(out_shape)
     ]
-    kernel[tuple(grid)](*full, *map(_HostTensor, outs), **constexprs)
+    with _INTERPRETER_LOCK:
+      kernel[tuple(grid)](*full, *map(_HostTensor, outs), **constexprs)
     return outs
 
   shapes = [jax.ShapeDtypeStruct(s.shape, s.dtype) for s in out_shape]
   return list(jax.pure_callback(host, shapes, *(args[i] for i in arrays)))
+
+
+# Triton's interpreter keeps global state per launch, while XLA:CPU runs the
+# callbacks of several devices (a sharded call) in parallel threads.
+_INTERPRETER_LOCK = threading.Lock()
 
 
 def _undefined(shape: jax.ShapeDtypeStruct) -> np.ndarray:

@@ -9,7 +9,8 @@ backward stage.
 * ``kind.py``: ``NormKind`` and the operand and result names of each stage;
 * ``config.py``: ``NormConfig``, its heuristic, autotuning space and legality;
 * ``xla.py``: the XLA programs (the CPU path);
-* ``common.py``: the kernel bodies, run by ``triton.py`` and ``mosaic_tpu.py``.
+* ``common.py``: the kernel bodies, run by ``triton.py`` and ``mosaic_tpu.py``;
+* ``triton_raw.py``: rms_norm's kernels in raw Triton (loaded when first run).
 """
 
 from __future__ import annotations
@@ -18,6 +19,8 @@ from pallax.kernels.norm import config, mosaic_tpu, triton
 from pallax.kernels.norm.config import NormConfig
 from pallax.kernels.norm.kind import ADD_RMS, CATEGORY, LAYER, RMS, ROW, STAT, WEIGHT, NormKind
 from pallax.op import Kernel
+from pallax.triton_raw import IMPLEMENTATION as RAW
+from pallax.triton_raw import LazyKernels
 
 __all__ = [
   "NormConfig",
@@ -33,8 +36,17 @@ __all__ = [
 ]
 
 
+_RAW_KERNELS = LazyKernels("pallax.kernels.norm.triton_raw", ("norm_fwd", "norm_bwd"))
+
+
 def kernel(stage: str, kind: NormKind) -> Kernel:
-  """The Pallas kernel of ``stage`` (``"fwd"`` or ``"bwd"``) for ``kind``."""
-  return Kernel.of_family(
-    f"norm_{stage}", config=config, kind=kind, backends={"triton": triton, "mosaic_tpu": mosaic_tpu}
-  )
+  """The kernels of ``stage`` (``"fwd"`` or ``"bwd"``) for ``kind``.
+
+  Pallas on Triton and Mosaic TPU for every kind; raw Triton for rms_norm
+  only, so the executor neither times nor accepts ``"triton_raw"`` configs
+  for layer_norm and fused_add_rms_norm (it says they have no such kernel).
+  """
+  backends = {"triton": triton, "mosaic_tpu": mosaic_tpu}
+  if kind == RMS:
+    backends[RAW] = _RAW_KERNELS
+  return Kernel.of_family(f"norm_{stage}", config=config, kind=kind, backends=backends)

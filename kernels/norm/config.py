@@ -22,13 +22,15 @@ from pallax.pallas_utils import (
   sublanes,
   triton_warps_reason,
 )
+from pallax.triton_raw import IMPLEMENTATION as RAW
 
 
 @dataclasses.dataclass(frozen=True)
 class NormConfig(KernelConfig):
   """Block sizes of the norm kernels (every op, forward and backward).
 
-  implementation: ``"pallas"`` (the kernel) or ``"xla"`` (the XLA program).
+  implementation: ``"pallas"`` (the kernel), ``"triton_raw"`` (rms_norm's raw
+    Triton kernel, ``triton_raw.py``) or ``"xla"`` (the XLA program).
   block_rows: rows per program (power of two on Triton; multiple of the
     sublane tile, or all rows, on TPU).
   num_warps, num_stages: Triton launch parameters (ignored on TPU).
@@ -46,7 +48,8 @@ def _rows_hidden(avals) -> tuple[int, int]:
 
 # The widest row (a power of two) the Triton kernels hold in registers: the
 # backward kernel spills at every num_warps beyond it (788-14378 bytes at 32K,
-# float32 and bfloat16, H100 and A100). Wider rows run the XLA program.
+# float32 and bfloat16, H100 and A100; the raw kernel 260-2584 bytes at 16 and
+# 32 warps). Wider rows run the XLA program.
 _TRITON_MAX_HIDDEN = 16384
 
 
@@ -102,7 +105,12 @@ def _backend_heuristic(avals, backend: str) -> NormConfig:
 
 
 def heuristic(avals: Sequence[Any], target: str, **params) -> NormConfig:
-  """The kernel's config for this call: see ``_backend_heuristic``."""
+  """The kernel's config for this call: see ``_backend_heuristic``.
+
+  Always a Pallas config: whether rms_norm's raw Triton kernels beat the
+  Pallas ones is decided by autotuning on a GPU, where the executor times a
+  raw twin of every Pallas candidate.
+  """
   return _backend_heuristic(avals, kernel_backend(target))
 
 
@@ -133,18 +141,42 @@ def candidates(avals: Sequence[Any], target: str, **params) -> list[NormConfig]:
   return out or [_backend_heuristic(avals, backend)]
 
 
-def supports(avals: Sequence[Any], target: str, config: NormConfig, **params) -> Optional[str]:
-  """Why the kernel cannot run this call on ``target`` with ``config``, if it cannot."""
+def _triton_reason(avals, target: str, config: NormConfig) -> Optional[str]:
+  """Why a Triton kernel (Pallas or raw) cannot run this call with ``config``, if it cannot."""
   block_rows = config.block_rows
+  if block_rows & (block_rows - 1):
+    return f"block_rows={block_rows} must be a power of two on Triton"
+  if not interpreted(target) and _rows_hidden(avals)[1] > _TRITON_MAX_HIDDEN:
+    return (
+      f"rows wider than {_TRITON_MAX_HIDDEN} elements spill registers in the Triton "
+      "kernels at every num_warps"
+    )
+  return triton_warps_reason(config)
+
+
+def _raw_reason(avals) -> Optional[str]:
+  """Why the raw Triton kernels (``triton_raw.py``) cannot run this call, if they cannot.
+
+  Only rms_norm has them (``kernels/norm/__init__.py`` gives the other kinds
+  none, and the executor refuses their raw configs by name).
+  """
+  if any(a.dtype == jnp.float64 for a in avals):
+    return "float64 has no raw Triton kernel (its statistics are float32)"
+  return None
+
+
+def supports(avals: Sequence[Any], target: str, config: NormConfig, **params) -> Optional[str]:
+  """Why the kernel cannot run this call on ``target`` with ``config``, if it cannot.
+
+  A ``"triton_raw"`` config follows the Triton rules wherever it runs
+  (compiled on cuda, interpreted on the CPU) and the raw kernels' own
+  (``_raw_reason``).
+  """
+  if config.implementation == RAW:
+    return _raw_reason(avals) or _triton_reason(avals, target, config)
   if kernel_backend(target) == "triton":
-    if block_rows & (block_rows - 1):
-      return f"block_rows={block_rows} must be a power of two on Triton"
-    if not interpreted(target) and _rows_hidden(avals)[1] > _TRITON_MAX_HIDDEN:
-      return (
-        f"rows wider than {_TRITON_MAX_HIDDEN} elements spill registers in the Triton "
-        "kernels at every num_warps"
-      )
-    return triton_warps_reason(config)
+    return _triton_reason(avals, target, config)
+  block_rows = config.block_rows
   if avals[0].dtype == jnp.float64:
     return "float64 has no Mosaic TPU kernel"
   reason = mosaic_dtype_reason([a.dtype for a in avals], target)
