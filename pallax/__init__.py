@@ -6,6 +6,7 @@ vmap, pmap and shard_map all work.
 """
 
 from pallax.autobatch import autobatch
+from pallax.custom_op import ConfigSpace, CustomOp, KernelStage, ResidualJVP, custom_op
 from pallax.executor import Executor, KernelConfig, default_executor, set_default_executor
 from pallax.executor.tools import autotune, explain, pmap_with_config, vmap_with_config
 from pallax.interpret import interpret
@@ -42,6 +43,11 @@ __all__ = [
   "linear_softmax_cross_entropy_loss",
   "CrossEntropyConfig",
   "autobatch",
+  "custom_op",
+  "CustomOp",
+  "ConfigSpace",
+  "KernelStage",
+  "ResidualJVP",
   "interpret",
   "Executor",
   "KernelConfig",

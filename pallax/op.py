@@ -139,9 +139,10 @@ class Kernel:
 
   @property
   def implementations(self) -> tuple[str, ...]:
-    """``"pallas"``, and ``"triton_raw"`` where there is a raw Triton kernel."""
-    raw = triton_raw.IMPLEMENTATION
-    return ("pallas", raw) if raw in self.impls else ("pallas",)
+    """``"pallas"`` where there is a Pallas kernel, ``"triton_raw"`` where there is a raw one."""
+    pallas = ("pallas",) if set(self.impls) - {triton_raw.IMPLEMENTATION} else ()
+    raw = (triton_raw.IMPLEMENTATION,) if triton_raw.IMPLEMENTATION in self.impls else ()
+    return pallas + raw
 
   @classmethod
   def of_family(cls, name: str, *, config: Any, backends: Mapping[str, Any], **bound) -> Kernel:
@@ -398,7 +399,7 @@ def define_residual_op(
     tangent_operands: ``(primals, outs, tangents, **params) -> operands`` of ``tangent``
       from the forward's operands, its results and its operands' tangents
       (symbolic zeros included: ``instantiate`` those used).
-    residual_tangents: ``(primals, outs, operands) -> tangents`` of the
+    residual_tangents: ``(primals, outs, operands, **params) -> tangents`` of the
       forward results after those ``tangent`` returns (statistics), from the
       tangent's ``operands``; needed where the forward has such results.
     fwd_only_params: the forward's params that the other two do not take.
@@ -413,7 +414,7 @@ def define_residual_op(
     shared = {k: v for k, v in params.items() if k not in fwd_only_params}
     out_tangents = list(tangent_p.bind(*operands, **shared))
     if residual_tangents is not None:
-      out_tangents += residual_tangents(primals, outs, operands)
+      out_tangents += residual_tangents(primals, outs, operands, **params)
     return outs, out_tangents
 
   def tangent_transpose_rule(cts, *args, **params):

@@ -23,7 +23,6 @@ core package does not need them (they come with the ``triton`` extra).
 from __future__ import annotations
 
 import contextlib
-import contextvars
 import functools
 import importlib
 import importlib.util
@@ -36,12 +35,17 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from pallax import _jax_private
 from pallax.executor.registry import interpreted, platform_of
 
 IMPLEMENTATION = "triton_raw"
 _INSTALL = "pip install 'pallax[triton]'"
-_TARGET_CC: contextvars.ContextVar[Optional[int]] = contextvars.ContextVar(
-  "pallax_triton_target_cc", default=None
+# Part of JAX's trace context, so that lowering one function for two compute
+# capabilities lowers it twice.
+_TARGET_CC = _jax_private.object_flag(
+  "pallax_triton_compute_capability",
+  None,
+  "The CUDA compute capability raw Triton kernels are lowered for (None: the local GPU's).",
 )
 
 
@@ -80,11 +84,8 @@ def compute_capability(cc: int) -> Iterator[None]:
   Without it jax-triton asks the CUDA driver of the local GPU, which fails on
   a machine without one.
   """
-  token = _TARGET_CC.set(cc)
-  try:
+  with _TARGET_CC(cc):
     yield
-  finally:
-    _TARGET_CC.reset(token)
 
 
 @functools.cache
@@ -205,7 +206,7 @@ def launch(
     grid=tuple(grid),
     num_warps=num_warps,
     num_stages=num_stages,
-    compute_capability=_TARGET_CC.get(),
+    compute_capability=_TARGET_CC.value,
     zeroed_outputs=tuple(zeroed_outputs),
     **constexprs,
   )

@@ -113,7 +113,7 @@ def _tangent_operands(kind, primals, outs, tangents, **params):
   return [named[n] for n in kind.names("jvp")[0]]
 
 
-def _stat_tangents(kind, primals, outs, operands):
+def _stat_tangents(kind, primals, outs, operands, **params):
   """Tangents of the statistics.
 
   Second-order AD needs them: it differentiates the backward stage with respect

@@ -63,7 +63,8 @@ def verify(
   """Compiles the sweep's kernel calls for ``targets``; returns the report.
 
   Args:
-    ops: public op names (``sweep.OPS``); default all.
+    ops: public op names (``sweep.OPS``: pallax's and those ``register_op``
+      added); default pallax's own.
     targets: names in ``TARGETS``; default all that the installed packages
       allow (the others are listed in the report's ``unavailable``).
     quick: two sizes per op instead of the full sweep.

@@ -189,6 +189,8 @@ OPS = {
 }
 
 
+# pallax's own ops: the sweep when no ops are named (``register_op`` adds others).
+LIBRARY_OPS = tuple(OPS)
 MODULES_ENV = "PALLAX_VERIFY_MODULES"
 
 
@@ -260,12 +262,14 @@ class Case:
 
 
 def cases(ops: Optional[Iterable[str]] = None, quick: bool = False) -> list[Case]:
-  """The sweep: every size in float32 and bfloat16, the first also in float16.
+  """The sweep of ``ops`` (default: pallax's own): each size in float32 and bfloat16.
+
+  The first size is also swept in float16.
 
   ``quick``: two sizes, the first in float32 and the second in bfloat16.
   """
   out = []
-  for name in ops or OPS:
+  for name in ops or LIBRARY_OPS:
     op = OPS[name]
     if quick:
       sized = [(op.quick[0], "float32"), (op.quick[1], "bfloat16")]

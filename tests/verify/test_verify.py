@@ -13,6 +13,7 @@ import sys
 import pytest
 
 import pallax
+from pallax.executor.registry import kernel_spec
 from pallax.verify import TARGETS, Case, sweep, verify
 from pallax.verify.pool import run_jobs
 
@@ -51,6 +52,32 @@ def test_every_kernel_compiles_on_every_target(target):
         assert k["threads"] % 32 == 0, r
       else:
         assert 0 < k["vmem_bytes"] <= TARGETS[target].vmem, r
+
+
+RAW_OPS = ["rms_norm", "attention", "attention_causal"]
+
+
+@pytest.mark.parametrize("target", CUDA)
+def test_every_raw_triton_config_compiles(target):
+  """Every raw Triton config the executor can choose, at both quick sizes: no spills, fits smem."""
+  report = verify(
+    RAW_OPS,
+    [target],
+    quick=True,
+    exhaustive=True,
+    implementations=["triton_raw"],
+    workers=1,
+    cache=False,
+    progress=False,
+  )
+  _check(report, "ok")
+  raw = {k for k in sweep.library_kernels() if "triton_raw" in kernel_spec(k).implementations}
+  assert {r["kernel"] for r in report.results} == raw
+  for r in report.results:
+    assert r["config"]["implementation"] == "triton_raw"
+    for k in r["kernels"]:
+      assert k["spill_bytes"] == 0 and 0 < k["registers"] <= 255, r
+      assert k["smem_bytes"] <= TARGETS[target].shared_memory_limit, r
 
 
 def test_every_registered_kernel_is_in_the_sweep():
@@ -104,6 +131,15 @@ def test_spilling_config_is_reported():
     spilled = [k for k in r["kernels"] if k["spill_bytes"]]
     assert [k["name"] for k in spilled] == ["norm_bwd"], r
   assert "SPILLS rms_norm_bwd on h100" in str(report)
+
+
+def test_spilling_raw_triton_config_is_reported():
+  # The raw backward kernel with the same 256 elements per thread spills too.
+  config = pallax.NormConfig(block_rows=32, num_warps=4, implementation="triton_raw")
+  report = _pinned(CUDA, Case("rms_norm", "bwd", (1024, 1024), "float32"), "rms_norm_bwd", config)
+  _check(report, "spills")
+  assert "SPILLS rms_norm_bwd on h100" in str(report)
+  assert "| rms_norm_bwd (triton_raw) | h100 | 0/1 | 1 |" in report.table()
 
 
 def test_oversized_shared_memory_is_reported():

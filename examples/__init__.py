@@ -1,0 +1,1 @@
+"""pallax usage examples: complete user code, tested in CI (tests/test_custom_op.py)."""
