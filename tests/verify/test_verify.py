@@ -57,6 +57,7 @@ def test_every_kernel_compiles_on_every_target(target):
 RAW_OPS = ["rms_norm", "attention", "attention_causal"]
 
 
+@pytest.mark.slow  # CI runs the same sweep through the command line (.ci/run)
 @pytest.mark.parametrize("target", CUDA)
 def test_every_raw_triton_config_compiles(target):
   """Every raw Triton config the executor can choose, at both quick sizes: no spills, fits smem."""
