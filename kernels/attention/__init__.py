@@ -8,7 +8,9 @@ backward (its transpose).
   math every implementation runs;
 * ``config.py``: ``AttentionConfig``, heuristics, autotuning space, legality;
 * ``xla.py``: the blockwise XLA programs (the CPU path);
-* ``triton.py``, ``mosaic_tpu.py``: the Pallas kernels.
+* ``triton.py``, ``mosaic_tpu.py``: the Pallas kernels;
+* ``triton_raw.py``: the forward and backward as raw Triton kernels
+  (imported when one first runs: it imports triton).
 """
 
 from __future__ import annotations
@@ -19,14 +21,21 @@ from pallax.kernels.attention import config, mosaic_tpu, triton
 from pallax.kernels.attention.common import with_sinks
 from pallax.kernels.attention.config import STAGES, AttentionConfig
 from pallax.op import Kernel
+from pallax.triton_raw import LazyKernels
 
 __all__ = ["AttentionConfig", "STAGES", "kernel"]
 
 
+_RAW = LazyKernels("pallax.kernels.attention.triton_raw", ("fwd", "bwd"))
+
+
 def kernel(stage: str) -> Kernel:
-  """The Pallas kernel of ``stage`` (``"fwd"``, ``"jvp"`` or ``"bwd"``), sinks applied around it."""
-  family = Kernel.of_stage(
-    stage, config=config, backends={"triton": triton, "mosaic_tpu": mosaic_tpu}
-  )
+  """The kernels of ``stage`` (``"fwd"``, ``"jvp"`` or ``"bwd"``), sinks applied around them.
+
+  The Pallas kernels of every stage, and the raw Triton ones of the forward
+  and backward (the tangent has none).
+  """
+  backends = {"triton": triton, "mosaic_tpu": mosaic_tpu, "triton_raw": _RAW}
+  family = Kernel.of_stage(stage, config=config, backends=backends)
   impls = {name: with_sinks(stage, fn) for name, fn in family.impls.items()}
   return dataclasses.replace(family, impls=impls)

@@ -2,6 +2,13 @@
 
 One config class serves the forward, tangent and backward kernels; each
 stage has its own heuristic (the backward holds more accumulators per block).
+
+The forward and backward also have raw Triton kernels (``triton_raw.py``),
+chosen by a config with ``implementation="triton_raw"``. The heuristic always
+returns the Pallas kernel's config: which of the two runs faster is decided by
+timing them, when autotuning on a GPU, where the executor adds a raw twin of
+each Pallas candidate; ``supports`` refuses the twins that spill
+(``_RAW_SPILLS``) and the features the raw kernels lack.
 """
 
 from __future__ import annotations
@@ -12,6 +19,7 @@ from typing import Any, Optional
 
 import jax.numpy as jnp
 
+from pallax import triton_raw
 from pallax.executor.config import KernelConfig
 from pallax.executor.registry import interpreted, kernel_backend
 from pallax.kernels.attention.common import Problem
@@ -112,18 +120,53 @@ _TRITON_SPILL_WITH_FEATURES = {
 }
 
 
-def _triton_configs(p: Problem, stage: str) -> list[AttentionConfig]:
+# The raw Triton kernels' twins of the configs above (the executor times a raw
+# twin of each Pallas candidate) that ptxas spilled, for H100 (sm_90a) or A100
+# (sm_80): measured at (B, T, N, K, H) = (2, 1024, 8, 8, 64), (1, 1000, 8, 2,
+# 128), (1, 1000, 8, 2, 80) and (1, 2048, 4, 4, 256), causal and with lengths,
+# a two-sided window and a soft cap. Spills again moved between neighbours
+# (float32 dk/dv at 64x32 blocks and 8 warps took 64 registers and spilled 10
+# KB on sm_90a, at 32x32 none). No twin overflowed shared memory (the most:
+# 160 KiB of H100's 227 KiB, the 16-bit forward at head dim 256 with 64x64
+# blocks; 105 KiB of A100's 163 KiB). No float32 backward at head dim 128 is
+# left: its dq kernel spilled 8 bytes with every feature on. pallax.verify's
+# sweep found one more: the 16-bit forward at head dim 128 with 64x64 blocks
+# on 4 warps, without a mask (no causal, window or lengths), on A100.
+_RAW_SPILLS = {
+  ("fwd", 2, 128): {(128, 64, 8, 2), (128, 64, 8, 3), (64, 64, 4, 2)},
+  ("fwd", 4, 64): {(32, 32, 4, 2)},
+  ("fwd", 4, 128): {(16, 32, 4, 2)},
+  ("bwd", 2, 64): {(64, 64, 4, 2)},
+  ("bwd", 2, 128): {(64, 64, 8, 2), (64, 32, 4, 2)},
+  ("bwd", 4, 64): {(64, 32, 8, 2), (16, 32, 4, 2)},
+  ("bwd", 4, 128): {(16, 16, 4, 2)},
+}
+
+
+def _triton_configs(
+  p: Problem, stage: str, implementation: str = "pallas"
+) -> list[AttentionConfig]:
   """The verified Triton configs of a call, blocks clamped to its lengths (may be empty)."""
   width = 4 if jnp.dtype(p.dtype).itemsize == 4 else 2
   key = (stage, width, max(_head(p), 64))
-  spill = _TRITON_SPILL_WITH_FEATURES.get(key, set())
-  features = p.has_segments or p.soft_cap is not None
+  if implementation == triton_raw.IMPLEMENTATION:
+    spill = _RAW_SPILLS.get(key, set())
+  elif p.has_segments or p.soft_cap is not None:
+    spill = _TRITON_SPILL_WITH_FEATURES.get(key, set())
+  else:
+    spill = set()
   clamp = lambda x, n: min(x, max(16, next_pow2(n)))
   return list(
     dict.fromkeys(
-      AttentionConfig(block_q=clamp(bq, p.t), block_k=clamp(bk, p.s), num_warps=w, num_stages=st)
+      AttentionConfig(
+        block_q=clamp(bq, p.t),
+        block_k=clamp(bk, p.s),
+        num_warps=w,
+        num_stages=st,
+        implementation=implementation,
+      )
       for bq, bk, w, st in _TRITON_CONFIGS.get(key, ())
-      if not (features and (bq, bk, w, st) in spill)
+      if (bq, bk, w, st) not in spill
     )
   )
 
@@ -199,6 +242,8 @@ def supports(
   p = Problem.of(avals, **params)
   if p.dtype == jnp.float64:
     return "float64 has no attention kernel"
+  if config.implementation == triton_raw.IMPLEMENTATION:
+    return _raw_reason(p, target, config, stage)
   if kernel_backend(target) == "mosaic_tpu":
     reason = mosaic_dtype_reason([p.dtype], target)
     if reason:
@@ -210,15 +255,50 @@ def supports(
     if not interpreted(target) and tpu_vmem(p, config) > TPU_VMEM_BUDGET:
       return f"blocks ({config.block_q}, {config.block_k}) need more than the VMEM budget"
     return None
+  reason = _triton_blocks_reason(p, config)
+  if reason is None and not interpreted(target) and not _triton_configs(p, stage):
+    reason = (
+      f"no {stage} Triton config compiles spill-free for {jnp.dtype(p.dtype).name} at head dim "
+      f"{max(p.head_dim, p.value_dim)} (float32 dots at precision HIGHEST need too many registers)"
+    )
+  return reason
+
+
+def _triton_blocks_reason(p: Problem, config: AttentionConfig) -> Optional[str]:
+  """Why a Triton kernel (Pallas or raw) cannot take ``config``'s blocks and warps, if so."""
   for name in ("block_q", "block_k"):
     value = getattr(config, name)
     if value & (value - 1) or value < 16:
       return f"{name}={value} must be a power of two >= 16 on Triton"
   if _head(p) > 256:
     return f"head dims up to 256 on Triton, got {max(p.head_dim, p.value_dim)}"
-  if not interpreted(target) and not _triton_configs(p, stage):
-    return (
-      f"no {stage} Triton config compiles spill-free for {jnp.dtype(p.dtype).name} at head dim "
-      f"{max(p.head_dim, p.value_dim)} (float32 dots at precision HIGHEST need too many registers)"
-    )
   return triton_warps_reason(config)
+
+
+def raw_feature_reason(p: Problem) -> Optional[str]:
+  """Why the raw Triton kernels cannot run a call's features, if they cannot.
+
+  They implement lengths, windows, the soft cap and GQA; a bias, a mask and
+  segment ids are the Pallas kernels' (their operands would each need their
+  own tiles and loop structure in the raw kernels).
+  """
+  features = ((p.has_bias, "bias"), (p.has_mask, "mask"), (p.has_segments, "segment ids"))
+  for present, name in features:
+    if present:
+      return f"the raw Triton attention kernels take no {name} (the Pallas kernels do)"
+  return None
+
+
+def _raw_reason(p: Problem, target: str, config: AttentionConfig, stage: str) -> Optional[str]:
+  """``supports`` for a raw Triton config: features, blocks, the verified configs."""
+  reason = raw_feature_reason(p) or _triton_blocks_reason(p, config)
+  if (
+    reason is None
+    and not interpreted(target)
+    and config not in _triton_configs(p, stage, config.implementation)
+  ):
+    reason = (
+      f"raw Triton {stage} config {config} is not one that compiles spill-free within shared "
+      f"memory for {jnp.dtype(p.dtype).name} at head dim {max(p.head_dim, p.value_dim)}"
+    )
+  return reason
