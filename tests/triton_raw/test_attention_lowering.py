@@ -21,12 +21,7 @@ import pallax
 from pallax import triton_raw
 from tests.helpers import CALL_TARGET, executor_view, lower_text
 
-pytestmark = [
-  pytest.mark.lowering,
-  pytest.mark.skipif(
-    triton_raw.interpreter_mode(), reason="Triton interprets in this process: it cannot compile"
-  ),
-]
+pytestmark = pytest.mark.lowering
 
 RAW_CALL = "triton_kernel_call"
 FWD, BWD, JVP = (f"dot_product_attention_{s}" for s in ("fwd", "bwd", "jvp"))

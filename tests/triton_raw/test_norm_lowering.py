@@ -19,12 +19,7 @@ from pallax import triton_raw
 from pallax.kernels.norm import NormConfig
 from tests.helpers import CALL_TARGET, executor_view, lower_text
 
-pytestmark = [
-  pytest.mark.lowering,
-  pytest.mark.skipif(
-    triton_raw.interpreter_mode(), reason="Triton interprets in this process: it cannot compile"
-  ),
-]
+pytestmark = pytest.mark.lowering
 
 RAW = NormConfig(block_rows=4, num_warps=4, implementation="triton_raw")
 RAW_CALL = "triton_kernel_call"
