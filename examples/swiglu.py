@@ -48,13 +48,19 @@ from pallax.triton_raw import launch
 
 
 @triton.jit
-def _swiglu_fwd_kernel(
-  x_ptr, y_ptr, rows, cols, out_ptr, BLOCK_ROWS: tl.constexpr, BLOCK_COLS: tl.constexpr
-):
+def _block(rows, cols, BLOCK_ROWS: tl.constexpr, BLOCK_COLS: tl.constexpr):
+  """This program's (BLOCK_ROWS, BLOCK_COLS) block: element offsets and which lie in bounds."""
   r = tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
   c = tl.program_id(1) * BLOCK_COLS + tl.arange(0, BLOCK_COLS)
   mask = (r[:, None] < rows) & (c[None, :] < cols)
-  offsets = r[:, None].to(tl.int64) * cols + c[None, :]
+  return r[:, None].to(tl.int64) * cols + c[None, :], mask
+
+
+@triton.jit
+def _swiglu_fwd_kernel(
+  x_ptr, y_ptr, rows, cols, out_ptr, BLOCK_ROWS: tl.constexpr, BLOCK_COLS: tl.constexpr
+):
+  offsets, mask = _block(rows, cols, BLOCK_ROWS, BLOCK_COLS)
   x = tl.load(x_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
   y = tl.load(y_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
   out = x * tl.sigmoid(x) * y
@@ -73,10 +79,7 @@ def _swiglu_bwd_kernel(
   BLOCK_ROWS: tl.constexpr,
   BLOCK_COLS: tl.constexpr,
 ):
-  r = tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
-  c = tl.program_id(1) * BLOCK_COLS + tl.arange(0, BLOCK_COLS)
-  mask = (r[:, None] < rows) & (c[None, :] < cols)
-  offsets = r[:, None].to(tl.int64) * cols + c[None, :]
+  offsets, mask = _block(rows, cols, BLOCK_ROWS, BLOCK_COLS)
   x = tl.load(x_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
   y = tl.load(y_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
   g = tl.load(g_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
