@@ -6,7 +6,9 @@ raise.
 ops, from the ``bench`` extra), the ones marked ``peer``; without it they are
 deselected. A peer that raises where pallax works (tokamax's
 ``custom_vjp`` ops under ``jvp``) is not a skip: the test passes, the terminal
-summary lists it, and ``--benchmark-json`` writes it under ``"raised"``.
+summary lists it, and ``--benchmark-json`` writes it under ``"raised"``. A
+case adds its own line to the terminal summary as a ``("summary", line)``
+user property (``request.node.user_properties``).
 """
 
 import time
@@ -14,8 +16,10 @@ import time
 import jax
 import pytest
 from modes import fwd_bwd as make_fwd_bwd
+from peak_memory import host_call_growth
 
 RAISED = []  # {"name", "group", "error"} of each peer call that raised
+SUMMARY = []  # the ("summary", line) user properties of the cases, for the terminal
 ROUND_BUDGET_S = 1.5
 SLOW_S = 0.25
 
@@ -43,9 +47,16 @@ def pytest_benchmark_update_json(config, benchmarks, output_json):
   output_json["raised"] = list(RAISED)
 
 
+def pytest_runtest_logreport(report):
+  if report.when == "call":
+    SUMMARY.extend(line for key, line in report.user_properties if key == "summary")
+
+
 def pytest_terminal_summary(terminalreporter):
   for r in RAISED:
     terminalreporter.write_line(f"raised: {r['name']}: {r['error']}")
+  for line in SUMMARY:
+    terminalreporter.write_line(line)
 
 
 def ready(fn):
@@ -59,24 +70,26 @@ def ready(fn):
   return call
 
 
-def memory_info(jitted, args) -> dict:
+def memory_info(call, args) -> dict:
   """The memory of one call, for ``extra_info["memory"]`` (bytes).
 
   ``arguments``, ``outputs``, ``temp``: XLA's buffer assignment of the
   compiled call (``memory_analysis``), what a GPU or TPU allocates for it;
-  ``peak`` is their sum. On a GPU or TPU also ``device_peak``: the device's
-  ``peak_bytes_in_use`` less the bytes in use before the case, where the case
-  raised the process's peak (else None: an earlier case's peak hides it).
-  On the CPU, ``bench/peak_memory.py`` measures peak RSS in a fresh process
-  (the cross-entropy bench).
+  ``peak`` is their sum. On the CPU also ``rss_growth``: how far one more
+  call raised the resident set over its level before the call, with the
+  high-water mark reset (``peak_memory.host_call_growth``; the attention,
+  paged-attention and cross-entropy benches also measure a fresh process).
+  On a GPU or TPU ``device_peak`` is added by the fixture.
   """
-  analysis = jitted.lower(*args).compile().memory_analysis()
+  analysis = call.jitted.lower(*args).compile().memory_analysis()
   info = {
     "arguments": analysis.argument_size_in_bytes,
     "outputs": analysis.output_size_in_bytes,
     "temp": analysis.temp_size_in_bytes,
   }
   info["peak"] = sum(info.values())
+  if jax.devices()[0].platform == "cpu":
+    info["rss_growth"] = host_call_growth(call, args)
   return info
 
 
@@ -118,7 +131,7 @@ def bench(benchmark, request):
     slow = seconds > SLOW_S
     rounds = max(2 if slow else 3, min(rounds, int(ROUND_BUDGET_S / seconds)))
     benchmark.pedantic(call, args=args, rounds=rounds, iterations=1, warmup_rounds=0 if slow else 1)
-    memory = memory_info(call.jitted, args)
+    memory = memory_info(call, args)
     after = _device_stats()
     if after is not None:
       rose = after["peak_bytes_in_use"] > before["peak_bytes_in_use"]

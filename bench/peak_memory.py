@@ -157,6 +157,27 @@ def _trim_heap():
     pass  # not glibc: freed heap stays in the resident set, the baseline is higher
 
 
+def host_call_growth(call, args):
+  """Resident-set growth of one ``call(*args)`` in this process, in bytes, or None.
+
+  The bench fixture's CPU measure for every case (``bench/conftest.py``):
+  the freed heap goes back to the OS and the high-water mark is reset to the
+  current resident set first, so neither earlier cases nor the compiler can
+  set the peak read after the call. None where the mark cannot be reset (not
+  Linux). What the call allocates from memory this process already holds
+  (e.g. a previous case's output not yet freed) does not show: ``measure``'s
+  fresh process is the strict figure.
+  """
+  _trim_heap()
+  if not _reset_rss_peak():
+    return None
+  baseline = _rss_now()
+  out = call(*args)
+  growth = _rss_peak() - baseline
+  del out
+  return growth
+
+
 def _load(builder):
   path, name = builder.rsplit(":", 1)
   path = os.path.abspath(path)

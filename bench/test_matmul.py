@@ -29,7 +29,7 @@ EPILOGUES = {"none": {}, "bias+gelu": {"activation": "gelu"}}
 IMPLS = {"pallax": pallax.matmul, "jnp": matmul_reference}
 
 
-def _inputs(m, k, n, dtype, seed=0):
+def inputs(m, k, n, dtype, seed=0):
   rng = np.random.default_rng(seed)
   a = jnp.asarray(rng.standard_normal((m, k)), dtype)
   b = jnp.asarray(rng.standard_normal((k, n)) / np.sqrt(k), dtype)
@@ -48,7 +48,7 @@ def _rounds(m, k, n) -> int:
 @pytest.mark.parametrize("dtype", [jnp.float32], ids=lambda d: jnp.dtype(d).name)
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
 def test_matmul(benchmark, bench, impl, mode, epilogue, dtype, shape):
-  a, b, bias = _inputs(*shape, dtype)
+  a, b, bias = inputs(*shape, dtype)
   kwargs = EPILOGUES[epilogue]
   op = IMPLS[impl]
   if kwargs:
@@ -78,7 +78,7 @@ VMAP_IMPLS = {
 @pytest.mark.parametrize("epilogue", ["vmap"])
 @pytest.mark.parametrize("shape", [(256, 1024, 4096)], ids=lambda s: "x".join(map(str, s)))
 def test_vmap_vectors_times_shared_weight(benchmark, bench, impl, mode, epilogue, shape):
-  vectors, weight, _ = _inputs(*shape, jnp.float32)
+  vectors, weight, _ = inputs(*shape, jnp.float32)
   fn, args = transformed(VMAP_IMPLS[impl], [vectors, weight], mode, np.random.default_rng(1))
   bench(fn, *args)
   if mode in roofline.MODES:

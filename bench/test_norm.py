@@ -66,6 +66,17 @@ CASES = [
 ]
 
 
+def inputs(op, shape, dtype, rng):
+  """The random operands of ``op`` (``OPS``) for ``x`` of ``shape``."""
+  make = {
+    "x": lambda: rng.standard_normal(shape),
+    "r": lambda: rng.standard_normal(shape),
+    "w": lambda: 1 + 0.5 * rng.standard_normal(shape[-1]),
+    "b": lambda: 0.5 * rng.standard_normal(shape[-1]),
+  }
+  return [jnp.asarray(make[n](), dtype) for n in OPS[op][0]]
+
+
 @pytest.mark.parametrize("op, impl", CASES)
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=lambda d: jnp.dtype(d).name)
@@ -73,18 +84,11 @@ CASES = [
 def test_norm(benchmark, bench, op, impl, mode, dtype, shape):
   if impl in PEERS:
     pytest.importorskip(impl, reason="install the bench extra: pip install -e '.[bench]'")
-  names, impls = OPS[op]
   rng = np.random.default_rng(0)
-  make = {
-    "x": lambda: rng.standard_normal(shape),
-    "r": lambda: rng.standard_normal(shape),
-    "w": lambda: 1 + 0.5 * rng.standard_normal(shape[-1]),
-    "b": lambda: 0.5 * rng.standard_normal(shape[-1]),
-  }
-  args = [jnp.asarray(make[n](), dtype) for n in names]
+  args = inputs(op, shape, dtype, rng)
   benchmark.extra_info.update(
     op=op, impl=impl, mode=mode, dtype=jnp.dtype(dtype).name, shape=list(shape)
   )
-  fn, call_args = transformed(impls[impl], args, mode, rng)
+  fn, call_args = transformed(OPS[op][1][impl], args, mode, rng)
   if bench(fn, *call_args, peer=impl in PEERS) and mode in roofline.MODES:
     record_throughput(benchmark, roofline.norm_work(op, shape, dtype, mode), dtype)

@@ -27,6 +27,11 @@ IMPLS = {
 }
 
 
+def input_(shape, dtype, rng):
+  """The random logits of the cases."""
+  return jnp.asarray(2 * rng.standard_normal(shape), dtype)
+
+
 @pytest.mark.parametrize("impl", ["pallax", "jax.nn"])
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=lambda d: jnp.dtype(d).name)
@@ -34,7 +39,7 @@ IMPLS = {
 @pytest.mark.parametrize("op", list(IMPLS))
 def test_softmax(benchmark, bench, op, impl, mode, dtype, shape):
   rng = np.random.default_rng(0)
-  x = jnp.asarray(2 * rng.standard_normal(shape), dtype)
+  x = input_(shape, dtype, rng)
   benchmark.extra_info.update(
     op=op, impl=impl, mode=mode, dtype=jnp.dtype(dtype).name, shape=list(shape)
   )

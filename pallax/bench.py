@@ -144,13 +144,19 @@ def _fraction(row: dict) -> str:
 
 
 def _memory(row: dict) -> str:
-  """XLA's allocation for the call (arguments, outputs, temporaries), and the device's peak."""
+  """XLA's allocation for the call (arguments, outputs, temporaries), and the measured peak.
+
+  The measured figure: the device's peak on a GPU/TPU, the resident set's
+  growth during one call on the CPU.
+  """
   memory = row.get("memory")
   if not memory:
     return ""
   text = f"{memory['peak'] / 2**20:,.1f} MiB"
   if memory.get("device_peak") is not None:
     text += f" (device peak {memory['device_peak'] / 2**20:,.1f} MiB)"
+  if memory.get("rss_growth") is not None:
+    text += f" (RSS +{memory['rss_growth'] / 2**20:,.1f} MiB)"
   return text
 
 

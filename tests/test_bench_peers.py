@@ -1,8 +1,9 @@
-"""The benches' peer reporting: a peer that raises is reported with its error, never skipped.
+"""The benches' fixture: a peer that raises is reported with its error, never skipped;
+each case's memory; a case's own summary line.
 
 Runs pytest-benchmark on a small bench file next to copies of
-``bench/conftest.py`` and ``bench/modes.py``, with a ``custom_vjp`` function
-(as tokamax's ops are) as the peer under ``jvp``.
+``bench/conftest.py``, ``bench/modes.py`` and ``bench/peak_memory.py``, with a
+``custom_vjp`` function (as tokamax's ops are) as the peer under ``jvp``.
 """
 
 from __future__ import annotations
@@ -40,13 +41,19 @@ def test_case(bench, impl, mode):
   bench(f, *args, rounds=2, peer=impl == "peer")
 
 
+def test_memory(bench, request):
+  # A 64 MiB output: one call raises the resident set by at least that much.
+  bench(lambda x: jnp.cumsum(x, axis=0) * 2, jnp.ones((4096, 4096)), rounds=2)
+  request.node.user_properties.append(("summary", "a line of the case's own"))
+
+
 def test_ours_failing_is_a_failure(bench):
   bench(peer, jnp.ones(3), jnp.ones(3), rounds=2)  # two arguments for one: a TypeError
 """
 
 
 def test_a_raising_peer_is_reported(tmp_path):
-  for name in ("conftest.py", "modes.py"):
+  for name in ("conftest.py", "modes.py", "peak_memory.py"):
     shutil.copy(BENCH / name, tmp_path / name)
   (tmp_path / "test_cases.py").write_text(CASES)
   # Not an xdist worker (pytest-benchmark would not time under one), whatever runs this test.
@@ -71,11 +78,20 @@ def test_a_raising_peer_is_reported(tmp_path):
     text=True,
     timeout=300,
   )
-  assert "1 failed, 4 passed" in out.stdout, out.stdout[-3000:]
+  assert "1 failed, 5 passed" in out.stdout, out.stdout[-3000:]
+  assert "a line of the case's own" in out.stdout
   assert "raised: test_case[peer-jvp]: TypeError: can't apply forward-mode autodiff" in out.stdout
   data = json.loads((tmp_path / "out.json").read_text())
   timed = sorted(b["name"] for b in data["benchmarks"])
-  assert timed == ["test_case[ours-fwd]", "test_case[ours-jvp]", "test_case[peer-fwd]"]
+  assert timed == [
+    "test_case[ours-fwd]",
+    "test_case[ours-jvp]",
+    "test_case[peer-fwd]",
+    "test_memory",
+  ]
+  (memory,) = [b["extra_info"]["memory"] for b in data["benchmarks"] if b["name"] == "test_memory"]
+  assert memory["outputs"] == 2**26 and memory["peak"] >= 2 * 2**26
+  assert memory["rss_growth"] >= 2**26, memory  # the CPU: measured
   (raised,) = data["raised"]
   assert raised["name"] == "test_case[peer-jvp]"
   assert raised["error"].startswith("TypeError: can't apply forward-mode autodiff (jvp)")

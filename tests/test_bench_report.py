@@ -27,7 +27,13 @@ def _results(tmp_path):
         (1024, 1024),
         0.002,
         gbyte_per_s=4.2,
-        memory={"arguments": 2**22, "outputs": 2**22, "temp": 2**20, "peak": 9 * 2**20},
+        memory={
+          "arguments": 2**22,
+          "outputs": 2**22,
+          "temp": 2**20,
+          "peak": 9 * 2**20,
+          "rss_growth": 2**21,
+        },
       ),
       _benchmark(
         "jnp",
@@ -62,7 +68,10 @@ def test_markdown_table(tmp_path):
   assert len(rows) == 6  # the benchmark without case fields is left out
   text = bench.markdown(rows, raised)
   assert "## rms_norm" in text
-  assert "| fwd | float32 | 1024x1024 |  | pallax | 2 ms | 4.2 GB/s |  | 1.00x | 9.0 MiB |" in text
+  assert (
+    "| fwd | float32 | 1024x1024 |  | pallax | 2 ms | 4.2 GB/s |  | 1.00x "
+    "| 9.0 MiB (RSS +2.0 MiB) |" in text
+  )
   assert (
     "| fwd | float32 | 1024x1024 |  | jnp | 3 ms | 2.8 GB/s |  | 1.50x "
     "| 3.0 MiB (device peak 5.0 MiB) |" in text

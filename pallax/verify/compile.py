@@ -78,7 +78,7 @@ def compile_job(message: dict) -> dict:
       record["compile_s"] = round(time.perf_counter() - start, 3)
       read = _raw_kernels if raw else _gpu_kernels if target.platform == "cuda" else _tpu_kernels
       record["kernels"] = read(pathlib.Path(dump), target, calls)
-    except Exception as err:  # noqa: BLE001: every compiler error is a result
+    except Exception as err:  # noqa: BLE001 -- every compiler error is a result
       record.update(status="failed", error=_first_lines(err))
       record.setdefault("compile_s", round(time.perf_counter() - start, 3))
       return record
