@@ -4,8 +4,8 @@ The primitives reduce over the last axis of operands of one shape; the public
 functions move the softmax axes there and back. ``mask`` is the ``where=``
 argument as an optional trailing bool operand, absent without one (so the
 common call reads nothing extra). Each op is declared with
-``define_residual_op`` (design.md section 2); its forward primitive returns
-the residual its backward needs, which is its output:
+``define_residual_op`` (design.md section 2); softmax's derivatives take its
+output, log_softmax's its input:
 
 * ``softmax_fwd (x, [mask]) -> (y,)``: the forward kernel.
 * ``softmax_bwd (y, v, [mask]) -> (y * (v - sum(y * v)),)``: softmax's
@@ -15,10 +15,15 @@ the residual its backward needs, which is its output:
   ``y`` are 0: in a NaN row (only -inf, or a +inf) jax's gradient is 0, not
   NaN, at masked entries.
 * ``log_softmax_fwd (x, [mask]) -> (z,)``: the forward kernel.
-* ``log_softmax_jvp (z, t, [mask]) -> (t - sum(exp(z) * t),)``: the tangent,
-  linear in ``t``; its transpose is
-* ``log_softmax_bwd (z, g, [mask]) -> (g - exp(z) * sum(g),)``: the backward
-  kernel (both 0 where masked).
+* ``log_softmax_jvp (x, t, [mask]) -> (t - sum(softmax(x) * t),)``: the
+  tangent, linear in ``t``; its transpose is
+* ``log_softmax_bwd (x, g, [mask]) -> (g - softmax(x) * sum(g),)``: the
+  backward kernel (both 0 where masked). They take the input, not the output:
+  the kernels recompute the row's max and sum (the same bytes read as from
+  ``z``, and ``softmax`` exact rather than ``exp`` of a rounded ``z``), and
+  on the CPU, where ``exp`` rather than memory sets the time, XLA shares the
+  forward's ``exp(x - max)`` with them, one ``exp`` an element as for
+  autodiff of ``jax.nn.log_softmax`` (``bench/test_xla_parity.py``).
 
 ``grad`` thus costs one forward and one backward kernel, and ``jvp`` one
 forward and one tangent kernel. Second-order AD differentiates the XLA
@@ -27,7 +32,6 @@ programs of the tangent and backward primitives.
 
 from __future__ import annotations
 
-import functools
 import math
 import numbers
 from collections.abc import Sequence
@@ -80,23 +84,33 @@ def _stage(name: str, abstract_eval) -> PrimitiveSpec:
   )
 
 
-def _tangent_operands(primals, outs, tangents, **params):
-  """``(out, x_dot, [mask])``: the mask is bool, it has no tangent and gets no cotangent."""
-  _, *mask = primals
-  return [outs[0], *instantiate(tangents[:1]), *mask]
+def _tangent_operands(residual: str):
+  """``(residual, x_dot, [mask])``, the residual being the output or the input.
+
+  The mask is bool: it has no tangent and gets no cotangent.
+  """
+
+  def operands(primals, outs, tangents, **params):
+    x, *mask = primals
+    return [outs[0] if residual == "out" else x, *instantiate(tangents[:1]), *mask]
+
+  return operands
 
 
-_residual_op = functools.partial(
-  define_residual_op, linear=slice(1, 2), tangent_operands=_tangent_operands
+softmax_p = define_residual_op(
+  "softmax",
+  fwd=_stage("softmax_fwd", _like_first),
+  tangent=_stage("softmax_bwd", _like_second),
+  linear=slice(1, 2),
+  tangent_operands=_tangent_operands("out"),
 )
-softmax_p = _residual_op(
-  "softmax", fwd=_stage("softmax_fwd", _like_first), tangent=_stage("softmax_bwd", _like_second)
-)
-log_softmax_p = _residual_op(
+log_softmax_p = define_residual_op(
   "log_softmax",
   fwd=_stage("log_softmax_fwd", _like_first),
   tangent=_stage("log_softmax_jvp", _like_second),
   bwd=_stage("log_softmax_bwd", _like_second),
+  linear=slice(1, 2),
+  tangent_operands=_tangent_operands("x"),
 )
 
 

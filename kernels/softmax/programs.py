@@ -43,19 +43,48 @@ class RowProgram:
   emit: Callable[..., jax.Array]
 
 
-def _online_max_sum(acc, data, keep):
-  """Running max ``m`` and sum ``l`` of ``exp(x - m)``, over the kept entries.
+def _online_step(m, x, keep):
+  """One column block of an online softmax over the kept entries of ``x``.
 
-  Rows whose max is still -inf shift by 0 instead (their kept entries are all
-  -inf, so they add exp(-inf) = 0), so ``l`` never becomes NaN from -inf - -inf.
+  Returns the new running max, the factor rescaling sums taken against the
+  old max, and ``exp(x - max)`` (0 where not kept). Rows whose max is still
+  -inf shift by 0 instead (their kept entries are all -inf, so they add
+  exp(-inf) = 0), so sums never become NaN from -inf - -inf.
   """
-  m, total = acc
-  (x,) = data
   x = masked(x, keep, -jnp.inf)
   m_new = jnp.maximum(m, jnp.max(x, axis=-1, keepdims=True))
-  shift = jnp.where(m_new == -jnp.inf, 0, m_new)
-  total = total * jnp.exp(m - shift) + jnp.sum(jnp.exp(x - shift), axis=-1, keepdims=True)
-  return m_new, total
+  shift = _shift(m_new)
+  return m_new, jnp.exp(m - shift), jnp.exp(x - shift)
+
+
+def _shift(m):
+  """What a row's entries are shifted by: its max, or 0 while the max is -inf."""
+  return jnp.where(m == -jnp.inf, 0, m)
+
+
+def _row_sum(x):
+  return jnp.sum(x, axis=-1, keepdims=True)
+
+
+def _online_max_sum(acc, data, keep):
+  """Running max ``m`` and sum ``l`` of ``exp(x - m)``, over the kept entries."""
+  (m, total), (x,) = acc, data
+  m, scale, e = _online_step(m, x, keep)
+  return m, total * scale + _row_sum(e)
+
+
+def _online_softmax_dot(acc, data, keep):
+  """``_online_max_sum`` of ``x`` and the running sum of ``exp(x - m) * t``: ``data = (x, t)``."""
+  (m, total, dot), (x, t) = acc, data
+  m, scale, e = _online_step(m, x, keep)
+  return m, total * scale + _row_sum(e), dot * scale + _row_sum(masked(e * t, keep, 0))
+
+
+def _online_softmax_and_sum(acc, data, keep):
+  """``_online_max_sum`` of ``x`` and the sum of ``g`` over the kept entries: ``data = (x, g)``."""
+  (m, total, s), (x, g) = acc, data
+  m, scale, e = _online_step(m, x, keep)
+  return m, total * scale + _row_sum(e), s + _row_sum(masked(g, keep, 0))
 
 
 def _softmax_emit(acc, data, mask):
@@ -84,13 +113,13 @@ def _softmax_bwd_emit(acc, data, mask):
 
 
 def _log_softmax_jvp_emit(acc, data, mask):
-  (s,), (_, t) = acc, data
-  return masked(t - s, mask, 0)
+  (_, total, dot), (_, t) = acc, data
+  return masked(t - dot / total, mask, 0)
 
 
 def _log_softmax_bwd_emit(acc, data, mask):
-  (s,), (z, g) = acc, data
-  return masked(g - jnp.exp(z) * s, mask, 0)
+  (m, total, s), (x, g) = acc, data
+  return masked(g - jnp.exp(x - _shift(m)) * (s / total), mask, 0)
 
 
 _SOFTMAX_FWD = RowProgram("softmax_fwd", 1, (-math.inf, 0.0), _online_max_sum, _softmax_emit)
@@ -99,10 +128,10 @@ _LOG_SOFTMAX_FWD = RowProgram(
 )
 _SOFTMAX_BWD = RowProgram("softmax_bwd", 2, (0.0,), _sum_of(lambda y, v: y * v), _softmax_bwd_emit)
 _LOG_SOFTMAX_JVP = RowProgram(
-  "log_softmax_jvp", 2, (0.0,), _sum_of(lambda z, t: jnp.exp(z) * t), _log_softmax_jvp_emit
+  "log_softmax_jvp", 2, (-math.inf, 0.0, 0.0), _online_softmax_dot, _log_softmax_jvp_emit
 )
 _LOG_SOFTMAX_BWD = RowProgram(
-  "log_softmax_bwd", 2, (0.0,), _sum_of(lambda z, g: g), _log_softmax_bwd_emit
+  "log_softmax_bwd", 2, (-math.inf, 0.0, 0.0), _online_softmax_and_sum, _log_softmax_bwd_emit
 )
 
 PROGRAMS = {

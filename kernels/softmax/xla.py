@@ -43,17 +43,29 @@ def softmax_bwd(y, v, mask=None):
   return [masked(yf * (vf - s), mask, 0).astype(v.dtype)]
 
 
-def log_softmax_jvp(z, t, mask=None):
-  """``t - sum(softmax * t)`` (masked: 0): log_softmax's Jacobian times ``t``."""
-  st = stat_dtype(z.dtype)
-  tf = t.astype(st)
-  s = jnp.sum(masked(jnp.exp(z.astype(st)) * tf, mask, 0), axis=-1, keepdims=True)
-  return [masked(tf - s, mask, 0).astype(t.dtype)]
+def _exp_and_sum(x, mask):
+  """``exp(x - max(x))`` (masked: 0) and its row sum, in the stats dtype.
+
+  The same operations as ``log_softmax_fwd``'s: where the forward and these
+  derivatives are in one program, XLA computes them once (common
+  subexpressions), so ``grad`` takes one ``exp`` per element, as autodiff of
+  ``jax.nn.log_softmax`` does.
+  """
+  e = jnp.exp(_shifted(x, mask))
+  return e, jnp.sum(e, axis=-1, keepdims=True)
 
 
-def log_softmax_bwd(z, g, mask=None):
-  """``g - softmax * sum(g)`` (masked: 0): the transposed Jacobian times ``g``."""
-  st = stat_dtype(z.dtype)
-  gf = masked(g.astype(st), mask, 0)
-  dx = gf - jnp.exp(z.astype(st)) * jnp.sum(gf, axis=-1, keepdims=True)
+def log_softmax_jvp(x, t, mask=None):
+  """``t - sum(softmax(x) * t)`` (masked: 0): log_softmax's Jacobian times ``t``."""
+  e, total = _exp_and_sum(x, mask)
+  tf = masked(t.astype(e.dtype), mask, 0)
+  dot = jnp.sum(e * tf, axis=-1, keepdims=True)
+  return [masked(tf - dot / total, mask, 0).astype(t.dtype)]
+
+
+def log_softmax_bwd(x, g, mask=None):
+  """``g - softmax(x) * sum(g)`` (masked: 0): the transposed Jacobian times ``g``."""
+  e, total = _exp_and_sum(x, mask)
+  gf = masked(g.astype(e.dtype), mask, 0)
+  dx = gf - e * (jnp.sum(gf, axis=-1, keepdims=True) / total)
   return [masked(dx, mask, 0).astype(g.dtype)]

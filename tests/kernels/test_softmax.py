@@ -78,8 +78,12 @@ def test_lowers(platform, dtype, shape, kind):
   ids=str,
 )
 def test_lowers_with_pinned_multi_block_config(platform, config):
-  """Ragged rows and several ragged column blocks, with and without a mask."""
-  fn = lambda x, m: jax.grad(
+  """Ragged rows and several ragged column blocks, with and without a mask.
+
+  ``value_and_grad``: log_softmax's backward takes ``x``, so under ``grad``
+  alone its forward kernel would be dead code.
+  """
+  fn = lambda x, m: jax.value_and_grad(
     lambda x: sum(
       jnp.sum(jnp.where(m, op(x, where=w, config=config), 0))
       for op in (pallax.softmax, pallax.log_softmax)
@@ -199,7 +203,8 @@ def test_float64_on_tpu_falls_back_visibly():
 def test_lowers_inside_shard_map(platform):
   mesh = jax.make_mesh((8,), ("a",), axis_types=(jax.sharding.AxisType.Auto,))
   P = jax.sharding.PartitionSpec
-  fn = jax.grad(
+  # value_and_grad: the backward takes x, so grad alone would not need the forward.
+  fn = jax.value_and_grad(
     lambda x, m: jax.shard_map(
       lambda x, m: pallax.log_softmax(x, where=m),
       mesh=mesh,
