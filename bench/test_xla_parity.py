@@ -107,7 +107,9 @@ def test_xla_parity(benchmark, request, make, op, shape, dtype, mode):
   )
   lo, hi = timing.interval
   info = benchmark.extra_info
-  info.update(op=op, mode=mode, dtype=dtype, shape=list(shape), limit=LIMIT)
+  variant = op if make is _matmul_case else None
+  info.update(op="matmul" if variant else op, variant=variant, mode=mode, dtype=dtype)
+  info.update(shape=list(shape), limit=LIMIT)
   info.update(
     ratio=round(timing.ratio, 4),
     interval=[round(lo, 4), round(hi, 4)],
