@@ -108,8 +108,14 @@ def bench(benchmark, request):
   With ``peer=True`` an error of the first call is recorded (``RAISED``) and
   the case is not timed; pallax's errors always fail the test. A timed case
   records its memory (``memory_info``) in ``extra_info["memory"]``. Returns
-  whether it was timed.
+  whether it was timed. ``bench.report_raised(err)`` reports a peer's error
+  raised before the call (building its inputs) the same way.
   """
+
+  def report_raised(err):
+    message = f"{type(err).__name__}: {err}".splitlines()[0][:300]
+    RAISED.append({"name": request.node.name, "group": benchmark.group, "error": message})
+    benchmark.extra_info["raised"] = message
 
   def run(fn, *args, rounds=30, peer=False):
     call = ready(fn)
@@ -119,9 +125,7 @@ def bench(benchmark, request):
     except Exception as err:  # noqa: BLE001 -- a peer's failure is a result to report
       if not peer:
         raise
-      message = f"{type(err).__name__}: {err}".splitlines()[0][:300]
-      RAISED.append({"name": request.node.name, "group": benchmark.group, "error": message})
-      benchmark.extra_info["raised"] = message
+      report_raised(err)
       return False
     start = time.perf_counter()
     call(*args)
@@ -139,6 +143,7 @@ def bench(benchmark, request):
     benchmark.extra_info["memory"] = memory
     return True
 
+  run.report_raised = report_raised
   return run
 
 

@@ -61,3 +61,13 @@ def transformed(fn, args, mode: str, rng: np.random.Generator):
     return jax.jvp(grad, primals, tangents)
 
   return hvp, [*args, *cotangents, *_random(rng, args)]
+
+
+def max_relative_difference(fn, other, args) -> float:
+  """Max over outputs of ``max |fn - other| / max |other|``: two implementations in one mode."""
+  got, want = (jax.tree.leaves(jax.jit(f)(*args)) for f in (fn, other))
+  return max(
+    float(jnp.max(jnp.abs(g.astype(jnp.float32) - w.astype(jnp.float32))))
+    / max(float(jnp.max(jnp.abs(w.astype(jnp.float32)))), 1e-30)
+    for g, w in zip(got, want)
+  )

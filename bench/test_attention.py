@@ -66,6 +66,15 @@ S=4096 forward at most 0.5x jax.nn's time in at most 512 MB peak RSS; S=4096
 forward+backward at most jax.nn's time in at most a third of its peak RSS;
 S=16384 forward+backward under 2 GiB and faster than tokamax ``xla_chunked``.
 
+Every mode (``test_attention_modes``, what ``python -m pallax.bench --ops
+dot_product_attention`` runs and plots): causal MHA at S = 512, 1024, 2048
+in float32 and bfloat16, ``fwd``, ``fwd+bwd``, ``jvp`` and ``hvp``
+(``bench/modes.py``), pallax against jax.nn, and with ``--peers`` jax.nn's
+``implementation="cudnn"`` and tokamax; a peer that raises (cuDNN off NVIDIA
+GPUs, tokamax's ``custom_vjp`` under ``jvp``/``hvp``) is reported, not
+skipped. These use the ``bench`` fixture (memory from XLA's buffer
+assignment and the call's resident-set growth, no fresh process).
+
 Packed documents (issue 14), pallax only: ``test_attention_packed``, ids
 ``packed-causal-mha-float32-S4096-{docs}-{mode}-pallax`` with ``docs``
 ``8docs`` (``q_segment_ids = kv_segment_ids = arange(4096) // 512``: 8
@@ -175,6 +184,10 @@ def _attention(impl, causal):
     return lambda q, k, v: pallax.dot_product_attention(q, k, v, is_causal=causal)
   if impl == "jax.nn":
     return lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=causal)
+  if impl == "jax.nn-cudnn":  # NVIDIA GPUs only: raises elsewhere
+    return lambda q, k, v: jax.nn.dot_product_attention(
+      q, k, v, is_causal=causal, implementation="cudnn"
+    )
   if impl == "tokamax":
     tokamax = peers.tokamax()
     return lambda q, k, v: tokamax.dot_product_attention(
@@ -278,6 +291,54 @@ def test_attention(benchmark, fwd_bwd, case, mode, impl):
   benchmark.pedantic(call, rounds=rounds, iterations=1, warmup_rounds=warmup)
   info.update(case=case.id, mode=mode, impl=impl, platform=device.platform)
   record_throughput(benchmark, attention_work(case, mode), case.dtype)
+
+
+# ------------------------------------------------------------------------------
+# Every mode at small sizes, peers included: the cases python -m pallax.bench plots.
+
+MODE_SEQS = [512, 1024, 2048]
+MODE_PEERS = ("jax.nn-cudnn", "tokamax")
+MODE_PARAMS = [
+  pytest.param(impl, id=impl, marks=[pytest.mark.peer] if impl in MODE_PEERS else [])
+  for impl in ("pallax", "jax.nn", *MODE_PEERS)
+]
+
+
+@pytest.mark.parametrize("impl", MODE_PARAMS)
+@pytest.mark.parametrize("mode", modes.MODES)
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("seq", MODE_SEQS, ids=lambda s: f"S{s}")
+def test_attention_modes(benchmark, bench, seq, dtype, mode, impl):
+  """Causal MHA (B=1, N=8, H=64) in ``fwd``, ``fwd+bwd``, ``jvp`` and ``hvp`` (``bench/modes.py``).
+
+  With ``--peers``: jax.nn's cuDNN implementation (NVIDIA GPUs; it raises
+  elsewhere) and tokamax (its ``custom_vjp`` raises under ``jvp`` and
+  ``hvp``), reported, not skipped. pallax's result is checked against
+  jax.nn's in the same mode (``max_rel_err_vs_jax_nn``).
+  """
+  if impl == "tokamax":
+    pytest.importorskip("tokamax", reason="install the bench extra: pip install -e '.[bench]'")
+  case = Case(seq, dtype=dtype)
+  _, inputs = program(case, impl, "fwd")
+  shape = [case.batch, case.seq, case.heads, case.head_dim]
+  info = benchmark.extra_info
+  info.update(op="dot_product_attention", impl=impl, mode=mode, dtype=dtype, shape=shape)
+  try:  # the cotangents' shapes come from tracing the peer, which may raise
+    fn, args = modes.transformed(_attention(impl, True), inputs, mode, np.random.default_rng(0))
+  except Exception as err:  # noqa: BLE001 -- a peer's failure is a result to report
+    if impl not in MODE_PEERS:
+      raise
+    bench.report_raised(err)
+    return
+  if not bench(fn, *args, peer=impl in MODE_PEERS):
+    return
+  if impl == "pallax":
+    plain, _ = modes.transformed(_attention("jax.nn", True), inputs, mode, np.random.default_rng(0))
+    error = modes.max_relative_difference(fn, plain, args)
+    info["max_rel_err_vs_jax_nn"] = error
+    assert error < TOLERANCE["bfloat16"], f"pallax {mode} differs from jax.nn: {error:.2e}"
+  if mode in roofline.MODES:
+    record_throughput(benchmark, attention_work(case, mode), dtype)
 
 
 # ------------------------------------------------------------------------------

@@ -102,6 +102,7 @@ import os
 
 import jax
 import jax.numpy as jnp
+import modes
 import numpy as np
 import peers
 import pytest
@@ -383,3 +384,52 @@ def test_cross_entropy(benchmark, case, mode, impl):
         key = "time_vs_naive" if name == "median" else name.removesuffix("_mib") + "_vs_naive"
         info[key] = round(value / naive[name], 3)
   info["median_s"] = round(median, 4)
+
+
+# ------------------------------------------------------------------------------
+# Every mode at small sizes, tokamax included: the cases python -m pallax.bench plots.
+
+MODE_VOCABS = [4096, 16384, 32768]
+MODE_PARAMS = [
+  pytest.param(impl, id=impl, marks=[pytest.mark.peer] if impl == "tokamax" else [])
+  for impl in ("pallax", "naive", "tokamax")
+]
+
+
+@pytest.mark.parametrize("impl", MODE_PARAMS)
+@pytest.mark.parametrize("mode", modes.MODES)
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("vocab", MODE_VOCABS, ids=lambda v: f"V{v}")
+def test_linear_cross_entropy_modes(benchmark, bench, vocab, dtype, mode, impl):
+  """The mean loss of ``x (1024, 512) @ weight (512, V)`` in every mode (``bench/modes.py``).
+
+  Differentiated in ``x`` and ``weight`` (labels fixed). With ``--peers``
+  tokamax's ``linear_softmax_cross_entropy_loss`` (``custom_vjp``: it raises
+  under ``jvp`` and ``hvp``, reported, not skipped). pallax's result is
+  checked against the plain-JAX formulation's in the same mode
+  (``max_rel_err_vs_naive``).
+  """
+  if impl == "tokamax":
+    pytest.importorskip("tokamax", reason="install the bench extra: pip install -e '.[bench]'")
+  case = Case(1024, vocab, hidden=512, dtype=dtype)
+  x, w, labels = _device_inputs(case)
+  info = benchmark.extra_info
+  info.update(
+    op="linear_cross_entropy", impl=impl, mode=mode, dtype=dtype, shape=[1024, 512, vocab]
+  )
+
+  def transformed(impl):
+    loss = _loss_fn(case, impl)
+    return modes.transformed(
+      lambda x, w: loss(x, w, labels), [x, w], mode, np.random.default_rng(0)
+    )
+
+  fn, args = transformed(impl)
+  if not bench(fn, *args, peer=impl == "tokamax"):
+    return
+  if impl == "pallax":
+    error = modes.max_relative_difference(fn, transformed("naive")[0], args)
+    info["max_rel_err_vs_naive"] = error
+    assert error < TOLERANCE[dtype], f"pallax {mode} differs from plain JAX: {error:.2e}"
+  if mode in roofline.MODES:
+    record_throughput(benchmark, _work(case, mode), dtype)

@@ -25,7 +25,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Optional
 
-__all__ = ["SUITES", "main", "markdown", "plot", "run_suites"]
+__all__ = ["SUITES", "UNITS", "main", "markdown", "plot", "run_suites"]
 
 # op -> (suite file in bench/, pytest -k expression selecting its cases)
 SUITES = {
@@ -35,6 +35,14 @@ SUITES = {
   "softmax": ("test_softmax.py", "softmax and not log_softmax"),
   "log_softmax": ("test_softmax.py", "log_softmax"),
   "matmul": ("test_matmul.py", "matmul"),  # the module's name: every case, vmapped too
+  "dot_product_attention": ("test_attention.py", "test_attention_modes"),
+  "linear_cross_entropy": ("test_cross_entropy.py", "test_linear_cross_entropy_modes"),
+}
+# What a case's ``shape`` multiplies out to, per op (default: the elements of x).
+UNITS = {
+  "matmul": "M x K x N",
+  "dot_product_attention": "B x T x N x H",
+  "linear_cross_entropy": "N x D x V",
 }
 MODES = ("fwd", "fwd+bwd", "jvp", "hvp")
 
@@ -112,7 +120,7 @@ def plot(rows: Sequence[dict], out: Path) -> list[Path]:
         ax.plot(*zip(*points), style, marker="o", label=label)
       ax.set_xscale("log")
       ax.set_yscale("log")
-      unit = "M x K x N" if op == "matmul" else "elements of x"
+      unit = UNITS.get(op, "elements of x")
       ax.set_xlabel(f"problem size ({unit})")
       ax.set_ylabel("median time (ms)")
       ax.set_title(f"{op}: {mode}")
