@@ -10,8 +10,13 @@ that they cost at most ``LIMIT`` (1.05x) the time of what a user writes
 without pallax: the norms against their jnp formulations, softmax and
 log_softmax against ``jax.nn``, matmul against ``jnp.matmul`` plus the
 unfused epilogue, at every size and dtype of those ops' benches
-(``bench/test_norm.py``, ``test_softmax.py``, ``test_matmul.py``), forward
-and forward+backward.
+(``bench/test_norm.py``, ``test_softmax.py``, ``test_matmul.py``), causal
+attention against ``jax.nn.dot_product_attention`` and the linear
+cross-entropy against its plain formulation at the sizes of their
+every-mode benches (``test_attention_modes``,
+``test_linear_cross_entropy_modes``), forward and forward+backward. (The
+large attention and cross-entropy cases, seconds a call, record their
+ratios in their own benches.)
 
 A few percent cannot be read from two separate timing runs on a shared
 machine, so each case times pairs: one call of each side, the order
@@ -30,6 +35,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+import test_attention
+import test_cross_entropy
 import test_matmul
 import test_norm
 import test_softmax
@@ -68,6 +75,22 @@ def _matmul_case(epilogue, shape, dtype, rng):
   )
 
 
+def _attention_case(seq, shape, dtype, rng):
+  del shape, rng
+  case = test_attention.Case(seq, dtype=jnp.dtype(dtype).name)
+  _, inputs = test_attention.program(case, "pallax", "fwd")
+  ours, plain = (test_attention._attention(impl, True) for impl in ("pallax", "jax.nn"))
+  return ours, plain, list(inputs)
+
+
+def _cross_entropy_case(vocab, shape, dtype, rng):
+  del rng
+  case = test_cross_entropy.Case(shape[0], vocab, hidden=shape[1], dtype=jnp.dtype(dtype).name)
+  x, w, labels = test_cross_entropy._device_inputs(case)
+  ours, plain = (test_cross_entropy._loss_fn(case, impl) for impl in ("pallax", "naive"))
+  return (lambda x, w: ours(x, w, labels)), (lambda x, w: plain(x, w, labels)), [x, w]
+
+
 def _id(shape):
   return "x".join(map(str, shape))
 
@@ -92,6 +115,18 @@ CASES = (
     for epilogue in test_matmul.EPILOGUES
     for shape in test_matmul.SHAPES
   ]
+  + [
+    pytest.param(_attention_case, seq, (1, seq, 8, 64), dtype, id=f"attention-S{seq}-{dtype}")
+    for seq in test_attention.MODE_SEQS
+    for dtype in DTYPES
+  ]
+  + [
+    pytest.param(
+      _cross_entropy_case, vocab, (1024, 512, vocab), dtype, id=f"linear_ce-V{vocab}-{dtype}"
+    )
+    for vocab in test_cross_entropy.MODE_VOCABS
+    for dtype in DTYPES
+  ]
 )
 
 
@@ -107,8 +142,13 @@ def test_xla_parity(benchmark, request, make, op, shape, dtype, mode):
   )
   lo, hi = timing.interval
   info = benchmark.extra_info
+  name = {
+    _matmul_case: "matmul",
+    _attention_case: "dot_product_attention",
+    _cross_entropy_case: "linear_cross_entropy",
+  }.get(make, op)
   variant = op if make is _matmul_case else None
-  info.update(op="matmul" if variant else op, variant=variant, mode=mode, dtype=dtype)
+  info.update(op=name, variant=variant, mode=mode, dtype=dtype)
   info.update(shape=list(shape), limit=LIMIT)
   info.update(
     ratio=round(timing.ratio, 4),
