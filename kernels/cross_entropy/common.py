@@ -186,8 +186,9 @@ def stats_update(acc, zc: jax.Array, hit: jax.Array, valid: Optional[jax.Array])
   """Folds a ``(rows, cols)`` tile of capped logits into ``(m, s, zy, zsum)``.
 
   ``m`` and ``s`` are the running max and sum of ``exp(z' - m)`` (online
-  logsumexp); ``hit`` marks each row's label column; ``valid`` (None: all)
-  the columns inside the vocabulary.
+  logsumexp); ``hit`` marks each row's label column (None: ``zy`` is left
+  to the caller, as the XLA programs gather it); ``valid`` (None: all) the
+  columns inside the vocabulary.
   """
   m, s, zy, zsum = acc
   if valid is not None:
@@ -197,7 +198,8 @@ def stats_update(acc, zc: jax.Array, hit: jax.Array, valid: Optional[jax.Array])
     zc_sum = zc
   m_new = jnp.maximum(m, jnp.max(zc, axis=1, keepdims=True))
   s = s * jnp.exp(m - m_new) + jnp.sum(jnp.exp(zc - m_new), axis=1, keepdims=True)
-  zy = zy + jnp.sum(jnp.where(hit, zc_sum, 0), axis=1, keepdims=True)
+  if hit is not None:
+    zy = zy + jnp.sum(jnp.where(hit, zc_sum, 0), axis=1, keepdims=True)
   return m_new, s, zy, zsum + jnp.sum(zc_sum, axis=1, keepdims=True)
 
 

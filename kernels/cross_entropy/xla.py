@@ -82,6 +82,20 @@ def _hit(o: Operands, start, size):
   return cols == o.labels[:, :, None]
 
 
+def _label_logit(zc, labels, start):
+  """Each row's logit at its label, 0 where the label is outside this chunk of columns.
+
+  ``zc (..., rows, size)`` holds columns ``start`` to ``start + size`` and
+  ``labels (..., rows)``; a gather of one logit a row, where comparing every
+  column with the label would be a pass over the chunk (XLA:CPU writes that
+  select out before reducing it).
+  """
+  size = zc.shape[-1]
+  col = labels[..., None] - start
+  picked = jnp.take_along_axis(zc, jnp.clip(col, 0, size - 1), axis=-1)
+  return jnp.where((col >= 0) & (col < size), picked, 0)
+
+
 def _rows(f, *tiles):
   """Applies a tile function written for ``(rows, cols)`` tiles to ``(G, N, cols)`` ones."""
   return jax.vmap(f)(*tiles)
@@ -92,7 +106,8 @@ def fwd(*ops, **params):
 
   def body(start, size, acc):
     zc, _ = common.capped(_logits(o, p, start, size), p.soft_cap)
-    return _rows(common.stats_update, acc, zc, _hit(o, start, size), None)
+    m, s, zy, zsum = _rows(common.stats_update, acc, zc, None, None)
+    return m, s, zy + _label_logit(zc, o.labels, start), zsum
 
   init = jax.vmap(lambda _: common.stats_init(p.tokens, p.stat_dtype))(jnp.arange(p.groups))
   return [s[..., 0] for s in common.stats_finish(_chunks(p, body, init))]
@@ -233,7 +248,8 @@ def _value_and_grad_group(x, w, b, labels, p: Problem, options: dict, reduction:
       z = z + b.astype(st)
     zc, c = common.capped(z, p.soft_cap)
     hit = lax.broadcasted_iota(jnp.int32, zc.shape, 1) == yc[:, None]
-    stats = common.stats_finish(common.stats_update(common.stats_init(size, st), zc, hit, None))
+    m, s, zy, zsum = common.stats_update(common.stats_init(size, st), zc, None, None)
+    stats = common.stats_finish((m, s, zy + _label_logit(zc, yc, 0), zsum))
     loss, pull = jax.vjp(functools.partial(chunk_loss, yc), *(s[:, 0] for s in stats))
     a_lse, a_zy, a_sum = (a[:, None] for a in pull(jnp.ones((), st)))
     g = common.cotangent(zc, c, stats[0], hit, None, a_lse, a_zy, a_sum)
