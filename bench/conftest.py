@@ -16,6 +16,7 @@ import time
 import jax
 import pytest
 from modes import fwd_bwd as make_fwd_bwd
+from modes import transformed as make_transformed
 from peak_memory import host_call_growth
 
 RAISED = []  # {"name", "group", "error"} of each peer call that raised
@@ -108,8 +109,9 @@ def bench(benchmark, request):
   With ``peer=True`` an error of the first call is recorded (``RAISED``) and
   the case is not timed; pallax's errors always fail the test. A timed case
   records its memory (``memory_info``) in ``extra_info["memory"]``. Returns
-  whether it was timed. ``bench.report_raised(err)`` reports a peer's error
-  raised before the call (building its inputs) the same way.
+  whether it was timed. ``bench.transformed(fn, args, mode, rng, peer=False)``
+  is ``modes.transformed``, where a peer's error while it traces ``fn`` (for
+  the cotangents' shapes) is reported the same way and gives None.
   """
 
   def report_raised(err):
@@ -143,7 +145,16 @@ def bench(benchmark, request):
     benchmark.extra_info["memory"] = memory
     return True
 
-  run.report_raised = report_raised
+  def transformed(fn, args, mode, rng, peer=False):
+    try:
+      return make_transformed(fn, args, mode, rng)
+    except Exception as err:  # noqa: BLE001 -- a peer's failure is a result to report
+      if not peer:
+        raise
+      report_raised(err)
+      return None
+
+  run.transformed = transformed
   return run
 
 

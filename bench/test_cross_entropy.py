@@ -169,7 +169,7 @@ def naive_loss(z, labels):
   return jnp.mean(lse - zy)
 
 
-def _loss_fn(case, impl):
+def loss_fn(case, impl):
   """The implementation's loss of ``(x, weight, labels)`` or ``(logits, labels)``."""
   if not case.linear:
     if impl == "naive":
@@ -207,7 +207,7 @@ def _host_inputs(case):
   return x, w, rng.integers(0, case.vocab, case.tokens, dtype=np.int32)
 
 
-def _device_inputs(case):
+def device_inputs(case):
   """``_host_inputs`` as jax arrays of the case's dtype, converted one at a time."""
   host = list(_host_inputs(case))
   dtype = jnp.dtype(case.dtype)
@@ -222,8 +222,8 @@ def program(case, impl, mode):
   ``bench/peak_memory.py`` (hence a dict).
   """
   case = Case(**case) if isinstance(case, dict) else case
-  inputs = _device_inputs(case)
-  loss = _loss_fn(case, impl)
+  inputs = device_inputs(case)
+  loss = loss_fn(case, impl)
   if mode == "fwd":
     return loss, inputs
   argnums = (0, 1) if case.linear else (0,)
@@ -412,24 +412,25 @@ def test_linear_cross_entropy_modes(benchmark, bench, vocab, dtype, mode, impl):
   if impl == "tokamax":
     pytest.importorskip("tokamax", reason="install the bench extra: pip install -e '.[bench]'")
   case = Case(1024, vocab, hidden=512, dtype=dtype)
-  x, w, labels = _device_inputs(case)
+  x, w, labels = device_inputs(case)
   info = benchmark.extra_info
   info.update(
     op="linear_cross_entropy", impl=impl, mode=mode, dtype=dtype, shape=[1024, 512, vocab]
   )
 
   def transformed(impl):
-    loss = _loss_fn(case, impl)
-    return modes.transformed(
-      lambda x, w: loss(x, w, labels), [x, w], mode, np.random.default_rng(0)
-    )
+    loss = loss_fn(case, impl)
+    fn = lambda x, w: loss(x, w, labels)
+    return bench.transformed(fn, [x, w], mode, np.random.default_rng(0), impl == "tokamax")
 
-  fn, args = transformed(impl)
-  if not bench(fn, *args, peer=impl == "tokamax"):
+  call = transformed(impl)
+  if call is None or not bench(call[0], *call[1], peer=impl == "tokamax"):
     return
+  fn, args = call
   if impl == "pallax":
     error = modes.max_relative_difference(fn, transformed("naive")[0], args)
     info["max_rel_err_vs_naive"] = error
-    assert error < TOLERANCE[dtype], f"pallax {mode} differs from plain JAX: {error:.2e}"
+    tolerance = TOLERANCE[dtype if jax.devices()[0].platform == "cpu" else "bfloat16"]
+    assert error < tolerance, f"pallax {mode} differs from plain JAX: {error:.2e}"
   if mode in roofline.MODES:
     record_throughput(benchmark, _work(case, mode), dtype)

@@ -79,15 +79,15 @@ def _attention_case(seq, shape, dtype, rng):
   del shape, rng
   case = test_attention.Case(seq, dtype=jnp.dtype(dtype).name)
   _, inputs = test_attention.program(case, "pallax", "fwd")
-  ours, plain = (test_attention._attention(impl, True) for impl in ("pallax", "jax.nn"))
+  ours, plain = (test_attention.attention_fn(impl, True) for impl in ("pallax", "jax.nn"))
   return ours, plain, list(inputs)
 
 
 def _cross_entropy_case(vocab, shape, dtype, rng):
   del rng
   case = test_cross_entropy.Case(shape[0], vocab, hidden=shape[1], dtype=jnp.dtype(dtype).name)
-  x, w, labels = test_cross_entropy._device_inputs(case)
-  ours, plain = (test_cross_entropy._loss_fn(case, impl) for impl in ("pallax", "naive"))
+  x, w, labels = test_cross_entropy.device_inputs(case)
+  ours, plain = (test_cross_entropy.loss_fn(case, impl) for impl in ("pallax", "naive"))
   return (lambda x, w: ours(x, w, labels)), (lambda x, w: plain(x, w, labels)), [x, w]
 
 

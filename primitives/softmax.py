@@ -25,8 +25,9 @@ output, log_softmax's its input:
   forward's ``exp(x - max)`` with them, one ``exp`` an element as for
   autodiff of ``jax.nn.log_softmax`` (``bench/test_xla_parity.py``).
 
-``grad`` thus costs one forward and one backward kernel, and ``jvp`` one
-forward and one tangent kernel. Second-order AD differentiates the XLA
+``grad`` thus costs one forward and one backward kernel (log_softmax's
+forward only where its value is used), and ``jvp`` one forward and one
+tangent kernel. Second-order AD differentiates the XLA
 programs of the tangent and backward primitives.
 """
 

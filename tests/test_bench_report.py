@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -109,25 +112,16 @@ def test_unknown_op_is_refused(capsys):
 
 def test_every_suite_selects_cases():
   """Each op's ``-k`` expression selects cases of its suite (pytest --collect-only)."""
-  import subprocess
-  import sys
-  from collections import defaultdict
-  from pathlib import Path
-
   bench_dir = Path(bench.__file__).resolve().parents[1] / "bench"
-  by_file = defaultdict(list)
   for op, (file, keyword) in bench.SUITES.items():
-    by_file[file].append((op, keyword))
-  for file, ops in by_file.items():
-    for op, keyword in ops:
-      out = subprocess.run(
-        [sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider"]
-        + ["-n", "0", str(bench_dir / file), "-k", keyword, "--peers"],
-        cwd=bench_dir.parent,
-        capture_output=True,
-        text=True,
-        timeout=300,
-      )
-      cases = [line for line in out.stdout.splitlines() if "::" in line]
-      assert out.returncode == 0 and cases, (op, out.stdout[-2000:], out.stderr[-2000:])
-      assert all(file in line for line in cases)
+    out = subprocess.run(
+      [sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider"]
+      + ["-n", "0", str(bench_dir / file), "-k", keyword, "--peers"],
+      cwd=bench_dir.parent,
+      capture_output=True,
+      text=True,
+      timeout=300,
+    )
+    cases = [line for line in out.stdout.splitlines() if "::" in line]
+    assert out.returncode == 0 and cases, (op, out.stdout[-2000:], out.stderr[-2000:])
+    assert all(file in line for line in cases)

@@ -182,7 +182,7 @@ def stats_init(rows: int, dtype) -> tuple[jax.Array, ...]:
   return jnp.full((rows, 1), -jnp.inf, dtype), zeros, zeros, zeros
 
 
-def stats_update(acc, zc: jax.Array, hit: jax.Array, valid: Optional[jax.Array]):
+def stats_update(acc, zc: jax.Array, hit: Optional[jax.Array], valid: Optional[jax.Array]):
   """Folds a ``(rows, cols)`` tile of capped logits into ``(m, s, zy, zsum)``.
 
   ``m`` and ``s`` are the running max and sum of ``exp(z' - m)`` (online

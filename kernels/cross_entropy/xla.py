@@ -85,10 +85,11 @@ def _hit(o: Operands, start, size):
 def _label_logit(zc, labels, start):
   """Each row's logit at its label, 0 where the label is outside this chunk of columns.
 
-  ``zc (..., rows, size)`` holds columns ``start`` to ``start + size`` and
-  ``labels (..., rows)``; a gather of one logit a row, where comparing every
-  column with the label would be a pass over the chunk (XLA:CPU writes that
-  select out before reducing it).
+  ``zc (..., rows, size)`` holds columns ``start`` to ``start + size``;
+  ``labels (..., rows)`` are int32 (the public functions cast them), so
+  ``labels - start`` cannot wrap. A gather of one logit a row, where
+  comparing every column with the label would be a pass over the chunk
+  (XLA:CPU writes that select out before reducing it).
   """
   size = zc.shape[-1]
   col = labels[..., None] - start

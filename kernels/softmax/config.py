@@ -42,6 +42,11 @@ class SoftmaxConfig(KernelConfig):
   num_stages: int = 1
 
 
+# The cache key's version: 2 since log_softmax's tangent and backward kernels
+# take the input (an online max and sum more than before), so configs tuned
+# for the earlier kernels are not reused.
+VERSION = 2
+
 # Elements per program's (block_rows, block_cols) tile and the widest column
 # block: Triton holds the tile in registers, TPU in (double-buffered) VMEM.
 _TRITON_TILE, _TRITON_MAX_COLS = 8192, 8192

@@ -1,12 +1,13 @@
 """What ``pallax.verify`` compiles: op cases, their kernel calls, and the configs to try.
 
 A case is one public op at one size and dtype, in one stage: ``fwd`` (the op),
-``bwd`` (its gradient: forward and backward kernels) or ``jvp`` (forward and
+``bwd`` (its gradient: forward and backward kernels; log_softmax's backward
+alone, as it takes the input) or ``jvp`` (forward and
 tangent kernels). Tracing a case gives its kernel calls; a job is one kernel
 call compiled for one target with one config the executor can choose there:
 the heuristic's, every autotuning candidate ``supports`` accepts, and shipped
 defaults. Identical jobs from different cases (the forward kernel appears in
-every stage) are compiled once.
+most stages) are compiled once.
 
 The heuristic's config is compiled at every case; the candidates at every
 case only in an exhaustive sweep, else at each op's candidate cases (its first
