@@ -12,6 +12,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import pallax
+from pallax.kernels.softmax import xla as softmax_xla
 from tests.helpers import FLOAT_DTYPES, assert_close, on_path, rand, x64
 from tests.primitives.softmax_reference import (
   CONFIGS,
@@ -130,3 +132,35 @@ def test_one_kernel_each_way(op):
   )
   assert names(grad) == sorted([f"{op}_fwd", backward])
   assert names(jvp) == sorted([f"{op}_fwd", tangent])
+
+
+@pytest.mark.parametrize("form", ["shared", "recomputed"])
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=lambda d: jnp.dtype(d).name)
+def test_both_forms_of_the_log_softmax_derivatives(dtype, form, monkeypatch):
+  """log_softmax's XLA tangent and backward share the forward's exp or recompute it by size.
+
+  Both forms (``kernels/softmax/xla.py``'s ``CACHE_SIZED_ELEMENTS``): the
+  gradient, the tangent and a forward-over-reverse HVP, masked and not,
+  against float64.
+  """
+  monkeypatch.setattr(softmax_xla, "CACHE_SIZED_ELEMENTS", 1 << 62 if form == "shared" else 0)
+  jax.clear_caches()  # programs traced under the other form must not be reused
+  rng = np.random.default_rng(7)
+  shape = (6, 150)
+  x, t, c = rand(rng, shape, dtype, scale=2.0), rand(rng, shape, dtype), rand(rng, shape)
+  mask = random_mask(rng, shape)
+
+  def derivatives(f, x, t, c):
+    # Linear in the output: no cotangent computed from a rounded 16-bit output.
+    loss = lambda x: jnp.sum(jnp.where(mask, f(x), 0).astype(c.dtype) * c)
+    return [jax.grad(loss)(x), jax.jvp(f, (x,), (t,))[1], jax.jvp(jax.grad(loss), (x,), (t,))[1]]
+
+  for where in (None, mask):
+    ours = lambda x: pallax.log_softmax(x, where=where)
+    got = jax.jit(lambda x, t, c: derivatives(ours, x, t, c))(x, t, c)
+    with x64():
+      ref = lambda x: reference(x, where=where, op="log_softmax")
+      want = derivatives(ref, *(a.astype(jnp.float64) for a in (x, t, c)))
+    for g, w, name in zip(got, want, ("gradient", "tangent", "hvp")):
+      assert_close(g, w, dtype, f"{name} ({form}, where={where is not None})")
+  jax.clear_caches()
