@@ -63,11 +63,17 @@ def transformed(fn, args, mode: str, rng: np.random.Generator):
   return hvp, [*args, *cotangents, *_random(rng, args)]
 
 
-def max_relative_difference(fn, other, args) -> float:
-  """Max over outputs of ``max |fn - other| / max |other|``: two implementations in one mode."""
+def assert_agrees(fn, other, args, tolerance: float, what: str) -> float:
+  """Two implementations in one mode: max over outputs of ``max |fn - other| / max |other|``.
+
+  Asserts it is under ``tolerance`` (``what`` names ``other`` in the message)
+  and returns it, for the benchmark's ``extra_info``.
+  """
   got, want = (jax.tree.leaves(jax.jit(f)(*args)) for f in (fn, other))
-  return max(
+  error = max(
     float(jnp.max(jnp.abs(g.astype(jnp.float32) - w.astype(jnp.float32))))
     / max(float(jnp.max(jnp.abs(w.astype(jnp.float32)))), 1e-30)
     for g, w in zip(got, want)
   )
+  assert error < tolerance, f"pallax differs from {what}: {error:.2e}"
+  return error

@@ -102,7 +102,7 @@ def _sum_of(term):
 
   def accumulate(acc, data, keep):
     (s,) = acc
-    return (s + jnp.sum(masked(term(*data), keep, 0), axis=-1, keepdims=True),)
+    return (s + _row_sum(masked(term(*data), keep, 0)),)
 
   return accumulate
 
