@@ -15,14 +15,18 @@ from jax import lax
 from pallax.kernels.norm.kind import NormKind
 from pallax.pallas_utils import stat_dtype
 
-# Up to this many elements of x the XLA programs take the forms autodiff of
-# plain jnp takes; beyond, forms that write less memory. XLA:CPU fuses them
-# differently, and neither wins at every size (bench/test_norm.py):
-# * backward: ``dx = g*rstd + xc * s`` with dw from ``xc*rstd`` below, the
-#   factored ``rstd * (g - xc * rstd^2 * mean(g * xc))`` above. rms_norm
-#   fwd+bwd measured 1.02-1.07x plain jnp at 1024x1024 with the first (1.15x
-#   with the second); at 4096x1024 and 8192x4096 the second 0.8-0.9x, the first
-#   0.9-1.0x.
+# Up to this many elements of x (rows that the CPU caches hold) the XLA
+# programs take forms close to autodiff of plain jnp; beyond, forms that write
+# less memory. XLA:CPU fuses and schedules them differently, and neither wins at
+# every size (bench/test_norm.py, bench/test_xla_parity.py):
+# * backward: below, ``dx = g*rstd + xc * s`` with the row sum ``s`` taken
+#   over the forward's normalised rows ``(xc * rstd) * scale`` (see
+#   ``norm_bwd``); above, the factored ``rstd * (g - xc * rstd^2 * mean(g *
+#   xc))``. rms_norm float32 fwd+bwd at 1024x1024 measured 0.73-0.76x plain jnp
+#   with the first (the autodiff-like ``s = sum(g * xc)``: 1.05-1.08x, its
+#   backward written out before the forward's rows are consumed; the factored:
+#   1.15x); at 4096x1024 and 8192x4096 the factored 0.84-0.89x, the first
+#   0.98-1.0x.
 # * fused_add_rms_norm forward: ``h = x + residual`` in x's dtype below (XLA
 #   may keep the float32 sum for the statistics, as for plain jnp); above, the
 #   float32 sum rounded to h's dtype first, so a 16-bit h is the only copy
@@ -34,6 +38,15 @@ def _weight_like_x(w: jax.Array, x_ndim: int) -> jax.Array:
   """``w (*groups, H)`` reshaped to broadcast against ``x (*lead, H)``."""
   groups = w.shape[:-1]
   return w.reshape(groups + (1,) * (x_ndim - 1 - len(groups)) + w.shape[-1:])
+
+
+def _scale(w: jax.Array, x: jax.Array, st, offset: float) -> jax.Array:
+  """``w + offset`` in the stats dtype, broadcasting against ``x``.
+
+  One expression for every stage, so that XLA can merge the backward's
+  recomputed ``(xc * rstd) * scale`` with the forward's.
+  """
+  return _weight_like_x(w, x.ndim).astype(st) + offset
 
 
 def _sum_to_weight(v: jax.Array, w_ndim: int) -> jax.Array:
@@ -61,7 +74,7 @@ def norm_fwd(*args, kind: NormKind, eps: float, offset: float):
     mean = jnp.mean(xf, axis=-1, keepdims=True)
     xf, out["mean"] = xf - mean, mean[..., 0]
   rstd = lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
-  y = xf * rstd * (_weight_like_x(arg["w"], x.ndim).astype(st) + offset)
+  y = xf * rstd * _scale(arg["w"], x, st, offset)
   if kind.bias:
     y = y + _weight_like_x(arg["b"], x.ndim).astype(st)
   out["y"], out["rstd"] = y.astype(x.dtype), rstd[..., 0]
@@ -91,9 +104,8 @@ def norm_jvp(*args, kind: NormKind, offset: float):
   if kind.center:
     xd = xd - jnp.mean(xd, axis=-1, keepdims=True)
   xhat_dot = rstd * (xd - xhat * jnp.mean(xhat * xd, axis=-1, keepdims=True))
-  y_dot = xhat_dot * (_weight_like_x(arg["w"], x.ndim).astype(st) + offset) + xhat * _weight_like_x(
-    arg["w_dot"], x.ndim
-  ).astype(st)
+  w_dot = _weight_like_x(arg["w_dot"], x.ndim).astype(st)
+  y_dot = xhat_dot * _scale(arg["w"], x, st, offset) + xhat * w_dot
   if kind.bias:
     y_dot = y_dot + _weight_like_x(arg["b_dot"], x.ndim).astype(st)
   out = {"y_dot": y_dot.astype(x.dtype), "h_dot": arg["x_dot"]}
@@ -106,15 +118,21 @@ def norm_bwd(*args, kind: NormKind, offset: float):
   x, w = arg["x"], arg["w"]
   st = stat_dtype(x.dtype)
   (xc, rstd), dy = _centered(arg, st), arg["dy"].astype(st)
-  g = dy * (_weight_like_x(w, x.ndim).astype(st) + offset)
+  scale = _scale(w, x, st, offset)
+  g = dy * scale
   if x.size <= CACHE_SIZED_ELEMENTS:
-    # dx = g*rstd + xc * (sum(g*xc) * -rstd^3/H), the form autodiff of plain jnp takes.
-    dx = g * rstd + xc * (
-      jnp.sum(g * xc, axis=-1, keepdims=True) * (rstd * rstd * rstd) / -x.shape[-1]
-    )
+    # dx = g*rstd + xc * (sum(dy * xhat * scale) * -rstd^2/H), xhat = xc*rstd.
+    # The row sum reads the forward's normalised rows (xc * rstd) * scale,
+    # written in the forward's order: in one program XLA computes them once,
+    # and dx, which needs the sum, comes after every other reader of those
+    # rows, so it can take their buffer (autodiff's sum(g * xc) lets XLA:CPU
+    # schedule dx first and keep one more full-size buffer live: 1.05-1.08x).
+    xhat = xc * rstd
+    dot = jnp.sum(dy * (xhat * scale), axis=-1, keepdims=True)
+    dx = g * rstd + xc * (dot * (rstd * rstd) / -x.shape[-1])
     if kind.center:
       dx = dx - rstd * jnp.mean(g, axis=-1, keepdims=True)
-    dw = dy * (xc * rstd)
+    dw = dy * xhat
   else:
     inner = g - xc * (rstd * rstd) * jnp.mean(g * xc, axis=-1, keepdims=True)
     if kind.center:
