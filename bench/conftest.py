@@ -44,6 +44,12 @@ def pytest_collection_modifyitems(config, items):
     items[:] = [item for item in items if not item.get_closest_marker("peer")]
 
 
+def pytest_runtest_setup(item):
+  """A tokamax case (parameter ``impl="tokamax"``) needs the ``bench`` extra."""
+  if getattr(item, "callspec", None) and item.callspec.params.get("impl") == "tokamax":
+    pytest.importorskip("tokamax", reason="install the bench extra: pip install -e '.[bench]'")
+
+
 def pytest_benchmark_update_json(config, benchmarks, output_json):
   output_json["raised"] = list(RAISED)
 

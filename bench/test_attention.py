@@ -258,8 +258,6 @@ PARAMS = [
 
 @pytest.mark.parametrize("case, mode, impl", PARAMS)
 def test_attention(benchmark, fwd_bwd, case, mode, impl):
-  if impl == "tokamax":
-    pytest.importorskip("tokamax", reason="install the bench extra: pip install -e '.[bench]'")
   benchmark.group = f"{case.id}-{mode}"
   fn, inputs = program(case, impl, mode, fwd_bwd)
   inputs = jax.block_until_ready(inputs)
@@ -316,8 +314,6 @@ def test_attention_modes(benchmark, bench, seq, dtype, mode, impl):
   ``hvp`` runs), reported, not skipped. pallax's result is checked against
   jax.nn's in the same mode (``max_rel_err_vs_jax_nn``).
   """
-  if impl == "tokamax":
-    pytest.importorskip("tokamax", reason="install the bench extra: pip install -e '.[bench]'")
   case = Case(seq, dtype=dtype)
   _, inputs = program(case, impl, "fwd")
   shape = [case.batch, case.seq, case.heads, case.head_dim]

@@ -337,8 +337,6 @@ PARAMS = [
 
 @pytest.mark.parametrize("case, mode, impl", PARAMS)
 def test_cross_entropy(benchmark, case, mode, impl):
-  if impl == "tokamax":
-    pytest.importorskip("tokamax", reason="install the bench extra: pip install -e '.[bench]'")
   benchmark.group = f"{case.id}-{mode}"
   info = benchmark.extra_info
   info.update(case=case.id, mode=mode, impl=impl)
@@ -409,8 +407,6 @@ def test_linear_cross_entropy_modes(benchmark, bench, vocab, dtype, mode, impl):
   checked against the plain-JAX formulation's in the same mode
   (``max_rel_err_vs_naive``).
   """
-  if impl == "tokamax":
-    pytest.importorskip("tokamax", reason="install the bench extra: pip install -e '.[bench]'")
   case = Case(1024, vocab, hidden=512, dtype=dtype)
   x, w, labels = device_inputs(case)
   info = benchmark.extra_info

@@ -82,8 +82,6 @@ def inputs(op, shape, dtype, rng):
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=lambda d: jnp.dtype(d).name)
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
 def test_norm(benchmark, bench, op, impl, mode, dtype, shape):
-  if impl in PEERS:
-    pytest.importorskip(impl, reason="install the bench extra: pip install -e '.[bench]'")
   rng = np.random.default_rng(0)
   args = inputs(op, shape, dtype, rng)
   benchmark.extra_info.update(

@@ -52,32 +52,24 @@ def test_ours_failing_is_a_failure(bench):
 """
 
 
-def test_a_raising_peer_is_reported(tmp_path):
-  for name in ("conftest.py", "modes.py", "peak_memory.py"):
-    shutil.copy(BENCH / name, tmp_path / name)
-  (tmp_path / "test_cases.py").write_text(CASES)
-  # Not an xdist worker (pytest-benchmark would not time under one), whatever runs this test.
+def _pytest(args, cwd):
+  """Runs pytest in a subprocess, outside any xdist worker (pytest-benchmark would not time)."""
   env = {k: v for k, v in os.environ.items() if not k.startswith("PYTEST_XDIST")}
-  out = subprocess.run(
-    [
-      sys.executable,
-      "-m",
-      "pytest",
-      "-p",
-      "no:cacheprovider",
-      "-p",
-      "no:xdist",
-      "-q",
-      "--benchmark-json",
-      "out.json",
-      "test_cases.py",
-    ],
-    cwd=tmp_path,
+  return subprocess.run(
+    [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-q", *args],
+    cwd=cwd,
     env=env,
     capture_output=True,
     text=True,
     timeout=300,
   )
+
+
+def test_a_raising_peer_is_reported(tmp_path):
+  for name in ("conftest.py", "modes.py", "peak_memory.py"):
+    shutil.copy(BENCH / name, tmp_path / name)
+  (tmp_path / "test_cases.py").write_text(CASES)
+  out = _pytest(["-p", "no:xdist", "--benchmark-json", "out.json", "test_cases.py"], tmp_path)
   assert "1 failed, 5 passed" in out.stdout, out.stdout[-3000:]
   assert "a line of the case's own" in out.stdout
   assert "raised: test_case[peer-jvp]: TypeError: can't apply forward-mode autodiff" in out.stdout
@@ -95,3 +87,20 @@ def test_a_raising_peer_is_reported(tmp_path):
   (raised,) = data["raised"]
   assert raised["name"] == "test_case[peer-jvp]"
   assert raised["error"].startswith("TypeError: can't apply forward-mode autodiff (jvp)")
+
+
+def test_tokamax_peers_run():
+  """One tokamax case of each peer suite runs with the test extra's tokamax, none skipped.
+
+  On the CPU tokamax's ``custom_vjp`` attention raises under ``jvp``: reported.
+  """
+  selection = (
+    "test_norm and 1024x1024-float32-fwd-layer_norm-tokamax"
+    " or test_attention_modes and S512-float32-jvp-tokamax"
+    " or test_linear_cross_entropy_modes and V4096-float32-fwd-tokamax"
+  )
+  files = [f"bench/test_{name}.py" for name in ("norm", "attention", "cross_entropy")]
+  args = ["-n", "0", "-rs", "--peers", "--benchmark-disable", *files, "-k", selection]
+  out = _pytest(args, BENCH.parent)
+  assert "3 passed" in out.stdout and "skipped" not in out.stdout, out.stdout[-3000:]
+  assert "raised: test_attention_modes[S512-float32-jvp-tokamax]: TypeError" in out.stdout
