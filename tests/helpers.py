@@ -1,10 +1,13 @@
-"""Shared test helpers: execution paths, random inputs, tolerances."""
+"""Shared test helpers: execution paths, random inputs, tolerances, inner pytest runs."""
 
 from __future__ import annotations
 
 import collections
 import contextlib
 import itertools
+import os
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -224,3 +227,21 @@ def assert_tree_close(got, want, rtol=2e-5, atol=2e-5) -> None:
     np.testing.assert_array_equal(np.isneginf(g), np.isneginf(w))
     finite = np.isfinite(np.asarray(w))
     np.testing.assert_allclose(np.asarray(g)[finite], np.asarray(w)[finite], rtol=rtol, atol=atol)
+
+
+def run_pytest(args, cwd, *, timeout=None, **env) -> subprocess.CompletedProcess:
+  """pytest ``args`` in a fresh process at ``cwd``, with ``env`` added to the environment.
+
+  Outside any xdist worker of the outer run (its ``PYTEST_XDIST*`` variables
+  dropped: pytest-benchmark would not time under one); output captured as text.
+  """
+  environ = {k: v for k, v in os.environ.items() if not k.startswith("PYTEST_XDIST")}
+  environ.update(env)
+  return subprocess.run(
+    [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-q", *args],
+    cwd=cwd,
+    env=environ,
+    capture_output=True,
+    text=True,
+    timeout=timeout,
+  )

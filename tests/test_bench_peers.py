@@ -9,11 +9,10 @@ Runs pytest-benchmark on a small bench file next to copies of
 from __future__ import annotations
 
 import json
-import os
 import shutil
-import subprocess
-import sys
 from pathlib import Path
+
+from tests.helpers import run_pytest
 
 BENCH = Path(__file__).resolve().parents[1] / "bench"
 
@@ -52,24 +51,12 @@ def test_ours_failing_is_a_failure(bench):
 """
 
 
-def _pytest(args, cwd):
-  """Runs pytest in a subprocess, outside any xdist worker (pytest-benchmark would not time)."""
-  env = {k: v for k, v in os.environ.items() if not k.startswith("PYTEST_XDIST")}
-  return subprocess.run(
-    [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-q", *args],
-    cwd=cwd,
-    env=env,
-    capture_output=True,
-    text=True,
-    timeout=300,
-  )
-
-
 def test_a_raising_peer_is_reported(tmp_path):
   for name in ("conftest.py", "modes.py", "peak_memory.py"):
     shutil.copy(BENCH / name, tmp_path / name)
   (tmp_path / "test_cases.py").write_text(CASES)
-  out = _pytest(["-p", "no:xdist", "--benchmark-json", "out.json", "test_cases.py"], tmp_path)
+  args = ["-p", "no:xdist", "--benchmark-json", "out.json", "test_cases.py"]
+  out = run_pytest(args, tmp_path, timeout=300)
   assert "1 failed, 5 passed" in out.stdout, out.stdout[-3000:]
   assert "a line of the case's own" in out.stdout
   assert "raised: test_case[peer-jvp]: TypeError: can't apply forward-mode autodiff" in out.stdout
@@ -101,6 +88,6 @@ def test_tokamax_peers_run():
   )
   files = [f"bench/test_{name}.py" for name in ("norm", "attention", "cross_entropy")]
   args = ["-n", "0", "-rs", "--peers", "--benchmark-disable", *files, "-k", selection]
-  out = _pytest(args, BENCH.parent)
+  out = run_pytest(args, BENCH.parent, timeout=300)
   assert "3 passed" in out.stdout and "skipped" not in out.stdout, out.stdout[-3000:]
   assert "raised: test_attention_modes[S512-float32-jvp-tokamax]: TypeError" in out.stdout

@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from pallax import bench
+from tests.helpers import run_pytest
 
 
 def _benchmark(impl, mode, shape, median, **info):
@@ -114,12 +113,9 @@ def test_every_suite_selects_cases():
   """Each op's ``-k`` expression selects cases of its suite (pytest --collect-only)."""
   bench_dir = Path(bench.__file__).resolve().parents[1] / "bench"
   for op, (file, keyword) in bench.SUITES.items():
-    out = subprocess.run(
-      [sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider"]
-      + ["-n", "0", str(bench_dir / file), "-k", keyword, "--peers"],
-      cwd=bench_dir.parent,
-      capture_output=True,
-      text=True,
+    out = run_pytest(
+      ["--collect-only", "-n", "0", str(bench_dir / file), "-k", keyword, "--peers"],
+      bench_dir.parent,
       timeout=300,
     )
     cases = [line for line in out.stdout.splitlines() if "::" in line]

@@ -10,12 +10,11 @@ compiles raw kernels (``test_lowering_*``).
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+
+from tests.helpers import run_pytest
 
 HERE = Path(__file__).resolve().parent
 SUITES = sorted(p.name for p in HERE.glob("interpreted_*.py"))
@@ -23,28 +22,12 @@ SUITES = sorted(p.name for p in HERE.glob("interpreted_*.py"))
 
 @pytest.mark.parametrize("suite", SUITES)
 def test_interpreted_suite(suite, request):
-  env = {k: v for k, v in os.environ.items() if not k.startswith("PYTEST_XDIST")}
-  env.update(TRITON_INTERPRET="1", JAX_PLATFORMS="cpu")
   markers = request.config.getoption("markexpr") or "not slow"
-  done = subprocess.run(
-    [
-      sys.executable,
-      "-m",
-      "pytest",
-      str(HERE / suite),
-      "-q",
-      "-n",
-      "0",
-      "-m",
-      markers,
-      "-p",
-      "no:cacheprovider",
-    ],
-    cwd=HERE.parents[1],
-    env=env,
-    capture_output=True,
-    text=True,
-    check=False,
+  done = run_pytest(
+    [str(HERE / suite), "-n", "0", "-m", markers],
+    HERE.parents[1],
+    TRITON_INTERPRET="1",
+    JAX_PLATFORMS="cpu",
   )
   summary = done.stdout[-6000:] + done.stderr[-2000:]
   assert done.returncode == 0, f"{suite} failed under Triton's interpreter:\n{summary}"
