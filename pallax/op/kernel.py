@@ -1,0 +1,129 @@
+"""An op's kernels as the executor sees them, and the executor's selection for one call."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import types
+from collections.abc import Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any
+
+import jax
+
+from pallax import triton_raw
+from pallax.executor import KernelConfig, Scope, Selection
+
+if TYPE_CHECKING:
+  from pallax.op.primitive import KernelPrimitive
+
+
+@dataclasses.dataclass(frozen=True)
+class Kernel:
+  """An op's Pallas kernel and what it tells the executor.
+
+  impls: per kernel backend (``"triton"``, ``"mosaic_tpu"``, and
+    ``"triton_raw"`` where the op has a raw Triton kernel), the kernel
+    ``(*arrays, config, interpret, **params) -> [array]`` (``interpret`` goes
+    to ``pallas_call`` as is).
+  config_cls, heuristic, candidates, supports, version: the kernel's
+    ``KernelSpec`` without its name, which is the primitive's (see
+    ``registry.KernelSpec``). They describe the kernel only: the executor adds
+    the XLA program as a choice of its own.
+  """
+
+  impls: Mapping[str, Callable[..., Sequence[jax.Array]]]
+  config_cls: type[KernelConfig]
+  heuristic: Callable[..., KernelConfig]
+  candidates: Callable[..., Sequence[KernelConfig]]
+  supports: Callable[..., str | None]
+  version: int = 1
+
+  @property
+  def implementations(self) -> tuple[str, ...]:
+    """``"pallas"`` where there is a Pallas kernel, ``"triton_raw"`` where there is a raw one."""
+    pallas = ("pallas",) if set(self.impls) - {triton_raw.IMPLEMENTATION} else ()
+    raw = (triton_raw.IMPLEMENTATION,) if triton_raw.IMPLEMENTATION in self.impls else ()
+    return pallas + raw
+
+  @classmethod
+  def of_family(cls, name: str, *, config: Any, backends: Mapping[str, Any], **bound) -> Kernel:
+    """The kernel ``name`` of a ``kernels/<family>/`` package.
+
+    Args:
+      name: the kernel function's name in each backend module.
+      config: the family's ``config`` module: ``CONFIG_CLS``, ``heuristic``,
+        ``candidates``, ``supports`` (and optionally ``VERSION``).
+      backends: kernel backend name -> the family's module for it; a
+        backend whose module lacks ``name`` has no kernel for it (a raw Triton
+        module, ``triton_raw.LazyKernels``, may have some stages only).
+      **bound: static arguments bound to every backend's kernel function.
+    """
+    impls = {
+      b: functools.partial(getattr(m, name), **bound)
+      for b, m in backends.items()
+      if hasattr(m, name)
+    }
+    return cls(
+      impls,
+      config.CONFIG_CLS,
+      config.heuristic,
+      config.candidates,
+      config.supports,
+      getattr(config, "VERSION", 1),
+    )
+
+  @classmethod
+  def of_stage(cls, stage: str, *, config: Any, backends: Mapping[str, Any]) -> Kernel:
+    """The kernel function ``stage`` of a family whose config space takes ``stage=``.
+
+    For ops with several stages (forward, tangent, backward) sharing one config
+    module whose ``heuristic``, ``candidates`` and ``supports`` take a
+    ``stage`` keyword.
+    """
+
+    def bound(f):
+      return functools.wraps(f)(lambda *args, **kw: f(*args, stage=stage, **kw))
+
+    space = types.SimpleNamespace(
+      CONFIG_CLS=config.CONFIG_CLS,
+      heuristic=bound(config.heuristic),
+      candidates=bound(config.candidates),
+      supports=bound(config.supports),
+      VERSION=getattr(config, "VERSION", 1),
+    )
+    return cls.of_family(stage, config=space, backends=backends)
+
+
+def select_config(
+  prim: KernelPrimitive,
+  avals: Sequence[Any],
+  target: str,
+  params: dict,
+  *,
+  config,
+  interpret,
+  scope: Scope,
+  executor=None,
+  **kw,
+) -> Selection:
+  """The executor's selection for one call of ``prim`` (its framework params given apart).
+
+  ``executor`` defaults to the one in ``scope``; ``kw`` goes to ``Executor.select``.
+  """
+  return (executor or scope.resolve()).select(
+    prim.name,
+    avals,
+    target,
+    params,
+    pinned=config,
+    overlays=scope.overlays,
+    make_fn=kernel_runner(prim, params, interpret),
+    **kw,
+  )
+
+
+def kernel_runner(prim: KernelPrimitive, params: dict, interpret) -> Callable:
+  """``config -> function`` running ``prim``'s kernel with that config (for autotuning)."""
+  return lambda cfg: functools.partial(
+    prim.kernel.bind, config=cfg, interpret=interpret, executor=Scope(), **params
+  )
