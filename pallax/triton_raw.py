@@ -88,6 +88,29 @@ def compute_capability(cc: int) -> Iterator[None]:
     yield
 
 
+def import_triton(module: str) -> tuple[Any, Any]:
+  """``triton`` and ``triton.language`` for a raw kernel module, or an error naming the extra.
+
+  A family's ``triton_raw.py`` gets them here rather than by ``import
+  triton``: without the ``triton`` extra its import fails with an
+  ``ImportError`` that says what to install, and triton comes with the
+  environment ``_modules`` sets up (whichever way the module is reached).
+
+  Args:
+    module: the importing module's name (``__name__``), for the message.
+
+  Raises:
+    ImportError: triton or jax-triton is not installed.
+  """
+  try:
+    triton = _modules()[0]
+  except ImportError as e:
+    raise ImportError(
+      f"{module} needs triton and jax-triton, which come with the triton extra: {_INSTALL} ({e})"
+    ) from e
+  return triton, importlib.import_module("triton.language")
+
+
 @functools.cache
 def _modules() -> tuple[Any, Any]:
   """The triton and jax_triton modules, imported once, with the environment they change put back.

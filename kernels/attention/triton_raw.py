@@ -38,14 +38,14 @@ from typing import Any, Optional
 
 import jax
 import jax.numpy as jnp
-import triton
-import triton.language as tl
 
 from pallax import triton_raw
 from pallax.kernels.attention import common
 from pallax.kernels.attention.common import Operands, Problem
 from pallax.kernels.attention.config import AttentionConfig, raw_feature_reason
 from pallax.pallas_utils import next_pow2
+
+triton, tl = triton_raw.import_triton(__name__)
 
 LOG2E = tl.constexpr(math.log2(math.e))
 LN2 = tl.constexpr(math.log(2.0))

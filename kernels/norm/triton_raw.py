@@ -13,7 +13,8 @@ more), those partials are as large as ``x`` in float32 and double the
 backward's memory traffic. Loads also carry cache hints: ``x`` and ``dy`` are
 read once and evicted first, the weight is kept.
 
-This module imports triton at its top: ``kernels/norm/__init__.py`` loads it
+This module imports triton at its top (``import_triton``: without the triton
+extra, an ImportError naming it): ``kernels/norm/__init__.py`` loads it
 through ``pallax.triton_raw.LazyKernels``, when a raw kernel first runs.
 """
 
@@ -21,14 +22,14 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-import triton
-import triton.language as tl
 
 from pallax.kernels.norm import xla
 from pallax.kernels.norm.common import Layout
 from pallax.kernels.norm.config import NormConfig
 from pallax.kernels.norm.kind import RMS, ROW, STAT, WEIGHT, NormKind
-from pallax.triton_raw import launch
+from pallax.triton_raw import import_triton, launch
+
+triton, tl = import_triton(__name__)
 
 # Programs per weight group of the backward kernel, at most: each writes one
 # partial weight gradient, so fewer programs write less, while 1024 still fill
