@@ -7,9 +7,11 @@ anything is bound, so users never see a deep XLA error instead.
 from __future__ import annotations
 
 import numbers
+from typing import Optional
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 
 def check_floating(op: str, name: str, a: jax.Array) -> None:
@@ -45,3 +47,40 @@ def check_static_float(op: str, name: str, value, *, minimum: float | None = Non
   if minimum is not None and not value >= minimum:
     raise ValueError(f"{op}: {name} must be >= {minimum}, got {value}")
   return value
+
+
+def concrete(x) -> Optional[np.ndarray]:
+  """``x``'s values when they are known at trace time (not a tracer), else None."""
+  return None if isinstance(x, jax.core.Tracer) else np.asarray(x)
+
+
+def check_concrete_range(
+  op: str, name: str, x, low: int, high: Optional[int] = None, *, high_name: str = ""
+) -> None:
+  """ValueError when ``x``'s values are known and one lies outside ``[low, high]``.
+
+  Traced values (inside ``jit``, ``vmap``, ...) are not checked: the op
+  clamps them.
+
+  Args:
+    op: the op's name, for the message.
+    name: the argument's name.
+    x: the argument, an integer array.
+    low: the smallest value allowed.
+    high: the largest value allowed (None: no upper bound).
+    high_name: how the op's arguments give ``high`` (``"pages_per_sequence *
+      page_size"``), for the message.
+  """
+  values = concrete(x)
+  if values is None or not values.size:
+    return
+  lo, hi = values.min(), values.max()
+  if lo >= low and (high is None or hi <= high):
+    return
+  if high is None:
+    allowed = f"be >= {low}"
+  else:
+    allowed = (
+      f"lie in [{low}, {high_name}] = [{low}, {high}]" if high_name else f"lie in [{low}, {high}]"
+    )
+  raise ValueError(f"{op}: {name} must {allowed}, got values from {lo} to {hi}")

@@ -44,7 +44,7 @@ from pallax.op import (
   instantiate,
   match_manual_axes,
 )
-from pallax.validation import check_config, check_static_float
+from pallax.validation import check_concrete_range, check_config, check_static_float
 
 __all__ = ["dot_product_attention", "AttentionConfig"]
 
@@ -198,6 +198,7 @@ def _lengths(name: str, x, batch: int, full: int) -> jax.Array:
     raise ValueError(
       f"{_OP}: {name} must be an int32 array of shape ({batch},), got {x.dtype} of shape {x.shape}"
     )
+  check_concrete_range(_OP, name, x, 0)
   return jnp.clip(x, 0, full)
 
 

@@ -39,7 +39,7 @@ from pallax.op import (
   full_spec,
   match_manual_axes,
 )
-from pallax.validation import check_config, check_static_float
+from pallax.validation import check_concrete_range, check_config, check_static_float, concrete
 
 __all__ = ["paged_attention", "PagedAttentionConfig"]
 
@@ -104,21 +104,13 @@ def _integer(name: str, x) -> None:
     raise TypeError(f"{_OP}: {name} must have an integer dtype, got {x.dtype}")
 
 
-def _concrete(x) -> Optional[np.ndarray]:
-  """``x``'s values when they are known at trace time (not a tracer)."""
-  return None if isinstance(x, jax.core.Tracer) else np.asarray(x)
-
-
 def _check_table(lengths, page_indices, page_size: int, total_pages: int) -> None:
   """Static checks of concrete lengths and page indices (traced ones are clamped)."""
-  lens = _concrete(lengths)
   max_len = page_indices.shape[1] * page_size
-  if lens is not None and lens.size and (lens.min() < 0 or lens.max() > max_len):
-    raise ValueError(
-      f"{_OP}: lengths must lie in [0, pages_per_sequence * page_size] = [0, {max_len}], got "
-      f"values from {lens.min()} to {lens.max()}"
-    )
-  table = _concrete(page_indices)
+  check_concrete_range(
+    _OP, "lengths", lengths, 0, max_len, high_name="pages_per_sequence * page_size"
+  )
+  lens, table = concrete(lengths), concrete(page_indices)
   if lens is None or table is None or not table.size:
     return
   needed = np.arange(table.shape[1])[None, :] * page_size < lens[:, None]
