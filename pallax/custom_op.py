@@ -49,7 +49,8 @@ from jax.interpreters import ad, batching
 from pallax import triton_raw
 from pallax.batching_utils import NOT_MAPPED, axis_size
 from pallax.executor.config import KernelConfig
-from pallax.executor.registry import kernel_backend, registered_ops
+from pallax.executor.implementation import PALLAS, XLA, implementations, kernel_backend, resolve
+from pallax.executor.registry import registered_ops
 from pallax.op import (
   FRAMEWORK_PARAMS,
   Dims,
@@ -68,8 +69,9 @@ from pallax.op import (
 
 __all__ = ["custom_op", "CustomOp", "ConfigSpace", "KernelStage", "ResidualJVP"]
 
-# The kernel backends a custom op may have kernels for.
-KERNEL_BACKENDS = ("triton", "mosaic_tpu", triton_raw.IMPLEMENTATION)
+# Short names a custom op's kernels may be given under, besides the registered
+# implementations' names (``pallax.executor.implementation``).
+_KERNEL_ALIASES = {"triton": "pallas_triton", "mosaic_tpu": "pallas_mosaic_tpu"}
 # The primitive param that says the operands carry one leading grid-batch axis
 # (a vmapped call that could not be folded, or any vmapped call with
 # ``batching="grid"``). Like the framework's params, it is not the user's.
@@ -500,9 +502,11 @@ class _Stage:
       if not isinstance(config, space.config_cls):
         return f"{self.name} takes a {space.config_cls.__name__}, not a {type(config).__name__}"
       raw = config.implementation == triton_raw.IMPLEMENTATION
-      backend = triton_raw.IMPLEMENTATION if raw else kernel_backend(target)
-      if backend not in self.kernels:
-        return f"{self.name} has no {backend} kernel (it has: {', '.join(sorted(self.kernels))})"
+      if resolve(config.implementation, target, tuple(self.kernels)) not in self.kernels:
+        wanted = (
+          kernel_backend(target) if config.implementation == PALLAS else config.implementation
+        )
+        return f"{self.name} has no {wanted} kernel (it has: {', '.join(sorted(self.kernels))})"
       if raw and batched and not self.grid:
         return (
           f"{self.name}: this vmapped call cannot be folded into a batch-like dim of "
@@ -581,7 +585,7 @@ class _Stage:
         out = prim.bind(*new, **params)
         return out, [0] * len(out)
     dims = self.dims(per, outs, own)
-    refused = set(dims.replicated) | set(dims.refused) | set(dims.indexed)
+    refused = set(dims.replicated) | set(dims.refused) | dims.program_factors
     order = [f for names in dims.operands + dims.results for f in names]
     for f in dict.fromkeys(order):
       if f in refused or any(names.count(f) > 1 for names in dims.operands + dims.results):
@@ -708,14 +712,13 @@ def _check_kernels(kernels: Any, what: str) -> dict[str, Callable[..., Any]]:
       f"{what} must be a mapping backend -> kernel function, e.g. "
       f"{{'triton_raw': fn}}; got {type(kernels).__name__}"
     )
+  known = [*_KERNEL_ALIASES, *(name for name in implementations() if name != XLA)]
   for backend, fn in kernels.items():
-    if backend not in KERNEL_BACKENDS:
-      raise ValueError(
-        f"{what}: unknown backend {backend!r}; kernels are for {', '.join(KERNEL_BACKENDS)}"
-      )
+    if backend not in known:
+      raise ValueError(f"{what}: unknown backend {backend!r}; kernels are for {', '.join(known)}")
     if not callable(fn):
       raise TypeError(f"{what}[{backend!r}] must be callable, got {type(fn).__name__}")
-  return dict(kernels)
+  return {_KERNEL_ALIASES.get(backend, backend): fn for backend, fn in kernels.items()}
 
 
 def _check_name(name: Any, what: str = "name") -> str:
@@ -771,11 +774,13 @@ def custom_op(
       factor in operands and a result is batch-like: it shards freely and
       vmap folds into it. A factor of operands only is reduced: a result
       computed from a sharded one is summed across the devices holding it.
-      Or a ``pallax.op.Dims`` (fixed ranks, ``per_shard`` rules), or a
+      Or a ``pallax.op.Dims`` (fixed ranks, per-shard ``programs``), or a
       callable ``(*avals, **params) -> Dims``.
     kernels: backend -> kernel function ``(*arrays, config, interpret,
       **params) -> array or sequence of arrays``: ``"triton"``/``"mosaic_tpu"``
-      (Pallas kernels: ``interpret`` goes to ``pallas_call``) and
+      (short for ``"pallas_triton"``/``"pallas_mosaic_tpu"``: Pallas kernels,
+      ``interpret`` goes to ``pallas_call``), any other registered
+      implementation (``pallax.executor.implementation``), and
       ``"triton_raw"`` (a raw Triton kernel started with
       ``pallax.triton_raw.launch(..., interpret=interpret)``). None: the
       reference runs everywhere.

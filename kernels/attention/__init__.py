@@ -35,7 +35,7 @@ def kernel(stage: str) -> Kernel:
   The Pallas kernels of every stage, and the raw Triton ones of the forward
   and backward (the tangent has none).
   """
-  backends = {"triton": triton, "mosaic_tpu": mosaic_tpu, "triton_raw": _RAW}
+  backends = {"pallas_triton": triton, "pallas_mosaic_tpu": mosaic_tpu, "triton_raw": _RAW}
   family = Kernel.of_stage(stage, config=config, backends=backends)
   impls = {name: with_sinks(stage, fn) for name, fn in family.impls.items()}
   return dataclasses.replace(family, impls=impls)

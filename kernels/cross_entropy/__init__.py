@@ -29,7 +29,7 @@ STAGES = ("fwd", "jvp", "bwd")
 def kernel(stage: str) -> Kernel:
   """The Pallas kernel of ``stage`` (``"fwd"``, ``"jvp"`` or ``"bwd"``)."""
   family = Kernel.of_stage(
-    stage, config=config, backends={"triton": triton, "mosaic_tpu": mosaic_tpu}
+    stage, config=config, backends={"pallas_triton": triton, "pallas_mosaic_tpu": mosaic_tpu}
   )
   impls = {name: flat_tokens(stage, fn) for name, fn in family.impls.items()}
   return dataclasses.replace(family, impls=impls)

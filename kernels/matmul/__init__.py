@@ -41,5 +41,5 @@ __all__ = [
 ]
 
 KERNEL = Kernel.of_family(
-  "matmul", config=config, backends={"triton": triton, "mosaic_tpu": mosaic_tpu}
+  "matmul", config=config, backends={"pallas_triton": triton, "pallas_mosaic_tpu": mosaic_tpu}
 )

@@ -46,7 +46,7 @@ def kernel(stage: str, kind: NormKind) -> Kernel:
   only, so the executor neither times nor accepts ``"triton_raw"`` configs
   for layer_norm and fused_add_rms_norm (it says they have no such kernel).
   """
-  backends = {"triton": triton, "mosaic_tpu": mosaic_tpu}
+  backends = {"pallas_triton": triton, "pallas_mosaic_tpu": mosaic_tpu}
   if kind == RMS:
     backends[RAW] = _RAW_KERNELS
   return Kernel.of_family(f"norm_{stage}", config=config, kind=kind, backends=backends)

@@ -20,5 +20,7 @@ from pallax.op import Kernel
 __all__ = ["KERNEL", "PagedAttentionConfig"]
 
 KERNEL = Kernel.of_family(
-  "paged_attention", config=config, backends={"triton": triton, "mosaic_tpu": mosaic_tpu}
+  "paged_attention",
+  config=config,
+  backends={"pallas_triton": triton, "pallas_mosaic_tpu": mosaic_tpu},
 )

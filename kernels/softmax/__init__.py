@@ -31,5 +31,5 @@ def kernel(name: str) -> Kernel:
     "run",
     config=config,
     program=PROGRAMS[name],
-    backends={"triton": triton, "mosaic_tpu": mosaic_tpu},
+    backends={"pallas_triton": triton, "pallas_mosaic_tpu": mosaic_tpu},
   )

@@ -2,10 +2,11 @@
 
 A config is a static parameter of a primitive (so it must hash) and is stored
 in the persistent cache (so it must round-trip through JSON). Every config
-names its implementation: ``"pallas"`` (the Pallas kernel; interpreted on
-CPU), ``"triton_raw"`` (the raw Triton kernel, where the op has one:
-``pallax.triton_raw``) or ``"xla"`` (the op's XLA program), so choosing
-between them is config selection like any other.
+names its implementation: ``"pallas"`` (the target's Pallas kernel;
+interpreted on CPU), ``"xla"`` (the op's XLA program), or any registered
+implementation (``"triton_raw"``, ``"pallas_mosaic_gpu"``, a user's; see
+``pallax.executor.implementation``), so choosing between them is config
+selection like any other.
 """
 
 from __future__ import annotations
@@ -14,9 +15,9 @@ import dataclasses
 import json
 from typing import Any, TypeVar
 
-C = TypeVar("C", bound="KernelConfig")
+from pallax.executor.implementation import implementation_names
 
-IMPLEMENTATIONS = ("pallas", "triton_raw", "xla")
+C = TypeVar("C", bound="KernelConfig")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -30,10 +31,10 @@ class KernelConfig:
   implementation: str = dataclasses.field(default="pallas", kw_only=True)
 
   def __post_init__(self):
-    if self.implementation not in IMPLEMENTATIONS:
+    if self.implementation not in implementation_names():
       raise ValueError(
         f"{type(self).__name__}.implementation must be one of "
-        f"{IMPLEMENTATIONS}, got {self.implementation!r}"
+        f"{implementation_names()}, got {self.implementation!r}"
       )
     for name in (f.name for f in dataclasses.fields(self) if f.type in (int, "int")):
       value = getattr(self, name)

@@ -41,22 +41,25 @@ from typing import Any, Optional
 
 import jax
 
-from pallax import _jax_private, triton_raw
+from pallax import _jax_private
 from pallax.executor import autotune as autotune_lib
 from pallax.executor.cache import DiskCache, shipped_defaults
 from pallax.executor.config import KernelConfig
-from pallax.executor.registry import (
-  KernelSpec,
-  describe_avals,
-  interpreted,
-  kernel_spec,
+from pallax.executor.implementation import (
+  PALLAS,
+  XLA,
+  Target,
+  implementation,
   platform_of,
+  short_device_kind,
   xla_allowed,
 )
+from pallax.executor.registry import KernelSpec, describe_avals, kernel_spec, resolved
 
 log = logging.getLogger("pallax.executor")
 
 POLICIES = ("heuristic", "autotune", "error")
+_NO_DEVICE = " (no device)"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -106,7 +109,7 @@ def _device_kind(target: str) -> str:
   abstract = jax.sharding.get_abstract_mesh().abstract_device
   if abstract is not None and abstract.platform == platform:
     return abstract.device_kind
-  return f"{platform} (no device)"
+  return f"{platform}{_NO_DEVICE}"
 
 
 @functools.cache
@@ -117,6 +120,14 @@ def _local_device_kind(platform: str) -> Optional[str]:
     return None
 
 
+def device_target(target: str, kind: Optional[str] = None) -> Target:
+  """``target`` as a ``Target`` carrying its device kind (a short name; ``""`` for none)."""
+  if isinstance(target, Target) and target.device_kind:
+    return target
+  kind = _device_kind(target) if kind is None else kind
+  return Target(target, "" if kind.endswith(_NO_DEVICE) else short_device_kind(kind))
+
+
 def _target_runs_here(target: str) -> bool:
   return _local_device_kind(platform_of(target)) is not None
 
@@ -124,36 +135,45 @@ def _target_runs_here(target: str) -> bool:
 def heuristic_config(
   spec: KernelSpec, avals: Sequence[Any], target: str, params: Mapping
 ) -> KernelConfig:
-  """The kernel's heuristic config; on ``cpu``, the XLA program with it."""
-  config = spec.heuristic(avals, target, **params)
-  return dataclasses.replace(config, implementation="xla") if target == "cpu" else config
+  """The kernel's heuristic config.
+
+  On ``cpu``, where the kernel's own implementations run interpreted: an
+  implementation added to it that runs compiled there, else the XLA program
+  with the heuristic's blocks.
+  """
+  if target != "cpu":
+    return spec.heuristic(avals, target, **params)
+  for name in _runnable(spec, target):
+    if not implementation(name).tuning_only:
+      return _named(spec.space(name).heuristic(avals, target, **params), name)
+  return _named(spec.heuristic(avals, target, **params), XLA)
 
 
 def candidate_configs(
   spec: KernelSpec, avals: Sequence[Any], target: str, params: Mapping
 ) -> list[KernelConfig]:
-  """The kernel's autotuning candidates and, where it may run, the XLA program (once).
+  """The autotuning candidates: the kernel's own, those of its other implementations, XLA's.
 
-  A candidate XLA config from the kernel's own list stands for the XLA program
+  Every other implementation the kernel has that runs compiled on ``target``
+  adds its own space's candidates, or, sharing the kernel's space (a raw
+  Triton twin), the Pallas candidates relabelled. The XLA program comes last, once, wherever
+  it may run: a candidate XLA config from the kernel's own list stands for it
   if there is one; otherwise it is the heuristic's config made ``"xla"``.
-  Where the kernel has a raw Triton implementation that can run on
-  ``target`` (compiled, not interpreted), each Pallas candidate's blocks are a
-  raw Triton candidate too.
   """
   configs = list(dict.fromkeys(spec.candidates(avals, target, **params)))
-  kernels = [c for c in configs if c.implementation != "xla"]
-  if _raw_candidates(spec, target):
-    kernels += [
-      dataclasses.replace(c, implementation=triton_raw.IMPLEMENTATION)
-      for c in kernels
-      if c.implementation == "pallas"
-    ]
-    kernels = list(dict.fromkeys(kernels))
+  own = [c for c in configs if c.implementation != XLA]
+  kernels = list(own)
+  for name in _runnable(spec, target):
+    if name in spec.spaces:
+      kernels += [_named(c, name) for c in spec.spaces[name].candidates(avals, target, **params)]
+    else:
+      kernels += [_named(c, name) for c in own if c.implementation == PALLAS]
+  kernels = list(dict.fromkeys(kernels))
   if not xla_allowed(target):
     return kernels
-  xla = next((c for c in configs if c.implementation == "xla"), None)
+  xla = next((c for c in configs if c.implementation == XLA), None)
   if xla is None:
-    xla = dataclasses.replace(spec.heuristic(avals, target, **params), implementation="xla")
+    xla = _named(spec.heuristic(avals, target, **params), XLA)
   return kernels + [xla]
 
 
@@ -161,23 +181,36 @@ def unsupported_reason(
   spec: KernelSpec, avals: Sequence[Any], target: str, config: KernelConfig, params: Mapping
 ) -> Optional[str]:
   """Why ``config`` cannot run this call, if it cannot: the XLA program always can."""
-  if config.implementation == "xla":
+  if config.implementation == XLA:
     return None
   if config.implementation not in spec.implementations:
     return f"{spec.op} has no {config.implementation} kernel"
-  if config.implementation == triton_raw.IMPLEMENTATION:
-    reason = triton_raw.unavailable_reason(target)
-    if reason is not None:
-      return reason
-  return spec.supports(avals, target, config, **params)
+  name = resolved(spec.op, config.implementation, target)
+  if name is None:
+    return f"{spec.op} has no Pallas kernel that runs on {target}"
+  reason = implementation(name).unavailable_reason(target)
+  if reason is not None:
+    return reason
+  space = spec.space(config.implementation)
+  if not isinstance(config, space.config_cls):
+    return f"{config.implementation} takes a {space.config_cls.__name__}"
+  return space.supports(avals, target, config, **params)
 
 
-def _raw_candidates(spec: KernelSpec, target: str) -> bool:
-  """Whether autotuning on ``target`` also times the kernel's raw Triton implementation."""
+def _runnable(spec: KernelSpec, target: str) -> list[str]:
+  """The kernel's implementations besides ``"pallas"`` that run compiled on ``target``."""
+  return [
+    name
+    for name in spec.implementations
+    if name != PALLAS
+    and not implementation(name).interpreted(target)
+    and implementation(name).unavailable_reason(target) is None
+  ]
+
+
+def _named(config: KernelConfig, name: str) -> KernelConfig:
   return (
-    triton_raw.IMPLEMENTATION in spec.implementations
-    and not interpreted(target)
-    and triton_raw.unavailable_reason(target) is None
+    config if config.implementation == name else dataclasses.replace(config, implementation=name)
   )
 
 
@@ -270,10 +303,10 @@ class Executor:
 
   @staticmethod
   def _check_config(spec: KernelSpec, config: KernelConfig) -> None:
-    if not isinstance(config, spec.config_cls):
-      raise TypeError(
-        f"config for {spec.op} must be a {spec.config_cls.__name__}, got {type(config).__name__}"
-      )
+    classes = spec.config_classes()
+    if not isinstance(config, classes):
+      names = " or ".join(c.__name__ for c in classes)
+      raise TypeError(f"config for {spec.op} must be a {names}, got {type(config).__name__}")
 
   # -- selection ---------------------------------------------------------------
 
@@ -306,11 +339,12 @@ class Executor:
     spec = kernel_spec(op)
     key = cache_key(spec, avals, target, params)
     kind = _device_kind(target)
+    target = device_target(target, kind)
     make = functools.partial(Selection, op, key, target, kind)
 
     pinned = pinned if pinned is not None else self._pins.get(op)
     if isinstance(pinned, str):  # an implementation pinned by name, its blocks the heuristic's
-      config = dataclasses.replace(spec.heuristic(avals, target, **params), implementation=pinned)
+      config = _named(spec.space(pinned).heuristic(avals, target, **params), pinned)
       return self._validated(spec, avals, target, params, make(config, "pinned"), strict=True)
     if pinned is not None:
       return self._validated(spec, avals, target, params, make(pinned, "pinned"), strict=True)
@@ -357,7 +391,7 @@ class Executor:
       raise NotImplementedError(f"pallax: {spec.op} has no {target} kernel for this call: {reason}")
     note = f"{chosen.config.implementation} skipped: {reason}; running the XLA program"
     log.info("%s (%s): %s", spec.op, chosen.key, note)
-    config = dataclasses.replace(chosen.config, implementation="xla")
+    config = _named(chosen.config, XLA)
     return dataclasses.replace(chosen, config=config, note=note)
 
   def _disk_entries(self, kind: str, spec: KernelSpec) -> dict[str, dict]:

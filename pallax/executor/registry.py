@@ -1,58 +1,74 @@
-"""What each kernel tells the executor: config class, heuristic, search space.
+"""What each kernel tells the executor: config class, heuristic, search space, kernels.
 
-Targets name where a kernel call runs: ``cpu``, ``cuda``, ``rocm``, ``tpu``, or
-``interpret-triton`` / ``interpret-mosaic_tpu`` under the interpret switch. On
-``cpu`` a ``"pallas"`` config runs the Triton-flavoured kernel interpreted.
+Targets and implementations are ``pallax.executor.implementation``'; this
+module holds, per kernel (a primitive's name), its ``KernelSpec`` and its
+kernel functions by implementation name. An implementation may be added to a
+registered kernel from outside pallax (``register_kernel_implementation``).
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Optional
 
 from pallax.executor.config import KernelConfig
+from pallax.executor.implementation import (
+  PALLAS,
+  PLATFORMS,
+  Target,
+  implementation,
+  interpreted,
+  kernel_backend,
+  platform_of,
+  resolve,
+  target_of,
+  xla_allowed,
+)
 
-PLATFORMS = ("cpu", "cuda", "rocm", "tpu")
+__all__ = [
+  "PLATFORMS",
+  "TARGETS",
+  "ConfigSpace",
+  "KernelSpec",
+  "Target",
+  "describe_avals",
+  "interpreted",
+  "kernel_backend",
+  "kernel_function",
+  "kernel_implementations",
+  "kernel_spec",
+  "platform_of",
+  "register_kernel",
+  "register_kernel_implementation",
+  "registered_ops",
+  "resolved",
+  "target_of",
+  "xla_allowed",
+]
+
 TARGETS = PLATFORMS + ("interpret-triton", "interpret-mosaic_tpu")
-_BACKEND = {
-  "cpu": "triton",
-  "cuda": "triton",
-  "rocm": "triton",
-  "tpu": "mosaic_tpu",
-  "interpret-triton": "triton",
-  "interpret-mosaic_tpu": "mosaic_tpu",
-}
 
 
-def target_of(platform: str, interpret: Optional[str]) -> str:
-  """The target of a call lowered for ``platform`` with the interpret switch at ``interpret``."""
-  return f"interpret-{interpret}" if interpret else platform
+@dataclasses.dataclass(frozen=True)
+class ConfigSpace:
+  """An implementation's own config space for a kernel (see ``KernelSpec``'s fields)."""
 
-
-def platform_of(target: str) -> str:
-  """The platform whose devices run ``target``: interpreted kernels run on the CPU."""
-  return "cpu" if target.startswith("interpret-") else target
-
-
-def kernel_backend(target: str) -> str:
-  """The Pallas backend whose kernel a ``"pallas"`` config runs on ``target``."""
-  return _BACKEND[target]
-
-
-def interpreted(target: str) -> bool:
-  """Whether a ``"pallas"`` config runs interpreted on ``target``."""
-  return target == "cpu" or target.startswith("interpret-")
-
-
-def xla_allowed(target: str) -> bool:
-  """The interpret switch asks for kernels: the XLA program is not a choice there."""
-  return not target.startswith("interpret-")
+  config_cls: type[KernelConfig]
+  heuristic: Callable[..., KernelConfig]
+  candidates: Callable[..., Sequence[KernelConfig]]
+  supports: Callable[..., Optional[str]]
 
 
 @dataclasses.dataclass(frozen=True)
 class KernelSpec:
   """One kernel's contract with the executor.
+
+  Its config space (``config_cls``, ``heuristic``, ``candidates``,
+  ``supports``) is that of the kernel's own implementations: its Pallas
+  kernels and their raw Triton twins, whose candidates are the Pallas ones
+  relabelled. An implementation added from outside may bring a space of its
+  own (``spaces``).
 
   heuristic: ``(avals, target, **params) -> config``, cheap and always legal.
   candidates: ``(avals, target, **params) -> [config]``, the autotuning space.
@@ -61,8 +77,10 @@ class KernelSpec:
   version: bump when the kernel's config changes meaning; stale cache entries
     are then ignored.
   implementations: the kernel implementations it has besides the XLA
-    program: ``"pallas"``, and ``"triton_raw"`` where it has a raw Triton
-    kernel.
+    program, as configs name them: ``"pallas"`` (a Pallas kernel for one or
+    more of the Pallas implementations), ``"triton_raw"`` where it has a raw
+    Triton kernel, and any added with ``register_kernel_implementation``.
+  spaces: implementation name -> its own ``ConfigSpace``, where it has one.
   """
 
   op: str
@@ -71,14 +89,32 @@ class KernelSpec:
   candidates: Callable[..., Sequence[KernelConfig]]
   supports: Callable[..., Optional[str]]
   version: int = 1
-  implementations: tuple[str, ...] = ("pallas",)
+  implementations: tuple[str, ...] = (PALLAS,)
+  spaces: Mapping[str, ConfigSpace] = dataclasses.field(default_factory=dict)
+
+  def space(self, name: str) -> Any:
+    """The config space of implementation ``name``: its own, or the kernel's."""
+    return self.spaces.get(name, self)
+
+  def config_classes(self) -> tuple[type[KernelConfig], ...]:
+    """Every config class a config of this kernel may have."""
+    return tuple(dict.fromkeys([self.config_cls, *(s.config_cls for s in self.spaces.values())]))
 
 
 _SPECS: dict[str, KernelSpec] = {}
+# (kernel, implementation name) -> ``(*arrays, config, interpret, **params) -> [array]``.
+_KERNELS: dict[tuple[str, str], Callable[..., Sequence[Any]]] = {}
 
 
-def register_kernel(spec: KernelSpec) -> None:
+def register_kernel(
+  spec: KernelSpec, kernels: Mapping[str, Callable[..., Sequence[Any]]] = {}
+) -> None:
   """Registers ``spec`` under ``spec.op``; ``pallax.op.define_primitive`` does it for ops.
+
+  Args:
+    spec: the kernel's contract.
+    kernels: implementation name (``"pallas_triton"``, ``"triton_raw"``, ...)
+      -> the kernel function that implementation runs.
 
   Raises:
     ValueError: another spec is registered under the same name.
@@ -86,7 +122,67 @@ def register_kernel(spec: KernelSpec) -> None:
   known = _SPECS.get(spec.op)
   if known is not None and known != spec:
     raise ValueError(f"a kernel is already registered as {spec.op!r}: op names must be unique")
+  for name in kernels:
+    implementation(name)  # registered, or a KeyError naming the known ones
   _SPECS[spec.op] = spec
+  _KERNELS.update({(spec.op, name): fn for name, fn in kernels.items()})
+
+
+def register_kernel_implementation(
+  op: str,
+  name: str,
+  kernel: Callable[..., Sequence[Any]],
+  space: Optional[ConfigSpace] = None,
+) -> None:
+  """Gives the registered kernel ``op`` a kernel of implementation ``name``, from anywhere.
+
+  The executor then offers it where the implementation can run: by heuristic
+  on a platform where none of the kernel's own implementations runs compiled
+  (the CPU), to autotuning everywhere it runs compiled, and to ``config=``
+  pins naming it.
+
+  Args:
+    op: a registered kernel (a primitive's name, e.g. ``"rms_norm_fwd"``).
+    name: a registered implementation (``implementations.register_implementation``).
+    kernel: ``(*arrays, config, interpret, **params) -> [array]``.
+    space: the implementation's config space; None: the kernel's own, its
+      configs naming ``name``.
+  """
+  import jax  # noqa: PLC0415 (selections made before this one may change)
+
+  spec = kernel_spec(op)
+  implementation(name)
+  if name == PALLAS or name in ("xla",):
+    raise ValueError(f"{op}: {name!r} is not an implementation a kernel can be added as")
+  spaces = dict(spec.spaces)
+  if space is not None:
+    spaces[name] = space
+  names = spec.implementations + ((name,) if name not in spec.implementations else ())
+  _SPECS[op] = dataclasses.replace(spec, implementations=names, spaces=spaces)
+  _KERNELS[(op, name)] = kernel
+  jax.clear_caches()
+
+
+def kernel_function(op: str, name: str) -> Callable[..., Sequence[Any]]:
+  """The kernel function of implementation ``name`` (resolved, not ``"pallas"``) of ``op``."""
+  try:
+    return _KERNELS[(op, name)]
+  except KeyError:
+    raise KeyError(f"{op} has no {name} kernel") from None
+
+
+def kernel_implementations(op: str) -> tuple[str, ...]:
+  """The implementation names ``op`` has kernel functions for (``"pallas"`` resolved)."""
+  return tuple(name for kernel, name in _KERNELS if kernel == op)
+
+
+def resolved(op: str, name: str, target: str) -> Optional[str]:
+  """The implementation a config of ``op`` naming ``name`` runs on ``target``, if any.
+
+  A kernel registered without kernel functions (a spec alone, as tests make)
+  may resolve ``"pallas"`` to any Pallas implementation.
+  """
+  return resolve(name, target, kernel_implementations(op) or None)
 
 
 def kernel_spec(op: str) -> KernelSpec:

@@ -10,8 +10,8 @@ from typing import TYPE_CHECKING, Any
 
 import jax
 
-from pallax import triton_raw
 from pallax.executor import KernelConfig, Scope, Selection
+from pallax.executor.implementation import PALLAS, implementation
 
 if TYPE_CHECKING:
   from pallax.op.primitive import KernelPrimitive
@@ -19,10 +19,10 @@ if TYPE_CHECKING:
 
 @dataclasses.dataclass(frozen=True)
 class Kernel:
-  """An op's Pallas kernel and what it tells the executor.
+  """An op's kernels and what they tell the executor.
 
-  impls: per kernel backend (``"triton"``, ``"mosaic_tpu"``, and
-    ``"triton_raw"`` where the op has a raw Triton kernel), the kernel
+  impls: per implementation (``"pallas_triton"``, ``"pallas_mosaic_tpu"``,
+    ``"triton_raw"``, ...: ``pallax.executor.implementation``), the kernel
     ``(*arrays, config, interpret, **params) -> [array]`` (``interpret`` goes
     to ``pallas_call`` as is).
   config_cls, heuristic, candidates, supports, version: the kernel's
@@ -40,10 +40,9 @@ class Kernel:
 
   @property
   def implementations(self) -> tuple[str, ...]:
-    """``"pallas"`` where there is a Pallas kernel, ``"triton_raw"`` where there is a raw one."""
-    pallas = ("pallas",) if set(self.impls) - {triton_raw.IMPLEMENTATION} else ()
-    raw = (triton_raw.IMPLEMENTATION,) if triton_raw.IMPLEMENTATION in self.impls else ()
-    return pallas + raw
+    """The implementations as configs name them: ``"pallas"`` for every Pallas one, the others."""
+    names = [PALLAS if implementation(name).pallas else name for name in self.impls]
+    return tuple(dict.fromkeys(names))
 
   @classmethod
   def of_family(cls, name: str, *, config: Any, backends: Mapping[str, Any], **bound) -> Kernel:
@@ -53,9 +52,9 @@ class Kernel:
       name: the kernel function's name in each backend module.
       config: the family's ``config`` module: ``CONFIG_CLS``, ``heuristic``,
         ``candidates``, ``supports`` (and optionally ``VERSION``).
-      backends: kernel backend name -> the family's module for it; a
-        backend whose module lacks ``name`` has no kernel for it (a raw Triton
-        module, ``triton_raw.LazyKernels``, may have some stages only).
+      backends: implementation name -> the family's module for it; an
+        implementation whose module lacks ``name`` has no kernel for it (a raw
+        Triton module, ``triton_raw.LazyKernels``, may have some stages only).
       **bound: static arguments bound to every backend's kernel function.
     """
     impls = {

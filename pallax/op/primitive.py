@@ -17,15 +17,10 @@ import jax
 from jax.extend.core import Primitive
 from jax.interpreters import batching, mlir
 
-from pallax import _jax_private, triton_raw
+from pallax import _jax_private
 from pallax.executor import KernelSpec, current_scope
-from pallax.executor.registry import (
-  PLATFORMS,
-  interpreted,
-  kernel_backend,
-  register_kernel,
-  target_of,
-)
+from pallax.executor.implementation import PLATFORMS, XLA, implementation, target_of
+from pallax.executor.registry import kernel_function, register_kernel, resolved
 from pallax.interpret import interpret_backend
 from pallax.op.kernel import Kernel, select_config
 from pallax.op.sharding import Dims, partitioned
@@ -126,7 +121,8 @@ def define_primitive(name: str, spec: PrimitiveSpec) -> KernelPrimitive:
     register_kernel(
       KernelSpec(
         name, k.config_cls, k.heuristic, k.candidates, k.supports, k.version, k.implementations
-      )
+      ),
+      k.impls,
     )
   batching.primitive_batchers[prim] = functools.partial(spec.batching, prim)
 
@@ -145,19 +141,16 @@ def define_primitive(name: str, spec: PrimitiveSpec) -> KernelPrimitive:
       chosen = select_config(
         prim, ctx.avals_in, target, params, config=config, interpret=interpret, scope=executor
       )
-      if chosen.implementation == "xla":
+      if chosen.implementation == XLA:
         return xla_lowering(ctx, *args, **params)
-      raw = chosen.implementation == triton_raw.IMPLEMENTATION
-      if raw and interpreted(target) and _jax_private.lowering_a_partition(ctx):
-        raise NotImplementedError(
-          f"{name}: an interpreted raw Triton kernel runs as a host callback, which JAX "
-          "drops when it partitions the call across devices (jax-ml/jax#23620): shard it "
-          "with shard_map instead, or run it on one device"
-        )
+      impl = implementation(resolved(name, chosen.implementation, target))
+      refused = impl.unpartitionable_interpreted
+      if refused and impl.interpreted(target) and _jax_private.lowering_a_partition(ctx):
+        raise NotImplementedError(f"{name}: {refused}")
       fn = functools.partial(
-        spec.kernel.impls[triton_raw.IMPLEMENTATION if raw else kernel_backend(target)],
+        kernel_function(name, impl.name),
         config=chosen.config,
-        interpret=interpreted(target),
+        interpret=impl.interpreted(target),
         **params,
       )
       with _jax_private.without_vma_checks():
