@@ -48,6 +48,10 @@ of the first 128 tokens and ``dL/dweight`` of the first 128 vocabulary columns
 
 ``extra_info`` of each benchmark:
 
+- ``op`` (``linear_cross_entropy`` or ``cross_entropy``), ``mode``, ``dtype``
+  and ``shape`` (``[N, D, V]`` or ``[N, V]``): the fields of ``python -m
+  pallax.bench``'s table and plot (``--ops cross_entropy`` runs the logits
+  family's cases).
 - ``flops`` and ``bytes``: ``pallax.roofline.linear_cross_entropy_work``
   (linear family) or ``cross_entropy_work`` (logits family), from the op's
   definition. Linear: the matmul FLOPs of the plain formulation, 2 per
@@ -340,6 +344,9 @@ def test_cross_entropy(benchmark, case, mode, impl):
   benchmark.group = f"{case.id}-{mode}"
   info = benchmark.extra_info
   info.update(case=case.id, mode=mode, impl=impl)
+  op = "linear_cross_entropy" if case.linear else "cross_entropy"
+  shape = [case.tokens, case.hidden, case.vocab] if case.linear else [case.tokens, case.vocab]
+  info.update(op=op, dtype=case.dtype, shape=shape)
   fn, inputs = program(case, impl, mode)
   device = jax.devices()[0]
   info["platform"] = device.platform

@@ -23,6 +23,9 @@ what one writes without a paged kernel.
 
 ``extra_info`` of each benchmark:
 
+- ``op``, ``mode`` (``fwd``: an inference op), ``dtype``, ``shape`` ``[B, N,
+  context, H]`` and ``variant`` (``full`` or ``ragged``): the fields of
+  ``python -m pallax.bench --ops paged_attention``'s table and plot.
 - ``flops`` and ``bytes``: ``pallax.roofline.paged_decode_work``: the keys
   and values each sequence needs under its length (``sum(lengths) * K * 2H *
   itemsize``), plus ``q`` read and ``o`` written: the traffic floor of a
@@ -157,5 +160,8 @@ def test_paged_attention(benchmark, case, impl):
 
   benchmark.pedantic(call, rounds=5, iterations=1, warmup_rounds=1)
   info.update(case=case.id, impl=impl, platform=device.platform)
+  shape = [case.batch, case.heads, case.context, case.head_dim]
+  variant = "ragged" if case.ragged else "full"
+  info.update(op="paged_attention", mode="fwd", dtype=case.dtype, shape=shape, variant=variant)
   work = roofline.paged_decode_work(inputs[3], case.heads, case.kv_heads, case.head_dim, case.dtype)
   record_throughput(benchmark, work, case.dtype)

@@ -1,12 +1,14 @@
 """``python -m pallax [--quick]``: the self-check report; exits 1 if any op is wrong.
 
-Per op and dtype (float32, bfloat16): the implementation chosen on this
-machine and its config, the forward and gradient relative errors against
-float64 and pallax's time relative to plain JAX (the median over interleaved
-pairs of calls, ± its 95% interval, or ``unreliable`` on a machine too busy to
-tell; see ``pallax.selfcheck.measure_ratio``); then the same errors for the
-interpreted Triton and Mosaic TPU kernels at small sizes. ``--quick`` uses the
-small sizes everywhere: seconds instead of a minute or two, with times that are
+Per public op (every op an op family registers, ``pallax.family``) and dtype
+(float32, bfloat16): the implementation chosen on this machine and its
+config, the forward and gradient relative errors against float64 (``—`` for
+the gradient of an inference op, paged_attention) and pallax's time relative
+to plain JAX (the median over interleaved pairs of calls, ± its 95% interval,
+or ``unreliable`` on a machine too busy to tell; see
+``pallax.selfcheck.measure_ratio``); then the same errors for the interpreted
+Triton and Mosaic TPU kernels at small sizes. ``--quick`` uses the small
+sizes everywhere: seconds instead of a minute or two, with times that are
 mostly dispatch overhead.
 """
 
@@ -24,7 +26,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
   """Parses ``argv``, prints the report and returns the exit status (0: every op right)."""
   parser = argparse.ArgumentParser(
     prog="python -m pallax",
-    description="pallax self-check: per op, its implementation, errors against float64 "
+    description="pallax self-check: per public op, its implementation, errors against float64 "
     "and time relative to plain JAX. Exits 1 if any op is over its tolerance.",
   )
   parser.add_argument(

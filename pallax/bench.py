@@ -1,7 +1,8 @@
 """``python -m pallax.bench``: run the benchmark suites, then write plots and a Markdown table.
 
 The suites are the pytest-benchmark files of a source checkout's ``bench/``
-directory (they are not in the wheel). Per suite it writes the
+directory (they are not in the wheel); each op's cases in them are named by
+its family's ``kernels/<family>/tools.py`` (``pallax.family``). Per suite it writes the
 pytest-benchmark JSON to ``--out``; then, per op, a PNG of the median time
 against problem size, one line per implementation and dtype, one panel per
 mode (``fwd``, ``fwd+bwd``, ``jvp``, ``hvp``); and ``summary.md``: every
@@ -25,25 +26,15 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Optional
 
+from pallax import family
+
 __all__ = ["SUITES", "UNITS", "main", "markdown", "plot", "run_suites"]
 
-# op -> (suite file in bench/, pytest -k expression selecting its cases)
-SUITES = {
-  "rms_norm": ("test_norm.py", "rms_norm and not fused_add"),
-  "layer_norm": ("test_norm.py", "layer_norm"),
-  "fused_add_rms_norm": ("test_norm.py", "fused_add_rms_norm"),
-  "softmax": ("test_softmax.py", "softmax and not log_softmax"),
-  "log_softmax": ("test_softmax.py", "log_softmax"),
-  "matmul": ("test_matmul.py", "matmul"),  # the module's name: every case, vmapped too
-  "dot_product_attention": ("test_attention.py", "test_attention_modes"),
-  "linear_cross_entropy": ("test_cross_entropy.py", "test_linear_cross_entropy_modes"),
-}
+# op -> (suite file in bench/, pytest -k expression selecting its cases): each op
+# family's, from its ``kernels/<family>/tools.py`` (``pallax.family``).
+SUITES = {op: (suite.file, suite.keyword) for op, suite in family.bench_suites().items()}
 # What a case's ``shape`` multiplies out to, per op (default: the elements of x).
-UNITS = {
-  "matmul": "M x K x N",
-  "dot_product_attention": "B x T x N x H",
-  "linear_cross_entropy": "N x D x V",
-}
+UNITS = {op: suite.unit for op, suite in family.bench_suites().items() if suite.unit}
 MODES = ("fwd", "fwd+bwd", "jvp", "hvp")
 
 

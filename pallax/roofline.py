@@ -6,8 +6,10 @@ do. This module holds both halves, once:
 * ``PEAKS``: dense matrix-unit throughput per dtype (TFLOP/s) and memory
   bandwidth (GB/s) per device kind, each figure with its source; ``peak_of``
   finds a device's entry from its ``device_kind``.
-* ``Work`` counters per op (``matmul_work``, ``attention_work``, ...), counted
-  from the op's definition, not from what an implementation happens to do:
+* ``Work`` counters per op (``matmul_work``, ``attention_work``, ...): each op
+  family defines its own in its ``kernels/<family>/tools.py``
+  (``pallax.family``), found here by name (``pallax.roofline.matmul_work``).
+  They count from the op's definition, not from what an implementation does:
   FLOPs are 2 per multiply-add of the op's matrix products (elementwise work,
   softmax exponentials and normalisation are not counted; ops without matrix
   products have no FLOPs, only bytes); bytes are the least traffic the
@@ -23,28 +25,15 @@ do. This module holds both halves, once:
 from __future__ import annotations
 
 import dataclasses
-import math
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from typing import Optional
 
 import jax.numpy as jnp
-import numpy as np
 
-__all__ = [
-  "PEAKS",
-  "Peak",
-  "Work",
-  "attention_work",
-  "cross_entropy_work",
-  "linear_cross_entropy_work",
-  "matmul_work",
-  "norm_work",
-  "paged_decode_work",
-  "peak_of",
-  "softmax_work",
-  "throughput",
-]
+from pallax import family
+
+__all__ = ["MODES", "PEAKS", "Peak", "Work", "check_mode", "nbytes", "peak_of", "throughput"]
 
 MODES = ("fwd", "fwd+bwd")
 
@@ -149,139 +138,25 @@ def throughput(work: Work, seconds: float, device_kind: str, dtype) -> dict:
   return info
 
 
-def _check_mode(mode: str) -> bool:
-  """Whether ``mode`` is forward+backward."""
+def check_mode(mode: str) -> bool:
+  """Whether ``mode`` (one of ``MODES``) is forward+backward; a work model's first check."""
   if mode not in MODES:
     raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
   return mode == "fwd+bwd"
 
 
-def _bytes(elements: int, dtype) -> int:
+def nbytes(elements: int, dtype) -> int:
+  """The bytes of ``elements`` values of ``dtype``."""
   return int(elements) * jnp.dtype(dtype).itemsize
 
 
-def matmul_work(m: int, k: int, n: int, dtype, mode: str, *, bias: bool = False) -> Work:
-  """``[M, K] @ [K, N]`` (plus a ``(N,)`` bias): ``2MKN`` FLOPs; backward ``dA`` and ``dB``.
-
-  Forward+backward: 3x the FLOPs (``dC B^T`` and ``A^T dC``); the backward
-  reads ``A``, ``B``, ``dC`` (once per product: twice) and writes ``dA``,
-  ``dB`` (and ``dbias``). An epilogue's activation is elementwise: not counted.
-  """
-  bwd = _check_mode(mode)
-  elements = m * k + k * n + m * n + (n if bias else 0)
-  flops = 2 * m * k * n
-  if bwd:
-    elements += 2 * (m * k + k * n + m * n) + (n if bias else 0)
-    flops *= 3
-  return Work(flops, _bytes(elements, dtype))
+def __getattr__(name: str):
+  """The op families' work models (``pallax.family.work_models``) by name, e.g. ``matmul_work``."""
+  models = {} if name.startswith("__") else family.work_models()
+  if name in models:
+    return models[name]
+  raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-def norm_work(op: str, shape: Sequence[int], dtype, mode: str) -> Work:
-  """rms_norm / layer_norm / fused_add_rms_norm over the last dim of ``x``: bytes only.
-
-  Forward: reads ``x`` (and the residual for ``fused_add_rms_norm``) and the
-  ``(D,)`` parameters, writes ``y`` (and the sum). Backward: reads ``x`` (the
-  sum), the weight (layer_norm's bias is not needed) and the cotangents,
-  writes ``dx`` (and ``dresidual`` for ``fused_add_rms_norm``: the same
-  array, counted once) and the parameters' gradients.
-  """
-  bwd = _check_mode(mode)
-  params = {"rms_norm": 1, "layer_norm": 2, "fused_add_rms_norm": 1}
-  if op not in params:
-    raise ValueError(f"op must be one of {tuple(params)}, got {op!r}")
-  size, d = math.prod(shape), shape[-1]
-  fused = op == "fused_add_rms_norm"
-  rows = (2 if fused else 1) * size  # x (and the residual) in; y (and the sum) out
-  elements = 2 * rows + params[op] * d
-  if bwd:  # x (or the sum), the cotangent(s) and the weight in; dx and dparams out
-    elements += (3 if fused else 2) * size + d + size + params[op] * d
-  return Work(None, _bytes(elements, dtype))
-
-
-def softmax_work(shape: Sequence[int], dtype, mode: str) -> Work:
-  """Softmax or log-softmax of ``x``: bytes only.
-
-  Reads ``x`` and writes ``y``; the backward reads ``y`` and ``dy``, writes ``dx``.
-  """
-  bwd = _check_mode(mode)
-  size = math.prod(shape)
-  return Work(None, _bytes((5 if bwd else 2) * size, dtype))
-
-
-def attention_work(
-  batch: int,
-  heads: int,
-  kv_heads: int,
-  q_len: int,
-  kv_len: int,
-  head_dim: int,
-  dtype,
-  mode: str,
-  *,
-  causal: bool = False,
-  documents: int = 1,
-) -> Work:
-  """Dot-product attention, counting the unmasked (query, key) pairs only.
-
-  Forward: ``Q K^T`` and ``P V`` over the pairs, ``4 B N pairs H`` FLOPs
-  (FlashAttention's convention; GQA counts query heads ``N``); ``pairs =
-  T S``, causal ``T (T + 1) / 2`` for ``T <= S`` (query ``i`` sees keys
-  ``0..i``). ``documents``: self-attention over that many packed documents of
-  equal length (segment ids), each attending within itself.
-  Forward+backward: 3.5x (``dV``, ``dP``, ``dQ``, ``dK`` and the recomputed
-  ``Q K^T``: seven products against two). Bytes: reads ``q``, ``k``, ``v``,
-  writes ``o``; the backward reads them and ``do``, writes ``dq``, ``dk``, ``dv``.
-  """
-  bwd = _check_mode(mode)
-  if documents < 1 or q_len % documents or kv_len % documents:
-    raise ValueError(f"documents must divide both lengths, got {documents}")
-  t, s = q_len // documents, kv_len // documents
-  if causal:
-    pairs = t * (t + 1) // 2 if t <= s else s * (s + 1) // 2 + (t - s) * s
-  else:
-    pairs = t * s
-  flops = 4 * batch * heads * documents * pairs * head_dim
-  q = batch * q_len * heads * head_dim
-  kv = batch * kv_len * kv_heads * head_dim
-  elements = 2 * q + 2 * kv  # q, k, v in; o out
-  if bwd:
-    elements += 3 * q + 2 * kv + q + 2 * kv  # q, o, do, k, v in; dq, dk, dv out
-    flops = flops * 7 // 2
-  return Work(flops, _bytes(elements, dtype))
-
-
-def paged_decode_work(lengths, heads: int, kv_heads: int, head_dim: int, dtype) -> Work:
-  """One decode step against a paged KV cache: the keys and values each sequence reads.
-
-  ``lengths``: the sequences' context lengths. FLOPs ``4 N len H`` per
-  sequence (one query row); bytes the keys and values under the lengths plus
-  ``q`` read and ``o`` written. Forward only: an inference op.
-  """
-  tokens = int(np.sum(np.asarray(lengths, np.int64)))
-  batch = len(np.asarray(lengths).reshape(-1))
-  flops = 4 * heads * tokens * head_dim
-  elements = 2 * tokens * kv_heads * head_dim + 2 * batch * heads * head_dim
-  return Work(flops, _bytes(elements, dtype))
-
-
-def linear_cross_entropy_work(tokens: int, hidden: int, vocab: int, dtype, mode: str) -> Work:
-  """The language-model head's loss of ``x (N, D)`` and ``weight (D, V)``: ``2 N D V`` FLOPs.
-
-  Forward+backward: 3x (``x W``, ``dlogits W^T``, ``x^T dlogits``); bytes:
-  reads ``x`` and ``weight``, and the backward reads them again and writes
-  ``dx`` and ``dweight``. The ``[N, V]`` logits are not in the op's
-  definition's traffic: they need not leave the chip.
-  """
-  bwd = _check_mode(mode)
-  operands = tokens * hidden + hidden * vocab
-  flops = 2 * tokens * hidden * vocab
-  return Work(3 * flops if bwd else flops, _bytes((3 if bwd else 1) * operands, dtype))
-
-
-def cross_entropy_work(tokens: int, vocab: int, dtype, mode: str) -> Work:
-  """Cross-entropy of given ``logits (N, V)``: bytes only.
-
-  Reads the logits; the backward reads them again and writes their gradient.
-  """
-  bwd = _check_mode(mode)
-  return Work(None, _bytes((3 if bwd else 1) * tokens * vocab, dtype))
+def __dir__() -> list[str]:
+  return sorted([*globals(), *family.work_models()])

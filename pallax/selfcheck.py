@@ -1,12 +1,15 @@
 """The self-check behind ``python -m pallax``.
 
-``CHECKS`` is the table of ops checked: per op, how to make inputs, its float64
-reference and its plain-JAX formulation. ``run`` reports, per op and dtype, on
-this machine: the backend and implementation chosen, the kernel config, the
-max relative error against the float64 reference (forward and gradient) and
-the time relative to plain JAX; then the same numerics for both interpreted
-kernels. It returns False if any error is over its tolerance. ``quick=True``
-uses the small sizes everywhere.
+``CHECKS`` holds every public op's case (``SelfCheck``): how to make inputs,
+its float64 reference and its plain-JAX formulation. Each op family declares
+its own in ``kernels/<family>/tools.py`` (``pallax.family``), so every op
+pallax registers is checked. ``run`` reports, per op and dtype, on this
+machine: the backend and implementation chosen, the kernel config, the max
+relative error against the float64 reference (forward, and gradient for ops
+with derivatives: ``—`` for an inference op) and the time relative to plain
+JAX; then the same numerics for both interpreted kernels. It returns False if
+any error is over its tolerance. ``quick=True`` uses the small sizes
+everywhere.
 
 The time column is the median over interleaved pairs of calls of pallax's time
 over plain JAX's, with a 95% confidence interval; see ``measure_ratio`` for
@@ -27,139 +30,19 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from pallax import family
 from pallax.executor.autotune import median_time
 from pallax.executor.tools import explain
+from pallax.family import SelfCheck
 from pallax.interpret import BACKENDS, interpret
-from pallax.primitives.attention import dot_product_attention
-from pallax.primitives.cross_entropy import linear_cross_entropy
-from pallax.primitives.matmul import matmul, matmul_reference
-from pallax.primitives.norm import (
-  fused_add_rms_norm,
-  fused_add_rms_norm_reference,
-  layer_norm,
-  layer_norm_reference,
-  rms_norm,
-  rms_norm_reference,
-)
-from pallax.primitives.softmax import log_softmax, softmax
 
 # Max relative error (max|got - want| / max|want|) against float64.
 TOLERANCE = {"float32": 1e-5, "bfloat16": 1e-2, "float16": 1e-2}
 
 
-@dataclasses.dataclass(frozen=True)
-class SelfCheck:
-  """One op's self-check.
-
-  make_args: ``(rng, dtype, small) -> args``; ``small`` for interpret runs and quick mode.
-  op: the pallax function. reference: the same maths in plain jnp; run in
-    float64 it is the oracle, in the input dtype it is the timing baseline.
-  """
-
-  name: str
-  make_args: Callable[[np.random.Generator, jnp.dtype, bool], Sequence[jax.Array]]
-  op: Callable
-  reference: Callable
-  dtypes: tuple = (jnp.float32, jnp.bfloat16)
-
-
-# ---------------------------------------------------------------------------- the table
-
-
-def _norm_args(*names: str) -> Callable:
-  """Argument maker for the norms: ``names`` among x, residual, weight, bias."""
-
-  def make(rng: np.random.Generator, dtype, small: bool) -> tuple[jax.Array, ...]:
-    rows, hidden = (37, 200) if small else (4096, 1024)
-    x = jnp.asarray(rng.standard_normal((rows, hidden)), dtype)
-    rest = {
-      "x": x,
-      "residual": jnp.asarray(rng.standard_normal((rows, hidden)), dtype),
-      "weight": jnp.asarray(1.0 + 0.5 * rng.standard_normal(hidden), dtype),
-      "bias": jnp.asarray(0.5 * rng.standard_normal(hidden), dtype),
-    }
-    return tuple(rest[n] for n in names)
-
-  return make
-
-
-def _softmax_args(rng: np.random.Generator, dtype, small: bool) -> tuple[jax.Array]:
-  rows, cols = (37, 300) if small else (4096, 1024)
-  return (jnp.asarray(3 * rng.standard_normal((rows, cols)), dtype),)
-
-
-def _matmul_args(rng: np.random.Generator, dtype, small: bool) -> tuple[jax.Array, ...]:
-  m, k, n = (37, 200, 96) if small else (512, 1024, 1024)
-  a = jnp.asarray(rng.standard_normal((m, k)), dtype)
-  b = jnp.asarray(rng.standard_normal((k, n)) / np.sqrt(k), dtype)
-  bias = jnp.asarray(rng.standard_normal(n), dtype)
-  return a, b, bias
-
-
-def _matmul_gelu(a: jax.Array, b: jax.Array, bias: jax.Array) -> jax.Array:
-  return matmul(a, b, bias=bias, activation="gelu")
-
-
-def _matmul_gelu_reference(a: jax.Array, b: jax.Array, bias: jax.Array) -> jax.Array:
-  return matmul_reference(a, b, bias=bias, activation="gelu")
-
-
-def _attention_args(rng: np.random.Generator, dtype, small: bool) -> tuple[jax.Array, ...]:
-  b, t, n, kv, h = (2, 37, 4, 2, 64) if small else (1, 2048, 8, 8, 64)
-  q = jnp.asarray(rng.standard_normal((b, t, n, h)), dtype)
-  k, v = (jnp.asarray(rng.standard_normal((b, t, kv, h)), dtype) for _ in range(2))
-  return q, k, v
-
-
-def _causal_attention(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
-  return dot_product_attention(q, k, v, is_causal=True)
-
-
-def _causal_attention_reference(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
-  return jax.nn.dot_product_attention(q, k, v, is_causal=True)
-
-
-def _lm_head_args(rng: np.random.Generator, dtype, small: bool) -> tuple[jax.Array, ...]:
-  n, d, v = (37, 64, 301) if small else (2048, 512, 32000)
-  x = jnp.asarray(rng.standard_normal((n, d)), dtype)
-  return x, jnp.asarray(rng.standard_normal((d, v)) / np.sqrt(d), dtype)
-
-
-def _lm_head_labels(x: jax.Array, w: jax.Array) -> jax.Array:
-  """Fixed labels spread over the vocabulary (integer labels are not differentiated)."""
-  return (jnp.arange(x.shape[0], dtype=jnp.int32) * 7919) % w.shape[1]
-
-
-def _lm_head_loss(x: jax.Array, w: jax.Array) -> jax.Array:
-  return linear_cross_entropy(x, w, _lm_head_labels(x, w), label_smoothing=0.1)
-
-
-def _lm_head_loss_reference(x: jax.Array, w: jax.Array) -> jax.Array:
-  """Optax's formulation: the logits in full, log_softmax, the smoothed targets."""
-  st = jnp.promote_types(x.dtype, jnp.float32)
-  logp = jax.nn.log_softmax(jnp.dot(x, w, preferred_element_type=st), axis=-1)
-  target = 0.9 * jax.nn.one_hot(_lm_head_labels(x, w), w.shape[1], dtype=st) + 0.1 / w.shape[1]
-  return -jnp.mean(jnp.sum(target * logp, axis=-1))
-
-
-# Every op's self-check, in report order.
-CHECKS: tuple[SelfCheck, ...] = (
-  SelfCheck("matmul", _matmul_args, _matmul_gelu, _matmul_gelu_reference),
-  SelfCheck("rms_norm", _norm_args("x", "weight"), rms_norm, rms_norm_reference),
-  SelfCheck("layer_norm", _norm_args("x", "weight", "bias"), layer_norm, layer_norm_reference),
-  SelfCheck(
-    "fused_add_rms_norm",
-    _norm_args("x", "residual", "weight"),
-    fused_add_rms_norm,
-    fused_add_rms_norm_reference,
-  ),
-  SelfCheck("softmax", _softmax_args, softmax, jax.nn.softmax),
-  SelfCheck("log_softmax", _softmax_args, log_softmax, jax.nn.log_softmax),
-  SelfCheck(
-    "dot_product_attention", _attention_args, _causal_attention, _causal_attention_reference
-  ),
-  SelfCheck("linear_cross_entropy", _lm_head_args, _lm_head_loss, _lm_head_loss_reference),
-)
+# Every public op's self-check, in report order: each family's, from its
+# ``kernels/<family>/tools.py`` (``pallax.family``).
+CHECKS: tuple[SelfCheck, ...] = family.self_checks()
 
 
 # ---------------------------------------------------------------------------- numerics
@@ -177,15 +60,23 @@ def _rel_err(got, want) -> float:
   return float(np.max(np.abs(got - want)) / max(np.max(np.abs(want)), 1e-30))
 
 
+def _as_f64(a) -> jax.Array:
+  """A floating argument in float64 (inside ``enable_x64``); integer arguments as they are."""
+  return jnp.asarray(_f64(a)) if jnp.issubdtype(a.dtype, jnp.floating) else a
+
+
 @functools.cache
-def _outputs_and_grads(fn: Callable) -> Callable:
+def _outputs_and_grads(fn: Callable, differentiable: bool = True) -> Callable:
   """Jitted ``(args, cots) -> (output leaves, VJP of cots wrt every arg)``: one compile per shape.
 
-  Cached per ``fn``, so the rows of one op (and the float64 reference of all
-  its rows) share their compilations.
+  Without derivatives (``differentiable=False``) the VJP is ``()``. Cached per
+  ``fn``, so the rows of one op (and the float64 reference of all its rows)
+  share their compilations.
   """
 
   def outputs_and_grads(args, cots):
+    if not differentiable:
+      return jax.tree.leaves(fn(*args)), ()
     outs, vjp = jax.vjp(fn, *args)
     leaves, tree = jax.tree.flatten(outs)
     return leaves, vjp(jax.tree.unflatten(tree, [c.astype(o.dtype) for c, o in zip(cots, leaves)]))
@@ -193,8 +84,8 @@ def _outputs_and_grads(fn: Callable) -> Callable:
   return jax.jit(outputs_and_grads)
 
 
-def _errors(check: SelfCheck, args, backend: Optional[str] = None) -> tuple[float, float]:
-  """Forward and gradient (wrt every arg) relative errors vs float64.
+def _errors(check: SelfCheck, args, backend: Optional[str] = None) -> tuple[float, Optional[float]]:
+  """Forward and gradient (wrt every arg; None without derivatives) relative errors vs float64.
 
   ``backend``: run the op as that interpreted kernel. The float64 reference runs
   outside the switch (which is part of the jit cache key) so all rows share it.
@@ -202,15 +93,17 @@ def _errors(check: SelfCheck, args, backend: Optional[str] = None) -> tuple[floa
   rng = np.random.default_rng(1)
   shapes = jax.tree.leaves(jax.eval_shape(check.op, *args))
   cots = [jnp.asarray(rng.standard_normal(o.shape), jnp.float32) for o in shapes]
+  run = _outputs_and_grads(check.op, check.differentiable)
   with interpret(backend) if backend else contextlib.nullcontext():
-    outs, grads = _outputs_and_grads(check.op)(tuple(args), cots)
+    outs, grads = run(tuple(args), cots)
   with jax.enable_x64(True):
-    args64 = tuple(jnp.asarray(_f64(a)) for a in args)
+    args64 = tuple(_as_f64(a) for a in args)
     cots64 = [jnp.asarray(_f64(c)) for c in cots]
-    wants, want_grads = _outputs_and_grads(check.reference)(args64, cots64)
+    wants, want_grads = _outputs_and_grads(check.reference, check.differentiable)(args64, cots64)
   fwd = max(_rel_err(o, w) for o, w in zip(outs, wants))
-  grad = max(_rel_err(g, w) for g, w in zip(grads, want_grads))
-  return fwd, grad
+  if not check.differentiable:
+    return fwd, None
+  return fwd, max(_rel_err(g, w) for g, w in zip(grads, want_grads))
 
 
 # ---------------------------------------------------------------------------- timing
@@ -375,6 +268,11 @@ def wall_clock_pairs(op: Callable, reference: Callable, args: Sequence[jax.Array
 # ---------------------------------------------------------------------------- the report
 
 
+def _grad_cell(grad: Optional[float]) -> str:
+  """The gradient error as the report prints it: ``—`` for an op without derivatives."""
+  return "—" if grad is None else f"{grad:9.2e}"
+
+
 def _implementation(check: SelfCheck, args) -> tuple[str, str]:
   """Implementation (with where its config came from) and config of the first kernel."""
   chosen = explain(check.op, *args)[0]
@@ -393,7 +291,7 @@ def run(
 
   Args:
     out: where to print.
-    checks: the ops to check; default ``CHECKS``, every op.
+    checks: the ops to check; default ``CHECKS``, every registered op.
     quick: the small sizes everywhere (the interpret sizes), not only for the
       interpreted kernels: seconds instead of a minute or two; the times are
       then mostly dispatch overhead.
@@ -401,7 +299,8 @@ def run(
       ``measure_ratio`` for how the time column is computed from it.
 
   Returns:
-    True when every error is within tolerance (the times do not count).
+    True when every error is within tolerance (the times do not count; an
+    inference op has no gradient error).
   """
   ok = True
   device = jax.devices()[0]
@@ -418,20 +317,21 @@ def run(
   print(header, file=out)
   print("-" * len(header), file=out)
   rng = np.random.default_rng(0)
-  unreliable = False
+  unreliable = no_grad = False
 
   def row(name, dtype, impl, fwd, grad, timing, config):
-    nonlocal ok, unreliable
+    nonlocal ok, unreliable, no_grad
+    no_grad |= grad is None
     tol = TOLERANCE[jnp.dtype(dtype).name]
-    good = fwd < tol and grad < tol
+    good = fwd < tol and (grad is None or grad < tol)
     ok &= good
     notes = "" if good else "   <-- FAIL"
     if timing is not None and not timing.reliable:
       unreliable = True
       notes += f"   (time: {timing.detail()})"
     print(
-      f"{name:<21} {jnp.dtype(dtype).name:<9} {impl:<22} {fwd:9.2e} {grad:9.2e} {tol:6.0e} "
-      f"{'n/a' if timing is None else str(timing):>12}  {config}{notes}",
+      f"{name:<21} {jnp.dtype(dtype).name:<9} {impl:<22} {fwd:9.2e} {_grad_cell(grad):>9} "
+      f"{tol:6.0e} {'n/a' if timing is None else str(timing):>12}  {config}{notes}",
       file=out,
     )
 
@@ -455,6 +355,8 @@ def run(
     "± its 95% interval",
     file=out,
   )
+  if no_grad:
+    print("grad err —: an inference op, without derivatives", file=out)
   if unreliable:
     print(
       f"unreliable: that interval is wider than ±{UNRELIABLE:.0%}, or the fastest tenth of the "

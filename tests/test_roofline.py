@@ -145,3 +145,23 @@ def test_bad_arguments():
     roofline.attention_work(1, 1, 1, 5, 5, 1, F32, "fwd", documents=2)
   with pytest.raises(ValueError, match="seconds"):
     roofline.throughput(Work(1, 1), 0.0, "cpu", F32)
+
+
+def test_work_models_are_found_by_name():
+  """Each family's model lives in its kernels/<family>/tools.py; roofline finds it by name."""
+  from pallax.kernels.paged_attention import tools
+
+  assert roofline.paged_decode_work is tools.paged_decode_work
+  names = {
+    "attention_work",
+    "cross_entropy_work",
+    "linear_cross_entropy_work",
+    "matmul_work",
+    "norm_work",
+    "paged_decode_work",
+    "softmax_work",
+  }
+  assert names <= set(dir(roofline))
+  with pytest.raises(AttributeError, match="no attribute 'group_norm_work'"):
+    roofline.group_norm_work  # noqa: B018
+  assert not hasattr(roofline, "__wrapped__")

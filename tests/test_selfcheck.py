@@ -1,5 +1,6 @@
 """``python -m pallax``: reports every op, fails when one is wrong, flags noisy times."""
 
+import dataclasses
 import io
 import os
 import re
@@ -26,16 +27,20 @@ from pallax.selfcheck import (
   wall_clock_pairs,
 )
 
+# Every public op, families in alphabetical order (pallax.family).
 OPS = [
+  "dot_product_attention",
+  "cross_entropy",
+  "linear_cross_entropy",
   "matmul",
   "rms_norm",
   "layer_norm",
   "fused_add_rms_norm",
+  "paged_attention",
   "softmax",
   "log_softmax",
-  "dot_product_attention",
-  "linear_cross_entropy",
 ]
+INFERENCE_OPS = ["paged_attention"]  # no derivatives: "—" in the gradient column
 TIME_CELL = re.compile(r"^(\d+\.\d\dx ±\d+\.\d\d|unreliable)$")
 
 
@@ -70,6 +75,12 @@ def _check_report(stdout):
     times = [row[82:94].strip() for row in mine]
     assert all(TIME_CELL.match(t) for t in times[:2]), (op, times)
     assert times[2:] == ["n/a"] * 4, (op, times)
+    grads = [row[65:74].strip() for row in mine]
+    if op in INFERENCE_OPS:
+      assert grads == ["—"] * 6, (op, grads)
+    else:
+      assert all(float(g) < 1e-2 for g in grads), (op, grads)
+  assert "grad err —: an inference op, without derivatives" in lines, stdout
 
 
 def test_python_m_pallax_quick_reports_every_op():
@@ -211,3 +222,16 @@ def test_a_wrong_op_fails_the_report_and_a_noisy_time_is_flagged():
   (fast_row,) = [line for line in text.splitlines() if "wrong_rms_norm" in line and "xla" in line]
   assert " unreliable " in fast_row and "(time: median" in fast_row, text
   assert "\nunreliable: that interval is wider than ±5%" in text  # the legend explains it
+
+
+def test_a_wrong_inference_op_fails_without_a_gradient():
+  (paged,) = [check for check in CHECKS if check.name == "paged_attention"]
+  wrong = dataclasses.replace(
+    paged, op=lambda *args: pallax.paged_attention(*args) * 1.001, dtypes=(jnp.float32,)
+  )
+  report = io.StringIO()
+  steady = lambda op, reference, args: lambda i: (1e-3, 1e-3)
+  assert run(report, checks=[wrong], quick=True, pair_timer=steady) is False
+  rows = [line for line in report.getvalue().splitlines() if line.startswith("paged_attention")]
+  assert len(rows) == 3 and all("<-- FAIL" in row for row in rows), rows
+  assert all(row[65:74].strip() == "—" and float(row[55:64]) > 1e-4 for row in rows), rows

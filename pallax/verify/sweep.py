@@ -30,7 +30,7 @@ import jax
 import jax.numpy as jnp
 from jax.extend.core import JaxprEqn
 
-import pallax
+from pallax import family
 from pallax.executor.cache import shipped_defaults
 from pallax.executor.config import KernelConfig
 from pallax.executor.executor import (
@@ -44,150 +44,15 @@ from pallax.executor.tools import kernel_calls
 from pallax.op import op_params
 from pallax.verify.targets import Target
 
-STAGES = ("fwd", "bwd", "jvp")
+STAGES = family.STAGES
 DTYPES = ("float32", "bfloat16", "float16")
 
+# A public op as the sweep calls it (``pallax.verify.Op``).
+Op = family.SweepOp
 
-@dataclasses.dataclass(frozen=True)
-class Op:
-  """A public op as the sweep calls it: ``fn(*arrays)`` with shapes from a size.
-
-  The last ``masks`` arrays are boolean masks, and the ``ints`` arrays before
-  them int32 (lengths, indices): neither is differentiated. ``stages``: those
-  the op has (an inference op has no ``bwd`` or ``jvp``). ``candidates``:
-  whether the default sweep compiles the autotuning candidates at the first
-  size (``candidate_cases``).
-  """
-
-  fn: Callable
-  shapes: Callable[..., list[tuple[int, ...]]]
-  sizes: tuple[tuple[int, ...], ...]
-  quick: tuple[tuple[int, ...], ...]
-  masks: int = 0
-  ints: int = 0
-  stages: tuple[str, ...] = STAGES
-  candidates: bool = True
-
-
-_rows = lambda r, h: [(r, h)]
-_norm = lambda r, h: [(r, h), (h,)]
-
-# Sizes: the benches' (bench/), odd ones (rows and widths that no block
-# divides), and wide rows (vocabulary-sized softmax, 16K hidden norms).
-_NORM_SIZES = ((1024, 1024), (8192, 4096), (1000, 4000), (64, 16384))
-_NORM_QUICK = ((1024, 1024), (1000, 4000))
-_SOFTMAX_SIZES = ((1024, 1024), (8192, 4096), (1000, 4000), (16, 50257))
-_MATMUL_SIZES = ((1024, 1024, 1024), (4096, 4096, 4096), (1000, 4000, 300), (8, 1000, 1000))
-# Attention (B, T, N, K, H), self-attention: head dims 64, a padded 80 and
-# 128 with GQA and odd lengths, 256, 32.
-_attention = lambda b, t, n, kv, h: [(b, t, n, h), (b, t, kv, h), (b, t, kv, h)]
-_ATTENTION_SIZES = (
-  (2, 1024, 8, 8, 64),
-  (1, 1000, 8, 2, 80),
-  (1, 1000, 8, 2, 128),
-  (1, 2048, 4, 4, 256),
-  (4, 512, 8, 8, 32),
-)
-_ATTENTION_QUICK = ((2, 1024, 8, 8, 64), (1, 1000, 8, 2, 128))
-# Causal: all but head dim 32.
-_CAUSAL_SIZES = _ATTENTION_SIZES[:4]
-# Paged attention (B, N, K, H, page_size, pages_per_sequence), a pool of
-# B * pages_per_sequence pages: the bench's decode step, a padded head dim 80
-# with odd counts and small pages, MQA, head dim 256, MHA with large pages.
-_paged = lambda b, n, kv, h, ps, pps: [
-  (b, n, h),
-  (kv, b * pps, ps, h),
-  (kv, b * pps, ps, h),
-  (b,),
-  (b, pps),
-]
-_PAGED_SIZES = (
-  (32, 32, 8, 128, 16, 256),
-  (3, 12, 4, 80, 8, 37),
-  (8, 8, 1, 64, 32, 64),
-  (4, 16, 2, 256, 16, 64),
-  (4, 8, 8, 128, 128, 8),
-)
-_PAGED_QUICK = ((32, 32, 8, 128, 16, 256), (3, 12, 4, 80, 8, 37))
-
-# LM-head losses (N tokens, D hidden, V vocabulary): the bench's, GPT-2's odd
-# vocabulary with a wide hidden dim, a few tokens of a Llama-2 one, Llama-3's.
-_lm_head = lambda n, d, v: [(n, d), (d, v), (n,)]
-_LM_HEAD_SIZES = ((8192, 1024, 32768), (1000, 4096, 50257), (16, 2048, 32001), (2048, 4096, 128256))
-_LM_HEAD_QUICK = ((8192, 1024, 32768), (1000, 4096, 50257))
-_LOGITS_SIZES = ((4096, 32768), (1000, 50257), (16, 128256))
-
-OPS = {
-  "rms_norm": Op(pallax.rms_norm, _norm, _NORM_SIZES, _NORM_QUICK),
-  "layer_norm": Op(pallax.layer_norm, lambda r, h: [(r, h), (h,), (h,)], _NORM_SIZES, _NORM_QUICK),
-  "fused_add_rms_norm": Op(
-    pallax.fused_add_rms_norm, lambda r, h: [(r, h), (r, h), (h,)], _NORM_SIZES, _NORM_QUICK
-  ),
-  "softmax": Op(pallax.softmax, _rows, _SOFTMAX_SIZES, _NORM_QUICK),
-  "log_softmax": Op(pallax.log_softmax, _rows, _SOFTMAX_SIZES, _NORM_QUICK),
-  "softmax_where": Op(
-    lambda x, where: pallax.softmax(x, where=where),
-    lambda r, h: [(r, h), (r, h)],
-    _NORM_QUICK,
-    _NORM_QUICK,
-    masks=1,
-  ),
-  "matmul": Op(
-    lambda a, b, c: pallax.matmul(a, b, bias=c, activation="gelu"),
-    lambda m, k, n: [(m, k), (k, n), (n,)],
-    _MATMUL_SIZES,
-    ((1024, 1024, 1024), (1000, 4000, 300)),
-  ),
-  "attention": Op(pallax.dot_product_attention, _attention, _ATTENTION_SIZES, _ATTENTION_QUICK),
-  # Its candidates compile in the exhaustive sweep; by default those of the
-  # packed-documents case below (the same blocks, with segments, a soft cap
-  # and sinks on top of the causal mask) stand for them.
-  "attention_causal": Op(
-    lambda q, k, v: pallax.dot_product_attention(q, k, v, is_causal=True),
-    _attention,
-    _CAUSAL_SIZES,
-    _ATTENTION_QUICK,
-    candidates=False,
-  ),
-  # Packed documents with Gemma 2's soft cap and sinks: causal within each
-  # segment; the two trailing int32 arrays are the query's and key's segment ids.
-  "attention_features": Op(
-    lambda q, k, v, sinks, q_seg, kv_seg: pallax.dot_product_attention(
-      q,
-      k,
-      v,
-      is_causal=True,
-      q_segment_ids=q_seg,
-      kv_segment_ids=kv_seg,
-      logits_soft_cap=30.0,
-      sinks=sinks,
-    ),
-    lambda b, t, n, kv, h: [*_attention(b, t, n, kv, h), (n,), (b, t), (b, t)],
-    _ATTENTION_QUICK + ((1, 2048, 4, 4, 256),),
-    _ATTENTION_QUICK,
-    ints=2,
-  ),
-  # Candidates as for causal attention: the features case below stands for them.
-  "linear_cross_entropy": Op(
-    pallax.linear_cross_entropy, _lm_head, _LM_HEAD_SIZES, _LM_HEAD_QUICK, ints=1, candidates=False
-  ),
-  # Gemma 2's soft cap with a bias, label smoothing and z-loss.
-  "linear_cross_entropy_features": Op(
-    lambda x, w, b, labels: pallax.linear_cross_entropy(
-      x, w, labels, bias=b, logit_soft_cap=30.0, label_smoothing=0.1, z_loss=1e-4
-    ),
-    lambda n, d, v: [(n, d), (d, v), (v,), (n,)],
-    _LM_HEAD_QUICK,
-    _LM_HEAD_QUICK,
-    ints=1,
-  ),
-  "cross_entropy": Op(
-    pallax.cross_entropy, lambda n, v: [(n, v), (n,)], _LOGITS_SIZES, _LOGITS_SIZES[:2], ints=1
-  ),
-  "paged_attention": Op(
-    pallax.paged_attention, _paged, _PAGED_SIZES, _PAGED_QUICK, ints=2, stages=("fwd",)
-  ),
-}
+# Every public op's entries, each op family's from its ``kernels/<family>/tools.py``
+# (``pallax.family``); ``register_op`` adds a user's.
+OPS: dict[str, Op] = family.sweep_ops()
 
 
 # pallax's own ops: the sweep when no ops are named (``register_op`` adds others).

@@ -1,0 +1,125 @@
+"""The attention family's tools: self-check case, verify sweep, bench suite, work model.
+
+Read by ``pallax.family`` (the self-check, ``pallax.verify``, ``python -m
+pallax.bench`` and ``pallax.roofline``) for ``dot_product_attention``.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from pallax.family import BenchSuite, OpTools, SelfCheck, SweepOp
+from pallax.primitives.attention import dot_product_attention
+from pallax.roofline import Work, check_mode, nbytes
+
+__all__ = ["TOOLS", "attention_work"]
+
+
+def attention_work(
+  batch: int,
+  heads: int,
+  kv_heads: int,
+  q_len: int,
+  kv_len: int,
+  head_dim: int,
+  dtype,
+  mode: str,
+  *,
+  causal: bool = False,
+  documents: int = 1,
+) -> Work:
+  """Dot-product attention, counting the unmasked (query, key) pairs only.
+
+  Forward: ``Q K^T`` and ``P V`` over the pairs, ``4 B N pairs H`` FLOPs
+  (FlashAttention's convention; GQA counts query heads ``N``); ``pairs =
+  T S``, causal ``T (T + 1) / 2`` for ``T <= S`` (query ``i`` sees keys
+  ``0..i``). ``documents``: self-attention over that many packed documents of
+  equal length (segment ids), each attending within itself.
+  Forward+backward: 3.5x (``dV``, ``dP``, ``dQ``, ``dK`` and the recomputed
+  ``Q K^T``: seven products against two). Bytes: reads ``q``, ``k``, ``v``,
+  writes ``o``; the backward reads them and ``do``, writes ``dq``, ``dk``, ``dv``.
+  """
+  bwd = check_mode(mode)
+  if documents < 1 or q_len % documents or kv_len % documents:
+    raise ValueError(f"documents must divide both lengths, got {documents}")
+  t, s = q_len // documents, kv_len // documents
+  if causal:
+    pairs = t * (t + 1) // 2 if t <= s else s * (s + 1) // 2 + (t - s) * s
+  else:
+    pairs = t * s
+  flops = 4 * batch * heads * documents * pairs * head_dim
+  q = batch * q_len * heads * head_dim
+  kv = batch * kv_len * kv_heads * head_dim
+  elements = 2 * q + 2 * kv  # q, k, v in; o out
+  if bwd:
+    elements += 3 * q + 2 * kv + q + 2 * kv  # q, o, do, k, v in; dq, dk, dv out
+    flops = flops * 7 // 2
+  return Work(flops, nbytes(elements, dtype))
+
+
+def _args(rng: np.random.Generator, dtype, small: bool) -> tuple[jax.Array, ...]:
+  b, t, n, kv, h = (2, 37, 4, 2, 64) if small else (1, 2048, 8, 8, 64)
+  q = jnp.asarray(rng.standard_normal((b, t, n, h)), dtype)
+  k, v = (jnp.asarray(rng.standard_normal((b, t, kv, h)), dtype) for _ in range(2))
+  return q, k, v
+
+
+def _causal(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
+  return dot_product_attention(q, k, v, is_causal=True)
+
+
+def _causal_reference(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
+  return jax.nn.dot_product_attention(q, k, v, is_causal=True)
+
+
+def _packed_documents(q, k, v, sinks, q_segment_ids, kv_segment_ids) -> jax.Array:
+  """Packed documents with Gemma 2's soft cap and sinks: causal within each segment."""
+  return dot_product_attention(
+    q,
+    k,
+    v,
+    is_causal=True,
+    q_segment_ids=q_segment_ids,
+    kv_segment_ids=kv_segment_ids,
+    logits_soft_cap=30.0,
+    sinks=sinks,
+  )
+
+
+# Sweep sizes (B, T, N, K, H), self-attention: head dims 64, a padded 80 and
+# 128 with GQA and odd lengths, 256, 32; causal: all but head dim 32.
+_qkv = lambda b, t, n, kv, h: [(b, t, n, h), (b, t, kv, h), (b, t, kv, h)]
+SIZES = (
+  (2, 1024, 8, 8, 64),
+  (1, 1000, 8, 2, 80),
+  (1, 1000, 8, 2, 128),
+  (1, 2048, 4, 4, 256),
+  (4, 512, 8, 8, 32),
+)
+QUICK = ((2, 1024, 8, 8, 64), (1, 1000, 8, 2, 128))
+
+TOOLS = (
+  OpTools(
+    "dot_product_attention",
+    check=SelfCheck("dot_product_attention", _args, _causal, _causal_reference),
+    sweep={
+      "attention": SweepOp(dot_product_attention, _qkv, SIZES, QUICK),
+      # Its candidates compile in the exhaustive sweep; by default those of the
+      # packed-documents case below (the same blocks, with segments, a soft cap
+      # and sinks on top of the causal mask) stand for them.
+      "attention_causal": SweepOp(_causal, _qkv, SIZES[:4], QUICK, candidates=False),
+      # The two trailing int32 arrays are the query's and key's segment ids.
+      "attention_features": SweepOp(
+        _packed_documents,
+        lambda b, t, n, kv, h: [*_qkv(b, t, n, kv, h), (n,), (b, t), (b, t)],
+        QUICK + ((1, 2048, 4, 4, 256),),
+        QUICK,
+        ints=2,
+      ),
+    },
+    bench=BenchSuite("test_attention.py", "test_attention_modes", "B x T x N x H"),
+    work=attention_work,
+  ),
+)
