@@ -1,7 +1,9 @@
 """The persistent config cache: one JSON file per device kind and op.
 
 ``<dir>/<device-kind>/<op>.json`` holds ``{"format", "op", "op_version",
-"entries": {key: {"config": {...}, "time_s": ..., ...}}}``. Writes take a file
+"entries": {key: {"config": {...}, "time_s": ..., ...}}}``; the files shipped in
+the package (``shipped_file``) may also hold ``"rejected"``, the compiler
+verdicts of ``pallax.executor.facts``, which a merge keeps. Writes take a file
 lock, merge with whatever another process wrote meanwhile, write a temporary
 file and rename it over the old one, so concurrent tuners never lose each
 other's entries and readers never see half a file. A corrupt, truncated or
@@ -19,7 +21,7 @@ import os
 import re
 import tempfile
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from importlib import resources
 from pathlib import Path
 from typing import Any, Optional
@@ -46,8 +48,33 @@ def slug(name: str) -> str:
   return re.sub(r"[^a-z0-9]+", "_", name.lower()).strip("_") or "unknown"
 
 
-def _parse(text: str, op: str, op_version: int, where: str) -> dict[str, dict[str, Any]]:
-  """The entries of a cache file's text; {} (with a warning) if unusable."""
+# Device kinds as jax names them (``Device.device_kind``) or as ``slug``s ->
+# the short names of the shipped files' directories, which targets that carry
+# a device kind use too.
+_DEVICE_NAMES = tuple(
+  (re.compile(rf"(?<![a-z0-9]){pattern}(?![a-z0-9])"), name)
+  for pattern, name in (
+    ("h100", "h100"),
+    ("a100", "a100"),
+    ("v5(e|[ _]lite)", "v5e"),
+    ("v6(e|[ _]lite)", "v6e"),
+  )
+)
+
+
+def device_name(device_kind: str) -> str:
+  """The shipped files' name of a device kind: ``NVIDIA H100 80GB HBM3`` and ``h100`` -> ``h100``.
+
+  ``TPU v5 lite`` -> ``v5e``; a kind pallax ships nothing for -> its ``slug``.
+  """
+  lowered = device_kind.lower()
+  return next((name for pattern, name in _DEVICE_NAMES if pattern.search(lowered)), None) or slug(
+    device_kind
+  )
+
+
+def _read(text: str, op: str, op_version: int, where: str) -> dict[str, Any]:
+  """A cache file's data; {} (with a warning) if unusable."""
   try:
     data = json.loads(text)
     ok = isinstance(data, dict) and isinstance(data.get("entries"), dict) and data.get("op") == op
@@ -64,7 +91,12 @@ def _parse(text: str, op: str, op_version: int, where: str) -> dict[str, dict[st
       f"(this pallax: format {FORMAT} / version {op_version})",
     )
     return {}
-  return data["entries"]
+  return data
+
+
+def _parse(text: str, op: str, op_version: int, where: str) -> dict[str, dict[str, Any]]:
+  """The entries of a cache file's text; {} (with a warning) if unusable."""
+  return _read(text, op, op_version, where).get("entries", {})
 
 
 class DiskCache:
@@ -73,11 +105,17 @@ class DiskCache:
   def __init__(self, directory: Optional[os.PathLike] = None):
     self.directory = Path(directory) if directory is not None else default_cache_dir()
     self.writable = True
+    # The package's shipped files (``pallax.tune --import --into`` there) use short names.
+    shipped = self.directory.resolve() == defaults_dir().resolve()
+    self._dirname = device_name if shipped else slug
 
   def path(self, device_kind: str, op: str) -> Path:
-    return self.directory / slug(device_kind) / f"{op}.json"
+    return self.directory / self._dirname(device_kind) / f"{op}.json"
 
   def load(self, device_kind: str, op: str, op_version: int) -> dict[str, dict[str, Any]]:
+    return self._load_file(device_kind, op, op_version).get("entries", {})
+
+  def _load_file(self, device_kind: str, op: str, op_version: int) -> dict[str, Any]:
     path = self.path(device_kind, op)
     try:
       text = path.read_text()
@@ -86,32 +124,25 @@ class DiskCache:
     except OSError as err:
       _warn_once(str(path), f"pallax: cannot read config cache {path}: {err}")
       return {}
-    return _parse(text, op, op_version, str(path))
+    return _read(text, op, op_version, str(path))
 
   def store(
     self, device_kind: str, op: str, op_version: int, entries: dict[str, dict[str, Any]]
   ) -> bool:
-    """Merges ``entries`` into the file; False (memory-only from now on) if it cannot."""
+    """Merges ``entries`` into the file; False (memory-only from now on) if it cannot.
+
+    The file's other fields (a shipped file's ``"rejected"``) are kept.
+    """
     if not self.writable:
       return False
     path = self.path(device_kind, op)
     try:
       path.parent.mkdir(parents=True, exist_ok=True)
       with _locked(path.with_suffix(".json.lock")):
-        merged = self.load(device_kind, op, op_version)
-        merged.update(entries)
-        data = {"format": FORMAT, "op": op, "op_version": op_version, "entries": merged}
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{op}.", suffix=".tmp")
-        try:
-          with os.fdopen(fd, "w") as f:
-            json.dump(data, f, indent=1, sort_keys=True)
-            f.flush()
-            os.fsync(f.fileno())
-          os.replace(tmp, path)
-        except BaseException:
-          with contextlib.suppress(OSError):
-            os.unlink(tmp)
-          raise
+        data = self._load_file(device_kind, op, op_version)
+        data.update(format=FORMAT, op=op, op_version=op_version)
+        data["entries"] = {**data.get("entries", {}), **entries}
+        _write(path, data)
       return True
     except OSError as err:
       self.writable = False
@@ -121,6 +152,22 @@ class DiskCache:
         f"writable ({err}); keeping tuned configs in memory only",
       )
       return False
+
+
+def _write(path: Path, data: dict[str, Any]) -> None:
+  """Writes ``data`` to ``path`` atomically: a temporary file renamed over it."""
+  fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.stem}.", suffix=".tmp")
+  try:
+    with os.fdopen(fd, "w") as f:
+      json.dump(data, f, indent=1, sort_keys=True)
+      f.write("\n")
+      f.flush()
+      os.fsync(f.fileno())
+    os.replace(tmp, path)
+  except BaseException:
+    with contextlib.suppress(OSError):
+      os.unlink(tmp)
+    raise
 
 
 @contextlib.contextmanager
@@ -134,12 +181,59 @@ def _locked(lock_path: Path) -> Iterator[None]:
 
 
 @functools.cache
-def shipped_defaults(device_kind: str, op: str, op_version: int) -> dict[str, dict[str, Any]]:
-  """Configs shipped in the package: ``pallax/executor/defaults/<device-kind>/<op>.json``.
+def shipped_file(device_kind: str, op: str, op_version: int) -> dict[str, Any]:
+  """The file shipped in the package for ``op`` on a device: ``defaults/<device>/<op>.json``.
 
-  Package data does not change while the process runs, so each file is read once.
+  ``<device>`` is ``device_name(device_kind)``. Its ``"entries"`` are tuned
+  configs (``shipped_defaults``), its ``"rejected"`` compiler verdicts
+  (``pallax.executor.facts``); {} if there is none. Package data does not
+  change while the process runs, so each file is read once.
   """
-  res = resources.files("pallax.executor").joinpath("defaults", slug(device_kind), f"{op}.json")
+  defaults = resources.files("pallax.executor").joinpath("defaults")
+  return read_shipped(defaults, device_kind, op, op_version)
+
+
+def read_shipped(directory: Any, device_kind: str, op: str, op_version: int) -> dict[str, Any]:
+  """The data of ``<directory>/<device>/<op>.json`` (``update_shipped``'s), {} if unusable.
+
+  ``directory``: a path, or the package's resource folder.
+  """
+  name = device_name(device_kind)
+  root = Path(directory) if isinstance(directory, (str, os.PathLike)) else directory
+  res = root.joinpath(name, f"{op}.json")
   if not res.is_file():
     return {}
-  return _parse(res.read_text(), op, op_version, f"package defaults {slug(device_kind)}/{op}.json")
+  return _read(res.read_text(), op, op_version, f"shipped file {name}/{op}.json")
+
+
+def shipped_defaults(device_kind: str, op: str, op_version: int) -> dict[str, dict[str, Any]]:
+  """Configs shipped in the package for ``op`` on a device (``shipped_file``'s entries)."""
+  return shipped_file(device_kind, op, op_version).get("entries", {})
+
+
+def defaults_dir() -> Path:
+  """The package's shipped-files directory, ``pallax/executor/defaults`` (where it is writable)."""
+  return Path(str(resources.files("pallax.executor").joinpath("defaults")))
+
+
+def update_shipped(
+  directory: os.PathLike,
+  device_kind: str,
+  op: str,
+  op_version: int,
+  change: Callable[[dict[str, Any]], None],
+) -> Path:
+  """Rewrites a shipped file, ``<directory>/<device>/<op>.json``, with ``change`` applied.
+
+  ``change`` edits the file's data in place (``"entries"``, ``"rejected"``);
+  a file of another format or op version starts empty. For the commands that
+  produce shipped files (``pallax.verify --write-facts``), not for kernel calls.
+  """
+  path = Path(directory) / device_name(device_kind) / f"{op}.json"
+  data = read_shipped(directory, device_kind, op, op_version)
+  data.update(format=FORMAT, op=op, op_version=op_version)
+  data.setdefault("entries", {})
+  change(data)
+  path.parent.mkdir(parents=True, exist_ok=True)
+  _write(path, data)
+  return path
