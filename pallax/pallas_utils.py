@@ -1,8 +1,16 @@
-"""Small helpers shared by the kernels."""
+"""Small helpers shared by the kernels, and the on-chip memory model of their configs.
+
+The memory model (``VmemBuffer``, ``tpu_vmem_bytes``, ``triton_smem_bytes``)
+and the TPU VMEM constants serve every family's heuristic and ``supports``:
+a family describes its blocks (shapes, dtypes, buffering, scratch) and the
+model adds them up.
+"""
 
 from __future__ import annotations
 
 import dataclasses
+import math
+from collections.abc import Iterable, Sequence
 from typing import Optional
 
 import jax
@@ -24,7 +32,11 @@ def next_pow2(n: int) -> int:
 
 def sublanes(dtype) -> int:
   """TPU sublane tile for ``dtype``: 8 rows of 32-bit, 16 of 16-bit, 32 of 8-bit."""
-  return 8 * max(1, 4 // jnp.dtype(dtype).itemsize)
+  return _sublane_rows(jnp.dtype(dtype).itemsize)
+
+
+def _sublane_rows(itemsize: int) -> int:
+  return 8 * max(1, 4 // itemsize)
 
 
 def in_bounds(block_index, block_size: int, extent: int, shape, axis: int) -> Optional[jax.Array]:
@@ -69,10 +81,85 @@ def store(ref, value: jax.Array, bounds: Optional[jax.Array] = None) -> None:
     pltriton.store(ref, value, mask=bounds)
 
 
-# Scoped VMEM a Mosaic TPU kernel's blocks may take without raising its limit:
-# the default of the smallest generation we target (v5e 16 MiB; v6e 32 MiB),
-# less headroom for what the models of the kernels' use leave out.
-TPU_VMEM_BUDGET = 12 * 2**20
+# -- On-chip memory: the model every kernel family's configs are checked with -----
+
+MiB = 2**20
+LANES = 128  # the TPU vector register's lanes: a block's last dim is padded to them
+
+
+@dataclasses.dataclass(frozen=True)
+class TpuVmem:
+  """One TPU generation's VMEM: ``physical`` a core, ``default_limit`` a kernel's scoped share."""
+
+  physical: int
+  default_limit: int
+
+
+# libtpu 0.0.42 reports the default scoped limits in its overflow errors
+# ("limit 16.00M" on v5e, "32.00M" on v6e: ``pallax.verify``'s compile-only
+# targets); both chips have 128 MiB of VMEM a core.
+TPU_VMEM = {"v5e": TpuVmem(128 * MiB, 16 * MiB), "v6e": TpuVmem(128 * MiB, 32 * MiB)}
+# What a kernel's modelled VMEM may reach without raising its limit: the
+# smallest default limit (v5e's) less 4 MiB for what the models leave out.
+TPU_VMEM_BUDGET = min(v.default_limit for v in TPU_VMEM.values()) - 4 * MiB
+# The scoped limit a kernel that always raises it asks for (cross-entropy's):
+# half the physical VMEM, the rest left to XLA's own buffers.
+TPU_VMEM_RAISED_LIMIT = min(v.physical for v in TPU_VMEM.values()) // 2
+# What such a kernel's modelled VMEM may reach (``supports``): a quarter of
+# its limit is headroom for what the model leaves out.
+TPU_VMEM_RAISED_BUDGET = 3 * TPU_VMEM_RAISED_LIMIT // 4
+# What its heuristic's blocks stay under: room for larger autotuning candidates.
+TPU_VMEM_RAISED_TARGET = TPU_VMEM_RAISED_BUDGET // 2
+# The most a kernel that raises its limit only when its blocks need it (a norm
+# over very wide rows) may ask for: most of the physical VMEM.
+TPU_VMEM_CEILING = 100 * MiB
+
+
+@dataclasses.dataclass(frozen=True)
+class VmemBuffer:
+  """One buffer a Mosaic TPU kernel holds in VMEM, as the memory model counts it.
+
+  shape: the block, scratch or temporary's shape.
+  itemsize: bytes an element.
+  copies: how many of it the kernel holds: 2 for an operand or result block
+    (Mosaic's pipeline double-buffers them), 1 for scratch or a temporary,
+    ``n`` times that for ``n`` buffers alike.
+  padded: count the last two dims padded to Mosaic's (sublane, lane) tile
+    (``tpu_tile``), as Mosaic lays the buffer out; False for a family whose
+    model is calibrated per element against libtpu's reports instead.
+  """
+
+  shape: tuple[int, ...]
+  itemsize: int
+  copies: int = 2
+  padded: bool = True
+
+  @property
+  def nbytes(self) -> int:
+    shape = tpu_tile(self.shape, self.itemsize) if self.padded else self.shape
+    return self.copies * math.prod(shape) * self.itemsize
+
+
+def tpu_tile(shape: Sequence[int], itemsize: int) -> tuple[int, ...]:
+  """``shape`` with its last dim padded to 128 lanes and the one before to the sublane tile.
+
+  The sublane tile is 8 rows of 32-bit elements, 16 of 16-bit, 32 of 8-bit
+  (``sublanes``).
+  """
+  up = lambda n, m: -(-n // m) * m
+  if len(shape) < 2:
+    return tuple(up(n, LANES) for n in shape)
+  return (*shape[:-2], up(shape[-2], _sublane_rows(itemsize)), up(shape[-1], LANES))
+
+
+def tpu_vmem_bytes(buffers: Iterable[VmemBuffer]) -> int:
+  """The scoped VMEM a Mosaic TPU kernel holding ``buffers`` needs, by the model."""
+  return sum(b.nbytes for b in buffers)
+
+
+def triton_smem_bytes(tiles: Iterable[tuple[int, int]], itemsize: int, num_stages: int) -> int:
+  """Shared memory of a Triton kernel's pipelined operand ``tiles``: one copy per stage."""
+  return num_stages * sum(rows * cols for rows, cols in tiles) * itemsize
 
 
 def triton_warps_reason(config) -> Optional[str]:

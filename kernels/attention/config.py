@@ -7,8 +7,9 @@ The forward and backward also have raw Triton kernels (``triton_raw.py``),
 chosen by a config with ``implementation="triton_raw"``. The heuristic always
 returns the Pallas kernel's config: which of the two runs faster is decided by
 timing them, when autotuning on a GPU, where the executor adds a raw twin of
-each Pallas candidate; ``supports`` refuses the twins that spill
-(``_RAW_SPILLS``) and the features the raw kernels lack.
+each Pallas candidate; ``supports`` refuses the twins that spill (the
+``triton_raw`` verdicts of ``pallax.executor.facts``) and the features the raw
+kernels lack.
 """
 
 from __future__ import annotations
@@ -19,11 +20,12 @@ from typing import Any, Optional
 
 import jax.numpy as jnp
 
+from pallax import pallas_utils as pu
 from pallax import triton_raw
+from pallax.executor import facts
 from pallax.executor.config import KernelConfig
 from pallax.executor.registry import interpreted, kernel_backend
 from pallax.kernels.attention.common import Problem
-from pallax.pallas_utils import TPU_VMEM_BUDGET, mosaic_dtype_reason, next_pow2, triton_warps_reason
 
 STAGES = ("fwd", "jvp", "bwd")
 
@@ -52,128 +54,76 @@ _TPU_SUBLANES, _TPU_LANES = 8, 128
 
 
 def _head(p: Problem) -> int:
-  return next_pow2(max(p.head_dim, p.value_dim, 16))
+  return pu.next_pow2(max(p.head_dim, p.value_dim, 16))
 
 
-# The Triton configs, (block_q, block_k, num_warps, num_stages) in order of
-# preference, per stage, operand width (float32 or 16-bit) and padded head
-# dim: the ones ptxas compiled spill-free for both H100 and A100 over
-# ``pallax.verify``'s sweep, where a register model did not predict spills
-# reliably (float32 dots at precision HIGHEST hold their operands in
-# registers; spills moved by tens of bytes between neighbouring configs and
-# between the two GPUs, and 128x64 backward blocks that compiled clean for
-# one call spilled 16 bytes for another on A100; the tangent's 64x64 3-stage
-# blocks overflowed A100's shared memory at head dim 128). Smaller heads use
-# the 64-wide lists; a call with no list (float32 tangent from head dim 80 up,
+# The Triton configs, ``block_q x block_k x num_warps x num_stages``, per stage
+# in order of preference. A call's candidates are those that ``pallax.verify``
+# did not see spill or overflow shared memory on its devices (``facts``:
+# ``defaults/<device>/dot_product_attention_<stage>.json``), where a register
+# model did not predict spills reliably: float32 dots at precision HIGHEST
+# hold their operands in registers, spills moved by tens of bytes between
+# neighbouring configs and between H100 and A100, and segment ids and a soft
+# cap take registers of their own. The verdicts hold per operand width
+# (float32 or 16-bit), padded head dim (smaller heads count as 64) and, for
+# the Pallas kernels, whether the call has those features (``call_facts``).
+# A call with no config left (the float32 tangent from head dim 80 up,
 # float32 at 256) runs the XLA program, visibly.
-_TRITON_CONFIGS = {
-  ("fwd", 2, 64): (
-    (128, 64, 8, 2),
-    (128, 64, 8, 3),
-    (64, 64, 4, 2),
-    (64, 64, 8, 2),
-    (64, 32, 4, 2),
-    (32, 32, 4, 2),
-  ),
-  ("fwd", 2, 128): (
-    (128, 64, 8, 2),
-    (128, 64, 8, 3),
-    (64, 64, 4, 2),
-    (64, 64, 8, 2),
-    (64, 32, 4, 2),
-    (32, 32, 4, 2),
-  ),
-  ("fwd", 2, 256): ((64, 64, 8, 2), (64, 32, 8, 2), (32, 32, 8, 2), (32, 32, 4, 2), (16, 32, 4, 2)),
-  ("fwd", 4, 64): ((64, 32, 8, 2), (32, 32, 8, 2), (32, 32, 4, 2), (16, 32, 4, 2)),
-  ("fwd", 4, 128): ((16, 32, 4, 2), (16, 16, 4, 2)),
-  ("bwd", 2, 64): ((64, 64, 4, 2), (64, 32, 8, 2), (64, 32, 4, 2), (32, 32, 4, 2)),
-  ("bwd", 2, 128): (
-    (64, 64, 8, 2),
-    (64, 64, 8, 3),
-    (64, 32, 8, 2),
-    (64, 32, 4, 2),
-    (32, 32, 8, 2),
-    (32, 32, 4, 2),
-  ),
-  ("bwd", 2, 256): ((32, 32, 8, 2), (32, 32, 8, 1), (16, 16, 4, 2)),
-  ("bwd", 4, 64): ((64, 32, 8, 2), (32, 32, 8, 2), (16, 32, 4, 2), (16, 16, 4, 2)),
-  ("bwd", 4, 128): ((16, 16, 4, 2),),
-  ("jvp", 2, 64): ((64, 64, 8, 2), (64, 32, 8, 2), (64, 32, 4, 2), (32, 32, 4, 2), (16, 32, 4, 2)),
-  ("jvp", 2, 128): ((32, 32, 8, 2), (32, 32, 4, 2), (16, 32, 4, 2), (16, 16, 4, 2)),
-  ("jvp", 2, 256): ((16, 32, 4, 2), (16, 16, 4, 2)),
-  ("jvp", 4, 64): ((16, 16, 4, 2), (16, 16, 4, 3), (16, 16, 8, 2)),
+_TRITON_SPACE = {
+  "fwd": "128x64x8x2 128x64x8x3 64x64x4x2 64x64x8x2 64x32x8x2 64x32x4x2 32x32x8x2 "
+  "32x32x4x2 16x32x4x2 16x16x4x2",
+  "bwd": "64x64x4x2 64x64x8x2 64x64x8x3 64x32x8x2 64x32x4x2 32x32x8x2 32x32x4x2 "
+  "32x32x8x1 16x32x4x2 16x16x4x2",
+  "jvp": "64x64x8x2 64x32x8x2 64x32x4x2 32x32x8x2 32x32x4x2 16x32x4x2 16x16x4x2 "
+  "16x16x4x3 16x16x8x2",
 }
 
 
-# The configs above that spill once the kernel also masks by segment ids and
-# soft-caps its logits (``pallax.verify``'s ``attention_features``: the cap's
-# derivative and the segment ids take registers of their own).
-_TRITON_SPILL_WITH_FEATURES = {
-  ("fwd", 2, 128): {(128, 64, 8, 2), (128, 64, 8, 3)},
-  ("fwd", 4, 64): {(32, 32, 8, 2)},
-  ("fwd", 4, 128): {(16, 32, 4, 2)},
-  ("jvp", 2, 64): {(64, 64, 8, 2)},
-  ("jvp", 2, 256): {(16, 32, 4, 2)},
-  ("jvp", 4, 64): {(16, 16, 4, 2), (16, 16, 4, 3)},
-  ("bwd", 2, 128): {(64, 32, 4, 2)},
-  ("bwd", 2, 256): {(32, 32, 8, 2), (32, 32, 8, 1)},
-}
+def call_facts(avals: Sequence[Any], **params) -> dict[str, Any]:
+  """What the compiler verdicts on a call's configs depend on (``pallax.executor.facts``).
+
+  width: the operands' bytes an element (2 or 4); head: the padded head dim
+  (64, 128 or 256; smaller heads count as 64); features: segment ids or a
+  soft cap (their registers).
+  """
+  return _facts(Problem.of(avals, **params))
 
 
-# The raw Triton kernels' twins of the configs above (the executor times a raw
-# twin of each Pallas candidate) that ptxas spilled, for H100 (sm_90a) or A100
-# (sm_80): measured at (B, T, N, K, H) = (2, 1024, 8, 8, 64), (1, 1000, 8, 2,
-# 128), (1, 1000, 8, 2, 80) and (1, 2048, 4, 4, 256), causal and with lengths,
-# a two-sided window and a soft cap. Spills again moved between neighbours
-# (float32 dk/dv at 64x32 blocks and 8 warps took 64 registers and spilled 10
-# KB on sm_90a, at 32x32 none). No twin overflowed shared memory (the most:
-# 160 KiB of H100's 227 KiB, the 16-bit forward at head dim 256 with 64x64
-# blocks; 105 KiB of A100's 163 KiB). No float32 backward at head dim 128 is
-# left: its dq kernel spilled 8 bytes with every feature on. pallax.verify's
-# sweep found one more: the 16-bit forward at head dim 128 with 64x64 blocks
-# on 4 warps, without a mask (no causal, window or lengths), on A100.
-_RAW_SPILLS = {
-  ("fwd", 2, 128): {(128, 64, 8, 2), (128, 64, 8, 3), (64, 64, 4, 2)},
-  ("fwd", 4, 64): {(32, 32, 4, 2)},
-  ("fwd", 4, 128): {(16, 32, 4, 2)},
-  ("bwd", 2, 64): {(64, 64, 4, 2)},
-  ("bwd", 2, 128): {(64, 64, 8, 2), (64, 32, 4, 2)},
-  ("bwd", 4, 64): {(64, 32, 8, 2), (16, 32, 4, 2)},
-  ("bwd", 4, 128): {(16, 16, 4, 2)},
-}
+def _facts(p: Problem) -> dict[str, Any]:
+  return {
+    "width": 4 if jnp.dtype(p.dtype).itemsize == 4 else 2,
+    "head": max(_head(p), 64),
+    "features": p.has_segments or p.soft_cap is not None,
+  }
 
 
 def _triton_configs(
-  p: Problem, stage: str, implementation: str = "pallas"
+  p: Problem, target: str, stage: str, implementation: str = "pallas"
 ) -> list[AttentionConfig]:
-  """The verified Triton configs of a call, blocks clamped to its lengths (may be empty)."""
-  width = 4 if jnp.dtype(p.dtype).itemsize == 4 else 2
-  key = (stage, width, max(_head(p), 64))
-  if implementation == triton_raw.IMPLEMENTATION:
-    spill = _RAW_SPILLS.get(key, set())
-  elif p.has_segments or p.soft_cap is not None:
-    spill = _TRITON_SPILL_WITH_FEATURES.get(key, set())
-  else:
-    spill = set()
-  clamp = lambda x, n: min(x, max(16, next_pow2(n)))
+  """The Triton configs of a call no verdict rejects, blocks clamped to its lengths (may be empty).
+
+  The verdicts are about the configs of ``_TRITON_SPACE``, before clamping.
+  """
+  kernel, call = f"dot_product_attention_{stage}", _facts(p)
+  clamp = lambda x, n: min(x, max(16, pu.next_pow2(n)))
+  space = [
+    AttentionConfig(
+      block_q=bq, block_k=bk, num_warps=w, num_stages=st, implementation=implementation
+    )
+    for bq, bk, w, st in (map(int, c.split("x")) for c in _TRITON_SPACE[stage].split())
+  ]
   return list(
     dict.fromkeys(
-      AttentionConfig(
-        block_q=clamp(bq, p.t),
-        block_k=clamp(bk, p.s),
-        num_warps=w,
-        num_stages=st,
-        implementation=implementation,
-      )
-      for bq, bk, w, st in _TRITON_CONFIGS.get(key, ())
-      if (bq, bk, w, st) not in spill
+      dataclasses.replace(c, block_q=clamp(c.block_q, p.t), block_k=clamp(c.block_k, p.s))
+      for c in space
+      if facts.rejection(target, kernel, c, call) is None
     )
   )
 
 
-def _triton_heuristic(p: Problem, stage: str) -> AttentionConfig:
-  """The first verified config; 64x64 blocks where there is none (``supports`` refuses them)."""
-  configs = _triton_configs(p, stage)
+def _triton_heuristic(p: Problem, target: str, stage: str) -> AttentionConfig:
+  """The first config left; 64x64 blocks where there is none (``supports`` refuses them)."""
+  configs = _triton_configs(p, target, stage)
   return configs[0] if configs else AttentionConfig(block_q=64, block_k=64)
 
 
@@ -193,7 +143,7 @@ def _tpu_configs(p: Problem) -> list[AttentionConfig]:
 
 def _tpu_heuristic(p: Problem, stage: str) -> AttentionConfig:
   configs = _tpu_configs(p)
-  return next((c for c in configs if tpu_vmem(p, c) <= TPU_VMEM_BUDGET), configs[-1])
+  return next((c for c in configs if tpu_vmem(p, c) <= pu.TPU_VMEM_BUDGET), configs[-1])
 
 
 def tpu_vmem(p: Problem, config: AttentionConfig) -> int:
@@ -205,16 +155,24 @@ def tpu_vmem(p: Problem, config: AttentionConfig) -> int:
   """
   item = jnp.dtype(p.dtype).itemsize
   h = max(p.head_dim, p.value_dim)
-  rows = 2 * item * (3 * config.block_q * h + 4 * config.block_k * h)
-  tile = config.block_q * config.block_k * (4 * 4 + 2 * (item + 1) * (p.has_bias + p.has_mask))
-  scratch = 4 * (3 * config.block_q * h + 2 * config.block_k * h)
-  return rows + tile + scratch
+  bq, bk = config.block_q, config.block_k
+  tile = (bq, bk)
+  return pu.tpu_vmem_bytes(
+    [
+      pu.VmemBuffer((bq, h), item, copies=2 * 3, padded=False),
+      pu.VmemBuffer((bk, h), item, copies=2 * 4, padded=False),
+      pu.VmemBuffer(tile, 4, copies=4, padded=False),  # logits, probabilities and their updates
+      pu.VmemBuffer(tile, item + 1, copies=2 * (p.has_bias + p.has_mask), padded=False),
+      pu.VmemBuffer((bq, h), 4, copies=3, padded=False),  # scratch
+      pu.VmemBuffer((bk, h), 4, copies=2, padded=False),
+    ]
+  )
 
 
 def heuristic(avals: Sequence[Any], target: str, *, stage: str, **params) -> AttentionConfig:
   p = Problem.of(avals, **params)
   if kernel_backend(target) == "triton":
-    return _triton_heuristic(p, stage)
+    return _triton_heuristic(p, target, stage)
   return _tpu_heuristic(p, stage)
 
 
@@ -226,7 +184,7 @@ def candidates(avals: Sequence[Any], target: str, *, stage: str, **params) -> li
   if interpreted(target):
     return [base]
   if backend == "triton":
-    out = _triton_configs(p, stage)
+    out = _triton_configs(p, target, stage)
   else:
     out = [
       AttentionConfig(block_q=bq, block_k=bk) for bq in (128, 256, 512) for bk in (128, 256, 512)
@@ -245,18 +203,18 @@ def supports(
   if config.implementation == triton_raw.IMPLEMENTATION:
     return _raw_reason(p, target, config, stage)
   if kernel_backend(target) == "mosaic_tpu":
-    reason = mosaic_dtype_reason([p.dtype], target)
+    reason = pu.mosaic_dtype_reason([p.dtype], target)
     if reason:
       return reason
     if config.block_q < p.t and config.block_q % _TPU_SUBLANES:
       return f"block_q={config.block_q} must be a multiple of 8 on TPU (or cover all {p.t} queries)"
     if config.block_k < p.s and config.block_k % _TPU_LANES:
       return f"block_k={config.block_k} must be a multiple of 128 on TPU (or cover all {p.s} keys)"
-    if not interpreted(target) and tpu_vmem(p, config) > TPU_VMEM_BUDGET:
+    if not interpreted(target) and tpu_vmem(p, config) > pu.TPU_VMEM_BUDGET:
       return f"blocks ({config.block_q}, {config.block_k}) need more than the VMEM budget"
     return None
   reason = _triton_blocks_reason(p, config)
-  if reason is None and not interpreted(target) and not _triton_configs(p, stage):
+  if reason is None and not interpreted(target) and not _triton_configs(p, target, stage):
     reason = (
       f"no {stage} Triton config compiles spill-free for {jnp.dtype(p.dtype).name} at head dim "
       f"{max(p.head_dim, p.value_dim)} (float32 dots at precision HIGHEST need too many registers)"
@@ -272,7 +230,7 @@ def _triton_blocks_reason(p: Problem, config: AttentionConfig) -> Optional[str]:
       return f"{name}={value} must be a power of two >= 16 on Triton"
   if _head(p) > 256:
     return f"head dims up to 256 on Triton, got {max(p.head_dim, p.value_dim)}"
-  return triton_warps_reason(config)
+  return pu.triton_warps_reason(config)
 
 
 def raw_feature_reason(p: Problem) -> Optional[str]:
@@ -295,7 +253,7 @@ def _raw_reason(p: Problem, target: str, config: AttentionConfig, stage: str) ->
   if (
     reason is None
     and not interpreted(target)
-    and config not in _triton_configs(p, stage, config.implementation)
+    and config not in _triton_configs(p, target, stage, config.implementation)
   ):
     reason = (
       f"raw Triton {stage} config {config} is not one that compiles spill-free within shared "

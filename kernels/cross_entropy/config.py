@@ -12,10 +12,10 @@ from typing import Any, Optional
 
 import jax.numpy as jnp
 
+from pallax import pallas_utils as pu
 from pallax.executor.config import KernelConfig
 from pallax.executor.registry import interpreted, kernel_backend
 from pallax.kernels.cross_entropy.common import Problem
-from pallax.pallas_utils import mosaic_dtype_reason, next_pow2, sublanes, triton_warps_reason
 
 
 @dataclasses.dataclass(frozen=True)
@@ -79,7 +79,7 @@ def _triton_tiles(p: Problem, stage: str) -> list[CrossEntropyConfig]:
     tiles = _TRITON_LINEAR[stage, 2 if wide <= 2 else 4]
   else:
     tiles = _TRITON_LOGITS[stage]
-  fit = lambda block, extent: min(block, max(16, next_pow2(extent)))
+  fit = lambda block, extent: min(block, max(16, pu.next_pow2(extent)))
   return [
     CrossEntropyConfig(
       block_n=fit(bn, p.tokens),
@@ -99,15 +99,11 @@ def _triton_heuristic(p: Problem, stage: str) -> CrossEntropyConfig:
 
 # -- Mosaic TPU --------------------------------------------------------------------
 
-_MiB = 2**20
-# The scoped VMEM the Mosaic kernels ask for (``vmem_limit_bytes``): v5e and
-# v6e have 128 MiB a core, their default limits are 16 and 32 MiB.
-TPU_VMEM_LIMIT = 64 * _MiB
-# The most a config's modelled VMEM (``tpu_vmem``) may reach (``supports``):
-# headroom under the limit for what the model leaves out.
-_TPU_VMEM_CAP = 48 * _MiB
-# What the heuristic's blocks stay under: room for the candidates' larger ones.
-_TPU_VMEM_TARGET = 24 * _MiB
+# The kernels raise their scoped VMEM limit (``vmem_limit_bytes``) to this, and
+# a config's model may reach the cap (``supports``; ``pallax.pallas_utils``).
+TPU_VMEM_LIMIT = pu.TPU_VMEM_RAISED_LIMIT
+_TPU_VMEM_CAP = pu.TPU_VMEM_RAISED_BUDGET
+
 # float32 (block_n, block_v) temporaries of the tile math the model counts.
 _TPU_TEMPS = 6
 
@@ -125,37 +121,52 @@ def tpu_vmem(p: Problem, config: CrossEntropyConfig, stage: str) -> int:
   """
   bn, bv = _up(min(config.block_n, p.tokens), 16), _up(min(config.block_v, p.vocab), 128)
   ix = jnp.dtype(p.dtype).itemsize
-  col = bn * 128 * 4
-  tile = bn * bv * 4
-  temps = _TPU_TEMPS * tile
+  # (block_n, 1) float32 columns (labels, results, statistics, their scratch).
+  cols = lambda n: pu.VmemBuffer((bn, 1), 4, copies=n)
+  temps = pu.VmemBuffer((bn, bv), 4, copies=_TPU_TEMPS)
   if not p.linear:
-    block = bn * bv * ix
-    return {"fwd": 2 * block + 12 * col, "jvp": 4 * block + 13 * col, "bwd": 4 * block + 10 * col}[
-      stage
-    ] + temps
+    blocks, columns = {"fwd": (2, 12), "jvp": (4, 13), "bwd": (4, 10)}[stage]
+    return pu.tpu_vmem_bytes([pu.VmemBuffer((bn, bv), ix, copies=blocks), cols(columns), temps])
   iw = jnp.dtype(p.w_dtype).itemsize
   d = _up(p.hidden, 128)
-  bias = 16 * bv * 4 if p.has_bias else 0
+  bias = pu.VmemBuffer((16, bv), 4, copies=2 * p.has_bias)
   if stage == "bwd":
-    xb, wb = bn * d * ix, d * bv * iw
-    dx = 4 * xb + wb * 3 + 2 * bn * d * 4  # x, w, dx blocks, masked w; accumulator and product
-    dw = 4 * wb + xb * 4 + 2 * d * bv * 4  # x, w, dw blocks, masked / transposed x; acc, product
-    return max(dx, dw) + 2 * bias + 10 * col + temps
+    x, w = pu.VmemBuffer((bn, d), ix, copies=1), pu.VmemBuffer((d, bv), iw, copies=1)
+    # dx: x, w, dx blocks, masked w; accumulator and product. dw: x, w, dw
+    # blocks, masked / transposed x; accumulator and product.
+    dx = pu.tpu_vmem_bytes([_times(x, 4), _times(w, 3), pu.VmemBuffer((bn, d), 4, copies=2)])
+    dw = pu.tpu_vmem_bytes([_times(w, 4), _times(x, 4), pu.VmemBuffer((d, bv), 4, copies=2)])
+    return max(dx, dw) + pu.tpu_vmem_bytes([bias, cols(10), temps])
   bd = min(config.block_d, p.hidden)
   split = bd < p.hidden
-  xb, wb = bn * _up(bd, 128) * ix, _up(bd, 128) * bv * iw
-  copies = (xb + wb) if split else 0  # the hidden tail zeroed in both factors
+  step = _up(bd, 128)  # D steps counted in whole 128-wide tiles in both factors
+  x, w = pu.VmemBuffer((bn, step), ix, copies=1), pu.VmemBuffer((step, bv), iw, copies=1)
+  tile = pu.VmemBuffer((bn, bv), 4, copies=split)  # the partial logits over D steps
+  # With D split, the hidden tail zeroed in both factors (one copy each).
   if stage == "fwd":
-    return 2 * (xb + wb) + 2 * bias + copies + 12 * col + split * tile + temps
+    buffers = [_times(x, 2 + split), _times(w, 2 + split), bias, cols(12), tile, temps]
+    return pu.tpu_vmem_bytes(buffers)
   # The tangent's float32 dots over all of D hold about four more block copies
   # (the MXU takes float32 operands as bfloat16 parts): v5e's compile reports
-  # 37.6 MiB at (16, 512, 2048) float32 where the terms above give 16.8.
-  parts = 4 * (xb + wb) if not split and max(ix, iw) == 4 else 0
-  return 4 * (xb + wb) + 4 * bias + 2 * copies + parts + 13 * col + 2 * split * tile + temps
+  # 37.6 pu.MiB at (16, 512, 2048) float32 where the terms above give 16.8.
+  parts = 4 if not split and max(ix, iw) == 4 else 0
+  buffers = [
+    _times(x, 4 + 2 * split + parts),
+    _times(w, 4 + 2 * split + parts),
+    _times(bias, 2),
+    cols(13),
+    _times(tile, 2),
+    temps,
+  ]
+  return pu.tpu_vmem_bytes(buffers)
+
+
+def _times(buffer: pu.VmemBuffer, n: int) -> pu.VmemBuffer:
+  return dataclasses.replace(buffer, copies=buffer.copies * n)
 
 
 def _mosaic_heuristic(p: Problem, stage: str) -> CrossEntropyConfig:
-  """Big tiles within ``_TPU_VMEM_TARGET`` of modelled VMEM.
+  """Big tiles within ``TPU_VMEM_RAISED_TARGET`` of modelled VMEM.
 
   Without ``linear`` (bandwidth-bound): 2048-column blocks (the whole
   vocabulary up to 2048) and about 256K logits a block. With ``linear``
@@ -165,14 +176,14 @@ def _mosaic_heuristic(p: Problem, stage: str) -> CrossEntropyConfig:
   per token block); blocks shrink (D first, then columns, then tokens) until
   the model fits.
   """
-  tile = sublanes(p.dtype)
+  tile = pu.sublanes(p.dtype)
   rows = lambda n: p.tokens if p.tokens <= n else max(tile, n // tile * tile)
   cols = lambda n: p.vocab if p.vocab <= n else n
   if not p.linear:
     block_v = cols(2048)
     block_n = rows(min(512, max(tile, (1 << 18) // block_v)))
     config = CrossEntropyConfig(block_n=block_n, block_v=block_v, block_d=128)
-    while tpu_vmem(p, config, stage) > _TPU_VMEM_TARGET and config.block_n > tile:
+    while tpu_vmem(p, config, stage) > pu.TPU_VMEM_RAISED_TARGET and config.block_n > tile:
       config = dataclasses.replace(config, block_n=rows(config.block_n // 2))
     return config
   bwd = stage == "bwd"
@@ -183,7 +194,7 @@ def _mosaic_heuristic(p: Problem, stage: str) -> CrossEntropyConfig:
     block_n=rows(256), block_v=cols(256 if bwd else 512), block_d=p.hidden
   )
   for step in steps:
-    if tpu_vmem(p, config, stage) <= _TPU_VMEM_TARGET:
+    if tpu_vmem(p, config, stage) <= pu.TPU_VMEM_RAISED_TARGET:
       break
     config = dataclasses.replace(config, **step)
   return config
@@ -191,7 +202,7 @@ def _mosaic_heuristic(p: Problem, stage: str) -> CrossEntropyConfig:
 
 def _mosaic_candidates(p: Problem, base: CrossEntropyConfig) -> list[CrossEntropyConfig]:
   """The heuristic and its neighbours: tokens x2 or /2, columns x2 or /2 (``supports`` filters)."""
-  tile = sublanes(p.dtype)
+  tile = pu.sublanes(p.dtype)
   rows = lambda n: p.tokens if p.tokens <= n else max(tile, n // tile * tile)
   cols = lambda n: p.vocab if p.vocab <= n else max(128, n // 128 * 128)
   out = [base]
@@ -233,10 +244,10 @@ def supports(
   if kernel_backend(target) == "mosaic_tpu":
     if p.dtype == jnp.float64:
       return "float64 has no Mosaic TPU kernel"
-    reason = mosaic_dtype_reason([a.dtype for a in avals], target)
+    reason = pu.mosaic_dtype_reason([a.dtype for a in avals], target)
     if reason:
       return reason
-    tile = sublanes(p.dtype)
+    tile = pu.sublanes(p.dtype)
     if config.block_n < p.tokens and config.block_n % tile:
       return f"block_n={config.block_n} must be a multiple of {tile} on TPU (or cover all tokens)"
     if config.block_v < p.vocab and config.block_v % 128:
@@ -246,8 +257,8 @@ def supports(
     vmem = tpu_vmem(p, config, stage)
     if not interpreted(target) and vmem > _TPU_VMEM_CAP:
       return (
-        f"{config} needs about {vmem / _MiB:.1f} MiB of VMEM in the {stage} stage, over the "
-        f"{_TPU_VMEM_CAP // _MiB} MiB a Mosaic TPU cross-entropy kernel may take"
+        f"{config} needs about {vmem / pu.MiB:.1f} pu.MiB of VMEM in the {stage} stage, over the "
+        f"{_TPU_VMEM_CAP // pu.MiB} pu.MiB a Mosaic TPU cross-entropy kernel may take"
       )
     return None
   if p.stat_dtype != jnp.float32:
@@ -256,4 +267,4 @@ def supports(
     value = getattr(config, name)
     if value < 16 or value & (value - 1):
       return f"{name}={value} must be a power of two >= 16 on Triton"
-  return triton_warps_reason(config)
+  return pu.triton_warps_reason(config)

@@ -9,16 +9,11 @@ from typing import Any, Optional
 import jax.numpy as jnp
 from jax import lax
 
+from pallax import pallas_utils as pu
+from pallax.executor import facts
 from pallax.executor.config import KernelConfig
 from pallax.executor.registry import interpreted, kernel_backend
 from pallax.kernels.matmul.layout import Problem, problem_of
-from pallax.pallas_utils import (
-  TPU_VMEM_BUDGET,
-  mosaic_dtype_reason,
-  next_pow2,
-  sublanes,
-  triton_warps_reason,
-)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,23 +45,33 @@ class MatmulConfig(KernelConfig):
 # of an SM's shared memory on both, while its 94-172 registers a thread (256
 # threads) let one or two blocks run per SM.
 TRITON_SMEM_BYTES = 96 * 1024
+TPU_VMEM_BUDGET = pu.TPU_VMEM_BUDGET
 _LANES = 128
 
 
 def _triton_smem(config: MatmulConfig, itemsize: int) -> int:
   c = config
-  return c.num_stages * (c.block_m * c.block_k + c.block_k * c.block_n) * itemsize
+  tiles = ((c.block_m, c.block_k), (c.block_k, c.block_n))
+  return pu.triton_smem_bytes(tiles, itemsize, c.num_stages)
 
 
 def _tpu_vmem(bm: int, bn: int, bk: int, in_itemsize: int, out_itemsize: int, outputs: int) -> int:
-  return 2 * ((bm * bk + bk * bn) * in_itemsize + outputs * bm * bn * out_itemsize) + 4 * bm * bn
+  """The a and b blocks, ``outputs`` output blocks, double-buffered, and the float32 accumulator."""
+  return pu.tpu_vmem_bytes(
+    [
+      pu.VmemBuffer((bm, bk), in_itemsize, padded=False),
+      pu.VmemBuffer((bk, bn), in_itemsize, padded=False),
+      pu.VmemBuffer((bm, bn), out_itemsize, copies=2 * outputs, padded=False),
+      pu.VmemBuffer((bm, bn), 4, copies=1, padded=False),
+    ]
+  )
 
 
 def _clamp_pow2(n: int, lo: int, hi: int) -> int:
-  return max(lo, min(hi, next_pow2(n)))
+  return max(lo, min(hi, pu.next_pow2(n)))
 
 
-def _triton_heuristic(prob: Problem, itemsize: int) -> MatmulConfig:
+def _triton_heuristic(prob: Problem, target: str, itemsize: int, call: dict) -> MatmulConfig:
   """Output tiles up to 128x128, smaller for small M (or N); 3 stages if they fit.
 
   The K step is 64 for 2-byte inputs and 32 for 4-byte ones, or the other one
@@ -75,10 +80,12 @@ def _triton_heuristic(prob: Problem, itemsize: int) -> MatmulConfig:
   bm = _clamp_pow2(prob.m, 16, 128)
   bn = _clamp_pow2(prob.n, 16, 128)
   bk = _clamp_pow2(prob.k, 16, 64 if itemsize <= 2 else 32)
+  config = _with_stages(bm, bn, bk, itemsize, 3)
   other = {32: 64, 64: 32}.get(bk)
-  if _spills(bm, bn, bk, itemsize) and other is not None and other <= max(32, next_pow2(prob.k)):
-    bk = other
-  return _with_stages(bm, bn, bk, itemsize, 3)
+  fits = other is not None and other <= max(32, pu.next_pow2(prob.k))
+  if fits and _spills(config, target, call):
+    config = _with_stages(bm, bn, other, itemsize, 3)
+  return config
 
 
 # The autotuning space. Triton: output tiles up to 128x128 and a small-M one
@@ -89,20 +96,28 @@ def _triton_heuristic(prob: Problem, itemsize: int) -> MatmulConfig:
 _TRITON_TILES = ((128, 128), (64, 128), (128, 64), (64, 64), (16, 128))
 
 
-def _spills(bm: int, bn: int, bk: int, itemsize: int) -> bool:
-  """Whether ptxas spilled registers for this Triton tile on H100 or A100.
+def call_facts(avals: Sequence[Any], **params) -> dict[str, Any]:
+  """What the compiler verdicts on a call's configs depend on (``pallax.executor.facts``).
 
-  Found by ``pallax.verify`` over its sweep (forward, backward and tangent
-  calls): 128x128x64 with 4-byte inputs (255 registers and 12-20 bytes on
-  A100); 128x64x64 (168 registers and 32 bytes, A100, bfloat16, transposed
-  b); 64x64x32 (8 bytes at 72 registers, A100, 2-byte inputs, transposed a).
-  Also left out of the space for spilling: 128x256 and 256x128 tiles (in
-  30-100% of the calls, every dtype), 4 pipeline stages (64x64x32, A100), and
-  8 warps on 128x64 (128x64x32, A100, 2-byte tangent calls).
+  The inputs' widest itemsize and whether a and b are stored transposed.
   """
-  if itemsize == 4 and bk > 32 and bm * bn >= 128 * 128:
-    return True
-  return (bm, bn, bk) == (128, 64, 64) or (itemsize == 2 and (bm, bn, bk) == (64, 64, 32))
+  return {
+    "itemsize": _itemsizes(avals, params)[0],
+    "transpose_a": params["transpose_a"],
+    "transpose_b": params["transpose_b"],
+  }
+
+
+def _spills(config: MatmulConfig, target: str, call: dict) -> bool:
+  """Whether ``pallax.verify`` saw ptxas spill registers for this Triton config (``facts``).
+
+  Its verdicts (``defaults/<device>/matmul.json``) come from the sweep's
+  forward, backward and tangent calls. Left out of the space for spilling
+  there: 128x256 and 256x128 tiles (in 30-100% of the calls, every dtype), 4
+  pipeline stages (64x64x32, A100), and 8 warps on 128x64 (128x64x32, A100,
+  2-byte tangent calls).
+  """
+  return facts.rejection(target, "matmul", config, call) is not None
 
 
 _TPU_TILES = ((512, 512), (512, 256), (256, 512), (256, 256), (128, 512), (128, 128))
@@ -146,23 +161,23 @@ def _itemsizes(avals, params) -> tuple[int, int]:
   return in_size, jnp.dtype(params["out_dtype"]).itemsize
 
 
-def _backend_heuristic(avals, backend: str, **params) -> MatmulConfig:
+def _backend_heuristic(avals, target: str, **params) -> MatmulConfig:
   prob = problem_of(avals, params)
   in_size, out_size = _itemsizes(avals, params)
-  if backend == "triton":
-    return _triton_heuristic(prob, in_size)
+  if kernel_backend(target) == "triton":
+    return _triton_heuristic(prob, target, in_size, call_facts(avals, **params))
   return _tpu_heuristic(prob, in_size, out_size, 1 + params["save_preactivation"])
 
 
 def heuristic(avals: Sequence[Any], target: str, **params) -> MatmulConfig:
   """The kernel's config for this call: see ``_backend_heuristic``."""
-  return _backend_heuristic(avals, kernel_backend(target), **params)
+  return _backend_heuristic(avals, target, **params)
 
 
 def candidates(avals: Sequence[Any], target: str, **params) -> list[MatmulConfig]:
   """The autotuning space: tile shapes (and warps, stages on Triton)."""
   backend = kernel_backend(target)
-  base = _backend_heuristic(avals, backend, **params)
+  base = _backend_heuristic(avals, target, **params)
   prob = problem_of(avals, params)
   in_size, out_size = _itemsizes(avals, params)
   if interpreted(target):  # interpreted kernels are slow: two tilings
@@ -173,11 +188,13 @@ def candidates(avals: Sequence[Any], target: str, **params) -> list[MatmulConfig
   elif backend == "triton":
     out = []
     for bm, bn in _TRITON_TILES:
-      if bm > max(16, next_pow2(prob.m)) or bn > max(32, next_pow2(prob.n)):
+      if bm > max(16, pu.next_pow2(prob.m)) or bn > max(32, pu.next_pow2(prob.n)):
         continue
       for bk in (32, 64):
-        if bk <= max(32, next_pow2(prob.k)) and not _spills(bm, bn, bk, in_size):
-          out.append(_with_stages(bm, bn, bk, in_size, 3))
+        config = _with_stages(bm, bn, bk, in_size, 3)
+        fits = bk <= max(32, pu.next_pow2(prob.k))
+        if fits and not _spills(config, target, call_facts(avals, **params)):
+          out.append(config)
   else:
     outputs = 1 + params["save_preactivation"]
     tiles = {
@@ -203,7 +220,7 @@ def _mosaic_tiling_error(
   name: str, block: tuple[int, int], shape: tuple[int, int], dtype
 ) -> Optional[str]:
   rows, cols = block
-  sub = sublanes(dtype)
+  sub = pu.sublanes(dtype)
   if (rows % sub and rows != shape[0]) or (cols % _LANES and cols != shape[1]):
     return (
       f"the {name} block {block} of {shape} must be divisible by ({sub}, {_LANES}) "
@@ -217,7 +234,7 @@ def supports(avals: Sequence[Any], target: str, config: MatmulConfig, **params) 
   a, b = avals[:2]
   if jnp.float64 in (a.dtype, b.dtype, params["out_dtype"]):
     return "float64 has no Pallas matmul kernel"
-  reason = mosaic_dtype_reason([a.dtype for a in avals] + [params["out_dtype"]], target)
+  reason = pu.mosaic_dtype_reason([a.dtype for a in avals] + [params["out_dtype"]], target)
   if reason:
     return reason
   backend = kernel_backend(target)
@@ -225,7 +242,7 @@ def supports(avals: Sequence[Any], target: str, config: MatmulConfig, **params) 
   if backend == "triton":
     if any(x < 16 or x & (x - 1) for x in blocks):
       return f"blocks {blocks} must be powers of two >= 16 on Triton"
-    return triton_warps_reason(config)
+    return pu.triton_warps_reason(config)
   precision = params["precision"]
   if precision is not None and (
     precision[0] != precision[1]

@@ -13,15 +13,9 @@ from typing import Any, Optional
 
 import jax.numpy as jnp
 
+from pallax import pallas_utils as pu
 from pallax.executor.config import KernelConfig
 from pallax.executor.registry import interpreted, kernel_backend
-from pallax.pallas_utils import (
-  TPU_VMEM_BUDGET,
-  mosaic_dtype_reason,
-  next_pow2,
-  sublanes,
-  triton_warps_reason,
-)
 from pallax.triton_raw import IMPLEMENTATION as RAW
 
 
@@ -80,7 +74,13 @@ def tpu_vmem(block_rows: int, hidden: int, itemsize: int) -> int:
   with 64 rows needs 18.03 MiB (this model: 22 MiB); fused_add_rms_norm's
   forward at x (1000, 4000) float32 with 128 rows overflowed v5e's 16 MiB.
   """
-  return block_rows * hidden * (2 * 4 * itemsize + 3 * 4)
+  block = (block_rows, hidden)
+  return pu.tpu_vmem_bytes(
+    [
+      pu.VmemBuffer(block, itemsize, copies=2 * 4, padded=False),
+      pu.VmemBuffer(block, 4, copies=3, padded=False),
+    ]
+  )
 
 
 def _backend_heuristic(avals, backend: str) -> NormConfig:
@@ -94,13 +94,13 @@ def _backend_heuristic(avals, backend: str) -> NormConfig:
   """
   rows, hidden = _rows_hidden(avals)
   if backend == "triton":
-    block_hidden = next_pow2(hidden)
-    block_rows = max(1, min(next_pow2(rows), 8192 // block_hidden, 64))
+    block_hidden = pu.next_pow2(hidden)
+    block_rows = max(1, min(pu.next_pow2(rows), 8192 // block_hidden, 64))
     num_warps = max(1, min(8 if block_rows > 1 else 16, block_hidden * block_rows // 1024))
-    return NormConfig(block_rows=block_rows, num_warps=next_pow2(num_warps))
+    return NormConfig(block_rows=block_rows, num_warps=pu.next_pow2(num_warps))
   dtype = avals[0].dtype
-  sub = sublanes(dtype)
-  fit = TPU_VMEM_BUDGET // tpu_vmem(1, hidden, jnp.dtype(dtype).itemsize)
+  sub = pu.sublanes(dtype)
+  fit = pu.TPU_VMEM_BUDGET // tpu_vmem(1, hidden, jnp.dtype(dtype).itemsize)
   return NormConfig(block_rows=min(max(sub, fit // sub * sub), 1024))
 
 
@@ -123,20 +123,20 @@ def candidates(avals: Sequence[Any], target: str, **params) -> list[NormConfig]:
     blocks = sorted({base.block_rows, max(1, base.block_rows // 4)})
     return [dataclasses.replace(base, block_rows=b) for b in blocks]
   if backend == "triton":
-    block_hidden = next_pow2(hidden)
+    block_hidden = pu.next_pow2(hidden)
     out = [
       NormConfig(block_rows=b, num_warps=w)
       for b in (1, 2, 4, 8, 16, 32, 64)
-      if b <= next_pow2(rows) and b * block_hidden <= 65536
+      if b <= pu.next_pow2(rows) and b * block_hidden <= 65536
       for w in (2, 4, 8, 16)
       if w * 32 <= b * block_hidden and not _spills(b, block_hidden, w)
     ]
   else:
-    sub, itemsize = sublanes(avals[0].dtype), jnp.dtype(avals[0].dtype).itemsize
+    sub, itemsize = pu.sublanes(avals[0].dtype), jnp.dtype(avals[0].dtype).itemsize
     out = [
       NormConfig(block_rows=b)
       for b in (sub, 2 * sub, 4 * sub, 8 * sub, 256, 512, 1024)
-      if b % sub == 0 and tpu_vmem(b, hidden, itemsize) <= TPU_VMEM_BUDGET
+      if b % sub == 0 and tpu_vmem(b, hidden, itemsize) <= pu.TPU_VMEM_BUDGET
     ]
   return out or [_backend_heuristic(avals, backend)]
 
@@ -151,7 +151,7 @@ def _triton_reason(avals, target: str, config: NormConfig) -> Optional[str]:
       f"rows wider than {_TRITON_MAX_HIDDEN} elements spill registers in the Triton "
       "kernels at every num_warps"
     )
-  return triton_warps_reason(config)
+  return pu.triton_warps_reason(config)
 
 
 def _raw_reason(avals) -> Optional[str]:
@@ -179,10 +179,10 @@ def supports(avals: Sequence[Any], target: str, config: NormConfig, **params) ->
   block_rows = config.block_rows
   if avals[0].dtype == jnp.float64:
     return "float64 has no Mosaic TPU kernel"
-  reason = mosaic_dtype_reason([a.dtype for a in avals], target)
+  reason = pu.mosaic_dtype_reason([a.dtype for a in avals], target)
   if reason:
     return reason
-  rows, sub = _rows_hidden(avals)[0], sublanes(avals[0].dtype)
+  rows, sub = _rows_hidden(avals)[0], pu.sublanes(avals[0].dtype)
   if block_rows < rows and block_rows % sub:
     return f"block_rows={block_rows} must be a multiple of {sub} on TPU (or cover all {rows} rows)"
   return None

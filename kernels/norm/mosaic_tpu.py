@@ -16,16 +16,13 @@ from jax.experimental.pallas import tpu as pltpu
 
 from pallax.kernels.norm import common
 from pallax.kernels.norm.config import tpu_vmem
-from pallax.pallas_utils import TPU_VMEM_BUDGET
-
-# Most of the 128 MiB of VMEM of v5e and v6e, for blocks over the default limit.
-_VMEM_CEILING = 100 * 2**20
+from pallax.pallas_utils import TPU_VMEM_BUDGET, TPU_VMEM_CEILING
 
 
 def _compiler_params(layout: common.Layout, dtype) -> pltpu.CompilerParams:
   blocks = layout.blocks
   need = tpu_vmem(blocks.block_rows, blocks.cols, jnp.dtype(dtype).itemsize)
-  limit = None if need <= TPU_VMEM_BUDGET else min(2 * need, _VMEM_CEILING)
+  limit = None if need <= TPU_VMEM_BUDGET else min(2 * need, TPU_VMEM_CEILING)
   return pltpu.CompilerParams(dimension_semantics=("parallel", "parallel"), vmem_limit_bytes=limit)
 
 

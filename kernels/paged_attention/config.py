@@ -8,16 +8,10 @@ from typing import Any, Optional
 
 import jax.numpy as jnp
 
+from pallax import pallas_utils as pu
 from pallax.executor.config import KernelConfig
 from pallax.executor.registry import interpreted, kernel_backend
 from pallax.kernels.paged_attention.common import Problem
-from pallax.pallas_utils import (
-  TPU_VMEM_BUDGET,
-  mosaic_dtype_reason,
-  next_pow2,
-  sublanes,
-  triton_warps_reason,
-)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,7 +53,7 @@ TPU_SMEM_BUDGET = 256 * 2**10
 
 def rows(p: Problem) -> int:
   """Query rows of a Triton program: the kv head's query heads, padded."""
-  return next_pow2(max(p.groups, 16))
+  return pu.next_pow2(max(p.groups, 16))
 
 
 def max_triton_block_k(p: Problem) -> int:
@@ -73,11 +67,11 @@ def max_triton_block_k(p: Problem) -> int:
   """
   if jnp.dtype(p.dtype).itemsize < 4:
     return 128
-  return 64 if next_pow2(max(p.head_dim, p.value_dim, 16)) <= 64 else 32
+  return 64 if pu.next_pow2(max(p.head_dim, p.value_dim, 16)) <= 64 else 32
 
 
 def _triton_block_k(p: Problem) -> int:
-  return min(64, max_triton_block_k(p), max(16, next_pow2(p.max_len)))
+  return min(64, max_triton_block_k(p), max(16, pu.next_pow2(p.max_len)))
 
 
 def splits_for(p: Problem, block_k: int) -> int:
@@ -88,7 +82,7 @@ def splits_for(p: Problem, block_k: int) -> int:
 
 
 def _tpu_pages(p: Problem) -> int:
-  if p.page_size % sublanes(p.dtype):  # pages do not stack on whole sublane tiles
+  if p.page_size % pu.sublanes(p.dtype):  # pages do not stack on whole sublane tiles
     return 1
   return max(1, min(_TPU_TOKENS // p.page_size, p.pages_per_sequence, _TPU_MAX_PAGES_PER_BLOCK))
 
@@ -96,14 +90,19 @@ def _tpu_pages(p: Problem) -> int:
 def tpu_vmem(p: Problem, config: PagedAttentionConfig) -> int:
   """Scoped VMEM of the TPU kernel: double-buffered pages, query, output and scratch."""
   item = jnp.dtype(p.dtype).itemsize
-  lanes = lambda x: -(-x // 128) * 128
-  page_rows = -(-p.page_size // sublanes(p.dtype)) * sublanes(p.dtype)
-  group_rows = -(-p.groups // 8) * 8
-  pages = 2 * config.pages_per_block * page_rows * (lanes(p.head_dim) + lanes(p.value_dim)) * item
-  io = 2 * group_rows * (lanes(p.head_dim) + lanes(p.value_dim)) * item
-  tokens = config.pages_per_block * page_rows
-  scratch = 4 * group_rows * (lanes(p.value_dim) + 2 * 128 + 2 * lanes(tokens))
-  return pages + io + scratch
+  pages, page = config.pages_per_block, p.page_size
+  tokens = pages * pu.tpu_tile((page, 1), item)[0]
+  return pu.tpu_vmem_bytes(
+    [
+      pu.VmemBuffer((pages, page, p.head_dim), item),  # k and v pages
+      pu.VmemBuffer((pages, page, p.value_dim), item),
+      pu.VmemBuffer((p.groups, p.head_dim), item),  # the query and output blocks
+      pu.VmemBuffer((p.groups, p.value_dim), item),
+      pu.VmemBuffer((p.groups, p.value_dim), 4, copies=1),  # scratch: accumulator, max and sum
+      pu.VmemBuffer((p.groups, 1), 4, copies=2),
+      pu.VmemBuffer((p.groups, tokens), 4, copies=2),  # logits and probabilities
+    ]
+  )
 
 
 def heuristic(avals: Sequence[Any], target: str, **params) -> PagedAttentionConfig:
@@ -123,7 +122,7 @@ def candidates(avals: Sequence[Any], target: str, **params) -> list[PagedAttenti
   if kernel_backend(target) == "triton":
     out = []
     for bk in (32, 64, 128):
-      bk = min(bk, max(16, next_pow2(p.max_len)))
+      bk = min(bk, max(16, pu.next_pow2(p.max_len)))
       splits = splits_for(p, bk)
       for s in dict.fromkeys((splits, max(1, splits // 2), min(_MAX_SPLITS, 2 * splits))):
         out += [PagedAttentionConfig(block_k=bk, num_splits=s, num_warps=w) for w in (4, 8)]
@@ -141,19 +140,19 @@ def supports(
   if p.dtype == jnp.float64:
     return "float64 has no paged-attention kernel"
   if kernel_backend(target) == "mosaic_tpu":
-    reason = mosaic_dtype_reason([p.dtype], target)
+    reason = pu.mosaic_dtype_reason([p.dtype], target)
     if reason:
       return reason
-    stacks = config.pages_per_block > 1 and p.page_size % sublanes(p.dtype)
+    stacks = config.pages_per_block > 1 and p.page_size % pu.sublanes(p.dtype)
     if stacks and not interpreted(target):  # Mosaic's layouts; the interpreter stacks any
       return (
-        f"page_size={p.page_size} is not a multiple of {sublanes(p.dtype)} sublanes: "
+        f"page_size={p.page_size} is not a multiple of {pu.sublanes(p.dtype)} pu.sublanes: "
         "one page per step on TPU"
       )
     if config.pages_per_block > p.pages_per_sequence:
       return f"pages_per_block={config.pages_per_block} > {p.pages_per_sequence} pages a sequence"
     if not interpreted(target):
-      if tpu_vmem(p, config) > TPU_VMEM_BUDGET:
+      if tpu_vmem(p, config) > pu.TPU_VMEM_BUDGET:
         return f"pages_per_block={config.pages_per_block} needs more than the VMEM budget"
       if 4 * p.batch * (p.pages_per_sequence + 1) > TPU_SMEM_BUDGET:
         return f"a {p.batch}x{p.pages_per_sequence} page table is too large for TPU SMEM"
@@ -170,4 +169,4 @@ def supports(
     return f"{p.groups} query heads a kv head: at most {MAX_TRITON_GROUPS} on Triton"
   if max(p.head_dim, p.value_dim) > MAX_TRITON_HEAD:
     return f"head dims up to {MAX_TRITON_HEAD} on Triton, got {max(p.head_dim, p.value_dim)}"
-  return triton_warps_reason(config)
+  return pu.triton_warps_reason(config)

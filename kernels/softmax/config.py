@@ -13,15 +13,9 @@ from typing import Any, Optional
 
 import jax.numpy as jnp
 
+from pallax import pallas_utils as pu
 from pallax.executor.config import KernelConfig
 from pallax.executor.registry import interpreted, kernel_backend
-from pallax.pallas_utils import (
-  TPU_VMEM_BUDGET,
-  mosaic_dtype_reason,
-  next_pow2,
-  sublanes,
-  triton_warps_reason,
-)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,16 +47,23 @@ _TRITON_TILE, _TRITON_MAX_COLS = 8192, 8192
 _TPU_TILE, _TPU_MAX_COLS, _TPU_LANES = 262144, 8192, 128
 
 
-def tpu_vmem(tile: int, itemsize: int, masked: bool) -> int:
-  """Scoped VMEM of the largest softmax kernel (the backward) for a ``tile``-element block.
+def tpu_vmem(block_rows: int, block_cols: int, itemsize: int, masked: bool) -> int:
+  """Scoped VMEM of the largest softmax kernel (the backward) for one block of the rows.
 
-  Its operands' and result's blocks, double-buffered, and float32
+  Its two operands' blocks, double-buffered, the mask's, and four float32
   temporaries: libtpu's compile-only v5e/v6e targets reported at most 21.9
   bytes an element in bfloat16 and 31.4 in float32 over ``pallax.verify``'s
   sweep, where (256, 4096) bfloat16 blocks (2 MiB an operand) overflowed
   v5e's 16 MiB in both backward kernels.
   """
-  return tile * (4 * itemsize + 16 + 2 * masked)
+  block = (block_rows, block_cols)
+  return pu.tpu_vmem_bytes(
+    [
+      pu.VmemBuffer(block, itemsize, copies=2 * 2, padded=False),
+      pu.VmemBuffer(block, 1, copies=2 * masked, padded=False),
+      pu.VmemBuffer(block, 4, copies=4, padded=False),
+    ]
+  )
 
 
 def _rows_cols(avals) -> tuple[int, int]:
@@ -77,17 +78,17 @@ def _masked(avals) -> bool:
 
 def _tpu_row_tile(avals) -> int:
   """Row multiple on TPU: the data's sublane tile, or int8's (32) with a mask."""
-  sub = sublanes(avals[0].dtype)
-  return max(sub, sublanes(jnp.int8)) if _masked(avals) else sub
+  sub = pu.sublanes(avals[0].dtype)
+  return max(sub, pu.sublanes(jnp.int8)) if _masked(avals) else sub
 
 
 def _backend_heuristic(avals, backend: str) -> SoftmaxConfig:
   """The whole row in one block up to 8192 columns; rows to fill the tile."""
   rows, cols = _rows_cols(avals)
   if backend == "triton":
-    block_cols = min(next_pow2(cols), _TRITON_MAX_COLS)
-    block_rows = max(1, min(next_pow2(rows), _TRITON_TILE // block_cols, 64))
-    num_warps = next_pow2(max(1, min(16, block_rows * block_cols // 1024)))
+    block_cols = min(pu.next_pow2(cols), _TRITON_MAX_COLS)
+    block_rows = max(1, min(pu.next_pow2(rows), _TRITON_TILE // block_cols, 64))
+    num_warps = pu.next_pow2(max(1, min(16, block_rows * block_cols // 1024)))
     return SoftmaxConfig(block_rows=block_rows, block_cols=block_cols, num_warps=num_warps)
   block_cols = cols if cols <= _TPU_MAX_COLS else 2048
   tile = _tpu_row_tile(avals)
@@ -108,7 +109,7 @@ _TRITON_TILES = (2048, 4096, 8192)
 
 
 def _triton_widths(cols: int) -> list[int]:
-  widest = min(next_pow2(cols), _TRITON_MAX_COLS)
+  widest = min(pu.next_pow2(cols), _TRITON_MAX_COLS)
   return [widest // 4, widest] if widest >= 64 else [widest]
 
 
@@ -132,7 +133,7 @@ def candidates(avals: Sequence[Any], target: str, **params) -> list[SoftmaxConfi
     out = [base] + ([dataclasses.replace(base, block_cols=narrower)] if legal else [])
   elif backend == "triton":
     blocks = dict.fromkeys(
-      (max(1, min(tile // bc, next_pow2(rows))), bc)
+      (max(1, min(tile // bc, pu.next_pow2(rows))), bc)
       for bc in _triton_widths(cols)
       for tile in _TRITON_TILES
     )
@@ -149,7 +150,7 @@ def candidates(avals: Sequence[Any], target: str, **params) -> list[SoftmaxConfi
       SoftmaxConfig(block_rows=br, block_cols=bc)
       for bc in widths
       for br in sorted({tile, 8 * tile, 256, 1024})
-      if br % tile == 0 and tpu_vmem(br * bc, itemsize, _masked(avals)) <= TPU_VMEM_BUDGET
+      if br % tile == 0 and tpu_vmem(br, bc, itemsize, _masked(avals)) <= pu.TPU_VMEM_BUDGET
     ]
   return out or [base]
 
@@ -161,7 +162,7 @@ def supports(avals: Sequence[Any], target: str, config: SoftmaxConfig, **params)
   if kernel_backend(target) == "mosaic_tpu":
     if dtype == jnp.float64:
       return "float64 has no Mosaic TPU kernel"
-    reason = mosaic_dtype_reason([a.dtype for a in avals], target)
+    reason = pu.mosaic_dtype_reason([a.dtype for a in avals], target)
     if reason:
       return reason
     if config.block_cols < cols and config.block_cols % _TPU_LANES:
@@ -181,7 +182,7 @@ def supports(avals: Sequence[Any], target: str, config: SoftmaxConfig, **params)
     value = getattr(config, name)
     if value & (value - 1):
       return f"{name}={value} must be a power of two on Triton"
-  return triton_warps_reason(config)
+  return pu.triton_warps_reason(config)
 
 
 CONFIG_CLS = SoftmaxConfig

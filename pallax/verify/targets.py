@@ -19,6 +19,8 @@ import re
 import shutil
 from typing import Optional
 
+from pallax.pallas_utils import TPU_VMEM
+
 _GPU_TARGETS = pathlib.Path(__file__).parent / "gpu_targets"
 
 # libtpu looks for a TPU's metadata server and worker list unless told it is a
@@ -99,29 +101,27 @@ class Target:
     return None
 
 
-MiB = 2**20
-
-
 def _gpu(name: str, description: str, arch: str) -> Target:
   """A CUDA target: its device facts in ``gpu_targets/<name>_sxm.txtpb``."""
   return Target(name, "cuda", description, (("topology", "1x1x1"),), f"{name}_sxm.txtpb", arch)
 
 
-def _tpu(name: str, description: str, scoped_vmem: int) -> Target:
-  """A TPU target: one chip of a compile-only ``<name>:2x2`` topology."""
+def _tpu(name: str, description: str) -> Target:
+  """A TPU target: one chip of a compile-only ``<name>:2x2`` topology, its VMEM as ``TPU_VMEM``."""
   topology = (("topology_name", f"{name}:2x2"),)
-  return Target(name, "tpu", description, topology, scoped_vmem=scoped_vmem, vmem=128 * MiB)
+  vmem = TPU_VMEM[name]
+  return Target(
+    name, "tpu", description, topology, scoped_vmem=vmem.default_limit, vmem=vmem.physical
+  )
 
 
-# Scoped VMEM defaults as libtpu 0.0.42 reports them in its overflow errors
-# ("limit 16.00M" on v5e, "32.00M" on v6e); 128 MiB of VMEM on both.
 TARGETS = {
   t.name: t
   for t in (
     _gpu("h100", "NVIDIA H100 SXM, sm_90a", "sm_90a"),
     _gpu("a100", "NVIDIA A100 SXM, sm_80", "sm_80"),
-    _tpu("v5e", "TPU v5e (v5 lite)", 16 * MiB),
-    _tpu("v6e", "TPU v6e (v6 lite)", 32 * MiB),
+    _tpu("v5e", "TPU v5e (v5 lite)"),
+    _tpu("v6e", "TPU v6e (v6 lite)"),
   )
 }
 

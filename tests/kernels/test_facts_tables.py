@@ -1,0 +1,160 @@
+"""The shipped verdicts reject exactly what the hand tables they replaced rejected.
+
+Before issue 27, ``kernels/attention/config.py`` held three tables of
+``pallax.verify`` findings and ``kernels/matmul/config.py`` a spill rule; they
+are data now (``pallax/executor/defaults/{h100,a100}/*.json``). The tables are
+copied here as they were, and the candidates and ``supports`` of the configs
+built from the data must match them on ``cuda`` (which takes the verdicts of
+both GPUs).
+"""
+
+import itertools
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+import pallax
+from pallax.executor.registry import kernel_spec
+from pallax.executor.tools import kernel_calls
+from pallax.kernels.attention import AttentionConfig
+from pallax.kernels.matmul import MatmulConfig
+from pallax.kernels.matmul import config as matmul_config
+from pallax.op import op_params
+from tests.helpers import executor_view
+
+# (stage, operand width, padded head dim) -> (block_q, block_k, num_warps, num_stages).
+OLD_TRITON_CONFIGS = {
+  ("fwd", 2, 64): (
+    (128, 64, 8, 2),
+    (128, 64, 8, 3),
+    (64, 64, 4, 2),
+    (64, 64, 8, 2),
+    (64, 32, 4, 2),
+    (32, 32, 4, 2),
+  ),
+  ("fwd", 2, 128): (
+    (128, 64, 8, 2),
+    (128, 64, 8, 3),
+    (64, 64, 4, 2),
+    (64, 64, 8, 2),
+    (64, 32, 4, 2),
+    (32, 32, 4, 2),
+  ),
+  ("fwd", 2, 256): ((64, 64, 8, 2), (64, 32, 8, 2), (32, 32, 8, 2), (32, 32, 4, 2), (16, 32, 4, 2)),
+  ("fwd", 4, 64): ((64, 32, 8, 2), (32, 32, 8, 2), (32, 32, 4, 2), (16, 32, 4, 2)),
+  ("fwd", 4, 128): ((16, 32, 4, 2), (16, 16, 4, 2)),
+  ("bwd", 2, 64): ((64, 64, 4, 2), (64, 32, 8, 2), (64, 32, 4, 2), (32, 32, 4, 2)),
+  ("bwd", 2, 128): (
+    (64, 64, 8, 2),
+    (64, 64, 8, 3),
+    (64, 32, 8, 2),
+    (64, 32, 4, 2),
+    (32, 32, 8, 2),
+    (32, 32, 4, 2),
+  ),
+  ("bwd", 2, 256): ((32, 32, 8, 2), (32, 32, 8, 1), (16, 16, 4, 2)),
+  ("bwd", 4, 64): ((64, 32, 8, 2), (32, 32, 8, 2), (16, 32, 4, 2), (16, 16, 4, 2)),
+  ("bwd", 4, 128): ((16, 16, 4, 2),),
+  ("jvp", 2, 64): ((64, 64, 8, 2), (64, 32, 8, 2), (64, 32, 4, 2), (32, 32, 4, 2), (16, 32, 4, 2)),
+  ("jvp", 2, 128): ((32, 32, 8, 2), (32, 32, 4, 2), (16, 32, 4, 2), (16, 16, 4, 2)),
+  ("jvp", 2, 256): ((16, 32, 4, 2), (16, 16, 4, 2)),
+  ("jvp", 4, 64): ((16, 16, 4, 2), (16, 16, 4, 3), (16, 16, 8, 2)),
+}
+OLD_SPILL_WITH_FEATURES = {
+  ("fwd", 2, 128): {(128, 64, 8, 2), (128, 64, 8, 3)},
+  ("fwd", 4, 64): {(32, 32, 8, 2)},
+  ("fwd", 4, 128): {(16, 32, 4, 2)},
+  ("jvp", 2, 64): {(64, 64, 8, 2)},
+  ("jvp", 2, 256): {(16, 32, 4, 2)},
+  ("jvp", 4, 64): {(16, 16, 4, 2), (16, 16, 4, 3)},
+  ("bwd", 2, 128): {(64, 32, 4, 2)},
+  ("bwd", 2, 256): {(32, 32, 8, 2), (32, 32, 8, 1)},
+}
+OLD_RAW_SPILLS = {
+  ("fwd", 2, 128): {(128, 64, 8, 2), (128, 64, 8, 3), (64, 64, 4, 2)},
+  ("fwd", 4, 64): {(32, 32, 4, 2)},
+  ("fwd", 4, 128): {(16, 32, 4, 2)},
+  ("bwd", 2, 64): {(64, 64, 4, 2)},
+  ("bwd", 2, 128): {(64, 64, 8, 2), (64, 32, 4, 2)},
+  ("bwd", 4, 64): {(64, 32, 8, 2), (16, 32, 4, 2)},
+  ("bwd", 4, 128): {(16, 16, 4, 2)},
+}
+T, N, K = 256, 4, 2
+
+
+def _attention(features: bool):
+  if not features:
+    return pallax.dot_product_attention
+  return lambda q, k, v, seg: pallax.dot_product_attention(
+    q, k, v, is_causal=True, q_segment_ids=seg, kv_segment_ids=seg, logits_soft_cap=30.0
+  )
+
+
+def _kernel_calls(stage: str, h: int, dtype, features: bool) -> list:
+  s = jax.ShapeDtypeStruct
+  args = [s((1, T, N, h), dtype), s((1, T, K, h), dtype), s((1, T, K, h), dtype)]
+  args += [s((1, T), jnp.int32)] * features
+  attention = fn = _attention(features)
+  if stage == "bwd":
+    loss = lambda q, k, v, *seg: jnp.sum(attention(q, k, v, *seg).astype(jnp.float32))
+    fn = jax.grad(loss, argnums=(0, 1, 2))
+  elif stage == "jvp":
+    fn = lambda q, k, v, *seg: jax.jvp(lambda *x: attention(*x, *seg), (q, k, v), (q, k, v))
+  name = f"dot_product_attention_{stage}"
+  return [e for e in kernel_calls(jax.make_jaxpr(fn)(*args).jaxpr) if e.primitive.name == name]
+
+
+def _config(t, implementation="pallas") -> AttentionConfig:
+  bq, bk, w, st = t
+  return AttentionConfig(
+    block_q=bq, block_k=bk, num_warps=w, num_stages=st, implementation=implementation
+  )
+
+
+@pytest.mark.parametrize("features", [False, True], ids=["plain", "segments_cap"])
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=lambda d: jnp.dtype(d).name)
+@pytest.mark.parametrize("h", [32, 64, 80, 128, 256])
+@pytest.mark.parametrize("stage", ["fwd", "bwd", "jvp"])
+def test_attention_candidates_and_supports_as_the_hand_tables(stage, h, dtype, features):
+  key = (stage, 4 if dtype == jnp.float32 else 2, 64 if h <= 64 else 128 if h <= 128 else 256)
+  listed = OLD_TRITON_CONFIGS.get(key, ())
+  spill = OLD_SPILL_WITH_FEATURES.get(key, set()) if features else set()
+  pallas = [_config(t) for t in listed if t not in spill]
+  raw = {_config(t, "triton_raw") for t in listed if t not in OLD_RAW_SPILLS.get(key, set())}
+  heuristic, candidates, _ = executor_view(f"dot_product_attention_{stage}")
+  supports = kernel_spec(f"dot_product_attention_{stage}").supports
+  calls = _kernel_calls(stage, h, dtype, features)
+  assert calls
+  for eqn in calls:
+    avals, params = [v.aval for v in eqn.invars], op_params(eqn.params)
+    found = [c for c in candidates(avals, "cuda", **params) if c.implementation == "pallas"]
+    base = heuristic(avals, "cuda", **params)
+    if pallas:
+      assert found == pallas
+      assert base == pallas[0]
+    else:
+      assert "spill-free" in supports(avals, "cuda", base, **params)
+    if stage == "jvp" or features:  # no raw tangent kernel; raw kernels take no segment ids
+      continue
+    for t in OLD_TRITON_CONFIGS[key[0], key[1], 64] + OLD_TRITON_CONFIGS[key[0], 2, 128]:
+      config = _config(t, "triton_raw")
+      assert (supports(avals, "cuda", config, **params) is None) == (config in raw), config
+
+
+def _old_spills(bm: int, bn: int, bk: int, itemsize: int) -> bool:
+  """``kernels/matmul/config.py``'s ``_spills`` before issue 27."""
+  if itemsize == 4 and bk > 32 and bm * bn >= 128 * 128:
+    return True
+  return (bm, bn, bk) == (128, 64, 64) or (itemsize == 2 and (bm, bn, bk) == (64, 64, 32))
+
+
+def test_matmul_spills_as_the_hand_rule():
+  blocks = (16, 32, 64, 128)
+  for bm, bn, bk, itemsize, warps, stages, ta, tb in itertools.product(
+    blocks, blocks, (16, 32, 64), (2, 4), (4, 8), (1, 3), (False, True), (False, True)
+  ):
+    config = MatmulConfig(block_m=bm, block_n=bn, block_k=bk, num_warps=warps, num_stages=stages)
+    call = {"itemsize": itemsize, "transpose_a": ta, "transpose_b": tb}
+    assert matmul_config._spills(config, "cuda", call) == _old_spills(bm, bn, bk, itemsize)
+    assert not matmul_config._spills(config, "tpu", call)  # verdicts of the GPUs only
