@@ -4,12 +4,15 @@ Prints a table per kernel and target (configs compiled, spills, failures,
 largest register count, shared memory and scoped VMEM, compile time), then
 every failure; exits 1 if any compile failed, spilled, timed out or crashed,
 2 if a target cannot be compiled for here (a missing package) or an argument
-is wrong.
+is wrong. ``--write-facts`` records the spills and memory overflows as the
+shipped verdicts of ``pallax.executor.facts`` (``verdicts.py``) instead of
+failing on them.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import pathlib
 import sys
 from collections.abc import Sequence
@@ -17,9 +20,12 @@ from typing import Optional
 
 import jax
 
+from pallax.executor import facts
+from pallax.executor.cache import defaults_dir
 from pallax.verify import TARGETS, verify
 from pallax.verify.pool import cpu_count
 from pallax.verify.sweep import OPS, import_modules
+from pallax.verify.verdicts import write_facts
 
 
 def _names(text: str) -> list[str]:
@@ -71,6 +77,16 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
   parser.add_argument("--timeout", type=float, default=300.0, help="seconds per compile")
   parser.add_argument("--no-cache", action="store_true", help="recompile cached results")
   parser.add_argument("--json", type=pathlib.Path, help="write every result to this file")
+  parser.add_argument(
+    "--write-facts",
+    nargs="?",
+    const=defaults_dir(),
+    type=pathlib.Path,
+    metavar="DIR",
+    help="compile the configs the shipped verdicts leave out too, and merge this run's "
+    "verdicts (spills, memory overflows) into DIR/<device>/<kernel>.json (default: the "
+    "package's pallax/executor/defaults); exits 0 when every failure became a verdict",
+  )
   args = parser.parse_args(argv)
   try:
     import_modules(args.module)
@@ -79,17 +95,18 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
   # This process only traces (workers compile): the CPU spares it initialising GPU plugins.
   jax.config.update("jax_platforms", "cpu")
   try:
-    report = verify(
-      args.ops,
-      args.targets,
-      quick=args.quick,
-      exhaustive=args.exhaustive,
-      heuristic_only=args.heuristic_only,
-      implementations=args.implementation,
-      workers=args.workers,
-      timeout_s=args.timeout,
-      cache=not args.no_cache,
-    )
+    with facts.ignored() if args.write_facts else contextlib.nullcontext():
+      report = verify(
+        args.ops,
+        args.targets,
+        quick=args.quick,
+        exhaustive=args.exhaustive,
+        heuristic_only=args.heuristic_only,
+        implementations=args.implementation,
+        workers=args.workers,
+        timeout_s=args.timeout,
+        cache=not args.no_cache,
+      )
   except ValueError as err:  # an unknown op or target
     parser.error(str(err))
   print(report)
@@ -97,6 +114,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     args.json.write_text(report.to_json())
   if report.unavailable:
     return 2
+  if args.write_facts:
+    written = write_facts(report.results, args.write_facts)
+    print(written)
+    return 1 if written.unrecorded or not report.results or report.unswept else 0
   return 0 if report.ok else 1
 
 
