@@ -64,10 +64,12 @@ def tune(
   """Autotunes every kernel call of ``fn(*args, **kwargs)`` on this device.
 
   The winners go to ``executor``'s (default: the default executor's) memory
-  and persistent cache. Whether kernels run interpreted is the interpret
-  switch's business (``pallax.interpret``, ``PALLAX_INTERPRET``); interpreted
-  timings say nothing about a GPU or TPU, so under the switch this raises
-  unless ``allow_interpreted``.
+  and persistent cache; each kernel call (a cache key) is tuned once, the
+  forward's calls that the backward makes again included. Whether kernels
+  run interpreted is the interpret switch's business (``pallax.interpret``,
+  ``PALLAX_INTERPRET``); interpreted timings say nothing about a GPU or TPU,
+  so under the switch this raises unless ``allow_interpreted`` (outside it,
+  the executor never times an interpreted kernel).
 
   Args:
     fn: the function whose kernel calls to tune.
@@ -87,10 +89,12 @@ def tune(
       f"pallax.tune: the interpret switch is on ({target}): interpreted kernels' timings "
       "say nothing about the hardware; turn the switch off, or allow_interpreted=True"
     )
-  report = autotune(fn, *args, executor=executor, **kwargs)
-  if grad:
-    report.extend(autotune(_backward(fn, args, kwargs), *args, executor=executor))
-  return report
+  if not grad:
+    return autotune(fn, *args, executor=executor, **kwargs)
+  # One trace of the forward and the backward, so that a kernel call both
+  # make (the forward's, which the backward recomputes) is tuned once.
+  backward = _backward(fn, args, kwargs)
+  return autotune(lambda *a: (fn(*a, **kwargs), backward(*a)), *args, executor=executor)
 
 
 def _floating(x) -> bool:

@@ -1,7 +1,7 @@
 """pallax.tune: tuning a function's kernels, the cache a fresh process reads, export and import.
 
-On the CPU the candidates are the XLA program and interpreted kernels: real
-timings, small shapes.
+On the CPU the XLA program is the only candidate (interpreted kernels are
+timed only under the interpret switch): real timings, small shapes.
 """
 
 from __future__ import annotations
@@ -122,3 +122,44 @@ def test_parse_shape():
   for bad in ("f32(8)", "nope[3]", "f32[a]"):
     with pytest.raises(ValueError, match="pallax.tune"):
       parse_shape(bad)
+
+
+def _recording_timer(timed: list):
+  def timer(config):
+    timed.append(config)
+    return 1e-3 if config.implementation == "xla" else 1e-6  # a kernel would win if timed
+
+  return timer
+
+
+def test_cpu_autotuning_never_times_interpreted_kernels():
+  """Outside the interpret switch, a kernel that would run interpreted is not a candidate."""
+  timed = []
+  ex = Executor(policy="autotune", cache_dir=False, timer=_recording_timer(timed))
+  x = jnp.ones((64, 128), jnp.float32)
+  with ex:
+    pallax.softmax(x).block_until_ready()
+  assert timed and {c.implementation for c in timed} == {"xla"}, timed
+  chosen, result = ex.tune_log[-1]
+  assert chosen.config.implementation == "xla"
+  assert result.failures and all("not timed" in why for _, why in result.failures)
+
+
+def test_interpret_switch_times_the_interpreted_kernels():
+  timed = []
+  ex = Executor(policy="autotune", cache_dir=False, timer=_recording_timer(timed))
+  x = jnp.ones((64, 128), jnp.float32)
+  with ex, pallax.interpret():
+    pallax.softmax(x).block_until_ready()
+  assert timed and {c.implementation for c in timed} == {"pallas"}, timed
+
+
+def test_tune_times_each_kernel_call_once_per_run():
+  """The backward's recomputed forward calls are not tuned a second time."""
+  timed = []
+  ex = Executor(cache_dir=False, timer=_recording_timer(timed))
+  report = tune(two_layer, *STRUCTS, grad=True, executor=ex)
+  keys = [s.key for s in report]
+  assert len(keys) == len(set(keys)), keys
+  assert [s.key for s, _ in ex.tune_log] == keys
+  assert {"rms_norm_bwd", "softmax_bwd"} <= {s.op for s in report}

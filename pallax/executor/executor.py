@@ -20,7 +20,8 @@ asks a kernel whether it supports an ``"xla"`` config: the XLA program runs
 every call. A selected ``"pallas"`` config the kernel cannot run (say float64
 on TPU) is replaced by the XLA program, visibly: a log line and a note in
 ``explain``. Under the interpret switch the executor never picks the XLA
-program (a pinned ``"xla"`` config still runs it).
+program (a pinned ``"xla"`` config still runs it). Interpreted kernels are a
+test device: autotuning times them only under the interpret switch.
 Heuristic picks are never written to disk; pinned configs never stored.
 
 Which executor and overlays apply is a JAX config flag in the trace context, so
@@ -54,7 +55,13 @@ from pallax.executor.implementation import (
   short_device_kind,
   xla_allowed,
 )
-from pallax.executor.registry import KernelSpec, describe_avals, kernel_spec, resolved
+from pallax.executor.registry import (
+  KernelSpec,
+  describe_avals,
+  kernel_implementations,
+  kernel_spec,
+  resolved,
+)
 
 log = logging.getLogger("pallax.executor")
 
@@ -206,6 +213,24 @@ def _runnable(spec: KernelSpec, target: str) -> list[str]:
     and not implementation(name).interpreted(target)
     and implementation(name).unavailable_reason(target) is None
   ]
+
+
+def _interpreted_outside_switch(
+  spec: KernelSpec, target: str, config: KernelConfig
+) -> Optional[str]:
+  """Why autotuning does not time ``config`` on ``target``, if it would run interpreted there.
+
+  Interpreted kernels say nothing about the hardware's speed: only under the
+  interpret switch, where nothing else may run, are they timed. This holds
+  for the kernel functions the op registered (a spec alone, as tests make,
+  runs whatever its ``make_fn`` runs).
+  """
+  if not xla_allowed(target) or config.implementation == XLA:
+    return None
+  name = resolved(spec.op, config.implementation, target)
+  if name not in kernel_implementations(spec.op) or not implementation(name).interpreted(target):
+    return None
+  return f"{name} runs interpreted on {target} (timed only under pallax.interpret)"
 
 
 def _named(config: KernelConfig, name: str) -> KernelConfig:
@@ -419,10 +444,11 @@ class Executor:
     failures = []
     for config in candidate_configs(spec, avals, target, params):
       reason = unsupported_reason(spec, avals, target, config, params)
-      if reason is None:
+      untimed = None if reason else _interpreted_outside_switch(spec, target, config)
+      if reason is None and untimed is None:
         candidates.append(config)
       else:
-        failures.append((config, f"not supported: {reason}"))
+        failures.append((config, f"not supported: {reason}" if reason else f"not timed: {untimed}"))
     if self.timer is not None:
       benchmark = autotune_lib.timer_benchmark(self.timer)
     else:

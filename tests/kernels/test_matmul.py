@@ -351,7 +351,7 @@ def test_tile_sizes_from_the_config_reach_the_kernel():
     assert f"grid_x = {grid[0]} : i32, grid_y = {grid[1]} : i32, grid_z = 1" in text
 
 
-def test_autotune_on_cpu_times_the_xla_program_and_the_kernel(tmp_path):
+def test_autotune_on_cpu_times_the_xla_program_not_the_interpreted_kernel(tmp_path):
   rng = np.random.default_rng(2)
   a, b, bias = rand(rng, (24, 40)), rand(rng, (40, 32)), rand(rng, (32,))
   ex = Executor(policy="autotune", cache_dir=tmp_path)
@@ -359,7 +359,7 @@ def test_autotune_on_cpu_times_the_xla_program_and_the_kernel(tmp_path):
   assert [s.op for s in report] == ["matmul"] * 3  # forward, dA, dB: three shapes
   assert all(s.source == "autotune" for s in report)
   for _, result in ex.tune_log:
-    assert {c.implementation for c, _ in result.timings} == {"xla", "pallas"}
+    assert {c.implementation for c, _ in result.timings} == {"xla"}
   with ex:
     got = jax.jit(jax.grad(_loss, (0, 1, 2)))(a, b, bias)
   # Whichever implementation autotuning picked, the gradients match float64.
