@@ -148,7 +148,7 @@ def tpu_vmem(p: Problem, config: CrossEntropyConfig, stage: str) -> int:
     return pu.tpu_vmem_bytes(buffers)
   # The tangent's float32 dots over all of D hold about four more block copies
   # (the MXU takes float32 operands as bfloat16 parts): v5e's compile reports
-  # 37.6 pu.MiB at (16, 512, 2048) float32 where the terms above give 16.8.
+  # 37.6 MiB at (16, 512, 2048) float32 where the terms above give 16.8.
   parts = 4 if not split and max(ix, iw) == 4 else 0
   buffers = [
     _times(x, 4 + 2 * split + parts),
@@ -257,8 +257,8 @@ def supports(
     vmem = tpu_vmem(p, config, stage)
     if not interpreted(target) and vmem > _TPU_VMEM_CAP:
       return (
-        f"{config} needs about {vmem / pu.MiB:.1f} pu.MiB of VMEM in the {stage} stage, over the "
-        f"{_TPU_VMEM_CAP // pu.MiB} pu.MiB a Mosaic TPU cross-entropy kernel may take"
+        f"{config} needs about {vmem / pu.MiB:.1f} MiB of VMEM in the {stage} stage, over the "
+        f"{_TPU_VMEM_CAP // pu.MiB} MiB a Mosaic TPU cross-entropy kernel may take"
       )
     return None
   if p.stat_dtype != jnp.float32:

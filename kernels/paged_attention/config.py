@@ -9,6 +9,7 @@ from typing import Any, Optional
 import jax.numpy as jnp
 
 from pallax import pallas_utils as pu
+from pallax.executor import facts
 from pallax.executor.config import KernelConfig
 from pallax.executor.registry import interpreted, kernel_backend
 from pallax.kernels.paged_attention.common import Problem
@@ -56,22 +57,49 @@ def rows(p: Problem) -> int:
   return pu.next_pow2(max(p.groups, 16))
 
 
-def max_triton_block_k(p: Problem) -> int:
-  """The largest ``block_k`` ptxas compiled spill-free for H100 and A100 (``pallax.verify``).
+# Triton: the tokens a step the space tries (``candidates``; the heuristic
+# takes 64, or 32 where 64 is rejected). A call takes those ``pallax.verify``
+# did not see spill or overflow shared memory on its devices (``facts``:
+# ``defaults/<device>/paged_attention.json``, per operand width and padded
+# head dim): float32 dots at precision HIGHEST hold their operands in
+# registers. Blocks beyond the space were never verified.
+_TRITON_BLOCKS = (32, 64, 128)
 
-  16-bit operands compiled at every block up to 128 (148 KiB of shared memory
-  at head dim 256). float32 dots at precision HIGHEST hold their operands in
-  registers: 64-token blocks spilled at padded head dims 128 and 256 (with 4
-  and 8 warps), 128-token ones at 64 and 128 and overflowed shared memory at
-  256; 32 compiled everywhere, 64 at head dims up to 64.
+
+def call_facts(avals: Sequence[Any], **params) -> dict[str, Any]:
+  """What the compiler verdicts on a call's configs depend on (``pallax.executor.facts``).
+
+  width: the operands' bytes an element (2 or 4); head: the padded head dim
+  (64, 128 or 256; smaller heads count as 64).
   """
-  if jnp.dtype(p.dtype).itemsize < 4:
-    return 128
-  return 64 if pu.next_pow2(max(p.head_dim, p.value_dim, 16)) <= 64 else 32
+  return _facts(Problem.of(avals, **params))
 
 
-def _triton_block_k(p: Problem) -> int:
-  return min(64, max_triton_block_k(p), max(16, pu.next_pow2(p.max_len)))
+def _facts(p: Problem) -> dict[str, Any]:
+  return {
+    "width": 4 if jnp.dtype(p.dtype).itemsize == 4 else 2,
+    "head": max(64, pu.next_pow2(max(p.head_dim, p.value_dim, 16))),
+  }
+
+
+def _triton_block_reason(p: Problem, target: str, config: PagedAttentionConfig) -> Optional[str]:
+  """Why a Triton config's ``block_k`` cannot compile cleanly for this call, if so."""
+  if config.block_k > max(_TRITON_BLOCKS):
+    return f"at most {max(_TRITON_BLOCKS)} tokens a step on Triton (the verified blocks)"
+  return facts.rejection(target, "paged_attention", config, _facts(p))
+
+
+def _triton_block_k(p: Problem, target: str) -> int:
+  """64 tokens a step, or 32 where 64 is rejected; no more than the longest sequence."""
+  bk = next(
+    (
+      bk
+      for bk in (64, 32)
+      if _triton_block_reason(p, target, PagedAttentionConfig(block_k=bk)) is None
+    ),
+    16,
+  )
+  return min(bk, max(16, pu.next_pow2(p.max_len)))
 
 
 def splits_for(p: Problem, block_k: int) -> int:
@@ -108,7 +136,7 @@ def tpu_vmem(p: Problem, config: PagedAttentionConfig) -> int:
 def heuristic(avals: Sequence[Any], target: str, **params) -> PagedAttentionConfig:
   p = Problem.of(avals, **params)
   if kernel_backend(target) == "triton":
-    bk = _triton_block_k(p)
+    bk = _triton_block_k(p, target)
     return PagedAttentionConfig(block_k=bk, num_splits=splits_for(p, bk))
   return PagedAttentionConfig(pages_per_block=_tpu_pages(p))
 
@@ -121,7 +149,7 @@ def candidates(avals: Sequence[Any], target: str, **params) -> list[PagedAttenti
     return [base]
   if kernel_backend(target) == "triton":
     out = []
-    for bk in (32, 64, 128):
+    for bk in _TRITON_BLOCKS:
       bk = min(bk, max(16, pu.next_pow2(p.max_len)))
       splits = splits_for(p, bk)
       for s in dict.fromkeys((splits, max(1, splits // 2), min(_MAX_SPLITS, 2 * splits))):
@@ -146,7 +174,7 @@ def supports(
     stacks = config.pages_per_block > 1 and p.page_size % pu.sublanes(p.dtype)
     if stacks and not interpreted(target):  # Mosaic's layouts; the interpreter stacks any
       return (
-        f"page_size={p.page_size} is not a multiple of {pu.sublanes(p.dtype)} pu.sublanes: "
+        f"page_size={p.page_size} is not a multiple of {pu.sublanes(p.dtype)} sublanes: "
         "one page per step on TPU"
       )
     if config.pages_per_block > p.pages_per_sequence:
@@ -160,10 +188,11 @@ def supports(
   value = config.block_k
   if value & (value - 1) or value < 16:
     return f"block_k={value} must be a power of two >= 16 on Triton"
-  if not interpreted(target) and value > max_triton_block_k(p):
+  reason = None if interpreted(target) else _triton_block_reason(p, target, config)
+  if reason is not None:
     return (
       f"block_k={value} spills for {jnp.dtype(p.dtype).name} at head dim "
-      f"{max(p.head_dim, p.value_dim)} (at most {max_triton_block_k(p)})"
+      f"{max(p.head_dim, p.value_dim)}: {reason}"
     )
   if p.groups > MAX_TRITON_GROUPS:
     return f"{p.groups} query heads a kv head: at most {MAX_TRITON_GROUPS} on Triton"

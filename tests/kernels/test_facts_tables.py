@@ -1,8 +1,9 @@
 """The shipped verdicts reject exactly what the hand tables they replaced rejected.
 
 Before issue 27, ``kernels/attention/config.py`` held three tables of
-``pallax.verify`` findings and ``kernels/matmul/config.py`` a spill rule; they
-are data now (``pallax/executor/defaults/{h100,a100}/*.json``). The tables are
+``pallax.verify`` findings, ``kernels/matmul/config.py`` a spill rule and
+``kernels/paged_attention/config.py`` a largest-block rule; they are data now
+(``pallax/executor/defaults/{h100,a100}/*.json``). The tables and rules are
 copied here as they were, and the candidates and ``supports`` of the configs
 built from the data must match them on ``cuda`` (which takes the verdicts of
 both GPUs).
@@ -20,6 +21,8 @@ from pallax.executor.tools import kernel_calls
 from pallax.kernels.attention import AttentionConfig
 from pallax.kernels.matmul import MatmulConfig
 from pallax.kernels.matmul import config as matmul_config
+from pallax.kernels.paged_attention import PagedAttentionConfig
+from pallax.kernels.paged_attention import config as paged_config
 from pallax.op import op_params
 from tests.helpers import executor_view
 
@@ -158,3 +161,32 @@ def test_matmul_spills_as_the_hand_rule():
     call = {"itemsize": itemsize, "transpose_a": ta, "transpose_b": tb}
     assert matmul_config._spills(config, "cuda", call) == _old_spills(bm, bn, bk, itemsize)
     assert not matmul_config._spills(config, "tpu", call)  # verdicts of the GPUs only
+
+
+def _old_max_block_k(itemsize: int, head: int) -> int:
+  """``kernels/paged_attention/config.py``'s ``max_triton_block_k`` before issue 27."""
+  if itemsize < 4:
+    return 128
+  return 64 if max(16, 1 << (head - 1).bit_length()) <= 64 else 32
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=lambda d: jnp.dtype(d).name)
+@pytest.mark.parametrize("head", [32, 64, 80, 128, 256])
+def test_paged_attention_blocks_as_the_hand_rule(head, dtype):
+  b, n, kv, pages, page = 4, 8, 2, 64, 16
+  s = jax.ShapeDtypeStruct
+  args = [s((b, n, head), dtype), s((kv, b * pages, page, head), dtype)]
+  args += [s((kv, b * pages, page, head), dtype), s((b,), jnp.int32), s((b, pages), jnp.int32)]
+  jaxpr = jax.make_jaxpr(pallax.paged_attention)(*args).jaxpr
+  (eqn,) = kernel_calls(jaxpr)
+  avals, params = [v.aval for v in eqn.invars], op_params(eqn.params)
+  most = _old_max_block_k(jnp.dtype(dtype).itemsize, head)
+  for block_k in (16, 32, 64, 128, 256, 512):
+    for warps in (4, 8):
+      config = PagedAttentionConfig(block_k=block_k, num_warps=warps)
+      reason = paged_config.supports(avals, "cuda", config, **params)
+      assert (reason is None) == (block_k <= most), (block_k, reason)
+      assert reason is None or "spills" in reason
+  assert paged_config.heuristic(avals, "cuda", **params).block_k == min(64, most)
+  found = {c.block_k for c in paged_config.candidates(avals, "cuda", **params)}
+  assert found == {k for k in (32, 64, 128) if k <= most}
