@@ -50,7 +50,7 @@ from pallax import triton_raw
 from pallax.batching_utils import NOT_MAPPED, axis_size
 from pallax.executor.config import KernelConfig
 from pallax.executor.implementation import PALLAS, XLA, implementations, kernel_backend, resolve
-from pallax.executor.registry import registered_ops
+from pallax.executor.registry import ConfigSpace, registered_ops
 from pallax.op import (
   FRAMEWORK_PARAMS,
   Dims,
@@ -85,52 +85,6 @@ _BATCH_FACTOR = "_batch"
 
 DimsArg = Union[str, Dims, Callable[..., Dims]]
 BatchingArg = Union[Literal["fold", "grid"], Callable[..., tuple]]
-
-
-@dataclasses.dataclass(frozen=True)
-class ConfigSpace:
-  """A kernel's config class and how the executor chooses among its configs.
-
-  Each callable sees the call as the kernel does: ``avals`` are
-  ``jax.ShapeDtypeStruct``s of the kernel's operands (after vmap folding, per
-  shard), ``target`` an executor target (``"cuda"``, ``"tpu"``, ``"cpu"``,
-  ``"interpret-triton"``, ...; ``pallax.executor.registry``) and ``params``
-  the op's static keyword arguments.
-
-  Attributes:
-    config_cls: the config class, a frozen dataclass subclassing
-      ``pallax.KernelConfig`` (block sizes, ``num_warps``, ...). Its
-      ``implementation`` names the kernel a config runs: ``"pallas"`` (the
-      Pallas kernel of the target's backend) or ``"triton_raw"`` (the raw
-      Triton kernel); an op with only a raw kernel should default it to
-      ``"triton_raw"``.
-    heuristic: ``(avals, target, **params) -> config``: cheap, always legal.
-    candidates: ``(avals, target, **params) -> [config]``: the autotuning
-      space; None: the heuristic's config alone.
-    supports: ``(avals, target, config, **params) -> reason or None``: why
-      ``config`` cannot run this call, if it cannot; None: every config can.
-    version: bump when a config's meaning changes (stale cached configs are
-      then ignored).
-  """
-
-  config_cls: type[KernelConfig]
-  heuristic: Callable[..., KernelConfig]
-  candidates: Optional[Callable[..., Sequence[KernelConfig]]] = None
-  supports: Optional[Callable[..., Optional[str]]] = None
-  version: int = 1
-
-  def __post_init__(self):
-    if not (isinstance(self.config_cls, type) and issubclass(self.config_cls, KernelConfig)):
-      raise TypeError(
-        "ConfigSpace: config_cls must be a subclass of pallax.KernelConfig, "
-        f"got {self.config_cls!r}"
-      )
-    for name in ("heuristic", "candidates", "supports"):
-      value = getattr(self, name)
-      if (value is not None or name == "heuristic") and not callable(value):
-        raise TypeError(f"ConfigSpace: {name} must be callable, got {type(value).__name__}")
-    if not isinstance(self.version, int) or isinstance(self.version, bool) or self.version < 1:
-      raise ValueError(f"ConfigSpace: version must be a positive int, got {self.version!r}")
 
 
 @dataclasses.dataclass(frozen=True)

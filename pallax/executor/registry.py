@@ -52,12 +52,61 @@ TARGETS = PLATFORMS + ("interpret-triton", "interpret-mosaic_tpu")
 
 @dataclasses.dataclass(frozen=True)
 class ConfigSpace:
-  """An implementation's own config space for a kernel (see ``KernelSpec``'s fields)."""
+  """A kernel's config class and how the executor chooses among its configs.
+
+  Each callable sees the call as the kernel does: ``avals`` are
+  ``jax.ShapeDtypeStruct``s of the kernel's operands (after vmap folding, per
+  shard), ``target`` an executor target (``"cuda"``, ``"tpu"``, ``"cpu"``,
+  ``"interpret-triton"``, ...; ``pallax.executor.registry``) and ``params``
+  the op's static keyword arguments.
+
+  Attributes:
+    config_cls: the config class, a frozen dataclass subclassing
+      ``pallax.KernelConfig`` (block sizes, ``num_warps``, ...). Its
+      ``implementation`` names the kernel a config runs: ``"pallas"`` (the
+      Pallas kernel of the target's backend) or ``"triton_raw"`` (the raw
+      Triton kernel); an op with only a raw kernel should default it to
+      ``"triton_raw"``.
+    heuristic: ``(avals, target, **params) -> config``: cheap, always legal.
+    candidates: ``(avals, target, **params) -> [config]``: the autotuning
+      space; None: the heuristic's config alone.
+    supports: ``(avals, target, config, **params) -> reason or None``: why
+      ``config`` cannot run this call, if it cannot; None: every config can.
+    version: bump when a config's meaning changes (stale cached configs are
+      then ignored).
+
+  It is a custom op's config space (``pallax.custom_op``) and the space of an
+  implementation added to a registered kernel (``register_kernel_implementation``).
+  """
 
   config_cls: type[KernelConfig]
   heuristic: Callable[..., KernelConfig]
-  candidates: Callable[..., Sequence[KernelConfig]]
-  supports: Callable[..., Optional[str]]
+  candidates: Optional[Callable[..., Sequence[KernelConfig]]] = None
+  supports: Optional[Callable[..., Optional[str]]] = None
+  version: int = 1
+
+  def __post_init__(self):
+    if not (isinstance(self.config_cls, type) and issubclass(self.config_cls, KernelConfig)):
+      raise TypeError(
+        "ConfigSpace: config_cls must be a subclass of pallax.KernelConfig, "
+        f"got {self.config_cls!r}"
+      )
+    for name in ("heuristic", "candidates", "supports"):
+      value = getattr(self, name)
+      if (value is not None or name == "heuristic") and not callable(value):
+        raise TypeError(f"ConfigSpace: {name} must be callable, got {type(value).__name__}")
+    if not isinstance(self.version, int) or isinstance(self.version, bool) or self.version < 1:
+      raise ValueError(f"ConfigSpace: version must be a positive int, got {self.version!r}")
+
+  def configs(self, avals: Sequence[Any], target: str, **params) -> list[KernelConfig]:
+    """The autotuning candidates (the heuristic's config alone without ``candidates``)."""
+    if self.candidates is None:
+      return [self.heuristic(avals, target, **params)]
+    return list(self.candidates(avals, target, **params))
+
+  def reason(self, avals: Sequence[Any], target: str, config: KernelConfig, **params):
+    """Why ``config`` cannot run this call, if it cannot (never, without ``supports``)."""
+    return None if self.supports is None else self.supports(avals, target, config, **params)
 
 
 @dataclasses.dataclass(frozen=True)
