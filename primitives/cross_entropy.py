@@ -44,6 +44,7 @@ from pallax.kernels.cross_entropy.common import Problem, combine_stats, flat_tok
 from pallax.op import (
   Dims,
   PrimitiveSpec,
+  Program,
   Rewrite,
   Shards,
   bind,
@@ -97,8 +98,7 @@ def _dims(stage: str):
       operands,
       results,
       replicated=("d",) if params["linear"] else (),
-      per_shard=functools.partial(_per_shard, stage, params),
-      indexed=("v",),
+      programs=(Program("vocab_parallel", ("v",), functools.partial(_per_shard, stage, params)),),
     )
 
   return dims

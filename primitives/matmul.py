@@ -20,8 +20,9 @@ to the cotangent before the backward kernels. Higher-order AD differentiates
 the same rules.
 
 Sharding: batch dims and M shard freely, a sharded N shards the result, and a
-sharded K is contracted per device and the float32 partial products are
-summed across devices (an all-reduce) before the epilogue.
+sharded K runs a per-shard program (``pallax.op.collectives``): K is
+contracted per device and the float32 partial products are summed across
+devices (an all-reduce) before the epilogue.
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ from pallax.kernels.matmul import ACTIVATIONS, MatmulConfig
 from pallax.op import (
   Dims,
   PrimitiveSpec,
+  Program,
   bind,
   define_primitive,
   derived_aval,
@@ -132,7 +134,10 @@ def _matmul_dims(a, b, *bias, **params) -> Dims:
   if bias:
     operands += (pick("bias_batch") + ("n",),)
   results = (batch + ("m", "n"),) * (1 + params["save_preactivation"])
-  return Dims(operands, results, per_shard=functools.partial(_matmul_per_shard, **params))
+  sum_partials = Program(
+    "psum_partials", ("k",) + contracted, functools.partial(_matmul_per_shard, **params)
+  )
+  return Dims(operands, results, programs=(sum_partials,))
 
 
 matmul_p = define_primitive(

@@ -2,8 +2,10 @@
 
 One module per concern: ``primitive`` (``define_primitive`` and the
 framework params), ``autodiff`` (``define_residual_op``), ``composite``
-(``define_composite``), ``kernel`` (an op's kernels for the executor) and
-``sharding`` (``Dims`` and the partitioning rule).
+(``define_composite``), ``kernel`` (an op's kernels for the executor),
+``sharding`` (``Dims`` and the partitioning rule) and ``collectives`` (the
+per-shard programs that compute a sharded factor the kernel cannot split, and
+the record of which one ran).
 
 An op author writes the pieces (abstract eval, XLA program, Pallas kernels per
 backend, sharding dims, batching rule) and declares them here, once:
@@ -40,6 +42,7 @@ three on.
 """
 
 from pallax.op.autodiff import ResidualOp, define_residual_op, instantiate
+from pallax.op.collectives import Choice, Program, Shards, explain_programs
 from pallax.op.composite import CompositePrimitive, define_composite
 from pallax.op.kernel import Kernel, kernel_runner, select_config
 from pallax.op.primitive import (
@@ -52,15 +55,17 @@ from pallax.op.primitive import (
   op_params,
   produced_by,
 )
-from pallax.op.sharding import Dims, Shards, derived_aval, full_spec, match_manual_axes
+from pallax.op.sharding import Dims, derived_aval, full_spec, match_manual_axes
 
 __all__ = [
   "FRAMEWORK_PARAMS",
+  "Choice",
   "CompositePrimitive",
   "Dims",
   "Kernel",
   "KernelPrimitive",
   "PrimitiveSpec",
+  "Program",
   "ResidualOp",
   "Rewrite",
   "Shards",
@@ -69,6 +74,7 @@ __all__ = [
   "define_primitive",
   "define_residual_op",
   "derived_aval",
+  "explain_programs",
   "full_spec",
   "instantiate",
   "kernel_runner",

@@ -2,13 +2,15 @@
 
 ``Dims`` says which operand and result dimensions are the same factor; a
 primitive call lowered under a mesh is wrapped by ``partitioned`` so that each
-device runs the kernel on its shard (batch-like factors), or a per-shard
-program (a sharded reduced factor), never on gathered operands.
+device runs the kernel on its shard (batch-like factors), or one of the op's
+per-shard programs with collectives (a factor the kernel cannot split:
+``pallax.op.collectives``), never on gathered operands.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -16,6 +18,8 @@ import jax
 from jax.experimental.custom_partitioning import SdyShardingRule, custom_partitioning
 from jax.extend.core import Primitive
 from jax.sharding import NamedSharding, PartitionSpec
+
+from pallax.op.collectives import Program, Shards, choose, program_factors
 
 
 @dataclasses.dataclass(frozen=True)
@@ -27,17 +31,15 @@ class Dims:
   factor present in an operand but absent from a result is reduced, so a result
   computed from a sharded factor is summed across the devices holding it.
 
-  ``per_shard`` is for ops whose results are not plain sums over a reduced
-  factor (a matmul with a fused bias or activation must sum the partial
-  products before the epilogue; a loss combines per-shard log-sum-exps):
-  ``(shards, *args) -> results`` runs on each device instead of the kernel
-  when a reduced factor is sharded, where ``shards`` (a ``Shards``) sums a
-  result across the devices it is summed over and names each factor's mesh
-  axes. None: the kernel runs and its results are summed as they are.
-
-  ``indexed`` names factors that ``per_shard`` must see sharded even where no
-  result is summed over them: operands hold global indices into them (labels
-  into a sharded vocabulary), which each shard must offset.
+  ``programs`` are for factors the kernel cannot split (``Program``): when
+  one of their factors is sharded, the cheapest program that computes it
+  runs on each device instead of the kernel (a matmul with a fused bias or
+  activation sums the partial products before the epilogue; a loss combines
+  per-shard log-sum-exps; attention rings the key blocks). Such a factor is
+  never a plain sum: it needs its program even where no result is reduced
+  over it (labels into a sharded vocabulary are offset per shard). For a
+  reduced factor that no program names, the kernel runs and its results are
+  summed as they are.
 
   ``refused`` maps factors that the op cannot shard (yet) to the error a
   sharded one raises, instead of being gathered quietly.
@@ -46,34 +48,18 @@ class Dims:
   operands: tuple[tuple[str, ...], ...]
   results: tuple[tuple[str, ...], ...]
   replicated: tuple[str, ...] = ()
-  per_shard: Callable[..., Sequence[Any]] | None = None
-  indexed: tuple[str, ...] = ()
+  programs: tuple[Program, ...] = ()
   refused: Mapping[str, str] = dataclasses.field(default_factory=dict)
 
-
-@dataclasses.dataclass(frozen=True)
-class Shards:
-  """What a ``Dims.per_shard`` function knows of how its call is partitioned.
-
-  factors: each sharded factor's mesh axes.
-  summed: per result, the mesh axes it is summed over (those of the reduced
-    factors that are sharded).
-  """
-
-  factors: Mapping[str, tuple[str, ...]]
-  summed: Sequence[tuple[str, ...]]
-
-  def psum(self, x: jax.Array, i: int) -> jax.Array:
-    """``x`` summed across the devices that result ``i`` is summed over."""
-    return jax.lax.psum(x, self.summed[i]) if self.summed[i] else x
-
-  def axes(self, factor: str) -> tuple[str, ...]:
-    """The mesh axes ``factor`` is sharded over (empty: not sharded)."""
-    return tuple(self.factors.get(factor) or ())
+  @property
+  def program_factors(self) -> frozenset[str]:
+    """The factors that a program computes when sharded (never folded or summed as is)."""
+    return program_factors(self.programs)
 
 
 def partitioned(kernel: Primitive, dims: Dims, params: dict) -> Callable:
   """``kernel.bind`` wrapped in ``custom_partitioning`` with a rule from ``dims``."""
+  op = kernel.name.removesuffix("_kernel")
 
   @custom_partitioning
   def call(*args):
@@ -82,25 +68,23 @@ def partitioned(kernel: Primitive, dims: Dims, params: dict) -> Callable:
   def shardings(mesh, arg_shapes):
     factors = _factor_axes(mesh, dims, arg_shapes)
     spec = lambda names: NamedSharding(mesh, PartitionSpec(*(factors.get(f) for f in names)))
-    return (factors, tuple(spec(d) for d in dims.operands), tuple(spec(d) for d in dims.results))
+    return factors, tuple(spec(d) for d in dims.operands), tuple(spec(d) for d in dims.results)
 
   def infer_sharding_from_operands(mesh, arg_shapes, result_shape):
     return shardings(mesh, arg_shapes)[2]
 
   def partition(mesh, arg_shapes, result_shape):
     factors, arg_shardings, out_shardings = shardings(mesh, arg_shapes)
-    in_factors = {f for d in dims.operands for f in d}
-
-    summed = [
-      tuple(a for f in sorted(in_factors - set(names)) for a in factors.get(f) or ())
-      for names in dims.results
+    shards = _shards(dims, factors, mesh.shape)
+    local = [
+      jax.ShapeDtypeStruct(s.shard_shape(a.shape), a.dtype)
+      for a, s in zip(arg_shapes, arg_shardings)
     ]
-
-    shards = Shards(factors, summed)
+    program = choose(op, dims.programs, shards, local)
 
     def lower_fn(*args):
-      if dims.per_shard is not None and (any(summed) or any(f in factors for f in dims.indexed)):
-        return tuple(dims.per_shard(shards, *args))
+      if program is not None:
+        return tuple(program.run(shards, *args))
       return tuple(shards.psum(out, i) for i, out in enumerate(kernel.bind(*args, **params)))
 
     return mesh, lower_fn, out_shardings, arg_shardings
@@ -117,13 +101,66 @@ def partitioned(kernel: Primitive, dims: Dims, params: dict) -> Callable:
   return call
 
 
+def run_in_shard_map(
+  op: str, dims: Dims, factors: Mapping[str, str | Sequence[str]], *args: jax.Array
+) -> list[jax.Array]:
+  """One device's results of a call whose ``factors`` are split over ``shard_map``'s manual axes.
+
+  Inside ``shard_map`` a primitive sees only its local blocks and cannot know
+  that a factor is split; a caller that knows runs the op's per-shard program
+  here, chosen by cost as under ``jit``. The program is plain JAX, so ``grad``,
+  ``jvp`` and ``vmap`` of the ``shard_map`` go through its collectives by
+  JAX's own rules.
+
+  Args:
+    op: the op's name, for the record and errors.
+    dims: the call's ``Dims`` (its ``programs``).
+    factors: each split factor's manual mesh axes (a name or a tuple).
+    *args: this device's blocks of the operands.
+
+  Raises:
+    ValueError: no program computes the split factors, or an axis is not a
+      manual axis of the enclosing ``shard_map``.
+  """
+  mesh = jax.sharding.get_abstract_mesh()
+  factors = {f: (a,) if isinstance(a, str) else tuple(a) for f, a in factors.items()}
+  for f, axes in factors.items():
+    if not set(axes) <= set(mesh.manual_axes):
+      raise ValueError(
+        f"{op}: factor {f} is split over {axes}, which are not manual axes of the enclosing "
+        f"shard_map (manual: {tuple(mesh.manual_axes)})"
+      )
+  shards = _shards(dims, factors, mesh.shape)
+  local = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in args]
+  program = choose(op, dims.programs, shards, local)
+  if program is None:
+    raise ValueError(f"{op}: no per-shard program computes factors {tuple(factors)} split")
+  return list(program.run(shards, *args))
+
+
+def _shards(dims: Dims, factors: Mapping[str, tuple[str, ...]], mesh_shape) -> Shards:
+  """The ``Shards`` of a call: results are summed over the sharded factors they lack."""
+  in_factors = {f for d in dims.operands for f in d}
+  summed = [
+    tuple(a for f in sorted(in_factors - set(names)) for a in factors.get(f) or ())
+    for names in dims.results
+  ]
+  others = lambda f: {a for g, axes in factors.items() if g != f for a in axes}
+  shared = {f for f, axes in factors.items() if others(f) & set(axes)}
+  return Shards(factors, summed, dict(mesh_shape), frozenset(shared))
+
+
 def _factor_axes(mesh, dims: Dims, arg_shapes) -> dict[str, tuple[str, ...]]:
   """Mesh axes each factor is sharded over, taken from the operands.
 
   A factor keeps the first sharding seen for it, provided its mesh axes are not
   already used by another factor and they divide its size evenly (uneven
   shards would feed padding into reductions); everything else is replicated.
+  A factor that a program with ``shares_axes`` computes may reuse mesh axes
+  another factor holds (its program visits the blocks the device does not
+  hold).
   """
+  sharing = {f for p in dims.programs if p.shares_axes for f in p.factors}
   factors: dict[str, tuple[str, ...]] = {}
   used: set[str] = set()
   for names, shape in zip(dims.operands, arg_shapes):
@@ -136,10 +173,9 @@ def _factor_axes(mesh, dims: Dims, arg_shapes) -> dict[str, tuple[str, ...]]:
       if f in dims.replicated or f in factors or axes is None:
         continue
       axes = (axes,) if isinstance(axes, str) else tuple(axes)
-      count = 1
-      for a in axes:
-        count *= mesh.shape[a]
-      if used.isdisjoint(axes) and size % count == 0:
+      if size % math.prod(mesh.shape[a] for a in axes):
+        continue
+      if used.isdisjoint(axes) or f in sharing:
         factors[f] = axes
         used.update(axes)
   return factors
