@@ -98,7 +98,8 @@ class Program:
     """The tangent stage's program: ``(shards, *primals, *tangents) -> tangents of the results``.
 
     JAX's JVP of ``run``: the collectives' own JVP rules apply (a ring of the
-    operands rings their tangents too). The cost is the forward's.
+    operands rings their tangents too). The cost is the forward's, called with
+    the stage's operands (the primals lead).
     """
     return dataclasses.replace(self, run=functools.partial(_jvp_run, self.run, primals))
 
@@ -107,7 +108,8 @@ class Program:
 
     JAX's VJP of ``run``: each collective is transposed by JAX's rule (a
     ``ppermute`` ring carries the cotangents around the inverse ring, an
-    ``all_gather`` becomes a ``psum_scatter``). The forward is recomputed.
+    ``all_gather`` becomes a ``psum_scatter``). The forward is recomputed. The
+    cost is the forward's, called with the stage's operands (the primals lead).
     """
     return dataclasses.replace(self, run=functools.partial(_vjp_run, self.run, primals))
 
@@ -121,7 +123,10 @@ def _vjp_run(run, primals: int, shards: Shards, *args) -> list:
   outs, pullback = jax.vjp(lambda *p: tuple(run(shards, *p)), *args[:primals])
   cts = tuple(args[primals:])
   if len(cts) != len(outs):
-    raise ValueError(f"{len(cts)} cotangents for a program with {len(outs)} results")
+    raise ValueError(
+      f"Program.vjp: {len(cts)} cotangents after {primals} primals for a program with "
+      f"{len(outs)} results"
+    )
   return list(pullback(cts))
 
 
