@@ -162,6 +162,11 @@ def triton_smem_bytes(tiles: Iterable[tuple[int, int]], itemsize: int, num_stage
   return num_stages * sum(rows * cols for rows, cols in tiles) * itemsize
 
 
+def config_space(text: str) -> tuple[tuple[int, ...], ...]:
+  """A space of Triton configs written as ``"128x64x8x2 64x64x4x2 ..."``: their fields' values."""
+  return tuple(tuple(int(n) for n in config.split("x")) for config in text.split())
+
+
 def triton_warps_reason(config) -> Optional[str]:
   """Why a Triton config's ``num_warps`` cannot compile, if it cannot.
 

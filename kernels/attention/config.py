@@ -110,7 +110,7 @@ def _triton_configs(
     AttentionConfig(
       block_q=bq, block_k=bk, num_warps=w, num_stages=st, implementation=implementation
     )
-    for bq, bk, w, st in (map(int, c.split("x")) for c in _TRITON_SPACE[stage].split())
+    for bq, bk, w, st in pu.config_space(_TRITON_SPACE[stage])
   ]
   return list(
     dict.fromkeys(

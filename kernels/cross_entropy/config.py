@@ -13,6 +13,7 @@ from typing import Any, Optional
 import jax.numpy as jnp
 
 from pallax import pallas_utils as pu
+from pallax.executor import facts
 from pallax.executor.config import KernelConfig
 from pallax.executor.registry import interpreted, kernel_backend
 from pallax.kernels.cross_entropy.common import Problem
@@ -45,56 +46,79 @@ def _problem(avals, params) -> Problem:
   return Problem.of(avals, **params)
 
 
-# The Triton tiles (block_n, block_v, block_d, num_warps, num_stages) per kind
-# of call, the heuristic's first. Every one compiled spill-free and within
-# shared memory on H100 and A100 (deviceless compiles, ptxas -v) for the
-# forward, tangent and backward at N x D x V = 8192 x 1024 x 32768,
-# 1000 x 4096 x 50257 and 16 x 2048 x 32001 (logits: 4096 x 32768,
-# 1000 x 50257), with and without bias, transposed weight and soft cap.
-# Left out for spilling there: float32 tiles over 64 x 64 x 16 in the tangent
-# (its two accumulators, and float32 dots at precision HIGHEST run on FMAs)
-# and over 32 x 128 x 32 elsewhere; 16-bit 128 x 128 and 64 x 128 x 64 tiles in
-# the backward (its dw kernel holds g, the dw tile and its update), 64 x 128
-# tiles and 64-deep D steps in the tangent (A100); logits-only rows over 32
-# (forward) or 64 (tangent, backward) float32 elements per thread.
-_TRITON_LINEAR = {
-  ("fwd", 2): ((64, 128, 32, 4, 3), (128, 128, 32, 8, 2), (32, 128, 64, 4, 2), (64, 64, 64, 4, 2)),
-  ("jvp", 2): ((64, 64, 32, 4, 2), (32, 128, 32, 4, 2)),
-  ("bwd", 2): ((64, 128, 32, 8, 2), (64, 64, 64, 4, 2), (64, 64, 32, 4, 2)),
-  ("fwd", 4): ((32, 128, 32, 8, 2), (64, 64, 32, 8, 2), (32, 64, 32, 4, 2), (16, 128, 32, 4, 2)),
-  ("jvp", 4): ((16, 64, 16, 4, 2), (64, 64, 16, 8, 2)),
-  ("bwd", 4): ((32, 128, 32, 8, 2), (32, 64, 16, 4, 2), (16, 64, 16, 4, 2), (32, 128, 16, 8, 2)),
-}
-_TRITON_LOGITS = {
-  "fwd": ((16, 512, 16, 8, 2), (16, 256, 16, 4, 2)),
-  "jvp": ((16, 1024, 16, 8, 2), (16, 512, 16, 4, 2)),
-  "bwd": ((16, 1024, 16, 8, 2), (16, 512, 16, 4, 2)),
+# The Triton tiles, ``block_n x block_v x block_d x num_warps x num_stages``,
+# per kind of call (with the logits' matmul or not) and stage, in order of
+# preference. A call takes those ``pallax.verify`` did not see spill or
+# overflow shared memory on its devices (``facts``:
+# ``defaults/<device>/cross_entropy_<stage>.json``, per kind of call and
+# width of the matmul's operands). What spilled there: float32 tiles over
+# 64 x 64 x 16 in the tangent (its two accumulators, and float32 dots at
+# precision HIGHEST run on FMAs) and over 32 x 128 x 32 elsewhere; 16-bit
+# 128 x 128 and 64 x 128 x 64 tiles in the backward (its dw kernel holds g, the
+# dw tile and its update), 64 x 128 tiles and 64-deep D steps in the tangent
+# (A100); logits-only rows over 32 (forward) or 64 (tangent, backward) float32
+# elements per thread.
+_TRITON_SPACE = {
+  ("linear", "fwd"): "64x128x32x4x3 128x128x32x8x2 32x128x64x4x2 64x64x64x4x2 "
+  "32x128x32x8x2 64x64x32x8x2 32x64x32x4x2 16x128x32x4x2",
+  ("linear", "jvp"): "64x64x32x4x2 32x128x32x4x2 16x64x16x4x2 64x64x16x8x2",
+  ("linear", "bwd"): "64x128x32x8x2 64x64x64x4x2 64x64x32x4x2 32x128x32x8x2 32x64x16x4x2 "
+  "16x64x16x4x2 32x128x16x8x2",
+  ("logits", "fwd"): "16x512x16x8x2 16x256x16x4x2",
+  ("logits", "jvp"): "16x1024x16x8x2 16x512x16x4x2",
+  ("logits", "bwd"): "16x1024x16x8x2 16x512x16x4x2",
 }
 
 
-def _triton_tiles(p: Problem, stage: str) -> list[CrossEntropyConfig]:
-  """The verified tiles of this kind of call, each clamped to the problem (powers of two >= 16)."""
-  if p.linear:
-    wide = max(jnp.dtype(p.dtype).itemsize, jnp.dtype(p.w_dtype).itemsize)
-    tiles = _TRITON_LINEAR[stage, 2 if wide <= 2 else 4]
-  else:
-    tiles = _TRITON_LOGITS[stage]
+def call_facts(avals: Sequence[Any], **params) -> dict[str, Any]:
+  """What the compiler verdicts on a call's configs depend on (``pallax.executor.facts``).
+
+  linear: whether the kernel computes the logits (a matmul); width: the widest
+  operand's bytes an element (2 or 4).
+  """
+  return _facts(_problem(avals, params))
+
+
+def _facts(p: Problem) -> dict[str, Any]:
+  dtypes = (p.dtype, p.w_dtype) if p.linear else (p.dtype,)
+  wide = max(jnp.dtype(d).itemsize for d in dtypes)
+  return {"linear": p.linear, "width": 2 if wide <= 2 else 4}
+
+
+def _rejection(p: Problem, target: str, stage: str, config: CrossEntropyConfig) -> Optional[str]:
+  return facts.rejection(target, f"cross_entropy_{stage}", config, _facts(p))
+
+
+def _triton_tiles(
+  p: Problem, target: str, stage: str, judged: bool = True
+) -> list[CrossEntropyConfig]:
+  """The call's tiles no verdict rejects, each clamped to the problem (powers of two >= 16).
+
+  The verdicts are about the tiles of ``_TRITON_SPACE``, before clamping;
+  ``judged=False``: all of them.
+  """
   fit = lambda block, extent: min(block, max(16, pu.next_pow2(extent)))
-  return [
-    CrossEntropyConfig(
-      block_n=fit(bn, p.tokens),
-      block_v=fit(bv, p.vocab),
-      block_d=fit(bd, p.hidden) if p.linear else bd,
-      num_warps=warps,
-      num_stages=stages,
+  space = [
+    CrossEntropyConfig(block_n=bn, block_v=bv, block_d=bd, num_warps=warps, num_stages=stages)
+    for bn, bv, bd, warps, stages in pu.config_space(
+      _TRITON_SPACE["linear" if p.linear else "logits", stage]
     )
-    for bn, bv, bd, warps, stages in tiles
+  ]
+  return [
+    dataclasses.replace(
+      c,
+      block_n=fit(c.block_n, p.tokens),
+      block_v=fit(c.block_v, p.vocab),
+      block_d=fit(c.block_d, p.hidden) if p.linear else c.block_d,
+    )
+    for c in space
+    if not judged or _rejection(p, target, stage, c) is None
   ]
 
 
-def _triton_heuristic(p: Problem, stage: str) -> CrossEntropyConfig:
-  """The first verified tile of the call's kind (stage; 16-bit or float32 dots; logits only)."""
-  return _triton_tiles(p, stage)[0]
+def _triton_heuristic(p: Problem, target: str, stage: str) -> CrossEntropyConfig:
+  """The first tile of the call's kind no verdict rejects (else the first of its space)."""
+  return (_triton_tiles(p, target, stage) or _triton_tiles(p, target, stage, judged=False))[0]
 
 
 # -- Mosaic TPU --------------------------------------------------------------------
@@ -217,7 +241,7 @@ def heuristic(avals: Sequence[Any], target: str, *, stage: str, **params) -> Cro
   """The kernel's config for this call."""
   p = _problem(avals, params)
   if kernel_backend(target) == "triton":
-    return _triton_heuristic(p, stage)
+    return _triton_heuristic(p, target, stage)
   return _mosaic_heuristic(p, stage)
 
 
@@ -228,7 +252,7 @@ def candidates(avals: Sequence[Any], target: str, *, stage: str, **params):
     return [base]
   p = _problem(avals, params)
   if kernel_backend(target) == "triton":
-    out = _triton_tiles(p, stage)
+    out = _triton_tiles(p, target, stage)
   else:
     out = _mosaic_candidates(p, base)
   return [

@@ -1,7 +1,8 @@
 """The shipped verdicts reject exactly what the hand tables they replaced rejected.
 
 Before issue 27, ``kernels/attention/config.py`` held three tables of
-``pallax.verify`` findings, ``kernels/matmul/config.py`` a spill rule and
+``pallax.verify`` findings, ``kernels/cross_entropy/config.py`` one,
+``kernels/matmul/config.py`` a spill rule and
 ``kernels/paged_attention/config.py`` a largest-block rule; they are data now
 (``pallax/executor/defaults/{h100,a100}/*.json``). The tables and rules are
 copied here as they were, and the candidates and ``supports`` of the configs
@@ -19,6 +20,8 @@ import pallax
 from pallax.executor.registry import kernel_spec
 from pallax.executor.tools import kernel_calls
 from pallax.kernels.attention import AttentionConfig
+from pallax.kernels.cross_entropy import config as ce_config
+from pallax.kernels.cross_entropy.config import CrossEntropyConfig
 from pallax.kernels.matmul import MatmulConfig
 from pallax.kernels.matmul import config as matmul_config
 from pallax.kernels.paged_attention import PagedAttentionConfig
@@ -190,3 +193,31 @@ def test_paged_attention_blocks_as_the_hand_rule(head, dtype):
   assert paged_config.heuristic(avals, "cuda", **params).block_k == min(64, most)
   found = {c.block_k for c in paged_config.candidates(avals, "cuda", **params)}
   assert found == {k for k in (32, 64, 128) if k <= most}
+
+
+# (stage, operand width) -> (block_n, block_v, block_d, num_warps, num_stages).
+OLD_CE_LINEAR = {
+  ("fwd", 2): ((64, 128, 32, 4, 3), (128, 128, 32, 8, 2), (32, 128, 64, 4, 2), (64, 64, 64, 4, 2)),
+  ("jvp", 2): ((64, 64, 32, 4, 2), (32, 128, 32, 4, 2)),
+  ("bwd", 2): ((64, 128, 32, 8, 2), (64, 64, 64, 4, 2), (64, 64, 32, 4, 2)),
+  ("fwd", 4): ((32, 128, 32, 8, 2), (64, 64, 32, 8, 2), (32, 64, 32, 4, 2), (16, 128, 32, 4, 2)),
+  ("jvp", 4): ((16, 64, 16, 4, 2), (64, 64, 16, 8, 2)),
+  ("bwd", 4): ((32, 128, 32, 8, 2), (32, 64, 16, 4, 2), (16, 64, 16, 4, 2), (32, 128, 16, 8, 2)),
+}
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=lambda d: jnp.dtype(d).name)
+@pytest.mark.parametrize("stage", ["fwd", "bwd", "jvp"])
+def test_linear_cross_entropy_tiles_as_the_hand_table(stage, dtype):
+  """The stage's tiles for the forward kernel call's operands (the stages share them)."""
+  s = jax.ShapeDtypeStruct
+  args = [s((256, 256), dtype), s((256, 1024), dtype), s((256,), jnp.int32)]
+  jaxpr = jax.make_jaxpr(pallax.linear_cross_entropy)(*args).jaxpr
+  (eqn,) = [e for e in kernel_calls(jaxpr) if e.primitive.name == "cross_entropy_fwd"]
+  avals, params = [v.aval for v in eqn.invars], op_params(eqn.params)
+  want = [
+    CrossEntropyConfig(block_n=bn, block_v=bv, block_d=bd, num_warps=w, num_stages=st)
+    for bn, bv, bd, w, st in OLD_CE_LINEAR[stage, jnp.dtype(dtype).itemsize]
+  ]
+  assert ce_config.candidates(avals, "cuda", stage=stage, **params) == want
+  assert ce_config.heuristic(avals, "cuda", stage=stage, **params) == want[0]
