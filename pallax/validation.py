@@ -7,6 +7,7 @@ anything is bound, so users never see a deep XLA error instead.
 from __future__ import annotations
 
 import numbers
+from collections.abc import Mapping
 from typing import Optional
 
 import jax
@@ -47,6 +48,24 @@ def check_static_float(op: str, name: str, value, *, minimum: float | None = Non
   if minimum is not None and not value >= minimum:
     raise ValueError(f"{op}: {name} must be >= {minimum}, got {value}")
   return value
+
+
+def check_positive_float(op: str, name: str, value) -> float:
+  """``value`` as a Python float > 0 (a static number, as ``check_static_float``)."""
+  value = check_static_float(op, name, value)
+  if not value > 0:
+    raise ValueError(f"{op}: {name} must be > 0, got {value}")
+  return value
+
+
+def check_floating_alike(op: str, arrays: Mapping[str, jax.Array]) -> None:
+  """TypeError unless every one of ``arrays`` (name -> array) is floating, all of one dtype."""
+  for name, x in arrays.items():
+    check_floating(op, name, x)
+  if len({x.dtype for x in arrays.values()}) > 1:
+    *names, last = arrays
+    got = ", ".join(str(x.dtype) for x in arrays.values())
+    raise TypeError(f"{op}: {', '.join(names)} and {last} must have one dtype, got {got}")
 
 
 def concrete(x) -> Optional[np.ndarray]:

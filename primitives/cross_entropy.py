@@ -58,7 +58,7 @@ from pallax.op import (
   produced_by,
 )
 from pallax.pallas_utils import stat_dtype
-from pallax.validation import check_config, check_floating, check_static_float
+from pallax.validation import check_config, check_floating, check_positive_float, check_static_float
 
 __all__ = [
   "cross_entropy",
@@ -314,9 +314,7 @@ def _options(op: str, ignore_index, label_smoothing, z_loss, logit_soft_cap, red
   z_loss = check_static_float(op, "z_loss", z_loss, minimum=0.0)
   cap = None
   if logit_soft_cap is not None:
-    cap = check_static_float(op, "logit_soft_cap", logit_soft_cap)
-    if not cap > 0:
-      raise ValueError(f"{op}: logit_soft_cap must be positive, got {cap}")
+    cap = check_positive_float(op, "logit_soft_cap", logit_soft_cap)
   if reduction not in REDUCTIONS:
     raise ValueError(f"{op}: reduction must be one of {REDUCTIONS}, got {reduction!r}")
   return (None if ignore_index is None else int(ignore_index)), smoothing, z_loss, cap, reduction

@@ -26,6 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.interpreters import ad
 
+from pallax import validation
 from pallax.batching_rules import paged_attention as paged_batching
 from pallax.kernels import paged_attention as kernels
 from pallax.kernels.paged_attention import PagedAttentionConfig
@@ -39,7 +40,6 @@ from pallax.op import (
   full_spec,
   match_manual_axes,
 )
-from pallax.validation import check_concrete_range, check_config, check_static_float, concrete
 
 __all__ = ["paged_attention", "PagedAttentionConfig"]
 
@@ -65,16 +65,11 @@ def _dims(*avals, **params) -> Dims:
   )
 
 
-paged_attention_p = define_primitive(
-  _OP,
-  PrimitiveSpec(
-    abstract_eval=_abstract_eval,
-    xla=paged_xla.paged_attention,
-    kernel=kernels.KERNEL,
-    dims=_dims,
-    batching=paged_batching.fold_into_batch,
-  ),
+# (abstract eval, XLA program, kernel, sharding dims, batching rule)
+_SPEC = PrimitiveSpec(
+  _abstract_eval, paged_xla.paged_attention, kernels.KERNEL, _dims, paged_batching.fold_into_batch
 )
+paged_attention_p = define_primitive(_OP, _SPEC)
 
 
 def _no_derivatives(primals, tangents, **params):
@@ -107,10 +102,10 @@ def _integer(name: str, x) -> None:
 def _check_table(lengths, page_indices, page_size: int, total_pages: int) -> None:
   """Static checks of concrete lengths and page indices (traced ones are clamped)."""
   max_len = page_indices.shape[1] * page_size
-  check_concrete_range(
+  validation.check_concrete_range(
     _OP, "lengths", lengths, 0, max_len, high_name="pages_per_sequence * page_size"
   )
-  lens, table = concrete(lengths), concrete(page_indices)
+  lens, table = validation.concrete(lengths), validation.concrete(page_indices)
   if lens is None or table is None or not table.size:
     return
   needed = np.arange(table.shape[1])[None, :] * page_size < lens[:, None]
@@ -174,14 +169,7 @@ def paged_attention(
   q = _array("q", q, 3)
   k_pages = _array("k_pages", k_pages, 4)
   v_pages = _array("v_pages", v_pages, 4)
-  for name, x in (("q", q), ("k_pages", k_pages), ("v_pages", v_pages)):
-    if not jnp.issubdtype(x.dtype, jnp.floating):
-      raise TypeError(f"{_OP}: {name} must have a floating dtype, got {x.dtype}")
-  if not q.dtype == k_pages.dtype == v_pages.dtype:
-    raise TypeError(
-      f"{_OP}: q, k_pages and v_pages must have one dtype, got {q.dtype}, {k_pages.dtype}, "
-      f"{v_pages.dtype}"
-    )
+  validation.check_floating_alike(_OP, {"q": q, "k_pages": k_pages, "v_pages": v_pages})
   b, n, h = q.shape
   kv_heads, total_pages, page_size, kh = k_pages.shape
   if kh != h:
@@ -209,13 +197,11 @@ def paged_attention(
       f"{_OP}: page_indices must have shape (B, pages_per_sequence) with B = {b}, got "
       f"{page_indices.shape}"
     )
-  check_config(_OP, config, PagedAttentionConfig)
-  scale = 1 / np.sqrt(h) if scale is None else check_static_float(_OP, "scale", scale)
+  validation.check_config(_OP, config, PagedAttentionConfig)
+  scale = 1 / np.sqrt(h) if scale is None else validation.check_static_float(_OP, "scale", scale)
   cap = None
   if logits_soft_cap is not None:
-    cap = check_static_float(_OP, "logits_soft_cap", logits_soft_cap)
-    if not cap > 0:
-      raise ValueError(f"{_OP}: logits_soft_cap must be > 0, got {cap}")
+    cap = validation.check_positive_float(_OP, "logits_soft_cap", logits_soft_cap)
   max_len = page_indices.shape[1] * page_size
   if total_pages == 0 and max_len:
     raise ValueError(f"{_OP}: k_pages of shape {k_pages.shape} holds no page")
