@@ -5,6 +5,7 @@ program as the CPU path, each one a real JAX primitive so that jit, grad, jvp,
 vmap, pmap and shard_map all work.
 """
 
+from pallax import _jax_private
 from pallax.autobatch import autobatch
 from pallax.custom_op import ConfigSpace, CustomOp, KernelStage, ResidualJVP, custom_op
 from pallax.executor import Executor, KernelConfig, default_executor, set_default_executor
@@ -23,6 +24,9 @@ from pallax.primitives.paged_attention import PagedAttentionConfig, paged_attent
 from pallax.primitives.softmax import SoftmaxConfig, log_softmax, softmax
 
 __version__ = "0.1.0"
+
+# No CUDA plugin traceback on a machine without a GPU (the verify extra installs the plugin).
+_jax_private.quiet_cuda_plugin_without_gpu()
 
 __all__ = [
   "rms_norm",

@@ -1,17 +1,34 @@
-"""The one place where pallax reaches into ``jax._src``.
+"""The one place where pallax reaches into ``jax._src`` or depends on JAX's version.
 
-Each name below has no public JAX API (jax 0.10.2). Keep every private access
-here, so that a JAX upgrade touches a single file.
+Each name below has no public JAX API (jax 0.10.2 through 0.11.x). Keep every
+private access and every version difference here, so that a JAX upgrade
+touches a single file.
+
+What changed from jax 0.10.2 to 0.11 for pallax: every name used here and
+every public API pallax calls (``jax.experimental.pallas`` and its ``tpu`` and
+``triton`` modules, ``jax.extend.core``, ``jax.interpreters.{ad,batching,
+mlir}``, ``custom_partitioning``, ``topologies``) is unchanged. jax 0.11
+deprecates the Pallas-Triton backend: lowering a Pallas-Triton kernel for a
+GPU emits ``PALLAS_TRITON_DEPRECATION`` (a ``DeprecationWarning``), which
+pallax's GPU kernels do until they move to Mosaic GPU. jax 0.11 needs
+Python 3.12 or newer.
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 from typing import Any
 
 from jax._src import config as _config
 from jax._src import dispatch as _dispatch
+from jax._src import hardware_utils as _hardware_utils
 from jax._src.lib.mlir import ir
+
+# The start of the warning jax >= 0.11 gives (``DeprecationWarning``,
+# deprecation id ``jax-pallas-triton``) each time it lowers a Pallas-Triton
+# kernel for a GPU: a ``warnings`` filter's ``message``.
+PALLAS_TRITON_DEPRECATION = "The Pallas Triton backend is deprecated"
 
 # Eager evaluation of a primitive: compile it alone and run it (what every
 # jax.lax primitive uses as its impl).
@@ -69,3 +86,23 @@ def lowering_a_partition(ctx: Any) -> bool:
   """
   name = ctx.module_context.module.operation.attributes["sym_name"]
   return ir.StringAttr(name).value == "tmp_xla_computation"
+
+
+def quiet_cuda_plugin_without_gpu() -> None:
+  """Keeps JAX's CUDA plugin from logging a traceback where no NVIDIA GPU is visible.
+
+  With the plugin installed (pallax's ``verify`` and ``test`` extras), JAX's
+  first backend initialisation calls its ``initialize()``; unless
+  ``JAX_PLATFORMS`` leaves CUDA out, that checks the CUDA libraries' versions,
+  which without a GPU fails ("Unable to load CUDA. Is it installed?") and is
+  logged as a "Jax plugin configuration error" with two tracebacks. JAX then
+  skips the CUDA backend anyway, by the same test used here
+  (``hardware_utils.has_visible_nvidia_gpu``: no ``/dev/nvidia*``), so the
+  check can only fail: this skips it (``JAX_SKIP_CUDA_CONSTRAINTS_CHECK``, read
+  by the plugin), unless the user has set that variable. It takes effect if
+  called before JAX initialises its backends (``import pallax`` does), and
+  changes nothing on a machine with a visible GPU.
+  """
+  if "JAX_SKIP_CUDA_CONSTRAINTS_CHECK" in os.environ or _hardware_utils.has_visible_nvidia_gpu():
+    return
+  os.environ["JAX_SKIP_CUDA_CONSTRAINTS_CHECK"] = "1"

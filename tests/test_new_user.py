@@ -8,22 +8,24 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+import tomllib
+from packaging.requirements import Requirement
 
 import pallax
 
 
-def _python(code: str, **env: str) -> subprocess.CompletedProcess:
+def _python(code: str, *, unset: tuple[str, ...] = (), **env: str) -> subprocess.CompletedProcess:
+  environ = {
+    k: v for k, v in {**os.environ, "JAX_PLATFORMS": "cpu", **env}.items() if k not in unset
+  }
   return subprocess.run(
-    [sys.executable, "-c", code],
-    env={**os.environ, "JAX_PLATFORMS": "cpu", **env},
-    capture_output=True,
-    text=True,
-    check=False,
+    [sys.executable, "-c", code], env=environ, capture_output=True, text=True, check=False
   )
 
 
@@ -84,3 +86,64 @@ def test_paged_attention_length_message_is_the_shared_one():
     r"\[0, 12\], got values from -1 to 3$",
   ):
     pallax.paged_attention(q, pages, pages, jnp.asarray([-1, 3], jnp.int32), table)
+
+
+# ------------------------------------------------------------------------------
+# A quiet import: the verify extra's CUDA plugin and libtpu on a machine without either device.
+
+_FIRST_OP = (
+  "import jax, jax.numpy as jnp, pallax\n"
+  "pallax.rms_norm(jnp.ones((4, 8)), jnp.ones(8)).block_until_ready()\n"
+)
+
+
+def test_first_op_logs_no_cuda_plugin_error():
+  """JAX_PLATFORMS unset, as a new user runs: JAX initialises every installed plugin."""
+  # Without the variable pallax sets (this process inherited it from its own import of pallax).
+  done = _python(_FIRST_OP, unset=("JAX_PLATFORMS", "JAX_SKIP_CUDA_CONSTRAINTS_CHECK"))
+  assert done.returncode == 0, done.stderr[-3000:]
+  for noise in ("Jax plugin configuration error", "Unable to load CUDA", "Traceback"):
+    assert noise not in done.stderr, done.stderr[-3000:]
+
+
+def test_on_the_cpu_platform_only_the_cuda_kernels_import_lines_remain():
+  """With JAX_PLATFORMS=cpu, the rest is what ``import jax`` itself prints.
+
+  jaxlib imports the CUDA plugin's kernel modules when jax is imported
+  (before pallax is), and each logs that it found no CUDA driver; no
+  environment variable turns that off. Nothing else may print: no libtpu
+  lines, no traceback, nothing from pallax.
+  """
+  done = _python(_FIRST_OP, unset=("JAX_SKIP_CUDA_CONSTRAINTS_CHECK",))
+  assert done.returncode == 0, done.stderr[-3000:]
+  cuda_stub = ("cudart_stub.cc", "All log messages before absl::InitializeLog()")
+  others = [line for line in done.stderr.splitlines() if not any(s in line for s in cuda_stub)]
+  assert others == [], done.stderr[-3000:]
+
+
+# ------------------------------------------------------------------------------
+# The JAX versions pallax installs next to.
+
+
+def _requirements(extra: str = "") -> dict:
+  project = tomllib.loads((Path(__file__).parents[1] / "pyproject.toml").read_text())["project"]
+  lines = project["optional-dependencies"][extra] if extra else project["dependencies"]
+  return {r.name: r for r in map(Requirement, lines)}
+
+
+def test_jax_pin_admits_0_10_2_through_0_11():
+  for name, requirement in _requirements().items():
+    if name in ("jax", "jaxlib"):
+      for version in ("0.10.2", "0.11.0", "0.11.2"):
+        assert requirement.specifier.contains(version), (name, version)
+      for version in ("0.10.1", "0.12.0"):
+        assert not requirement.specifier.contains(version), (name, version)
+  assert _requirements("cuda12")["jax"].specifier == _requirements()["jax"].specifier
+
+
+def test_verify_compilers_match_the_jaxlib_they_pin():
+  verify = _requirements("verify")
+  (jaxlib,) = verify["jaxlib"].specifier
+  (plugin,) = verify["jax-cuda12-plugin"].specifier
+  assert jaxlib.operator == plugin.operator == "==" and jaxlib.version == plugin.version
+  assert _requirements()["jaxlib"].specifier.contains(jaxlib.version)
