@@ -1,8 +1,8 @@
 """``python -m pallax.verify --write-facts``: verify results merged into shipped verdicts.
 
-The results here are written by hand in the shape ``verify`` gives them (the
-real compiles are ``test_verify.py``'s); what is checked is the merge and that
-the configs read back from the written files are left out of the candidates.
+Most results here are written by hand in the shape ``verify`` gives them; what
+is checked is the merge and that the configs read back from the written files
+are left out of the candidates. One real compile checks the whole path.
 """
 
 import functools
@@ -17,7 +17,7 @@ from pallax.executor.cache import defaults_dir, read_shipped
 from pallax.kernels.matmul import MatmulConfig
 from pallax.kernels.matmul import config as matmul_config
 from pallax.op import op_params
-from pallax.verify import TARGETS, Case, sweep
+from pallax.verify import TARGETS, Case, sweep, verify
 from pallax.verify.__main__ import main
 from pallax.verify.verdicts import write_facts
 
@@ -130,3 +130,25 @@ def test_the_command_line_takes_write_facts(monkeypatch, tmp_path, capsys):
   assert main(["--ops", "matmul", "--targets", "a100", "--write-facts", str(tmp_path)]) == 1
   assert seen["ignored"] is None
   assert "facts: 0 verdicts added" in capsys.readouterr().out
+
+
+@pytest.mark.lowering
+def test_a_compiled_shared_memory_overflow_becomes_a_verdict(tmp_path):
+  # 4 stages of (128x128 + 128x256) bfloat16 tiles: 384 KiB, over H100's 227 KiB.
+  config = MatmulConfig(block_m=128, block_n=256, block_k=128, num_warps=8, num_stages=4)
+  gpus = [name for name, t in TARGETS.items() if t.platform == "cuda"]
+  report = verify(
+    cases=[Case("matmul", "fwd", (1024, 1024, 1024), "bfloat16")],
+    targets=gpus,
+    pinned={"matmul": config},
+    workers=1,
+    cache=False,
+    progress=False,
+  )
+  written = write_facts(report.results, tmp_path)
+  assert (written.added, written.unrecorded) == (len(gpus), [])
+  for device in gpus:
+    (verdict,) = read_shipped(tmp_path, device, "matmul", 1)["rejected"]
+    assert verdict["config"] == config.to_dict()
+    assert verdict["when"] == {"itemsize": 2, "transpose_a": False, "transpose_b": False}
+    assert "shared memory" in verdict["reason"].lower()
