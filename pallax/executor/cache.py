@@ -26,6 +26,8 @@ from importlib import resources
 from pathlib import Path
 from typing import Any, Optional
 
+from pallax.executor.implementation import short_device_kind
+
 FORMAT = 1
 
 _warned: set[str] = set()
@@ -48,29 +50,14 @@ def slug(name: str) -> str:
   return re.sub(r"[^a-z0-9]+", "_", name.lower()).strip("_") or "unknown"
 
 
-# Device kinds as jax names them (``Device.device_kind``) or as ``slug``s ->
-# the short names of the shipped files' directories, which targets that carry
-# a device kind use too.
-_DEVICE_NAMES = tuple(
-  (re.compile(rf"(?<![a-z0-9]){pattern}(?![a-z0-9])"), name)
-  for pattern, name in (
-    ("h100", "h100"),
-    ("a100", "a100"),
-    ("v5(e|[ _]lite)", "v5e"),
-    ("v6(e|[ _]lite)", "v6e"),
-  )
-)
-
-
 def device_name(device_kind: str) -> str:
   """The shipped files' name of a device kind: ``NVIDIA H100 80GB HBM3`` and ``h100`` -> ``h100``.
 
-  ``TPU v5 lite`` -> ``v5e``; a kind pallax ships nothing for -> its ``slug``.
+  The executor's short name (``implementation.short_device_kind``: ``TPU v5
+  lite`` -> ``v5e``), also of a ``slug`` (``nvidia_h100_80gb_hbm3``, as
+  ``pallax.tune`` names device kinds).
   """
-  lowered = device_kind.lower()
-  return next((name for pattern, name in _DEVICE_NAMES if pattern.search(lowered)), None) or slug(
-    device_kind
-  )
+  return short_device_kind(device_kind.replace("_", " ")) or "unknown"
 
 
 def _read(text: str, op: str, op_version: int, where: str) -> dict[str, Any]:

@@ -69,14 +69,17 @@ def _within(part: Mapping[str, Any], whole: Mapping[str, Any]) -> bool:
 
 
 def devices_of(target: str, implementation: str = "pallas") -> tuple[str, ...]:
-  """The devices whose verdicts hold on ``target``: a device kind, or a target's backend's.
+  """The devices whose verdicts hold on ``target``: its device's, or all of its backend's.
 
-  ``h100`` or ``NVIDIA H100 80GB HBM3`` -> ``("h100",)``; ``cuda`` -> ``("h100",
-  "a100")``; ``tpu`` -> ``("v5e", "v6e")``; a target or kind pallax has no
-  verdicts for -> ``()``. A raw Triton config (``implementation``) runs on
-  Triton's devices only: on a target that names none, theirs.
+  A target's ``device_kind`` (``pallax.executor.Target``) or a device kind
+  itself: ``h100``, ``NVIDIA H100 80GB HBM3`` or ``Target("cuda", "h100")`` ->
+  ``("h100",)``. A target of a device pallax has no verdicts for, or of none:
+  ``cuda`` (or ``Target("cuda", "b200")``) -> ``("h100", "a100")``, ``tpu`` ->
+  ``("v5e", "v6e")``; ``()`` where no Pallas kernel runs. A raw Triton config
+  (``implementation``) runs on Triton's devices only: on a target that names
+  none of them, theirs.
   """
-  name = device_name(target)
+  name = device_name(getattr(target, "device_kind", "") or target)
   if name in KNOWN_DEVICES:
     return (name,)
   if implementation == "triton_raw":

@@ -16,6 +16,7 @@ from pallax.executor.cache import (
   update_shipped,
 )
 from pallax.executor.config import KernelConfig
+from pallax.executor.implementation import Target
 from pallax.executor.registry import kernel_spec, registered_ops
 
 
@@ -27,8 +28,7 @@ def test_device_names_of_jax_kinds_and_short_names():
   assert device_name("v5e") == "v5e"
   assert device_name("nvidia_h100_80gb_hbm3") == "h100"  # a slug, as pallax.tune passes it
   assert device_name("tpu_v6_lite") == "v6e"
-  assert device_name("TPU v5") == "tpu_v5"  # v5p: nothing shipped, its slug
-  assert device_name("NVIDIA GH200 480GB") == "nvidia_gh200_480gb"
+  assert device_name("TPU v5") == "v5p"  # nothing shipped for it
 
 
 def test_devices_of_targets_and_kinds():
@@ -39,6 +39,10 @@ def test_devices_of_targets_and_kinds():
   assert facts.devices_of("NVIDIA A100-SXM4-40GB") == ("a100",)
   assert facts.devices_of("tpu", "triton_raw") == ("h100", "a100")  # raw Triton runs on GPUs
   assert facts.devices_of("b200") == ()
+  assert facts.devices_of(Target("cuda", "h100")) == ("h100",)
+  assert facts.devices_of(Target("tpu", "v6e")) == ("v6e",)
+  assert facts.devices_of(Target("cuda", "b200")) == ("h100", "a100")  # none measured on it
+  assert facts.devices_of(Target("cuda")) == ("h100", "a100")
 
 
 def test_a_verdict_holds_for_the_configs_and_calls_it_names():
