@@ -172,7 +172,7 @@ def candidate_configs(
   kernels = list(own)
   for name in _runnable(spec, target):
     if name in spec.spaces:
-      kernels += [_named(c, name) for c in spec.spaces[name].candidates(avals, target, **params)]
+      kernels += [_named(c, name) for c in spec.spaces[name].configs(avals, target, **params)]
     else:
       kernels += [_named(c, name) for c in own if c.implementation == PALLAS]
   kernels = list(dict.fromkeys(kernels))
@@ -198,10 +198,12 @@ def unsupported_reason(
   reason = implementation(name).unavailable_reason(target)
   if reason is not None:
     return reason
-  space = spec.space(config.implementation)
-  if not isinstance(config, space.config_cls):
-    return f"{config.implementation} takes a {space.config_cls.__name__}"
-  return space.supports(avals, target, config, **params)
+  if config.implementation in spec.spaces:
+    space = spec.spaces[config.implementation]
+    if not isinstance(config, space.config_cls):
+      return f"{config.implementation} takes a {space.config_cls.__name__}"
+    return space.reason(avals, target, config, **params)
+  return spec.supports(avals, target, config, **params)
 
 
 def _runnable(spec: KernelSpec, target: str) -> list[str]:
