@@ -8,7 +8,9 @@ kernel call of a shape sweep over every op, forward, backward and tangent
 (``sweep``), with the heuristic's config and the autotuning candidates. It
 reports registers, spill bytes and shared memory per kernel (``ptxas -v``)
 and scoped VMEM (the compiled TPU program), and fails on any compile error or
-spill. ``python -m pallax.verify`` is the command line.
+spill. ``python -m pallax.verify`` is the command line; with ``--write-facts``
+it records the spills and memory overflows as the shipped verdicts the
+configs' candidate lists consult (``verdicts.py``, ``pallax.executor.facts``).
 """
 
 from __future__ import annotations
