@@ -106,7 +106,7 @@ def test_forward_grad_and_vmap_lower_to_raw_launches(cc, dtype, h):
   """The first raw candidate of each stage: a forward launch, and the dq and dk/dv launches.
 
   float32 at head dims over 64 has no backward config that compiles
-  spill-free (``config._RAW_SPILLS``): there the Pallas backward runs.
+  spill-free (the shipped ``triton_raw`` verdicts): there the Pallas backward runs.
   """
   fwd, bwd = (_raw_candidates(dtype, h, stage) for stage in ("fwd", "bwd"))
   overlay = {FWD: fwd[0], **({BWD: bwd[0]} if bwd else {})}
