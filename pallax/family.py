@@ -11,6 +11,9 @@ imports none of them.
 
 Families come in alphabetical order, each family's ops in the order of its
 ``TOOLS``: the order of the self-check report, the sweep and the benches.
+A ``tools.py`` imports this module, its primitives and ``pallax.roofline``,
+never the tools themselves (``pallax.selfcheck``, ``pallax.verify``,
+``pallax.bench``): they read ``registered()`` when they are imported.
 """
 
 from __future__ import annotations
