@@ -122,6 +122,10 @@ class Blocks:
     g = jnp.int32(self.p.groups)
     return lax.div(n, g), lax.rem(n, g)
 
+  def grid(self, blocks: int) -> tuple[int, int, int]:
+    """(``blocks``, query heads, batch): the grid of the Triton kernels."""
+    return (blocks, self.p.kv_heads * self.p.groups, self.p.batch)
+
 
 @dataclasses.dataclass(frozen=True)
 class Operands:
@@ -414,6 +418,27 @@ def bwd_probs(p: Problem, dot, v, do, s, lse, delta):
 def bwd_delta(p: Problem, out, do, dlse):
   """``rowsum(do * out) - dlse``: with ``lse``'s cotangent, ``ds = P (dp - delta)`` still."""
   return jnp.sum(do.astype(p.stat) * out.astype(p.stat), axis=-1) - dlse.astype(p.stat)
+
+
+def reduce_bias_grad(ds: jax.Array, bias) -> jax.Array:
+  """The logits' gradient ``(B, K, G, T, S)`` summed over the dims ``bias`` broadcasts."""
+  axes = tuple(d for d in range(3) if bias.shape[d] == 1 and ds.shape[d] != 1)
+  return jnp.sum(ds, axis=axes, keepdims=True).astype(bias.dtype)
+
+
+def backward(p: Problem, ops: Operands, dq_pass, dkdv_pass) -> list[jax.Array]:
+  """``[dq, dk, dv[, dbias]]`` of a kernel backend from its two passes.
+
+  Both passes take ``(lse, delta, do)``: ``dq_pass`` gives ``[dq]``, and with
+  a bias also the logits' gradient ``(B, K, G, T, S)``; ``dkdv_pass`` gives
+  ``(dk, dv)`` per query head ``(B, K, G, S, x)``, summed here over each kv
+  head's query heads.
+  """
+  out, lse, do, dlse = ops.rest
+  delta = bwd_delta(p, out, do, dlse)
+  dq, *ds = dq_pass(lse, delta, do)
+  dk, dv = (jnp.sum(x, axis=2).astype(p.dtype) for x in dkdv_pass(lse, delta, do))
+  return [dq, dk, dv, *(reduce_bias_grad(d, ops.bias) for d in ds)]
 
 
 def bwd_dq(p: Problem, dot, ds, k, g=None):

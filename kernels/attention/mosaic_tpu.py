@@ -20,6 +20,7 @@ before every product that sums over them.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any
 
 import jax
@@ -31,7 +32,6 @@ from jax.experimental.pallas import tpu as pltpu
 from pallax.kernels.attention import common
 from pallax.kernels.attention.common import NEG_INF, Operands, Problem, block_dot
 from pallax.kernels.attention.config import AttentionConfig
-from pallax.kernels.attention.xla import reduce_bias_grad
 
 
 @dataclasses.dataclass(frozen=True)
@@ -350,7 +350,15 @@ def jvp(*operands, config: AttentionConfig, interpret: Any, **params):
   return [dout, dlse[..., 0]]
 
 
-def _dq(p, ops, grid, lse, delta, do, interpret):
+def _bwd_pallas(kernel, grid: _Grid, ops, stats, out_shapes, out_specs, scratch, interpret, name):
+  """``_pallas`` of a backward kernel, whose own operands are ``stats``: ``(lse, delta, do)``."""
+  lse, delta, do = stats
+  specs = [grid.query_side(1), grid.query_side(1), grid.query_side(grid.p.value_dim)]
+  rest = [_stats(lse), _stats(delta), do]
+  return _pallas(kernel, grid, ops, rest, specs, out_shapes, out_specs, scratch, interpret, name)
+
+
+def _dq(p, ops, grid, interpret, *stats):
   """``dq`` and, with a bias, the logits' gradient (zero on skipped blocks)."""
   st_dtype = p.stat
   n_scratch = 1
@@ -388,22 +396,14 @@ def _dq(p, ops, grid, lse, delta, do, interpret):
   if p.has_bias:
     out_shapes.append(jax.ShapeDtypeStruct((*rows, p.s), st_dtype))
     out_specs.append(grid.tile(out_shapes[-1], clamp=False))
-  return _pallas(
-    kernel,
-    grid,
-    ops,
-    [_stats(lse), _stats(delta), do],
-    [grid.query_side(1), grid.query_side(1), grid.query_side(p.value_dim)],
-    out_shapes,
-    out_specs,
-    [pltpu.VMEM((grid.bq, p.head_dim), st_dtype)],
-    interpret,
-    "attention_bwd_dq",
+  scratch = [pltpu.VMEM((grid.bq, p.head_dim), st_dtype)]
+  return _bwd_pallas(
+    kernel, grid, ops, stats, out_shapes, out_specs, scratch, interpret, "attention_bwd_dq"
   )
 
 
-def _dkdv(p, ops, grid, lse, delta, do, interpret):
-  """``dk, dv`` per query head, float32 (summed over a kv head's query heads by the caller)."""
+def _dkdv(p, ops, grid, interpret, *stats):
+  """``dk, dv`` per query head, float32 (summed over a kv head's query heads by ``backward``)."""
   st_dtype = p.stat
 
   def kernel(*refs):
@@ -428,27 +428,23 @@ def _dkdv(p, ops, grid, lse, delta, do, interpret):
     _accumulate(st, refs[-2:], init, update, finish)
 
   shape = lambda x: jax.ShapeDtypeStruct((p.batch, p.kv_heads, p.groups, p.s, x), st_dtype)
-  dk, dv = _pallas(
+  widths = (p.head_dim, p.value_dim)
+  return _bwd_pallas(
     kernel,
     grid,
     ops,
-    [_stats(lse), _stats(delta), do],
-    [grid.query_side(1), grid.query_side(1), grid.query_side(p.value_dim)],
-    [shape(p.head_dim), shape(p.value_dim)],
-    [grid.per_head_keys(p.head_dim), grid.per_head_keys(p.value_dim)],
-    [pltpu.VMEM((grid.bk, p.head_dim), st_dtype), pltpu.VMEM((grid.bk, p.value_dim), st_dtype)],
+    stats,
+    [shape(x) for x in widths],
+    [grid.per_head_keys(x) for x in widths],
+    [pltpu.VMEM((grid.bk, x), st_dtype) for x in widths],
     interpret,
     "attention_bwd_dkdv",
   )
-  return [jnp.sum(x, axis=2).astype(p.dtype) for x in (dk, dv)]
 
 
 def bwd(*operands, config: AttentionConfig, interpret: Any, **params):
   """``(dq, dk, dv[, dbias])``."""
   p, ops, grid = _setup(operands, config, params)
-  out, lse, do, dlse = ops.rest
-  delta = common.bwd_delta(p, out, do, dlse)
-  dq, *ds = _dq(p, ops, grid, lse, delta, do, interpret)
   key_grid = dataclasses.replace(grid, query_major=False)
-  dk, dv = _dkdv(p, ops, key_grid, lse, delta, do, interpret)
-  return [dq, dk, dv, *(reduce_bias_grad(d, ops.bias) for d in ds)]
+  dq_pass = functools.partial(_dq, p, ops, grid, interpret)
+  return common.backward(p, ops, dq_pass, functools.partial(_dkdv, p, ops, key_grid, interpret))

@@ -23,6 +23,7 @@ operand is one block spanning the whole sequence, sliced per step.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any, Optional
 
 import jax
@@ -33,8 +34,8 @@ from jax.experimental import pallas as pl
 from pallax.kernels.attention import common
 from pallax.kernels.attention.common import NEG_INF, Operands, Problem, block_dot
 from pallax.kernels.attention.config import AttentionConfig
-from pallax.kernels.attention.xla import reduce_bias_grad
-from pallax.pallas_utils import and_masks, load, next_pow2, store, triton_compiler_params
+from pallax.pallas_triton import padded_ok, tile_mask, triton_call
+from pallax.pallas_utils import and_masks, load, next_pow2, store
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,6 +44,10 @@ class _Layout(common.Blocks):
 
   def width(self, x: int) -> int:
     return next_pow2(max(x, 16))
+
+  def cols_ok(self, x: int) -> Optional[jax.Array]:
+    """Which columns of a dim of ``x`` padded to ``width(x)`` exist (None: all)."""
+    return padded_ok(self.width(x), x)
 
   def rows(self, x: int, per_block: bool):
     """A (B, K, G, T, x) operand: a query block, or all queries (``per_block=False``)."""
@@ -100,16 +105,6 @@ def _positions(start, size: int, extent: int):
   """Positions of a block and which are inside the array (None: all)."""
   pos = start + lax.broadcasted_iota(jnp.int32, (size,), 0)
   return pos, (None if extent % size == 0 else pos < extent)
-
-
-def _cols_ok(width: int, extent: int) -> Optional[jax.Array]:
-  return None if width == extent else lax.broadcasted_iota(jnp.int32, (width,), 0) < extent
-
-
-def _tile_mask(rows_ok, cols_ok):
-  return and_masks(
-    None if rows_ok is None else rows_ok[:, None], None if cols_ok is None else cols_ok[None, :]
-  )
 
 
 class _Refs:
@@ -186,27 +181,24 @@ def _over_key_blocks(lay: _Layout, r: _Refs, step, init, extra_loads=(), skipped
   p = lay.p
   t0 = pl.program_id(0) * lay.bq
   t_pos, t_ok = _positions(t0, lay.bq, p.t)
-  h_ok, hv_ok = (
-    _cols_ok(lay.width(p.head_dim), p.head_dim),
-    _cols_ok(lay.width(p.value_dim), p.value_dim),
-  )
-  q = load(r.q, _tile_mask(t_ok, h_ok))
+  h_ok, hv_ok = lay.cols_ok(p.head_dim), lay.cols_ok(p.value_dim)
+  q = load(r.q, tile_mask(t_ok, h_ok))
   q_seg = load(r.own_seg, t_ok) if p.has_segments else None
 
   def body(j, carry):
     s0 = j * lay.bk
     s_pos, s_ok = _positions(s0, lay.bk, p.s)
     cut = lambda ref: ref.at[pl.ds(s0, lay.bk), :]
-    k = load(cut(r.k), _tile_mask(s_ok, h_ok))
-    v = load(cut(r.v), _tile_mask(s_ok, hv_ok))
-    ok = _tile_mask(t_ok, s_ok)
+    k = load(cut(r.k), tile_mask(s_ok, h_ok))
+    v = load(cut(r.v), tile_mask(s_ok, hv_ok))
+    ok = tile_mask(t_ok, s_ok)
     cols = lambda ref: None if ref is None else ref.at[:, pl.ds(s0, lay.bk)]
     mask = _tile(cols(r.mask), ok)
     segs = (q_seg, load(r.other_seg.at[pl.ds(s0, lay.bk)], s_ok)) if p.has_segments else (None,) * 2
     keep = _keep(p, t_pos, s_pos, s_ok, r.lens, None if mask is None else mask != 0, segs)
     s, g = common.scores(p, block_dot, q, k, _tile(cols(r.bias), ok), keep, cap_grad=True)
     extra = [
-      load(cut(ref), _tile_mask(s_ok, h_ok if i == 0 else hv_ok))
+      load(cut(ref), tile_mask(s_ok, h_ok if i == 0 else hv_ok))
       for i, ref in enumerate(extra_loads)
     ]
     return step(carry, s, g, q, k, v, ok, s0, *extra)
@@ -214,30 +206,6 @@ def _over_key_blocks(lay: _Layout, r: _Refs, step, init, extra_loads=(), skipped
   lo, hi = common.key_range(p, t0, lay.bq, lay.bk, *r.lens, r.run())
   loop = lax.fori_loop(lo, hi, _skipping(r, body, skipped), init)
   return loop, (t_ok, h_ok, hv_ok), (lo, hi)
-
-
-def _call(
-  kernel,
-  lay: _Layout,
-  grid_blocks: int,
-  operands,
-  in_specs,
-  out_shapes,
-  out_specs,
-  config,
-  interpret,
-  name,
-):
-  return pl.pallas_call(
-    kernel,
-    grid=(grid_blocks, lay.p.kv_heads * lay.p.groups, lay.p.batch),
-    in_specs=in_specs,
-    out_specs=out_specs,
-    out_shape=out_shapes,
-    compiler_params=triton_compiler_params(config),
-    interpret=interpret,
-    name=name,
-  )(*operands)
 
 
 def _input_specs(lay: _Layout, ops: Operands, query_blocks: bool) -> list:
@@ -302,7 +270,7 @@ def fwd(*operands, config: AttentionConfig, interpret: Any, **params):
       common.online_init(p, (lay.bq,), lay.width(p.value_dim)),
     )
     out, lse = common.online_finish(carry)
-    store(out_ref, out.astype(out_ref.dtype), _tile_mask(t_ok, hv_ok))
+    store(out_ref, out.astype(out_ref.dtype), tile_mask(t_ok, hv_ok))
     store(lse_ref, lse[:, 0], t_ok)
 
   out_shapes = [
@@ -310,10 +278,9 @@ def fwd(*operands, config: AttentionConfig, interpret: Any, **params):
     jax.ShapeDtypeStruct((p.batch, p.kv_heads, p.groups, p.t), p.stat),
   ]
   out_specs = [lay.rows(p.value_dim, True), lay.row_stats(True)]
-  return _call(
+  return triton_call(
     kernel,
-    lay,
-    lay.nq,
+    lay.grid(lay.nq),
     _inputs(lay, ops, True),
     _input_specs(lay, ops, True),
     out_shapes,
@@ -336,9 +303,9 @@ def jvp(*operands, config: AttentionConfig, interpret: Any, **params):
     dout_ref, dlse_ref = r.outs
     t0 = pl.program_id(0) * lay.bq
     _, t_ok = _positions(t0, lay.bq, p.t)
-    h_ok = _cols_ok(lay.width(p.head_dim), p.head_dim)
+    h_ok = lay.cols_ok(p.head_dim)
     lse_blk = load(lse_ref, t_ok, other=NEG_INF)[:, None]
-    dq_blk = load(dq_ref, _tile_mask(t_ok, h_ok))
+    dq_blk = load(dq_ref, tile_mask(t_ok, h_ok))
 
     def step(carry, s, g, q, k, v, ok, s0, dk_blk, dv_blk):
       db = None if not dbias_ref else load(dbias_ref[0].at[:, pl.ds(s0, lay.bk)], ok)
@@ -352,7 +319,7 @@ def jvp(*operands, config: AttentionConfig, interpret: Any, **params):
       jnp.zeros((lay.bq, lay.width(p.value_dim)), st),
     )
     (pdsv, rows, pdv), (t_ok, _, hv_ok), _ = _over_key_blocks(lay, r, step, init, (dk_ref, dv_ref))
-    mask = _tile_mask(t_ok, hv_ok)
+    mask = tile_mask(t_ok, hv_ok)
     dout = pdsv - rows * load(out_ref, mask).astype(st) + pdv
     store(dout_ref, dout.astype(dout_ref.dtype), mask)
     store(dlse_ref, rows[:, 0], t_ok)
@@ -364,10 +331,9 @@ def jvp(*operands, config: AttentionConfig, interpret: Any, **params):
     lay.keys(p.head_dim, False),
     lay.keys(p.value_dim, False),
   ] + [lay.tile(d, True) for d in dbias]
-  return _call(
+  return triton_call(
     kernel,
-    lay,
-    lay.nq,
+    lay.grid(lay.nq),
     _inputs(lay, ops, True) + [out, lse, dq, dk, dv, *dbias],
     _input_specs(lay, ops, True) + rest_specs,
     [
@@ -381,7 +347,27 @@ def jvp(*operands, config: AttentionConfig, interpret: Any, **params):
   )
 
 
-def _dq(p, ops, lay, lse, delta, do, config, interpret):
+def _bwd_call(kernel, lay: _Layout, ops, query_blocks: bool, stats, outs, config, interpret, name):
+  """``triton_call`` of a backward kernel over query blocks (dq) or key blocks (dk, dv).
+
+  Its own operands are ``stats``: ``(lse, delta, do)``, whole or per query
+  block; ``outs``: its outputs' shapes and BlockSpecs.
+  """
+  p = lay.p
+  specs = [lay.row_stats(query_blocks)] * 2 + [lay.rows(p.value_dim, query_blocks)]
+  return triton_call(
+    kernel,
+    lay.grid(lay.nq if query_blocks else lay.nk),
+    _inputs(lay, ops, query_blocks) + list(stats),
+    _input_specs(lay, ops, query_blocks) + specs,
+    *outs,
+    config,
+    interpret,
+    name,
+  )
+
+
+def _dq(p, ops, lay, config, interpret, *stats):
   """``dq`` (and the logits' gradient where there is a bias): per query block."""
   st = p.stat
 
@@ -391,10 +377,10 @@ def _dq(p, ops, lay, lse, delta, do, config, interpret):
     dq_ref, *ds_ref = r.outs
     t0 = pl.program_id(0) * lay.bq
     _, t_ok = _positions(t0, lay.bq, p.t)
-    hv_ok = _cols_ok(lay.width(p.value_dim), p.value_dim)
+    hv_ok = lay.cols_ok(p.value_dim)
     lse_blk = load(lse_ref, t_ok, other=NEG_INF)[:, None]
     delta_blk = load(delta_ref, t_ok)[:, None]
-    do_blk = load(do_ref, _tile_mask(t_ok, hv_ok))
+    do_blk = load(do_ref, tile_mask(t_ok, hv_ok))
 
     def step(acc, s, g, q, k, v, ok, s0):
       _, ds = common.bwd_probs(p, block_dot, v, do_blk, s, lse_blk, delta_blk)
@@ -405,12 +391,12 @@ def _dq(p, ops, lay, lse, delta, do, config, interpret):
     def clear(j):  # a key block the loop skips has a zero bias gradient
       _, s_ok = _positions(j * lay.bk, lay.bk, p.s)
       zeros = jnp.zeros((lay.bq, lay.bk), ds_ref[0].dtype)
-      store(ds_ref[0].at[:, pl.ds(j * lay.bk, lay.bk)], zeros, _tile_mask(t_ok, s_ok))
+      store(ds_ref[0].at[:, pl.ds(j * lay.bk, lay.bk)], zeros, tile_mask(t_ok, s_ok))
 
     init = jnp.zeros((lay.bq, lay.width(p.head_dim)), st)
     skipped = clear if ds_ref else None
     acc, (t_ok, h_ok, _), (lo, hi) = _over_key_blocks(lay, r, step, init, skipped=skipped)
-    store(dq_ref, acc.astype(dq_ref.dtype), _tile_mask(t_ok, h_ok))
+    store(dq_ref, acc.astype(dq_ref.dtype), tile_mask(t_ok, h_ok))
     if ds_ref:
       clearing = lambda j, carry: clear(j) or carry
       lax.fori_loop(0, lo, clearing, 0)
@@ -421,23 +407,12 @@ def _dq(p, ops, lay, lse, delta, do, config, interpret):
   if p.has_bias:
     out_shapes.append(jax.ShapeDtypeStruct((p.batch, p.kv_heads, p.groups, p.t, p.s), st))
     out_specs.append(lay.tile(out_shapes[-1], True))
-  specs = [lay.row_stats(True), lay.row_stats(True), lay.rows(p.value_dim, True)]
-  return _call(
-    kernel,
-    lay,
-    lay.nq,
-    _inputs(lay, ops, True) + [lse, delta, do],
-    _input_specs(lay, ops, True) + specs,
-    out_shapes,
-    out_specs,
-    config,
-    interpret,
-    "attention_bwd_dq",
-  )
+  outs = (out_shapes, out_specs)
+  return _bwd_call(kernel, lay, ops, True, stats, outs, config, interpret, "attention_bwd_dq")
 
 
-def _dkdv(p, ops, lay, lse, delta, do, config, interpret):
-  """``dk, dv`` per query head (summed over a kv head's query heads by the caller)."""
+def _dkdv(p, ops, lay, config, interpret, *stats):
+  """``dk, dv`` per query head (summed over a kv head's query heads by ``common.backward``)."""
   st = p.stat
   out_dtype = p.dtype if p.groups == 1 else st
 
@@ -447,21 +422,18 @@ def _dkdv(p, ops, lay, lse, delta, do, config, interpret):
     dk_ref, dv_ref = r.outs
     s0 = pl.program_id(0) * lay.bk
     s_pos, s_ok = _positions(s0, lay.bk, p.s)
-    h_ok, hv_ok = (
-      _cols_ok(lay.width(p.head_dim), p.head_dim),
-      _cols_ok(lay.width(p.value_dim), p.value_dim),
-    )
-    k = load(r.k, _tile_mask(s_ok, h_ok))
-    v = load(r.v, _tile_mask(s_ok, hv_ok))
+    h_ok, hv_ok = lay.cols_ok(p.head_dim), lay.cols_ok(p.value_dim)
+    k = load(r.k, tile_mask(s_ok, h_ok))
+    v = load(r.v, tile_mask(s_ok, hv_ok))
     kv_seg = load(r.own_seg, s_ok) if p.has_segments else None
 
     def body(i, carry):
       t0 = i * lay.bq
       t_pos, t_ok = _positions(t0, lay.bq, p.t)
       rows = lambda ref: ref.at[pl.ds(t0, lay.bq)]
-      q = load(r.q.at[pl.ds(t0, lay.bq), :], _tile_mask(t_ok, h_ok))
-      do_blk = load(do_ref.at[pl.ds(t0, lay.bq), :], _tile_mask(t_ok, hv_ok))
-      ok = _tile_mask(t_ok, s_ok)
+      q = load(r.q.at[pl.ds(t0, lay.bq), :], tile_mask(t_ok, h_ok))
+      do_blk = load(do_ref.at[pl.ds(t0, lay.bq), :], tile_mask(t_ok, hv_ok))
+      ok = tile_mask(t_ok, s_ok)
       tile = lambda ref: None if ref is None else load(ref.at[pl.ds(t0, lay.bq), :], ok)
       mask = tile(r.mask)
       segs = (
@@ -487,8 +459,8 @@ def _dkdv(p, ops, lay, lse, delta, do, config, interpret):
       jnp.zeros((lay.bk, lay.width(p.value_dim)), st),
     )
     dk, dv = lax.fori_loop(lo, hi, _skipping(r, body), init)
-    store(dk_ref, dk.astype(dk_ref.dtype), _tile_mask(s_ok, h_ok))
-    store(dv_ref, dv.astype(dv_ref.dtype), _tile_mask(s_ok, hv_ok))
+    store(dk_ref, dk.astype(dk_ref.dtype), tile_mask(s_ok, h_ok))
+    store(dv_ref, dv.astype(dv_ref.dtype), tile_mask(s_ok, hv_ok))
 
   def per_head(x):
     return pl.BlockSpec(
@@ -496,27 +468,13 @@ def _dkdv(p, ops, lay, lse, delta, do, config, interpret):
     )
 
   shape = lambda x: jax.ShapeDtypeStruct((p.batch, p.kv_heads, p.groups, p.s, x), out_dtype)
-  specs = [lay.row_stats(False), lay.row_stats(False), lay.rows(p.value_dim, False)]
-  dk, dv = _call(
-    kernel,
-    lay,
-    lay.nk,
-    _inputs(lay, ops, False) + [lse, delta, do],
-    _input_specs(lay, ops, False) + specs,
-    [shape(p.head_dim), shape(p.value_dim)],
-    [per_head(p.head_dim), per_head(p.value_dim)],
-    config,
-    interpret,
-    "attention_bwd_dkdv",
-  )
-  return [jnp.sum(x, axis=2).astype(p.dtype) for x in (dk, dv)]
+  widths = (p.head_dim, p.value_dim)
+  outs = ([shape(x) for x in widths], [per_head(x) for x in widths])
+  return _bwd_call(kernel, lay, ops, False, stats, outs, config, interpret, "attention_bwd_dkdv")
 
 
 def bwd(*operands, config: AttentionConfig, interpret: Any, **params):
   """``(dq, dk, dv[, dbias])``: the dq kernel and the dk/dv kernel."""
   p, ops, lay = _setup(operands, config, params)
-  out, lse, do, dlse = ops.rest
-  delta = common.bwd_delta(p, out, do, dlse)
-  dq, *ds = _dq(p, ops, lay, lse, delta, do, config, interpret)
-  dk, dv = _dkdv(p, ops, lay, lse, delta, do, config, interpret)
-  return [dq, dk, dv, *(reduce_bias_grad(d, ops.bias) for d in ds)]
+  passes = (functools.partial(f, p, ops, lay, config, interpret) for f in (_dq, _dkdv))
+  return common.backward(p, ops, *passes)

@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any, Optional
+from typing import NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
@@ -137,29 +137,49 @@ def _logits(qk, SCALE: tl.constexpr, CAP: tl.constexpr):
     return qk * (SCALE * LOG2E), 1.0
 
 
+class _Consts(NamedTuple):
+  """The constexprs every kernel takes, passed as one ``C: tl.constexpr``.
+
+  T, S: the query and key sequence lengths; H, HV: the head dims of q/k and
+  v; HEADS: the query heads, GROUPS: the query heads per kv head; BQ, BK:
+  the query and key blocks; BH, BHV: the head dims padded to powers of two;
+  SCALE, CAP: the logits' scale and soft cap (None: none); LEFT, RIGHT: the
+  window (None: unbounded); HAS_LENGTHS: whether lengths are read (else T
+  and S are the lengths); PRECISION: the dots' (see ``_dot``).
+  """
+
+  T: int
+  S: int
+  H: int
+  HV: int
+  HEADS: int
+  GROUPS: int
+  BQ: int
+  BK: int
+  BH: int
+  BHV: int
+  SCALE: float
+  CAP: Optional[float]
+  LEFT: Optional[int]
+  RIGHT: Optional[int]
+  HAS_LENGTHS: bool
+  PRECISION: Optional[str]
+
+
 @triton.jit
-def _keep(
-  t_pos,
-  s_pos,
-  q_len,
-  kv_len,
-  S: tl.constexpr,
-  LEFT: tl.constexpr,
-  RIGHT: tl.constexpr,
-  HAS_LENGTHS: tl.constexpr,
-):
+def _keep(t_pos, s_pos, q_len, kv_len, C: tl.constexpr):
   """Which (query, key) pairs see each other (``common.visible``), keys past ``S`` hidden.
 
   ``t_pos`` and ``s_pos`` broadcast against each other: a column and a row of
   a block, or a row and a column in the ``dk, dv`` kernel's transposed one.
   """
-  keep = s_pos < S
-  if HAS_LENGTHS:
+  keep = s_pos < C.S
+  if C.HAS_LENGTHS:
     keep = keep & (t_pos < q_len) & (s_pos < kv_len)
-  if LEFT is not None:
-    keep = keep & (s_pos >= t_pos - LEFT)
-  if RIGHT is not None:
-    keep = keep & (s_pos <= t_pos + RIGHT)
+  if C.LEFT is not None:
+    keep = keep & (s_pos >= t_pos - C.LEFT)
+  if C.RIGHT is not None:
+    keep = keep & (s_pos <= t_pos + C.RIGHT)
   return keep
 
 
@@ -177,12 +197,15 @@ def _ranges(
 ):
   """The other side's blocks that a block of ``OWN`` rows at ``start`` meets.
 
-  Returns ``lo <= full_lo <= full_hi <= hi``: ``[lo, hi)`` are the blocks it
-  sees at all (``common.key_range``, ``common.query_range``), and
-  ``[full_lo, full_hi)`` those that all of its rows, inside the array and
-  their length, see whole: they need no mask. ``AHEAD``/``BEHIND``: how far
-  past (before) its own positions the block sees (None: unbounded);
-  ``own_len``/``other_len``: the lengths (the extents without lengths).
+  Returns ``(lo, full_lo, full_hi, hi)``, ``lo <= full_lo <= full_hi <= hi``:
+  ``[lo, hi)`` are the blocks it sees at all (``common.key_range``,
+  ``common.query_range``), and ``[full_lo, full_hi)`` those that all of its
+  rows, inside the array and their length, see whole: they need no mask.
+  Part ``i`` of the loop over them is ``[bounds[i], bounds[i + 1])``: the
+  masked blocks before the whole ones, the whole ones, the masked ones
+  after. ``AHEAD``/``BEHIND``: how far past (before) its own positions the
+  block sees (None: unbounded); ``own_len``/``other_len``: the lengths (the
+  extents without lengths).
   """
   hi_pos = tl.minimum(other_len, OTHER_EXTENT)
   full_pos = hi_pos
@@ -204,15 +227,7 @@ def _ranges(
 
 
 @triton.jit
-def _program(
-  q_len_ptr,
-  kv_len_ptr,
-  T: tl.constexpr,
-  S: tl.constexpr,
-  HEADS: tl.constexpr,
-  GROUPS: tl.constexpr,
-  HAS_LENGTHS: tl.constexpr,
-):
+def _program(q_len_ptr, kv_len_ptr, C: tl.constexpr):
   """A program's ``(row, kv, q_len, kv_len)``.
 
   The grid is (block, query head, batch): ``row`` indexes its query head's
@@ -222,12 +237,48 @@ def _program(
   """
   n = tl.program_id(1)
   b = tl.program_id(2)
-  row = (b * HEADS + n).to(tl.int64)
-  kv = (b * (HEADS // GROUPS) + n // GROUPS).to(tl.int64)
-  if HAS_LENGTHS:
+  row = (b * C.HEADS + n).to(tl.int64)
+  kv = (b * (C.HEADS // C.GROUPS) + n // C.GROUPS).to(tl.int64)
+  if C.HAS_LENGTHS:
     return row, kv, tl.load(q_len_ptr + b), tl.load(kv_len_ptr + b)
   else:
-    return row, kv, T, S
+    return row, kv, C.T, C.S
+
+
+@triton.jit
+def _query_block(q_ptr, k_ptr, v_ptr, q_len_ptr, kv_len_ptr, C: tl.constexpr):
+  """A query-block program's (forward, dq) matrix row, positions and key blocks' ``_ranges``.
+
+  Returns ``(row, t_pos, bounds, qb)``; ``qb``, what ``_key_block`` reads:
+  ``(q, t_pos, k_ptr, v_ptr, q_len, kv_len)``, the block's queries and the
+  pointers at its kv head's keys and values.
+  """
+  row, kv, q_len, kv_len = _program(q_len_ptr, kv_len_ptr, C)
+  t0 = tl.program_id(0) * C.BQ
+  t_pos = t0 + tl.arange(0, C.BQ)
+  bounds = _ranges(t0, q_len, kv_len, C.BQ, C.BK, C.T, C.S, C.RIGHT, C.LEFT)
+  q = _load(q_ptr + row * (C.T * C.H), t_pos, C.T, C.H, C.BH, True)
+  k_ptr += kv * (C.S * C.H)
+  v_ptr += kv * (C.S * C.HV)
+  return row, t_pos, bounds, (q, t_pos, k_ptr, v_ptr, q_len, kv_len)
+
+
+@triton.jit
+def _key_block(qb, j, C: tl.constexpr, MASKED: tl.constexpr):
+  """Key block ``j`` of query block ``qb``: its keys, values, logits and soft cap derivative.
+
+  The logits in log2 units, -inf where hidden (``MASKED``: the block is not
+  seen whole).
+  """
+  q, t_pos, k_ptr, v_ptr, q_len, kv_len = qb
+  s_pos = tl.arange(0, C.BK) + j * C.BK
+  k = _load(k_ptr, s_pos, C.S, C.H, C.BH, MASKED)
+  v = _load(v_ptr, s_pos, C.S, C.HV, C.BHV, MASKED)
+  s, g = _logits(_dot(q, tl.trans(k), C.PRECISION), C.SCALE, C.CAP)
+  if MASKED:
+    keep = _keep(t_pos[:, None], s_pos[None, :], q_len, kv_len, C)
+    s = tl.where(keep, s, NEG_INF)
+  return k, v, s, g
 
 
 @triton.jit
@@ -241,41 +292,10 @@ def _lse2(lse):
 
 
 @triton.jit
-def _fwd_blocks(
-  carry_m,
-  carry_l,
-  acc,
-  q,
-  t_pos,
-  k_ptr,
-  v_ptr,
-  start,
-  stop,
-  q_len,
-  kv_len,
-  S: tl.constexpr,
-  H: tl.constexpr,
-  HV: tl.constexpr,
-  BK: tl.constexpr,
-  BH: tl.constexpr,
-  BHV: tl.constexpr,
-  SCALE: tl.constexpr,
-  CAP: tl.constexpr,
-  LEFT: tl.constexpr,
-  RIGHT: tl.constexpr,
-  HAS_LENGTHS: tl.constexpr,
-  PRECISION: tl.constexpr,
-  MASKED: tl.constexpr,
-):
+def _fwd_blocks(carry_m, carry_l, acc, qb, start, stop, C: tl.constexpr, MASKED: tl.constexpr):
   """The online softmax over key blocks ``[start, stop)`` (masked, or all seen whole)."""
   for j in range(start, stop):
-    s_pos = tl.arange(0, BK) + j * BK
-    k = _load(k_ptr, s_pos, S, H, BH, MASKED)
-    v = _load(v_ptr, s_pos, S, HV, BHV, MASKED)
-    s, _ = _logits(_dot(q, tl.trans(k), PRECISION), SCALE, CAP)
-    if MASKED:
-      keep = _keep(t_pos[:, None], s_pos[None, :], q_len, kv_len, S, LEFT, RIGHT, HAS_LENGTHS)
-      s = tl.where(keep, s, NEG_INF)
+    _, v, s, _ = _key_block(qb, j, C, MASKED)
     m = tl.maximum(carry_m, tl.max(s, 1))
     m_safe = m
     if MASKED:  # rows that have seen no key yet
@@ -283,63 +303,27 @@ def _fwd_blocks(
     alpha = tl.math.exp2(carry_m - m_safe)
     p = tl.math.exp2(s - m_safe[:, None])
     carry_l = carry_l * alpha + tl.sum(p, 1)
-    acc = acc * alpha[:, None] + _dot(_to(p, v.dtype, PRECISION), v, PRECISION)
+    acc = acc * alpha[:, None] + _dot(_to(p, v.dtype, C.PRECISION), v, C.PRECISION)
     carry_m = m
   return carry_m, carry_l, acc
 
 
 @triton.jit
-def _fwd_kernel(
-  q_ptr,
-  k_ptr,
-  v_ptr,
-  q_len_ptr,
-  kv_len_ptr,
-  out_ptr,
-  lse_ptr,
-  T: tl.constexpr,
-  S: tl.constexpr,
-  H: tl.constexpr,
-  HV: tl.constexpr,
-  HEADS: tl.constexpr,
-  GROUPS: tl.constexpr,
-  BQ: tl.constexpr,
-  BK: tl.constexpr,
-  BH: tl.constexpr,
-  BHV: tl.constexpr,
-  SCALE: tl.constexpr,
-  CAP: tl.constexpr,
-  LEFT: tl.constexpr,
-  RIGHT: tl.constexpr,
-  HAS_LENGTHS: tl.constexpr,
-  PRECISION: tl.constexpr,
-):
+def _fwd_kernel(q_ptr, k_ptr, v_ptr, q_len_ptr, kv_len_ptr, out_ptr, lse_ptr, C: tl.constexpr):
   """``out``, ``lse`` of one query block of one query head."""
-  row, kv, q_len, kv_len = _program(q_len_ptr, kv_len_ptr, T, S, HEADS, GROUPS, HAS_LENGTHS)
-  t0 = tl.program_id(0) * BQ
-  t_pos = t0 + tl.arange(0, BQ)
-  lo, full_lo, full_hi, hi = _ranges(t0, q_len, kv_len, BQ, BK, T, S, RIGHT, LEFT)
-  q = _load(q_ptr + row * (T * H), t_pos, T, H, BH, True)
-  k_ptr += kv * (S * H)
-  v_ptr += kv * (S * HV)
-
-  m = tl.full([BQ], NEG_INF, tl.float32)
-  denom = tl.zeros([BQ], tl.float32)
-  acc = tl.zeros([BQ, BHV], tl.float32)
+  row, t_pos, bounds, qb = _query_block(q_ptr, k_ptr, v_ptr, q_len_ptr, kv_len_ptr, C)
+  m = tl.full([C.BQ], NEG_INF, tl.float32)
+  denom = tl.zeros([C.BQ], tl.float32)
+  acc = tl.zeros([C.BQ, C.BHV], tl.float32)
   for part in tl.static_range(3):  # the masked blocks before and after the whole ones
-    start = lo if part == 0 else full_lo if part == 1 else full_hi
-    stop = full_lo if part == 0 else full_hi if part == 1 else hi
-    m, denom, acc = _fwd_blocks(
-      m, denom, acc, q, t_pos, k_ptr, v_ptr, start, stop, q_len, kv_len,
-      S, H, HV, BK, BH, BHV, SCALE, CAP, LEFT, RIGHT, HAS_LENGTHS, PRECISION, part != 1,
-    )  # fmt: skip
+    m, denom, acc = _fwd_blocks(m, denom, acc, qb, bounds[part], bounds[part + 1], C, part != 1)
 
   empty = denom == 0.0
   safe = tl.where(empty, 1.0, denom)
   out = tl.where(empty[:, None], 0.0, acc / safe[:, None])
-  _store(out_ptr + row * (T * HV), t_pos, out, T, HV, BHV, PRECISION)
+  _store(out_ptr + row * (C.T * C.HV), t_pos, out, C.T, C.HV, C.BHV, C.PRECISION)
   lse = tl.where(empty, NEG_INF, (m + tl.math.log2(safe)) * LN2)
-  tl.store(lse_ptr + row * T + t_pos, lse, mask=t_pos < T)
+  tl.store(lse_ptr + row * C.T + t_pos, lse, mask=t_pos < C.T)
 
 
 # ------------------------------------------------------------------------------
@@ -347,97 +331,30 @@ def _fwd_kernel(
 
 
 @triton.jit
-def _dq_blocks(
-  acc,
-  q,
-  do,
-  lse2,
-  delta,
-  t_pos,
-  k_ptr,
-  v_ptr,
-  start,
-  stop,
-  q_len,
-  kv_len,
-  S: tl.constexpr,
-  H: tl.constexpr,
-  HV: tl.constexpr,
-  BK: tl.constexpr,
-  BH: tl.constexpr,
-  BHV: tl.constexpr,
-  SCALE: tl.constexpr,
-  CAP: tl.constexpr,
-  LEFT: tl.constexpr,
-  RIGHT: tl.constexpr,
-  HAS_LENGTHS: tl.constexpr,
-  PRECISION: tl.constexpr,
-  MASKED: tl.constexpr,
-):
+def _dq_blocks(acc, qb, do, lse2, delta, start, stop, C: tl.constexpr, MASKED: tl.constexpr):
   """``dq`` (unscaled) summed over key blocks ``[start, stop)``."""
   for j in range(start, stop):
-    s_pos = tl.arange(0, BK) + j * BK
-    k = _load(k_ptr, s_pos, S, H, BH, MASKED)
-    v = _load(v_ptr, s_pos, S, HV, BHV, MASKED)
-    s, g = _logits(_dot(q, tl.trans(k), PRECISION), SCALE, CAP)
-    if MASKED:
-      keep = _keep(t_pos[:, None], s_pos[None, :], q_len, kv_len, S, LEFT, RIGHT, HAS_LENGTHS)
-      s = tl.where(keep, s, NEG_INF)
+    k, v, s, g = _key_block(qb, j, C, MASKED)
     p = tl.math.exp2(s - lse2[:, None])
-    ds = p * (_dot(do, tl.trans(v), PRECISION) - delta[:, None]) * g
-    acc += _dot(_to(ds, k.dtype, PRECISION), k, PRECISION)
+    ds = p * (_dot(do, tl.trans(v), C.PRECISION) - delta[:, None]) * g
+    acc += _dot(_to(ds, k.dtype, C.PRECISION), k, C.PRECISION)
   return acc
 
 
 @triton.jit
 def _dq_kernel(
-  q_ptr,
-  k_ptr,
-  v_ptr,
-  q_len_ptr,
-  kv_len_ptr,
-  lse_ptr,
-  delta_ptr,
-  do_ptr,
-  dq_ptr,
-  T: tl.constexpr,
-  S: tl.constexpr,
-  H: tl.constexpr,
-  HV: tl.constexpr,
-  HEADS: tl.constexpr,
-  GROUPS: tl.constexpr,
-  BQ: tl.constexpr,
-  BK: tl.constexpr,
-  BH: tl.constexpr,
-  BHV: tl.constexpr,
-  SCALE: tl.constexpr,
-  CAP: tl.constexpr,
-  LEFT: tl.constexpr,
-  RIGHT: tl.constexpr,
-  HAS_LENGTHS: tl.constexpr,
-  PRECISION: tl.constexpr,
+  q_ptr, k_ptr, v_ptr, q_len_ptr, kv_len_ptr, lse_ptr, delta_ptr, do_ptr, dq_ptr, C: tl.constexpr
 ):
   """``dq`` of one query block of one query head."""
-  row, kv, q_len, kv_len = _program(q_len_ptr, kv_len_ptr, T, S, HEADS, GROUPS, HAS_LENGTHS)
-  t0 = tl.program_id(0) * BQ
-  t_pos = t0 + tl.arange(0, BQ)
-  lo, full_lo, full_hi, hi = _ranges(t0, q_len, kv_len, BQ, BK, T, S, RIGHT, LEFT)
-  q = _load(q_ptr + row * (T * H), t_pos, T, H, BH, True)
-  do = _load(do_ptr + row * (T * HV), t_pos, T, HV, BHV, True)
-  lse2 = _lse2(tl.load(lse_ptr + row * T + t_pos, mask=t_pos < T, other=NEG_INF))
-  delta = tl.load(delta_ptr + row * T + t_pos, mask=t_pos < T, other=0.0)
-  k_ptr += kv * (S * H)
-  v_ptr += kv * (S * HV)
+  row, t_pos, bounds, qb = _query_block(q_ptr, k_ptr, v_ptr, q_len_ptr, kv_len_ptr, C)
+  do = _load(do_ptr + row * (C.T * C.HV), t_pos, C.T, C.HV, C.BHV, True)
+  lse2 = _lse2(tl.load(lse_ptr + row * C.T + t_pos, mask=t_pos < C.T, other=NEG_INF))
+  delta = tl.load(delta_ptr + row * C.T + t_pos, mask=t_pos < C.T, other=0.0)
 
-  acc = tl.zeros([BQ, BH], tl.float32)
+  acc = tl.zeros([C.BQ, C.BH], tl.float32)
   for part in tl.static_range(3):  # the masked blocks before and after the whole ones
-    start = lo if part == 0 else full_lo if part == 1 else full_hi
-    stop = full_lo if part == 0 else full_hi if part == 1 else hi
-    acc = _dq_blocks(
-      acc, q, do, lse2, delta, t_pos, k_ptr, v_ptr, start, stop, q_len, kv_len,
-      S, H, HV, BK, BH, BHV, SCALE, CAP, LEFT, RIGHT, HAS_LENGTHS, PRECISION, part != 1,
-    )  # fmt: skip
-  _store(dq_ptr + row * (T * H), t_pos, acc * SCALE, T, H, BH, PRECISION)
+    acc = _dq_blocks(acc, qb, do, lse2, delta, bounds[part], bounds[part + 1], C, part != 1)
+  _store(dq_ptr + row * (C.T * C.H), t_pos, acc * C.SCALE, C.T, C.H, C.BH, C.PRECISION)
 
 
 @triton.jit
@@ -455,19 +372,7 @@ def _dkdv_blocks(
   stop,
   q_len,
   kv_len,
-  T: tl.constexpr,
-  S: tl.constexpr,
-  H: tl.constexpr,
-  HV: tl.constexpr,
-  BQ: tl.constexpr,
-  BH: tl.constexpr,
-  BHV: tl.constexpr,
-  SCALE: tl.constexpr,
-  CAP: tl.constexpr,
-  LEFT: tl.constexpr,
-  RIGHT: tl.constexpr,
-  HAS_LENGTHS: tl.constexpr,
-  PRECISION: tl.constexpr,
+  C: tl.constexpr,
   MASKED: tl.constexpr,
 ):
   """``dk`` (unscaled), ``dv`` of a key block summed over query blocks ``[start, stop)``.
@@ -476,23 +381,23 @@ def _dkdv_blocks(
   probabilities come out shaped for ``p^T do`` and ``ds^T q`` directly.
   """
   for i in range(start, stop):
-    t_pos = tl.arange(0, BQ) + i * BQ
-    q = _load(q_ptr, t_pos, T, H, BH, MASKED)
-    do = _load(do_ptr, t_pos, T, HV, BHV, MASKED)
+    t_pos = tl.arange(0, C.BQ) + i * C.BQ
+    q = _load(q_ptr, t_pos, C.T, C.H, C.BH, MASKED)
+    do = _load(do_ptr, t_pos, C.T, C.HV, C.BHV, MASKED)
     if MASKED:
-      lse2 = _lse2(tl.load(lse_ptr + t_pos, mask=t_pos < T, other=NEG_INF))
-      delta = tl.load(delta_ptr + t_pos, mask=t_pos < T, other=0.0)
+      lse2 = _lse2(tl.load(lse_ptr + t_pos, mask=t_pos < C.T, other=NEG_INF))
+      delta = tl.load(delta_ptr + t_pos, mask=t_pos < C.T, other=0.0)
     else:
       lse2 = _lse2(tl.load(lse_ptr + t_pos))
       delta = tl.load(delta_ptr + t_pos)
-    s, g = _logits(_dot(k, tl.trans(q), PRECISION), SCALE, CAP)
+    s, g = _logits(_dot(k, tl.trans(q), C.PRECISION), C.SCALE, C.CAP)
     if MASKED:
-      keep = _keep(t_pos[None, :], s_pos[:, None], q_len, kv_len, S, LEFT, RIGHT, HAS_LENGTHS)
+      keep = _keep(t_pos[None, :], s_pos[:, None], q_len, kv_len, C)
       s = tl.where(keep, s, NEG_INF)
     p = tl.math.exp2(s - lse2[None, :])
-    dv += _dot(_to(p, do.dtype, PRECISION), do, PRECISION)
-    ds = p * (_dot(v, tl.trans(do), PRECISION) - delta[None, :]) * g
-    dk += _dot(_to(ds, q.dtype, PRECISION), q, PRECISION)
+    dv += _dot(_to(p, do.dtype, C.PRECISION), do, C.PRECISION)
+    ds = p * (_dot(v, tl.trans(do), C.PRECISION) - delta[None, :]) * g
+    dk += _dot(_to(ds, q.dtype, C.PRECISION), q, C.PRECISION)
   return dk, dv
 
 
@@ -508,46 +413,29 @@ def _dkdv_kernel(
   do_ptr,
   dk_ptr,
   dv_ptr,
-  T: tl.constexpr,
-  S: tl.constexpr,
-  H: tl.constexpr,
-  HV: tl.constexpr,
-  HEADS: tl.constexpr,
-  GROUPS: tl.constexpr,
-  BQ: tl.constexpr,
-  BK: tl.constexpr,
-  BH: tl.constexpr,
-  BHV: tl.constexpr,
-  SCALE: tl.constexpr,
-  CAP: tl.constexpr,
-  LEFT: tl.constexpr,
-  RIGHT: tl.constexpr,
-  HAS_LENGTHS: tl.constexpr,
-  PRECISION: tl.constexpr,
+  C: tl.constexpr,
 ):
   """``dk``, ``dv`` of one key block from one query head (its share with GQA)."""
-  row, kv, q_len, kv_len = _program(q_len_ptr, kv_len_ptr, T, S, HEADS, GROUPS, HAS_LENGTHS)
-  s0 = tl.program_id(0) * BK
-  s_pos = s0 + tl.arange(0, BK)
-  lo, full_lo, full_hi, hi = _ranges(s0, kv_len, q_len, BK, BQ, S, T, LEFT, RIGHT)
-  k = _load(k_ptr + kv * (S * H), s_pos, S, H, BH, True)
-  v = _load(v_ptr + kv * (S * HV), s_pos, S, HV, BHV, True)
-  q_ptr += row * (T * H)
-  do_ptr += row * (T * HV)
-  lse_ptr += row * T
-  delta_ptr += row * T
+  row, kv, q_len, kv_len = _program(q_len_ptr, kv_len_ptr, C)
+  s0 = tl.program_id(0) * C.BK
+  s_pos = s0 + tl.arange(0, C.BK)
+  bounds = _ranges(s0, kv_len, q_len, C.BK, C.BQ, C.S, C.T, C.LEFT, C.RIGHT)
+  k = _load(k_ptr + kv * (C.S * C.H), s_pos, C.S, C.H, C.BH, True)
+  v = _load(v_ptr + kv * (C.S * C.HV), s_pos, C.S, C.HV, C.BHV, True)
+  q_ptr += row * (C.T * C.H)
+  do_ptr += row * (C.T * C.HV)
+  lse_ptr += row * C.T
+  delta_ptr += row * C.T
 
-  dk = tl.zeros([BK, BH], tl.float32)
-  dv = tl.zeros([BK, BHV], tl.float32)
+  dk = tl.zeros([C.BK, C.BH], tl.float32)
+  dv = tl.zeros([C.BK, C.BHV], tl.float32)
   for part in tl.static_range(3):  # the masked blocks before and after the whole ones
-    start = lo if part == 0 else full_lo if part == 1 else full_hi
-    stop = full_lo if part == 0 else full_hi if part == 1 else hi
     dk, dv = _dkdv_blocks(
-      dk, dv, k, v, s_pos, q_ptr, do_ptr, lse_ptr, delta_ptr, start, stop, q_len, kv_len,
-      T, S, H, HV, BQ, BH, BHV, SCALE, CAP, LEFT, RIGHT, HAS_LENGTHS, PRECISION, part != 1,
+      dk, dv, k, v, s_pos, q_ptr, do_ptr, lse_ptr, delta_ptr, bounds[part], bounds[part + 1],
+      q_len, kv_len, C, part != 1,
     )  # fmt: skip
-  _store(dk_ptr + row * (S * H), s_pos, dk * SCALE, S, H, BH, PRECISION)
-  _store(dv_ptr + row * (S * HV), s_pos, dv, S, HV, BHV, PRECISION)
+  _store(dk_ptr + row * (C.S * C.H), s_pos, dk * C.SCALE, C.S, C.H, C.BH, C.PRECISION)
+  _store(dv_ptr + row * (C.S * C.HV), s_pos, dv, C.S, C.HV, C.BHV, C.PRECISION)
 
 
 # ------------------------------------------------------------------------------
@@ -570,12 +458,9 @@ class _Call(common.Blocks):
     bk = min(config.block_k, next_pow2(max(p.s, 16)))
     return cls(p, bq, bk, Operands.of(p, operands))
 
-  def grid(self, blocks: int) -> tuple[int, int, int]:
-    return (blocks, self.p.kv_heads * self.p.groups, self.p.batch)
-
-  def constexprs(self, interpret: bool) -> dict[str, Any]:
+  def consts(self, interpret: bool) -> _Consts:
     p = self.p
-    return dict(
+    return _Consts(
       T=p.t,
       S=p.s,
       H=p.head_dim,
@@ -603,7 +488,7 @@ class _Call(common.Blocks):
       num_warps=config.num_warps,
       num_stages=config.num_stages,
       interpret=interpret,
-      **self.constexprs(interpret),
+      C=self.consts(interpret),
     )
 
 
@@ -634,24 +519,15 @@ def bwd(*operands, config: AttentionConfig, interpret: bool, **params) -> list[j
   """``(dq, dk, dv)``: the dq kernel and the dk/dv kernel."""
   c = _Call.of(operands, config, params)
   p, ops = c.p, c.ops
-  out, lse, do, dlse = ops.rest
-  delta = common.bwd_delta(p, out, do, dlse)
-  inputs = (ops.q, ops.k, ops.v, ops.q_len, ops.kv_len, lse, delta, do)
-  [dq] = c.launch(
-    _dq_kernel,
-    inputs,
-    [_rows_shape(p, p.t, p.head_dim, p.dtype)],
-    c.nq,
-    config,
-    interpret,
-  )
-  partial = p.dtype if p.groups == 1 else p.stat
-  dk, dv = c.launch(
-    _dkdv_kernel,
-    inputs,
-    [_rows_shape(p, p.s, p.head_dim, partial), _rows_shape(p, p.s, p.value_dim, partial)],
-    c.nk,
-    config,
-    interpret,
-  )
-  return [dq, *(jnp.sum(x, axis=2).astype(p.dtype) for x in (dk, dv))]
+  inputs = lambda *stats: (ops.q, ops.k, ops.v, ops.q_len, ops.kv_len, *stats)
+
+  def dq_pass(*stats):
+    shape = [_rows_shape(p, p.t, p.head_dim, p.dtype)]
+    return c.launch(_dq_kernel, inputs(*stats), shape, c.nq, config, interpret)
+
+  def dkdv_pass(*stats):
+    partial = p.dtype if p.groups == 1 else p.stat
+    shapes = [_rows_shape(p, p.s, x, partial) for x in (p.head_dim, p.value_dim)]
+    return c.launch(_dkdv_kernel, inputs(*stats), shapes, c.nk, config, interpret)
+
+  return common.backward(p, ops, dq_pass, dkdv_pass)

@@ -10,7 +10,6 @@ hidden, padded queries cut off.
 
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 from jax import lax
 
@@ -29,6 +28,7 @@ from pallax.kernels.attention.common import (
   online_init,
   online_step,
   query_range,
+  reduce_bias_grad,
   scores,
   segment_blocks,
   tangent_block,
@@ -312,9 +312,3 @@ def attention_bwd(*operands, **params):
   if p.has_bias:
     grads.append(reduce_bias_grad(dbias[0][..., : p.t, : p.s], ops.bias))
   return grads
-
-
-def reduce_bias_grad(ds: jax.Array, bias) -> jax.Array:
-  """The logits' gradient ``(B, K, G, T, S)`` summed over the dims ``bias`` broadcasts."""
-  axes = tuple(d for d in range(3) if bias.shape[d] == 1 and ds.shape[d] != 1)
-  return jnp.sum(ds, axis=axes, keepdims=True).astype(bias.dtype)

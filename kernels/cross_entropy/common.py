@@ -53,6 +53,7 @@ from typing import Any, Optional
 
 import jax
 import jax.numpy as jnp
+from jax.experimental import pallas as pl
 
 from pallax.pallas_utils import stat_dtype
 
@@ -128,6 +129,36 @@ class Operands:
       return cls(ops[0], None, None, ops[1], tuple(ops[2:]))
     b = ops[2] if has_bias else None
     return cls(ops[0], ops[1], b, ops[2 + has_bias], tuple(ops[3 + has_bias :]))
+
+  def primals(self) -> list[jax.Array]:
+    """The floating primals in order: ``x``, then ``w`` and ``b`` where the call has them."""
+    return [a for a in (self.x, self.w, self.b) if a is not None]
+
+
+@dataclasses.dataclass(frozen=True)
+class Blocks:
+  """A call cut into blocks of ``bn`` tokens, ``bv`` vocabulary and ``bd`` hidden columns.
+
+  The base of the Pallas kernels' layouts; each backend picks the sizes.
+  """
+
+  p: Problem
+  bn: int
+  bv: int
+  bd: int
+
+  @property
+  def nn(self) -> int:
+    return pl.cdiv(self.p.tokens, self.bn)
+
+  @property
+  def nv(self) -> int:
+    return pl.cdiv(self.p.vocab, self.bv)
+
+  @property
+  def nd(self) -> int:
+    """Hidden blocks (1 without ``linear``)."""
+    return pl.cdiv(self.p.hidden, self.bd) if self.p.linear else 1
 
 
 def weight_like(stage: str, p: Problem) -> frozenset[int]:

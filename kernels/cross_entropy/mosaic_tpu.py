@@ -59,30 +59,13 @@ def _dot(a: jax.Array, b: jax.Array, contract: tuple[int, int]) -> jax.Array:
 
 
 @dataclasses.dataclass(frozen=True)
-class _Layout:
-  """A call's blocks: ``bn`` tokens, ``bv`` vocabulary columns, ``bd`` hidden columns a step."""
-
-  p: Problem
-  bn: int
-  bv: int
-  bd: int
+class _Layout(common.Blocks):
+  """A call's blocks (no larger than the arrays) and the BlockSpecs of its operands."""
 
   @classmethod
   def of(cls, p: Problem, config: CrossEntropyConfig, full_hidden: bool = False) -> _Layout:
     bd = p.hidden if full_hidden or not p.linear else min(config.block_d, p.hidden)
     return cls(p, min(config.block_n, p.tokens), min(config.block_v, p.vocab), bd)
-
-  @property
-  def nn(self) -> int:
-    return pl.cdiv(self.p.tokens, self.bn)
-
-  @property
-  def nv(self) -> int:
-    return pl.cdiv(self.p.vocab, self.bv)
-
-  @property
-  def nd(self) -> int:
-    return pl.cdiv(self.p.hidden, self.bd) if self.p.linear else 1
 
   # Masks of a block's entries inside the arrays (None: the block is whole).
 
@@ -267,14 +250,7 @@ def fwd(*ops, config: CrossEntropyConfig, interpret: Any, **params) -> list[jax.
 
     _over_hidden(lay, acc, parts, finish)
 
-  in_specs = [lay.x_spec()]
-  args = [o.x]
-  if p.linear:
-    in_specs.append(lay.w_spec())
-    args.append(o.w)
-  if p.has_bias:
-    in_specs.append(lay.b_spec())
-    args.append(o.b[:, None, :])
+  in_specs, args = _primal_inputs(lay, o.primals())
   outs = pl.pallas_call(
     kernel,
     grid=grid,
@@ -342,21 +318,11 @@ def jvp(*ops, config: CrossEntropyConfig, interpret: Any, **params) -> list[jax.
 
     _over_hidden(lay, acc, parts, finish)
 
-  in_specs, args = [lay.x_spec()], [o.x]
-  if p.linear:
-    in_specs.append(lay.w_spec())
-    args.append(o.w)
-  if p.has_bias:
-    in_specs.append(lay.b_spec())
-    args.append(o.b[:, None, :])
-  in_specs += [lay.col_spec(), lay.col_spec(), lay.x_spec()]
-  args += [_col(o.labels), _col(lse.astype(_F32)), tangents[0]]
-  if p.linear:
-    in_specs.append(lay.w_spec())
-    args.append(tangents[1])
-  if p.has_bias:
-    in_specs.append(lay.b_spec())
-    args.append(tangents[2][:, None, :])
+  in_specs, args = _primal_inputs(lay, o.primals())
+  in_specs += [lay.col_spec(), lay.col_spec()]
+  args += [_col(o.labels), _col(lse.astype(_F32))]
+  tangent_specs, tangent_args = _primal_inputs(lay, tangents)
+  in_specs, args = in_specs + tangent_specs, args + tangent_args
   outs = pl.pallas_call(
     kernel,
     grid=grid,
@@ -414,13 +380,20 @@ def _bwd_logits(p: Problem, o: Operands, stats, config, interpret) -> jax.Array:
   )(o.x, _col(o.labels), *stats)
 
 
+def _primal_inputs(lay: _Layout, arrays, vocab_major: bool = False) -> tuple[list, list]:
+  """The BlockSpecs and operands of the floating primals ``x[, w][, b]`` or of their tangents.
+
+  ``arrays`` as ``Operands.primals`` orders them; the bias travels as ``(G, 1, V)`` rows.
+  """
+  specs = [lay.x_spec(vocab_major)]
+  specs += [lay.w_spec(vocab_major)] if lay.p.linear else []
+  specs += [lay.b_spec(vocab_major)] if lay.p.has_bias else []
+  return specs, [*arrays[:2], *(b[:, None, :] for b in arrays[2:])]
+
+
 def _linear_inputs(lay: _Layout, o: Operands, vocab_major: bool):
   """The operands and BlockSpecs of the linear backward kernels: x, w, [b], labels, stats."""
-  specs = [lay.x_spec(vocab_major), lay.w_spec(vocab_major)]
-  args = [o.x, o.w]
-  if o.b is not None:
-    specs.append(lay.b_spec(vocab_major))
-    args.append(o.b[:, None, :])
+  specs, args = _primal_inputs(lay, o.primals(), vocab_major)
   return specs + [lay.col_spec(vocab_major)] * 5, args + [_col(o.labels)]
 
 

@@ -37,7 +37,8 @@ from jax.experimental.pallas import triton as pltriton
 from pallax.kernels.cross_entropy import common
 from pallax.kernels.cross_entropy.common import Operands, Problem
 from pallax.kernels.cross_entropy.config import CrossEntropyConfig
-from pallax.pallas_utils import and_masks, in_bounds, load, next_pow2, store, triton_compiler_params
+from pallax.pallas_triton import tile_mask, triton_call
+from pallax.pallas_utils import in_bounds, load, next_pow2, store
 
 _F32 = jnp.float32
 
@@ -53,21 +54,9 @@ def _dot(a, b, contract: tuple[int, int]) -> jax.Array:
   return lax.dot_general(a, b, dims, precision=precision, preferred_element_type=_F32)
 
 
-def _tile_mask(rows_ok, cols_ok) -> Optional[jax.Array]:
-  """The 2-D mask of a tile from its rows' and columns' 1-D masks (None: all in bounds)."""
-  return and_masks(
-    None if rows_ok is None else rows_ok[:, None], None if cols_ok is None else cols_ok[None, :]
-  )
-
-
 @dataclasses.dataclass(frozen=True)
-class _Layout:
-  """A call's blocks: ``bn`` tokens, ``bv`` vocabulary columns, ``bd`` hidden columns."""
-
-  p: Problem
-  bn: int
-  bv: int
-  bd: int
+class _Layout(common.Blocks):
+  """A call's blocks (powers of two, overhanging the arrays) and the BlockSpecs of its operands."""
 
   @classmethod
   def of(cls, p: Problem, config: CrossEntropyConfig) -> _Layout:
@@ -79,17 +68,9 @@ class _Layout:
       fit(config.block_d, max(p.hidden, 1)),
     )
 
-  @property
-  def nn(self) -> int:
-    return pl.cdiv(self.p.tokens, self.bn)
-
-  @property
-  def nv(self) -> int:
-    return pl.cdiv(self.p.vocab, self.bv)
-
-  @property
-  def nd(self) -> int:
-    return pl.cdiv(self.p.hidden, self.bd)
+  def grid(self, blocks: int) -> tuple[int, int]:
+    """(``blocks``, groups): the grid of every kernel."""
+    return (blocks, self.p.groups)
 
   def rows_ok(self, i) -> Optional[jax.Array]:
     """Which tokens of token block ``i`` exist (None: all)."""
@@ -162,7 +143,7 @@ class _Tile:
 def _x_tile(lay: _Layout, ref, t: _Tile, k) -> jax.Array:
   """``x[n0 : n0 + bn, k-th D block]`` (0 outside the array), in the compute dtype."""
   view = ref.at[pl.ds(t.n0, lay.bn), pl.ds(k * lay.bd, lay.bd)]
-  return load(view, _tile_mask(t.rows_ok, lay.d_ok(k))).astype(lay.compute)
+  return load(view, tile_mask(t.rows_ok, lay.d_ok(k))).astype(lay.compute)
 
 
 def _w_tile(lay: _Layout, ref, t: _Tile, k) -> jax.Array:
@@ -170,10 +151,10 @@ def _w_tile(lay: _Layout, ref, t: _Tile, k) -> jax.Array:
   d_ok = lay.d_ok(k)
   if lay.p.transposed_weight:
     view = ref.at[pl.ds(t.v0, lay.bv), pl.ds(k * lay.bd, lay.bd)]
-    mask = _tile_mask(t.cols_ok, d_ok)
+    mask = tile_mask(t.cols_ok, d_ok)
   else:
     view = ref.at[pl.ds(k * lay.bd, lay.bd), pl.ds(t.v0, lay.bv)]
-    mask = _tile_mask(d_ok, t.cols_ok)
+    mask = tile_mask(d_ok, t.cols_ok)
   return load(view, mask).astype(lay.compute)
 
 
@@ -195,7 +176,7 @@ def _logits(lay: _Layout, t: _Tile, x_ref, w_ref, b_ref, tangent_refs=None):
   p = lay.p
   if not p.linear:
     view = lambda ref: ref.at[pl.ds(t.n0, lay.bn), pl.ds(t.v0, lay.bv)]
-    mask = _tile_mask(t.rows_ok, t.cols_ok)
+    mask = tile_mask(t.rows_ok, t.cols_ok)
     z = load(view(x_ref), mask).astype(_F32)
     if tangent_refs is None:
       return z
@@ -241,34 +222,6 @@ def _primal_specs(lay: _Layout, per_token_block: bool) -> list:
   return specs
 
 
-def _primals(o: Operands) -> list:
-  return [a for a in (o.x, o.w, o.b) if a is not None]
-
-
-def _call(
-  kernel,
-  lay: _Layout,
-  grid_blocks: int,
-  operands,
-  in_specs,
-  out_shapes,
-  out_specs,
-  config,
-  interpret,
-  name,
-):
-  return pl.pallas_call(
-    kernel,
-    grid=(grid_blocks, lay.p.groups),
-    in_specs=in_specs,
-    out_specs=out_specs,
-    out_shape=out_shapes,
-    compiler_params=triton_compiler_params(config),
-    interpret=interpret,
-    name=name,
-  )(*operands)
-
-
 def _split_primals(p: Problem, refs):
   """``(x, w, b, labels), rest`` from a kernel's refs (None where absent)."""
   if not p.linear:
@@ -305,11 +258,10 @@ def fwd(*ops, config: CrossEntropyConfig, interpret: Any, **params) -> list[jax.
     for ref, stat in zip((lse_ref, zy_ref, zsum_ref), common.stats_finish(acc)):
       store(ref, stat[:, 0], rows_ok)
 
-  return _call(
+  return triton_call(
     kernel,
-    lay,
-    lay.nn,
-    [*_primals(o), o.labels],
+    lay.grid(lay.nn),
+    [*o.primals(), o.labels],
     [*_primal_specs(lay, True), lay.spec_tokens()],
     _stats_shapes(p, 3),
     [lay.spec_tokens()] * 3,
@@ -345,11 +297,10 @@ def jvp(*ops, config: CrossEntropyConfig, interpret: Any, **params) -> list[jax.
     for ref, stat in zip(out_refs, acc):
       store(ref, stat[:, 0], rows_ok)
 
-  return _call(
+  return triton_call(
     kernel,
-    lay,
-    lay.nn,
-    [*_primals(o), o.labels, lse, *tangents],
+    lay.grid(lay.nn),
+    [*o.primals(), o.labels, lse, *tangents],
     [*_primal_specs(lay, True), lay.spec_tokens(), lay.spec_tokens(), *_primal_specs(lay, True)],
     _stats_shapes(p, 3),
     [lay.spec_tokens()] * 3,
@@ -390,6 +341,22 @@ def _sync(interpret) -> None:
     pltriton.debug_barrier()
 
 
+def _add_over_hidden(lay: _Layout, ref, view, mask_of, part, interpret) -> None:
+  """Adds ``part(k)`` to the tile ``view(ref, k)`` of each D block ``k`` (masked by ``mask_of(k)``).
+
+  A read-modify-write of the program's own output block, then ``_sync``.
+  """
+
+  def body(k, carry):
+    term = part(k)
+    tile, mask = view(ref, k), mask_of(k)
+    store(tile, load(tile, mask) + term, mask)
+    return carry
+
+  lax.fori_loop(0, lay.nd, body, 0)
+  _sync(interpret)
+
+
 def _bwd_logits(p, o, lay, config, interpret):
   """``dlogits``: per token block, ``g`` tile by tile."""
   lse, *cots = o.rest
@@ -404,15 +371,14 @@ def _bwd_logits(p, o, lay, config, interpret):
       t = _row_tile(lay, j, rows_ok)
       g = _g_tile(lay, t, (x_ref, None, None, None), labels, stats)
       view = out_ref.at[:, pl.ds(t.v0, lay.bv)]
-      store(view, g.astype(out_ref.dtype), _tile_mask(rows_ok, t.cols_ok))
+      store(view, g.astype(out_ref.dtype), tile_mask(rows_ok, t.cols_ok))
       return carry
 
     lax.fori_loop(0, lay.nv, body, 0)
 
-  return _call(
+  return triton_call(
     kernel,
-    lay,
-    lay.nn,
+    lay.grid(lay.nn),
     [o.x, o.labels, lse, *cots],
     [*_primal_specs(lay, True), *[lay.spec_tokens()] * 5],
     [jax.ShapeDtypeStruct(o.x.shape, o.x.dtype)],
@@ -435,7 +401,7 @@ def _bwd_dx(p, o, lay, config, interpret) -> jax.Array:
     rows_ok = lay.rows_ok(pl.program_id(0))
     labels = load(prim_refs[3], rows_ok, other=-1)[:, None]
     stats = [load(r, rows_ok)[:, None] for r in stat_refs]
-    dx_mask = lambda k: _tile_mask(rows_ok, lay.d_ok(k))
+    dx_mask = lambda k: tile_mask(rows_ok, lay.d_ok(k))
     _zero_out(dx_ref, lay.nd, d_view, dx_mask, (lay.bn, lay.bd))
     _sync(interpret)
 
@@ -443,25 +409,17 @@ def _bwd_dx(p, o, lay, config, interpret) -> jax.Array:
       t = _row_tile(lay, j, rows_ok)
       g = _g_tile(lay, t, prim_refs, labels, stats).astype(lay.compute)
 
-      def accumulate(k, carry):
-        w = _w_tile(lay, w_ref, t, k)
-        part = _dot(g, w, (1, 0) if p.transposed_weight else (1, 1))
-        view, mask = d_view(dx_ref, k), dx_mask(k)
-        store(view, load(view, mask) + part, mask)
-        return carry
-
-      lax.fori_loop(0, lay.nd, accumulate, 0)
-      _sync(interpret)
+      part = lambda k: _dot(g, _w_tile(lay, w_ref, t, k), (1, 0) if p.transposed_weight else (1, 1))
+      _add_over_hidden(lay, dx_ref, d_view, dx_mask, part, interpret)
       return carry
 
     lax.fori_loop(0, lay.nv, body, 0)
 
   out = jax.ShapeDtypeStruct(o.x.shape, _F32)
-  return _call(
+  return triton_call(
     kernel,
-    lay,
-    lay.nn,
-    [*_primals(o), o.labels, lse, *cots],
+    lay.grid(lay.nn),
+    [*o.primals(), o.labels, lse, *cots],
     [*_primal_specs(lay, True), *[lay.spec_tokens()] * 5],
     [out],
     [lay.spec_rows(lay.nd * lay.bd)],
@@ -489,9 +447,9 @@ def _bwd_dw(p, o, lay, config, interpret) -> list[jax.Array]:
     j = pl.program_id(0)
     cols_ok = lay.cols_ok(j)
     if p.transposed_weight:
-      dw_mask = lambda k: _tile_mask(cols_ok, lay.d_ok(k))
+      dw_mask = lambda k: tile_mask(cols_ok, lay.d_ok(k))
     else:
-      dw_mask = lambda k: _tile_mask(lay.d_ok(k), cols_ok)
+      dw_mask = lambda k: tile_mask(lay.d_ok(k), cols_ok)
     _zero_out(dw_ref, lay.nd, d_view, dw_mask, shape)
     _sync(interpret)
 
@@ -506,15 +464,11 @@ def _bwd_dw(p, o, lay, config, interpret) -> list[jax.Array]:
       db = db if db is None else db + jnp.sum(g, axis=0)  # before the D loop: g then dies
       gc = g.astype(lay.compute)
 
-      def accumulate(k, carry):
+      def part(k):
         x = _x_tile(lay, x_ref, t, k)
-        part = _dot(gc, x, (0, 0)) if p.transposed_weight else _dot(x, gc, (0, 0))
-        view, mask = d_view(dw_ref, k), dw_mask(k)
-        store(view, load(view, mask) + part, mask)
-        return carry
+        return _dot(gc, x, (0, 0)) if p.transposed_weight else _dot(x, gc, (0, 0))
 
-      lax.fori_loop(0, lay.nd, accumulate, 0)
-      _sync(interpret)
+      _add_over_hidden(lay, dw_ref, d_view, dw_mask, part, interpret)
       return db
 
     db0 = jnp.zeros((lay.bv,), _F32) if p.has_bias else None
@@ -527,11 +481,10 @@ def _bwd_dw(p, o, lay, config, interpret) -> list[jax.Array]:
   if p.has_bias:
     out_shapes.append(jax.ShapeDtypeStruct(o.b.shape, _F32))
     out_specs.append(lay.spec_vocab(True))
-  return _call(
+  return triton_call(
     kernel,
-    lay,
-    lay.nv,
-    [*_primals(o), o.labels, lse, *cots],
+    lay.grid(lay.nv),
+    [*o.primals(), o.labels, lse, *cots],
     [*_primal_specs(lay, False), lay.spec_tokens(False), *[lay.spec_tokens(False)] * 4],
     out_shapes,
     out_specs,

@@ -20,6 +20,8 @@ through ``pallax.triton_raw.LazyKernels``, when a raw kernel first runs.
 
 from __future__ import annotations
 
+from typing import Any
+
 import jax
 import jax.numpy as jnp
 
@@ -150,41 +152,54 @@ def _layout(x: jax.Array, w: jax.Array, config: NormConfig, kind: NormKind) -> L
   return Layout.of(x.shape, w.shape, config, "triton")
 
 
-def _sizes(lay: Layout) -> dict[str, int]:
-  """The constexprs every kernel takes: the view's and the block's sizes."""
-  b = lay.blocks
-  return dict(ROWS=b.rows, HIDDEN=b.cols, BLOCK_ROWS=b.block_rows, BLOCK_H=b.block_cols)
-
-
-def norm_fwd(
-  x: jax.Array,
-  w: jax.Array,
-  *,
-  config: NormConfig,
-  interpret: bool,
-  kind: NormKind,
-  eps: float,
-  offset: float,
+def _launch(
+  kernel, lay: Layout, config: NormConfig, interpret: bool, operands, out_shape, grid, **constexprs
 ) -> list[jax.Array]:
-  """rms_norm's forward: ``[y, rstd]`` (``y`` in ``x``'s dtype, ``rstd`` float32)."""
-  if x.size == 0:
-    return xla.norm_fwd(x, w, kind=kind, eps=eps, offset=offset)
-  lay = _layout(x, w, config, kind)
-  y, rstd = launch(
-    _fwd_kernel,
-    x.reshape(lay.view_shape(ROW)),
-    w.reshape(lay.view_shape(WEIGHT)),
-    out_shape=[
-      jax.ShapeDtypeStruct(lay.view_shape(ROW), x.dtype),
-      jax.ShapeDtypeStruct(lay.view_shape(STAT), jnp.float32),
-    ],
-    grid=lay.grid,
+  """``launch`` of ``kernel`` on the (G, R, H) views of ``operands`` (``(view, array)`` pairs).
+
+  Its constexprs are ``constexprs`` and the sizes every kernel takes: the
+  view's and the block's.
+  """
+  b = lay.blocks
+  return launch(
+    kernel,
+    *(a.reshape(lay.view_shape(view)) for view, a in operands),
+    out_shape=out_shape,
+    grid=grid,
     num_warps=config.num_warps,
     num_stages=config.num_stages,
     interpret=interpret,
-    EPS=eps,
-    OFFSET=offset,
-    **_sizes(lay),
+    **constexprs,
+    ROWS=b.rows,
+    HIDDEN=b.cols,
+    BLOCK_ROWS=b.block_rows,
+    BLOCK_H=b.block_cols,
+  )
+
+
+def norm_fwd(
+  x: jax.Array, w: jax.Array, *, config: NormConfig, interpret: bool, **params: Any
+) -> list[jax.Array]:
+  """rms_norm's forward: ``[y, rstd]`` (``y`` in ``x``'s dtype, ``rstd`` float32).
+
+  ``params``: ``kind``, ``eps`` and ``offset``, as ``xla.norm_fwd`` takes them.
+  """
+  if x.size == 0:
+    return xla.norm_fwd(x, w, **params)
+  lay = _layout(x, w, config, params["kind"])
+  y, rstd = _launch(
+    _fwd_kernel,
+    lay,
+    config,
+    interpret,
+    [(ROW, x), (WEIGHT, w)],
+    [
+      jax.ShapeDtypeStruct(lay.view_shape(ROW), x.dtype),
+      jax.ShapeDtypeStruct(lay.view_shape(STAT), jnp.float32),
+    ],
+    lay.grid,
+    EPS=params["eps"],
+    OFFSET=params["offset"],
   )
   return [y.reshape(x.shape), rstd.reshape(x.shape[:-1])]
 
@@ -197,31 +212,29 @@ def norm_bwd(
   *,
   config: NormConfig,
   interpret: bool,
-  kind: NormKind,
-  offset: float,
+  **params: Any,
 ) -> list[jax.Array]:
-  """rms_norm's backward: ``[dx, dweight]`` in the dtypes of ``x`` and ``w``."""
+  """rms_norm's backward: ``[dx, dweight]`` in the dtypes of ``x`` and ``w``.
+
+  ``params``: ``kind`` and ``offset``, as ``xla.norm_bwd`` takes them.
+  """
   if x.size == 0:
-    return xla.norm_bwd(x, w, rstd, dy, kind=kind, offset=offset)
-  lay = _layout(x, w, config, kind)
+    return xla.norm_bwd(x, w, rstd, dy, **params)
+  lay = _layout(x, w, config, params["kind"])
   programs = min(lay.blocks.row_blocks, MAX_BWD_PROGRAMS)
-  dx, partials = launch(
+  dx, partials = _launch(
     _bwd_kernel,
-    x.reshape(lay.view_shape(ROW)),
-    w.reshape(lay.view_shape(WEIGHT)),
-    rstd.reshape(lay.view_shape(STAT)),
-    dy.reshape(lay.view_shape(ROW)),
-    out_shape=[
+    lay,
+    config,
+    interpret,
+    [(ROW, x), (WEIGHT, w), (STAT, rstd), (ROW, dy)],
+    [
       jax.ShapeDtypeStruct(lay.view_shape(ROW), x.dtype),
       jax.ShapeDtypeStruct((lay.groups, programs, lay.blocks.cols), jnp.float32),
     ],
-    grid=(lay.groups, programs),
-    num_warps=config.num_warps,
-    num_stages=config.num_stages,
-    interpret=interpret,
-    OFFSET=offset,
+    (lay.groups, programs),
+    OFFSET=params["offset"],
     PROGRAMS=programs,
-    **_sizes(lay),
   )
   dw = jnp.sum(partials, axis=1).reshape(w.shape).astype(w.dtype)
   return [dx.reshape(x.shape), dw]

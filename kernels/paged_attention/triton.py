@@ -27,18 +27,8 @@ from jax.experimental.pallas import triton as pltriton
 from pallax.kernels.attention.common import block_dot, online_init, online_step
 from pallax.kernels.paged_attention.common import Problem, combine_splits, logits
 from pallax.kernels.paged_attention.config import PagedAttentionConfig, rows
-from pallax.pallas_utils import and_masks, load, next_pow2, store, triton_compiler_params
-
-
-def _iota_ok(size: int, extent: int):
-  """Which of ``size`` padded positions lie below ``extent`` (None: all)."""
-  return None if size == extent else lax.broadcasted_iota(jnp.int32, (size,), 0) < extent
-
-
-def _tile(rows_ok, cols_ok):
-  return and_masks(
-    None if rows_ok is None else rows_ok[:, None], None if cols_ok is None else cols_ok[None, :]
-  )
+from pallax.pallas_triton import padded_ok, tile_mask
+from pallax.pallas_utils import load, next_pow2, store, triton_compiler_params
 
 
 def split_tokens(p: Problem, config: PagedAttentionConfig) -> tuple[int, int, int]:
@@ -59,16 +49,16 @@ def paged_attention(
   bk, per_split, splits = split_tokens(p, config)
 
   def kernel(q_ref, k_ref, v_ref, len_ref, table_ref, m_ref, l_ref, acc_ref):
-    g_ok, h_ok = _iota_ok(gp, p.groups), _iota_ok(hp, p.head_dim)
-    hv_ok = _iota_ok(hvp, p.value_dim)
+    g_ok, h_ok = padded_ok(gp, p.groups), padded_ok(hp, p.head_dim)
+    hv_ok = padded_ok(hvp, p.value_dim)
     start = pl.program_id(2) * per_split
     end = jnp.minimum(len_ref[0], start + per_split)
-    q_blk = load(q_ref, _tile(g_ok, h_ok))
+    q_blk = load(q_ref, tile_mask(g_ok, h_ok))
     h_cols = lax.broadcasted_iota(jnp.int32, (1, hp), 1)
     hv_cols = lax.broadcasted_iota(jnp.int32, (1, hvp), 1)
 
     def gather(ref, page, row, cols, ok, cols_ok):
-      mask = _tile(ok, cols_ok)
+      mask = tile_mask(ok, cols_ok)
       return pltriton.load(ref.at[page[:, None], row[:, None], cols], mask=mask, other=0)
 
     def body(j, carry):
@@ -85,7 +75,7 @@ def paged_attention(
     m, denom, acc = lax.fori_loop(0, blocks, body, online_init(p, (gp,), hvp))
     store(m_ref, m[:, 0], g_ok)
     store(l_ref, denom[:, 0], g_ok)
-    store(acc_ref, acc, _tile(g_ok, hv_ok))
+    store(acc_ref, acc, tile_mask(g_ok, hv_ok))
 
   pool = lambda width: pl.BlockSpec(
     (None, p.total_pages, p.page_size, width), lambda b, k, s: (k, 0, 0, 0)
