@@ -2,17 +2,19 @@
 
 A fenced block's language says what it is:
 
-* ``python``: a program. The blocks run one after another in one fresh
-  process (``JAX_PLATFORMS=cpu``), each in a namespace of its own, so every block
-  must be self-contained: its imports, its inputs. A block that raises fails
-  the test, which names the file and line of every block that raised. Blocks check their
-  own results where they compute something (``assert`` against ``jax.nn``,
-  plain ``jnp`` or a float64 reference), so a wrong answer fails too.
+* ``python``: a program. The blocks of a file run one after another in a
+  fresh process (``JAX_PLATFORMS=cpu``; one process a core, each taking
+  whole files), each block in a namespace of its own, so every block must be
+  self-contained: its imports, its inputs. A block that raises fails the
+  test, which names the file and line of every block that raised. Blocks
+  check their own results where they compute something (``assert`` against
+  ``jax.nn`` or plain ``jnp``), so a wrong answer fails too.
 * ``bash`` / ``sh`` / ``console``: commands, one a line (a line ending in
   ``\\`` continues on the next; in ``console`` blocks only lines starting
   with ``$`` are commands, the rest is their output). The commands of one
-  block run in order, each under ``bash`` with ``JAX_PLATFORMS=cpu`` and a
-  fresh ``PALLAX_CACHE_DIR``, in a scratch directory that links the
+  block run in order (the blocks side by side, one a core), each under
+  ``bash`` with ``JAX_PLATFORMS=cpu`` and the block's own fresh
+  ``PALLAX_CACHE_DIR``, in a scratch directory of the block's that links the
   repository's top-level entries except the package sources (so relative
   paths such as ``examples.train_step`` or ``tests/verify`` resolve, and
   the files a command writes land in the scratch directory). A command
@@ -38,6 +40,7 @@ Relative links between the files, and their ``#anchors``, must resolve.
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import json
 import os
@@ -130,9 +133,9 @@ def option_flags(command: str) -> list[str]:
   return sorted({m.group(1) for m in re.finditer(r"(?<!\S)(--[\w-]+)", own)})
 
 
-def scratch_dir(tmp_path: Path) -> Path:
-  """A directory linking the repository's top-level entries, package sources excepted."""
-  work = tmp_path / "work"
+def scratch_dir(base: Path) -> Path:
+  """A directory in ``base`` linking the top-level entries of the repository but its sources."""
+  work = base / "work"
   work.mkdir()
   for entry in ROOT.iterdir():
     if entry.name not in NOT_LINKED:
@@ -140,9 +143,10 @@ def scratch_dir(tmp_path: Path) -> Path:
   return work
 
 
-def environment(tmp_path: Path) -> dict[str, str]:
+def environment(base: Path) -> dict[str, str]:
+  """The environment a reader's shell would have, on the CPU, with a cache in ``base``."""
   env = {k: v for k, v in os.environ.items() if not k.startswith("PYTEST_XDIST")}
-  env.update(JAX_PLATFORMS="cpu", PALLAX_CACHE_DIR=str(tmp_path / "cache"))
+  env.update(JAX_PLATFORMS="cpu", PALLAX_CACHE_DIR=str(base / "cache"))
   env.pop("PALLAX_INTERPRET", None)
   env.pop("PALLAX_POLICY", None)
   return env
@@ -215,7 +219,7 @@ def test_links_resolve(path):
 
 
 # ----------------------------------------------------------------------------
-# Python blocks: one process for all of them, a fresh namespace a block.
+# Python blocks: one process a core, each running whole files.
 
 _RUNNER = """
 import json, sys, traceback
@@ -235,28 +239,42 @@ sys.exit(f"python blocks that raised: {failed}" if failed else 0)
 PYTHON_BLOCKS = [b for b in ALL_BLOCKS if b.language == "python"]
 
 
-def test_python_blocks(tmp_path):
-  todo = [(b.where, b.source) for b in PYTHON_BLOCKS]
+def _run_python_blocks(todo: list[tuple[str, str]], cwd: Path, env: dict) -> str:
+  """Runs blocks in one fresh process; what went wrong, or "" if every block ran."""
   result = subprocess.run(
     [sys.executable, "-c", _RUNNER],
     input=json.dumps(todo),
-    cwd=scratch_dir(tmp_path),
-    env=environment(tmp_path),
+    cwd=cwd,
+    env=env,
     capture_output=True,
     text=True,
     timeout=COMMAND_TIMEOUT,
   )
-  assert result.returncode == 0, result.stderr[-8000:]
   lines = result.stdout.splitlines()
   ran = [line.removeprefix("=== ran ") for line in lines if line.startswith("=== ran ")]
-  assert ran == [where for where, _ in todo], result.stdout[-2000:]
+  if result.returncode or ran != [where for where, _ in todo]:
+    return result.stderr[-6000:] or result.stdout[-2000:]
+  return ""
+
+
+def test_python_blocks(tmp_path):
+  cwd, env = scratch_dir(tmp_path), environment(tmp_path)
+  files = {}
+  for b in PYTHON_BLOCKS:
+    files.setdefault(b.path, []).append((b.where, b.source))
+  # One process a core, each running whole files (the most blocks to the least loaded).
+  processes = [[] for _ in range(min(os.cpu_count() or 1, len(files)))]
+  for todo in sorted(files.values(), key=len, reverse=True):
+    min(processes, key=len).extend(todo)
+  with concurrent.futures.ThreadPoolExecutor(len(processes)) as pool:
+    errors = list(pool.map(lambda todo: _run_python_blocks(todo, cwd, env), processes))
+  assert not any(errors), "\n".join(e for e in errors if e)
 
 
 # ----------------------------------------------------------------------------
 # Shell blocks: every command runs, in order, in the block's scratch directory.
 
 SHELL_BLOCKS = [b for b in ALL_BLOCKS if b.language in SHELL]
-_HELP: dict[str, str] = {}  # a program's --help output, asked once per program
 
 
 def program(command: str) -> str:
@@ -272,22 +290,46 @@ def program(command: str) -> str:
   return shlex.join(head)
 
 
-def help_text(command: str, cwd: Path, env: dict, where: str) -> str:
-  name = program(command)
-  if name not in _HELP:
-    _HELP[name] = run(f"{name} --help", cwd, env, where)
-  return _HELP[name]
-
-
-@pytest.mark.parametrize("block", SHELL_BLOCKS, ids=lambda b: b.where)
-def test_shell_block(block, tmp_path):
-  cwd, env = scratch_dir(tmp_path), environment(tmp_path)
+def plan(block: Block) -> tuple[list[str], list[str]]:
+  """A shell block's commands to run, in order, and its ``# slow:`` ones (checked by --help)."""
+  to_run, slow = [], []
   for command, comment in commands(block):
     if command.startswith("pip install") or command == README_TEST_COMMAND:
       continue  # installed already; CI runs the suite (test_readme_test_command_is_what_ci_runs)
-    if comment.startswith("slow:"):
-      output = help_text(command, cwd, env, block.where)
-      missing = [flag for flag in option_flags(command) if flag not in output]
-      assert not missing, f"{block.where}: `{command}` uses options its --help lacks: {missing}"
-    else:
+    (slow if comment.startswith("slow:") else to_run).append(command)
+  return to_run, slow
+
+
+def _run_block(block: Block, commands: list[str], base: Path) -> str:
+  """Runs commands in order in a scratch directory of their own: the first failure, or ""."""
+  base.mkdir()
+  cwd, env = scratch_dir(base), environment(base)
+  try:
+    for command in commands:
       run(command, cwd, env, block.where)
+  except AssertionError as error:
+    return str(error)
+  return ""
+
+
+def test_shell_blocks(tmp_path):
+  """Every shell block's commands, the blocks side by side (one a core)."""
+  plans = [(block, *plan(block)) for block in SHELL_BLOCKS]
+  programs = sorted({program(c) for _, _, slow in plans for c in slow})
+  help_dir = tmp_path / "help"
+  help_dir.mkdir()
+  cwd, env = scratch_dir(help_dir), environment(help_dir)
+  with concurrent.futures.ThreadPoolExecutor(os.cpu_count()) as pool:
+    helps = {name: pool.submit(run, f"{name} --help", cwd, env, name) for name in programs}
+    runs = [
+      pool.submit(_run_block, block, to_run, tmp_path / f"block{i}")
+      for i, (block, to_run, _) in enumerate(plans)
+    ]
+    errors = [done.result() for done in runs]
+    helps = {name: done.result() for name, done in helps.items()}
+  for block, _, slow in plans:
+    for command in slow:
+      missing = [flag for flag in option_flags(command) if flag not in helps[program(command)]]
+      if missing:
+        errors.append(f"{block.where}: `{command}` uses options its --help lacks: {missing}")
+  assert not any(errors), "\n\n".join(e for e in errors if e)
