@@ -12,33 +12,12 @@ computed per ``(v, b)`` and summed over ``b``.
 
 from __future__ import annotations
 
-from typing import Optional
-
 import jax
 import jax.numpy as jnp
 from jax.interpreters import batching
 
 from pallax.batching_utils import NOT_MAPPED, axis_size
-from pallax.kernels.attention.common import Problem
-
-
-def _broadcast_operands(prim, p: Problem, n_operands: int) -> dict[int, Optional[int]]:
-  """Operands leading with 1 or ``B`` -> the index of the backward's result that is their gradient.
-
-  The bias, mask and sinks, and the tangent's dbias and dsinks (its last operands).
-  """
-  first_sink = 5 + p.has_bias + p.has_mask + 2 * p.has_segments
-  out = {}
-  if p.has_bias:
-    out[5] = 3
-  if p.has_mask:
-    out[5 + p.has_bias] = None
-  if p.has_sinks:
-    out[first_sink] = -1
-  if prim.name.endswith("_jvp"):
-    tangents = [None] * p.has_bias + [None] * p.has_sinks
-    out.update({n_operands - len(tangents) + i: g for i, g in enumerate(tangents)})
-  return out
+from pallax.kernels.attention.common import SIGNATURE, inputs
 
 
 def _example(a, d) -> jax.ShapeDtypeStruct:
@@ -47,18 +26,19 @@ def _example(a, d) -> jax.ShapeDtypeStruct:
   return jax.ShapeDtypeStruct(shape, a.dtype)
 
 
-def fold_into_batch(prim, args, bdims, **params):
-  """The batch-folding rule (register with ``PrimitiveSpec.batching``)."""
+def fold_into_batch(stage: str, prim, args, bdims, **params):
+  """The batch-folding rule of ``stage`` (register with ``PrimitiveSpec.batching``)."""
   size = axis_size(args, bdims)
   examples = [_example(a, d) for a, d in zip(args, bdims)]
-  p = Problem.of(examples, **params)
-  b = p.batch
-  returns_grads = prim.name.endswith("_bwd")
-  broadcast = _broadcast_operands(prim, p, len(args))
+  sig = SIGNATURE.stage(stage, params)
+  b = inputs(examples, params).q.shape[0]
+  # The backward returns the gradient of each differentiable input: where
+  # that input broadcasts over the batch, so must its gradient.
+  grads = {sig.operand(g).name: i for i, g in enumerate(sig.results)} if stage == "bwd" else {}
   folded, summed = [], []
-  for i, (a, d) in enumerate(zip(args, bdims)):
-    shared = i in broadcast and examples[i].shape[0] == 1
-    grad = broadcast.get(i) if returns_grads else None
+  for name, a, d, example in zip(sig.operands, args, bdims, examples):
+    shared = sig.operand(name).broadcast and example.shape[0] == 1
+    grad = grads.get(name)
     if d is NOT_MAPPED and shared and grad is None:
       folded.append(a)  # broadcasts over every example
       continue

@@ -22,6 +22,7 @@ heads before positions), then binds the op declared with
 
 from __future__ import annotations
 
+import functools
 import numbers
 from typing import Optional, Union
 
@@ -33,7 +34,7 @@ from pallax.batching_rules import attention as attention_batching
 from pallax.kernels import attention as kernels
 from pallax.kernels.attention import AttentionConfig
 from pallax.kernels.attention import xla as attention_xla
-from pallax.kernels.attention.common import Operands, Problem, varies_over_heads, with_sinks
+from pallax.kernels.attention.common import SIGNATURE, inputs, varies_over_heads, with_sinks
 from pallax.op import (
   Dims,
   PrimitiveSpec,
@@ -41,10 +42,15 @@ from pallax.op import (
   define_residual_op,
   derived_aval,
   full_spec,
-  instantiate,
   match_manual_axes,
 )
-from pallax.validation import check_concrete_range, check_config, check_static_float
+from pallax.validation import (
+  check_concrete_range,
+  check_config,
+  check_floating_alike,
+  check_positive_float,
+  check_static_float,
+)
 
 __all__ = ["dot_product_attention", "AttentionConfig"]
 
@@ -59,50 +65,59 @@ _SEQUENCE_SHARDED = (
 # Shapes and shardings.
 
 
-def _extra_names(aval, name: str) -> tuple[str, ...]:
-  """Factors of a bias-like operand: batch and heads where it varies over them."""
+def _broadcast_names(aval, name: str) -> tuple[str, ...]:
+  """Factors of an operand leading with 1 or B: the sinks ``(Bs, K, G)``, a bias-like one.
+
+  The batch where it varies over it; a bias or mask's heads where it varies
+  over them.
+  """
   b = "b" if aval.shape[0] > 1 else f"{name}_b"
+  if name == "sinks":
+    return (b, "k", "g")
   heads = ("k", "g") if varies_over_heads(aval) else (f"{name}_k", f"{name}_g")
   return (b, *heads, "t", "s")
 
 
-def _input_names(p: Problem, avals) -> list[tuple[str, ...]]:
-  names = [("b", "k", "g", "t", "h"), ("b", "k", "s", "h"), ("b", "k", "s", "hv"), ("b",), ("b",)]
-  for i, flag in enumerate((p.has_bias, p.has_mask)):
-    if flag:
-      names.append(_extra_names(avals[len(names)], ("bias", "mask")[i]))
-  if p.has_segments:
-    names += [("b", "t"), ("b", "s")]
-  if p.has_sinks:
-    names.append(("b" if avals[len(names)].shape[0] > 1 else "sinks_b", "k", "g"))
-  return names
-
-
-_OUT, _LSE = ("b", "k", "g", "t", "hv"), ("b", "k", "g", "t")
+# Factors of each declared operand (and of its tangent and cotangent); the
+# bias, mask and sinks lead with 1 or B and may broadcast over the heads.
+_FACTORS = {
+  "q": ("b", "k", "g", "t", "h"),
+  "k": ("b", "k", "s", "h"),
+  "v": ("b", "k", "s", "hv"),
+  "q_len": ("b",),
+  "kv_len": ("b",),
+  "q_seg": ("b", "t"),
+  "kv_seg": ("b", "s"),
+  "out": ("b", "k", "g", "t", "hv"),
+  "lse": ("b", "k", "g", "t"),
+}
 _REFUSED = {"t": _SEQUENCE_SHARDED.format("query"), "s": _SEQUENCE_SHARDED.format("key/value")}
 
 
 def _dims(stage: str):
   def dims(*avals, **params) -> Dims:
-    p = Problem.of(avals, **params)
-    names = _input_names(p, avals)
-    grad_names = [names[5]] if p.has_bias else []
-    grad_names += [names[-1]] if p.has_sinks else []
-    if stage == "fwd":
-      results = (_OUT, _LSE)
-    elif stage == "jvp":
-      names += [_OUT, _LSE, names[0], names[1], names[2], *grad_names]
-      results = (_OUT, _LSE)
-    else:
-      names += [_OUT, _LSE, _OUT, _LSE]
-      results = (names[0], names[1], names[2], *grad_names)
-    return Dims(operands=tuple(names), results=results, replicated=("h", "hv"), refused=_REFUSED)
+    sig = SIGNATURE.stage(stage, params)
+    named = inputs(avals, params)
+
+    def factors(name: str) -> tuple[str, ...]:
+      base = sig.operand(name).name
+      if base in _FACTORS:
+        return _FACTORS[base]
+      return _broadcast_names(named[base], base)
+
+    return Dims(
+      operands=tuple(map(factors, sig.operands)),
+      results=tuple(map(factors, sig.results)),
+      replicated=("h", "hv"),
+      refused=_REFUSED,
+    )
 
   return dims
 
 
 def _fwd_abstract_eval(*avals, **params):
-  q, _, v = avals[:3]
+  named = inputs(avals, params)
+  q, v = named.q, named.v
   spec = full_spec(q)
   return [
     derived_aval(q, (*q.shape[:4], v.shape[3]), q.dtype, spec[:4] + (None,)),
@@ -115,10 +130,9 @@ def _jvp_abstract_eval(*avals, **params):
 
 
 def _bwd_abstract_eval(*avals, **params):
-  p = Problem.of(avals, **params)
-  ops = Operands.of(p, avals)
-  wrt = [ops.q, ops.k, ops.v, *(a for a in (ops.bias, ops.sinks) if a is not None)]
-  return [a.update(weak_type=False) for a in wrt]
+  """One gradient per differentiable input, shaped like it."""
+  named, bwd = inputs(avals, params), SIGNATURE.stage("bwd", params)
+  return [named[bwd.operand(g).name].update(weak_type=False) for g in bwd.results]
 
 
 def _stage(stage: str, abstract_eval) -> PrimitiveSpec:
@@ -127,19 +141,8 @@ def _stage(stage: str, abstract_eval) -> PrimitiveSpec:
     xla=with_sinks(stage, getattr(attention_xla, f"attention_{stage}")),
     kernel=kernels.kernel(stage),
     dims=_dims(stage),
-    batching=attention_batching.fold_into_batch,
+    batching=functools.partial(attention_batching.fold_into_batch, stage),
   )
-
-
-def _tangent_operands(primals, outs, tangents, *, has_bias, has_sinks, **params):
-  """``(*primals, out, lse, dq, dk, dv, [dbias], [dsinks])``: only these have tangents."""
-  wanted = [*tangents[:3], *tangents[5:6][:has_bias], *tangents[-1:][:has_sinks]]
-  return [*primals, *outs, *instantiate(wanted)]
-
-
-def _linear(*, has_bias, has_sinks, **params) -> slice:
-  """The tangents block: dq, dk, dv, then dbias and dsinks where there are a bias, sinks."""
-  return slice(-(3 + has_bias + has_sinks), None)
 
 
 attention_p = define_residual_op(
@@ -147,8 +150,7 @@ attention_p = define_residual_op(
   fwd=_stage("fwd", _fwd_abstract_eval),
   tangent=_stage("jvp", _jvp_abstract_eval),
   bwd=_stage("bwd", _bwd_abstract_eval),
-  linear=_linear,
-  tangent_operands=_tangent_operands,
+  signature=SIGNATURE,
 )
 
 
@@ -347,13 +349,7 @@ def dot_product_attention(
   q = _array("query", query, (3, 4))
   k = _array("key", key, (q.ndim,))
   v = _array("value", value, (q.ndim,))
-  for name, x in (("query", q), ("key", k), ("value", v)):
-    if not jnp.issubdtype(x.dtype, jnp.floating):
-      raise TypeError(f"{_OP}: {name} must have a floating dtype, got {x.dtype}")
-  if not q.dtype == k.dtype == v.dtype:
-    raise TypeError(
-      f"{_OP}: query, key and value must have one dtype, got {q.dtype}, {k.dtype}, {v.dtype}"
-    )
+  check_floating_alike(_OP, {"query": q, "key": k, "value": v})
   unbatched = q.ndim == 3
   if unbatched:
     q, k, v = q[None], k[None], v[None]
@@ -405,9 +401,7 @@ def dot_product_attention(
     extra += segments
   cap = None
   if logits_soft_cap is not None:
-    cap = check_static_float(_OP, "logits_soft_cap", logits_soft_cap)
-    if not cap > 0:
-      raise ValueError(f"{_OP}: logits_soft_cap must be > 0, got {logits_soft_cap!r}")
+    cap = check_positive_float(_OP, "logits_soft_cap", logits_soft_cap)
   if sinks is not None:
     extra.append(_sinks(sinks, n, kv_heads))
   _check_unsharded_sequence(q, k)

@@ -39,9 +39,30 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from pallax.op.signature import Named, Operand, ResidualSignature
 from pallax.pallas_utils import stat_dtype
 
 NEG_INF = float("-inf")
+
+# The op's operands by name (``pallax.op.signature``): the inputs lead every
+# stage's operands; the tangent stage adds out, lse and the inputs' tangents
+# (q_dot, k_dot, v_dot, bias_dot, sinks_dot), the backward stage out, lse,
+# dout and dlse, returning dq, dk, dv, dbias and dsinks.
+SIGNATURE = ResidualSignature(
+  inputs=(
+    Operand("q", differentiable=True),
+    Operand("k", differentiable=True),
+    Operand("v", differentiable=True),
+    Operand("q_len"),
+    Operand("kv_len"),
+    Operand("bias", when="has_bias", differentiable=True, broadcast=True),
+    Operand("mask", when="has_mask", broadcast=True),
+    Operand("q_seg", when="has_segments"),
+    Operand("kv_seg", when="has_segments"),
+    Operand("sinks", when="has_sinks", differentiable=True, broadcast=True),
+  ),
+  outputs=(Operand("out", differentiable=True), Operand("lse", differentiable=True)),
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -70,9 +91,11 @@ class Problem:
 
   @classmethod
   def of(cls, avals: Sequence[Any], **params) -> Problem:
-    q, k, v = avals[:3]
+    """The facts of a call of any stage, from its operands' avals and its params."""
+    ops = inputs(avals, params)
+    q, k, v = ops.q, ops.k, ops.v
     b, kh, g, t, h = q.shape
-    extra = avals[5] if params["has_bias"] or params["has_mask"] else None
+    extra = ops.bias if ops.bias is not None else ops.mask
     return cls(
       b,
       kh,
@@ -145,18 +168,25 @@ class Operands:
 
   @classmethod
   def of(cls, p: Problem, operands: Sequence[Any]) -> Operands:
-    q, k, v, q_len, kv_len, *rest = operands
-    take = lambda flag: rest.pop(0) if flag else None
-    bias, mask = take(p.has_bias), take(p.has_mask)
-    q_seg, kv_seg = take(p.has_segments), take(p.has_segments)
-    sinks = take(p.has_sinks)
-    return cls(q, k, v, q_len, kv_len, bias, mask, q_seg, kv_seg, sinks, tuple(rest))
+    names = ("q", "k", "v", "q_len", "kv_len", "bias", "mask", "q_seg", "kv_seg", "sinks")
+    named = inputs(operands, _flags(p))
+    return cls(*(named[n] if n in named else None for n in names), tuple(operands[len(named) :]))
 
   def inputs(self, sinks: bool = True) -> list:
     """The operands before the stage's own (``rest``), in order."""
     optional = (self.bias, self.mask, self.q_seg, self.kv_seg, self.sinks if sinks else None)
     core = [self.q, self.k, self.v, self.q_len, self.kv_len]
     return core + [x for x in optional if x is not None]
+
+
+def _flags(p: Problem) -> dict[str, bool]:
+  return {f: getattr(p, f) for f in ("has_bias", "has_mask", "has_segments", "has_sinks")}
+
+
+def inputs(operands: Sequence[Any], params) -> Named:
+  """The op's inputs by name, from the operands (or avals) of any of its stages, which they lead."""
+  fwd = SIGNATURE.stage("fwd", params)
+  return fwd.unpack(operands[: len(fwd.operands)])
 
 
 def varies_over_heads(extra) -> bool:

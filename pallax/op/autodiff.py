@@ -11,6 +11,7 @@ import jax
 from jax.interpreters import ad
 
 from pallax.op.primitive import KernelPrimitive, PrimitiveSpec, define_primitive, op_params
+from pallax.op.signature import ResidualSignature
 
 
 @dataclasses.dataclass(frozen=True)
@@ -28,8 +29,9 @@ def define_residual_op(
   fwd: PrimitiveSpec,
   tangent: PrimitiveSpec,
   bwd: PrimitiveSpec | None = None,
-  linear: slice | Callable[..., slice],
-  tangent_operands: Callable[..., Sequence[Any]],
+  signature: ResidualSignature | None = None,
+  linear: slice | Callable[..., slice] | None = None,
+  tangent_operands: Callable[..., Sequence[Any]] | None = None,
   residual_tangents: Callable[..., Sequence[Any]] | None = None,
   fwd_only_params: Sequence[str] = (),
 ) -> ResidualOp:
@@ -61,8 +63,12 @@ def define_residual_op(
     fwd: the forward primitive.
     tangent: the tangent primitive.
     bwd: the backward primitive; None when ``tangent`` is its own transpose.
+    signature: the op's named operands (``pallax.op.signature``), from which
+      ``linear`` and ``tangent_operands`` follow; give those two instead only
+      where the tangent stage's operands are not the residuals and the
+      inputs' tangents (a fused residual add whose tangent stage sees the sum).
     linear: the block of ``tangent``'s operands it is linear in, or a function
-      of the primitives' params giving it (where optional operands move it).
+      of the primitives' params giving it.
     tangent_operands: ``(primals, outs, tangents, **params) -> operands`` of ``tangent``
       from the forward's operands, its results and its operands' tangents
       (symbolic zeros included: ``instantiate`` those used).
@@ -71,6 +77,13 @@ def define_residual_op(
       tangent's ``operands``; needed where the forward has such results.
     fwd_only_params: the forward's params that the other two do not take.
   """
+  if signature is not None:
+    linear = lambda **params: signature.linear(params)
+    tangent_operands = lambda primals, outs, tangents, **params: _named_tangent_operands(
+      signature, primals, outs, tangents, params
+    )
+  if linear is None or tangent_operands is None:
+    raise TypeError(f"{name}: give a signature, or both linear and tangent_operands")
   fwd_p = define_primitive(f"{name}_fwd", fwd)
   tangent_p = define_primitive(f"{name}_{'bwd' if bwd is None else 'jvp'}", tangent)
   bwd_p = tangent_p if bwd is None else define_primitive(f"{name}_bwd", bwd)
@@ -101,6 +114,13 @@ def define_residual_op(
   for p in {tangent_p, bwd_p}:
     _register_jvp_by_xla(p)
   return ResidualOp(fwd_p, tangent_p, bwd_p)
+
+
+def _named_tangent_operands(signature, primals, outs, tangents, params) -> list:
+  """The tangent stage's operands of a ``signature``: residuals, then the inputs' tangents."""
+  operands = signature.tangent_operands(primals, outs, tangents, params)
+  block = signature.linear(params)
+  return operands[: block.start] + instantiate(operands[block])
 
 
 def instantiate(tangents: Sequence[Any]) -> list:

@@ -1,0 +1,209 @@
+"""Named operands: an op declares its operands and results once, by name.
+
+An op with optional operands (a bias, a mask, segment ids, sinks) binds a
+different number of arrays per call, and every layer that walks them by
+position ends up with index arithmetic. Instead the op declares them here,
+and each layer asks for what it needs by name:
+
+* ``Operand``: one declared operand or result: its name, the static param
+  that says whether the call has it, whether it is differentiable, whether it
+  leads with 1 (broadcast over the batch) rather than the batch.
+* ``ResidualSignature``: the declaration of an op built by
+  ``define_residual_op``: its inputs and outputs. The names of all three
+  stages follow from it: the forward takes the inputs and returns the
+  outputs; the tangent takes the residuals and the tangents ``{x}_dot`` of the
+  differentiable inputs and returns the tangents of the differentiable
+  outputs; the backward takes the residuals and the cotangents ``d{y}`` of
+  those outputs and returns the gradients ``d{x}`` of the inputs.
+* ``Signature``: one stage's names for one call (optional ones resolved from
+  its params), with ``unpack`` (arrays, avals or refs by name: ``Named``) and
+  ``pack`` (the reverse), and each name's declared ``Operand``, from which
+  batching rules and sharding dims read how a derived operand (``x_dot``,
+  ``dx``) is laid out: like the operand it derives from.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any, Optional
+
+STAGES = ("fwd", "jvp", "bwd")
+
+
+@dataclasses.dataclass(frozen=True)
+class Operand:
+  """One declared operand or result.
+
+  Attributes:
+    name: its name.
+    when: the boolean static param that says a call has it (None: always).
+    differentiable: an input with a tangent and a gradient, or an output with
+      a tangent and a cotangent; other outputs are statistics the tangent and
+      backward stages may read as residuals.
+    broadcast: it leads with 1 or with the op's batch dim (broadcast over the
+      batch), not always with the batch.
+  """
+
+  name: str
+  when: Optional[str] = None
+  differentiable: bool = False
+  broadcast: bool = False
+
+  def present(self, params: Mapping[str, Any]) -> bool:
+    """Whether a call with static ``params`` has this operand."""
+    return self.when is None or bool(params[self.when])
+
+
+def tangent_name(name: str) -> str:
+  """The name of ``name``'s tangent: ``x`` -> ``x_dot``."""
+  return f"{name}_dot"
+
+
+def cotangent_name(name: str) -> str:
+  """The name of ``name``'s cotangent or gradient: ``x`` -> ``dx``."""
+  return f"d{name}"
+
+
+class Named(Mapping):
+  """Values by name, as ``Signature.unpack`` gives them; an absent optional one is None."""
+
+  def __init__(self, values: Mapping[str, Any], optional: Sequence[str] = ()):
+    self._values = dict(values)
+    self._optional = frozenset(optional)
+
+  def __getitem__(self, name: str) -> Any:
+    return self._values[name]
+
+  def __getattr__(self, name: str) -> Any:
+    if name.startswith("_"):
+      raise AttributeError(name)
+    try:
+      return self._values[name]
+    except KeyError:
+      if name in self._optional:
+        return None
+      raise AttributeError(
+        f"no operand or result named {name!r}; have {list(self._values)}"
+      ) from None
+
+  def __iter__(self) -> Iterator[str]:
+    return iter(self._values)
+
+  def __len__(self) -> int:
+    return len(self._values)
+
+  def __repr__(self) -> str:
+    return f"Named({', '.join(self._values)})"
+
+
+@dataclasses.dataclass(frozen=True)
+class Signature:
+  """One stage's operand and result names for one call, in binding order.
+
+  Attributes:
+    operands, results: the names.
+    declared: every name of the op's declaration (present or not, derived
+      ones included) -> the declared ``Operand`` it is or derives from.
+  """
+
+  operands: tuple[str, ...]
+  results: tuple[str, ...]
+  declared: Mapping[str, Operand]
+
+  def unpack(self, values: Sequence[Any], *, results: bool = False) -> Named:
+    """``values`` (one per operand, or per result with ``results``) by name."""
+    names = self.results if results else self.operands
+    if len(values) != len(names):
+      raise ValueError(f"expected {len(names)} values ({', '.join(names)}), got {len(values)}")
+    return Named(zip(names, values), optional=self.declared)
+
+  def unpack_all(self, values: Sequence[Any]) -> Named:
+    """``values``: the operands followed by the results (a kernel's refs), by name."""
+    names = self.operands + self.results
+    if len(values) != len(names):
+      raise ValueError(f"expected {len(names)} values ({', '.join(names)}), got {len(values)}")
+    return Named(zip(names, values), optional=self.declared)
+
+  def pack(self, named: Mapping[str, Any], *, results: bool = False) -> list:
+    """The values of ``named`` in the order of the operands (or results)."""
+    return [named[n] for n in (self.results if results else self.operands)]
+
+  def operand(self, name: str) -> Operand:
+    """The declared operand ``name`` is or derives from."""
+    return self.declared[name]
+
+  def index(self, name: str, *, results: bool = False) -> int:
+    """Where ``name`` is among the operands (or results)."""
+    return (self.results if results else self.operands).index(name)
+
+
+@dataclasses.dataclass(frozen=True)
+class ResidualSignature:
+  """The named operands of an op with forward, tangent and backward stages.
+
+  Attributes:
+    inputs: the forward's operands.
+    outputs: the forward's results.
+    residuals: the names of inputs and outputs the tangent and backward stages
+      take first, in order (absent optional ones are left out); None: every
+      input, then every output.
+  """
+
+  inputs: tuple[Operand, ...]
+  outputs: tuple[Operand, ...]
+  residuals: Optional[tuple[str, ...]] = None
+
+  def __post_init__(self):
+    names = [o.name for o in self.inputs + self.outputs]
+    if len(set(names)) != len(names):
+      raise ValueError(f"operand names must be unique, got {names}")
+
+  def _declared(self) -> dict[str, Operand]:
+    declared = {}
+    for o in self.inputs + self.outputs:
+      declared[o.name] = o
+      if o.differentiable:
+        declared[tangent_name(o.name)] = o
+        declared[cotangent_name(o.name)] = o
+    return declared
+
+  def _residuals(self, params: Mapping[str, Any]) -> tuple[str, ...]:
+    by_name = {o.name: o for o in self.inputs + self.outputs}
+    names = self.residuals or tuple(by_name)
+    return tuple(n for n in names if by_name[n].present(params))
+
+  def _differentiable(self, operands: Sequence[Operand], params) -> tuple[str, ...]:
+    return tuple(o.name for o in operands if o.differentiable and o.present(params))
+
+  def stage(self, stage: str, params: Mapping[str, Any]) -> Signature:
+    """The names of ``stage`` (``"fwd"``, ``"jvp"`` or ``"bwd"``) for a call with ``params``."""
+    inputs = self._differentiable(self.inputs, params)
+    outputs = self._differentiable(self.outputs, params)
+    if stage == "fwd":
+      operands = tuple(o.name for o in self.inputs if o.present(params))
+      results = tuple(o.name for o in self.outputs if o.present(params))
+    elif stage == "jvp":
+      operands = self._residuals(params) + tuple(map(tangent_name, inputs))
+      results = tuple(map(tangent_name, outputs))
+    elif stage == "bwd":
+      operands = self._residuals(params) + tuple(map(cotangent_name, outputs))
+      results = tuple(map(cotangent_name, inputs))
+    else:
+      raise ValueError(f"stage must be one of {STAGES}, got {stage!r}")
+    return Signature(operands, results, self._declared())
+
+  def linear(self, params: Mapping[str, Any]) -> slice:
+    """The block of the tangent stage's operands it is linear in: the tangents."""
+    return slice(len(self._residuals(params)), None)
+
+  def tangent_operands(self, primals, outs, tangents, params) -> list:
+    """The tangent stage's operands from the forward's operands, results and their tangents.
+
+    Symbolic-zero tangents are left for the caller to instantiate.
+    """
+    fwd = self.stage("fwd", params)
+    values = {**fwd.unpack(primals), **fwd.unpack(outs, results=True)}
+    tangent_of = fwd.unpack(tangents)
+    inputs = self._differentiable(self.inputs, params)
+    return [values[n] for n in self._residuals(params)] + [tangent_of[n] for n in inputs]
