@@ -486,9 +486,17 @@ def linear_cross_entropy(
   layout = "(V, D)" if transposed_weight else "(D, V)"
   shape = weight.shape[::-1] if transposed_weight else weight.shape
   if weight.ndim != 2 or shape[0] != x.shape[-1] or shape[1] == 0:
+    hint = ""
+    other_shape = weight.shape if transposed_weight else weight.shape[::-1]
+    if weight.ndim == 2 and other_shape[0] == x.shape[-1] and other_shape[1]:
+      other = "(D, V)" if transposed_weight else "(V, D)"
+      hint = (
+        f"; a {other} weight is read as is with transposed_weight={not transposed_weight} "
+        "(no transpose is materialised)"
+      )
     raise ValueError(
       f"{op}: weight must have shape {layout} with D = x.shape[-1] = {x.shape[-1]} and V > 0, "
-      f"got {weight.shape}"
+      f"got {weight.shape}{hint}"
     )
   _, vocab = shape
   floats = [x, weight]

@@ -147,3 +147,17 @@ def test_verify_compilers_match_the_jaxlib_they_pin():
   (plugin,) = verify["jax-cuda12-plugin"].specifier
   assert jaxlib.operator == plugin.operator == "==" and jaxlib.version == plugin.version
   assert _requirements()["jaxlib"].specifier.contains(jaxlib.version)
+
+
+@pytest.mark.parametrize("transposed", [False, True])
+def test_linear_cross_entropy_names_the_flag_that_reads_the_other_layout(transposed):
+  x, labels = jnp.ones((4, 8)), jnp.zeros((4,), jnp.int32)
+  weight = jnp.ones((8, 16)) if transposed else jnp.ones((16, 8))  # the other layout
+  flag = f"transposed_weight={not transposed}"
+  with pytest.raises(ValueError, match=flag) as err:
+    pallax.linear_cross_entropy(x, weight, labels, transposed_weight=transposed)
+  assert ("(V, D)" if transposed else "(D, V)") in str(err.value)
+  # A weight that fits neither layout gets no such hint.
+  with pytest.raises(ValueError) as err:
+    pallax.linear_cross_entropy(x, jnp.ones((5, 3)), labels, transposed_weight=transposed)
+  assert "transposed_weight=" not in str(err.value)
