@@ -21,14 +21,15 @@ from typing import Optional
 
 from pallax.selfcheck import run
 
+_DESCRIPTION = (
+  "pallax self-check: per public op, its implementation, errors against float64 "
+  "and time relative to plain JAX. Exits 1 if any op is over its tolerance."
+)
+
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
   """Parses ``argv``, prints the report and returns the exit status (0: every op right)."""
-  parser = argparse.ArgumentParser(
-    prog="python -m pallax",
-    description="pallax self-check: per public op, its implementation, errors against float64 "
-    "and time relative to plain JAX. Exits 1 if any op is over its tolerance.",
-  )
+  parser = argparse.ArgumentParser(prog="python -m pallax", description=_DESCRIPTION)
   parser.add_argument(
     "--quick",
     action="store_true",
