@@ -4,11 +4,13 @@ One pre-norm attention block and a tied language-model head, written with
 ``pallax.rms_norm``, ``pallax.matmul``, ``pallax.dot_product_attention`` and
 ``pallax.linear_cross_entropy``; the update is plain SGD (no optax needed).
 ``loss`` takes its arrays as positional arguments, so ``python -m pallax.tune``
-can trace it from shapes alone (the exact command is in ``docs/tuning.md``).
+can trace it from shapes alone (the exact command is in ``docs/tuning.md``);
+``reference_loss`` is the same model in plain JAX, which the demo checks it
+against.
 
 Run from the repository root::
 
-  python -m examples.train_step   # a few SGD steps on random tokens; the loss falls
+  python -m examples.train_step   # 20 SGD steps on one random batch; the loss falls
 """
 
 from __future__ import annotations
@@ -67,6 +69,24 @@ def loss(
   return pallax.linear_cross_entropy(pallax.rms_norm(x), embedding, labels, transposed_weight=True)
 
 
+def reference_loss(tokens, labels, embedding, norm, w_qkv, w_out) -> jax.Array:
+  """``loss`` in plain JAX (``jax.nn``, materialised logits): what the pallax ops compute."""
+  batch, seq = tokens.shape
+  width = embedding.shape[1]
+
+  def rms(x, weight=1.0):
+    return x * jax.lax.rsqrt(jnp.mean(x**2, -1, keepdims=True) + 1e-6) * weight
+
+  x = embedding[tokens]
+  q, k, v = jnp.split(rms(x, norm) @ w_qkv, 3, axis=-1)
+  heads = lambda t: t.reshape(batch, seq, HEADS, width // HEADS)
+  attended = jax.nn.dot_product_attention(heads(q), heads(k), heads(v), is_causal=True)
+  x = x + attended.reshape(batch, seq, width) @ w_out
+  logits = rms(x) @ embedding.T
+  label_logits = jnp.take_along_axis(logits, labels[..., None], -1)[..., 0]
+  return jnp.mean(jax.nn.logsumexp(logits, -1) - label_logits)
+
+
 @jax.jit
 def sgd_step(
   params: tuple[jax.Array, ...], tokens: jax.Array, labels: jax.Array, lr: float = 0.5
@@ -77,15 +97,27 @@ def sgd_step(
 
 
 def main(steps: int = 20) -> None:
-  """Trains on one random batch (it memorises it) and prints the loss."""
+  """Trains on one random batch (it memorises it) and prints the loss.
+
+  Raises AssertionError if the loss differs from plain JAX's at the start, or
+  does not halve.
+  """
   k_params, k_tokens = jax.random.split(jax.random.key(0))
   params = init(k_params)
   sequence = jax.random.randint(k_tokens, (2, 17), 0, params[0].shape[0])
   tokens, labels = sequence[:, :-1], sequence[:, 1:]  # predict the next token
+  want = jax.jit(reference_loss)(tokens, labels, *params)
+  got = jax.jit(loss)(tokens, labels, *params)
+  if not jnp.allclose(got, want, rtol=1e-4):
+    raise AssertionError(f"pallax's loss {float(got)} differs from plain JAX's {float(want)}")
+  first = None
   for step in range(steps):
     params, value = sgd_step(params, tokens, labels)
+    first = value if first is None else first
     if step % 5 == 0 or step == steps - 1:
       print(f"step {step:2d}  loss {float(value):.4f}")
+  if not value < first / 2:
+    raise AssertionError(f"the loss fell from {float(first)} to {float(value)} only")
 
 
 if __name__ == "__main__":
