@@ -12,39 +12,26 @@ shared value pool, or the reverse, broadcasts the shared one.)
 from __future__ import annotations
 
 import jax.numpy as jnp
-from jax.interpreters import batching
 
 from pallax.batching_utils import NOT_MAPPED, axis_size
-
-
-def _fold_batch(a, d, size: int, batch: int):
-  """``a`` with the vmapped axis in front, merged with its batch dim: ``(size * batch, ...)``."""
-  a = batching.bdim_at_front(a, d, size)
-  return a.reshape(size * batch, *a.shape[2:])
-
-
-def _fold_pool(a, d, size: int):
-  """``V`` pools ``(K, P, page_size, H)`` as one ``(K, V * P, page_size, H)``."""
-  a = jnp.moveaxis(batching.bdim_at_front(a, d, size), 0, 1)
-  return a.reshape(a.shape[0], size * a.shape[2], *a.shape[3:])
+from pallax.op.fold import merge_into
 
 
 def fold_into_batch(prim, args, bdims, **params):
-  """The batch-folding rule (register with ``PrimitiveSpec.batching``)."""
+  """The batch-folding rule (``pallax.custom_op``'s ``batching``)."""
   size = axis_size(args, bdims)
   q, k_pages, v_pages, lengths, table = args
   q_dim, k_dim, v_dim, len_dim, table_dim = bdims
   example = lambda a, d: a.shape if d is NOT_MAPPED else a.shape[:d] + a.shape[d + 1 :]
   batch = example(q, q_dim)[0]
   pages = example(k_pages, k_dim)[1]
-  q = _fold_batch(q, q_dim, size, batch)
-  lengths = _fold_batch(lengths, len_dim, size, batch)
-  table = batching.bdim_at_front(table, table_dim, size)
+  q, lengths, table = (
+    merge_into(*a, size, 0) for a in ((q, q_dim), (lengths, len_dim), (table, table_dim))
+  )
   if k_dim is not NOT_MAPPED or v_dim is not NOT_MAPPED:
-    k_pages, v_pages = _fold_pool(k_pages, k_dim, size), _fold_pool(v_pages, v_dim, size)
-    offsets = jnp.arange(size, dtype=table.dtype) * pages
-    table = table + offsets[:, None, None]
-  table = table.reshape(size * batch, table.shape[-1])
+    k_pages, v_pages = merge_into(k_pages, k_dim, size, 1), merge_into(v_pages, v_dim, size, 1)
+    offsets = jnp.arange(size, dtype=table.dtype) * pages  # example v's pages start at v * P
+    table = table + jnp.repeat(offsets, batch)[:, None]
   if size * batch == 0:  # no sequence: no kernel to run
     shape = (size, batch, *q.shape[1:3], v_pages.shape[3])
     return [jnp.zeros(shape, q.dtype)], [0]

@@ -24,55 +24,24 @@ from typing import Optional
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.interpreters import ad
 
 from pallax import validation
 from pallax.batching_rules import paged_attention as paged_batching
+from pallax.custom_op import custom_op
 from pallax.kernels import paged_attention as kernels
 from pallax.kernels.paged_attention import PagedAttentionConfig
 from pallax.kernels.paged_attention import xla as paged_xla
-from pallax.op import (
-  Dims,
-  PrimitiveSpec,
-  bind,
-  define_primitive,
-  derived_aval,
-  full_spec,
-  match_manual_axes,
-)
 
 __all__ = ["paged_attention", "PagedAttentionConfig"]
 
 _OP = "paged_attention"
 
 
-def _abstract_eval(q, k_pages, v_pages, lengths, page_indices, **params):
-  spec = full_spec(q)
-  return [derived_aval(q, (*q.shape[:3], v_pages.shape[3]), q.dtype, spec[:3] + (None,))]
+def _out_shape(q, k_pages, v_pages, lengths, page_indices, **params) -> jax.ShapeDtypeStruct:
+  return jax.ShapeDtypeStruct((*q.shape[:3], v_pages.shape[3]), q.dtype)
 
 
-def _dims(*avals, **params) -> Dims:
-  return Dims(
-    operands=(
-      ("b", "k", "g", "h"),
-      ("k", "p", "ps", "h"),
-      ("k", "p", "ps", "hv"),
-      ("b",),
-      ("b", "pp"),
-    ),
-    results=(("b", "k", "g", "hv"),),
-    replicated=("h", "p", "ps", "hv", "pp"),  # in order of appearance (Shardy sorts them)
-  )
-
-
-# (abstract eval, XLA program, kernel, sharding dims, batching rule)
-_SPEC = PrimitiveSpec(
-  _abstract_eval, paged_xla.paged_attention, kernels.KERNEL, _dims, paged_batching.fold_into_batch
-)
-paged_attention_p = define_primitive(_OP, _SPEC)
-
-
-def _no_derivatives(primals, tangents, **params):
+def _no_derivatives(primals, tangents, out, **params):
   raise NotImplementedError(
     "pallax.paged_attention is an inference op: it has no derivatives (grad, jvp, vjp, "
     "linearize); differentiate pallax.dot_product_attention on the gathered keys and values "
@@ -80,7 +49,21 @@ def _no_derivatives(primals, tangents, **params):
   )
 
 
-ad.primitive_jvps[paged_attention_p] = _no_derivatives
+# Declared as a user declares an op (``pallax.custom_op``): the pools' pages,
+# the page table's columns and the head dims are replicated; vmap has a rule
+# of its own (the per-example pools concatenated along the pages).
+paged_attention_op = custom_op(
+  _OP,
+  reference=paged_xla.paged_attention,
+  abstract_eval=_out_shape,
+  dims="b k g h, k p ps h, k p ps hv, b, b pp -> b k g hv",
+  replicated=("h", "p", "ps", "hv", "pp"),  # in order of appearance (Shardy sorts them)
+  kernels=kernels.KERNEL.impls,
+  config=kernels.KERNEL.space,
+  batching=paged_batching.fold_into_batch,
+  jvp=_no_derivatives,
+)
+paged_attention_p = paged_attention_op.primitive
 
 
 # ----------------------------------------------------------------------------
@@ -212,9 +195,12 @@ def paged_attention(
   lengths = jnp.clip(lengths, 0, max_len).astype(jnp.int32)
   page_indices = jnp.clip(page_indices, 0, total_pages - 1).astype(jnp.int32)
   q4 = q.reshape(b, kv_heads, n // kv_heads, h)
-  (out,) = bind(
-    paged_attention_p,
-    *match_manual_axes(q4, k_pages, v_pages, lengths, page_indices),
+  out = paged_attention_op(
+    q4,
+    k_pages,
+    v_pages,
+    lengths,
+    page_indices,
     config=config,
     scale=float(scale),
     logits_soft_cap=cap,

@@ -1,11 +1,46 @@
 """The op framework: the declarations that turn an op's pieces into JAX primitives.
 
 One module per concern: ``primitive`` (``define_primitive`` and the
-framework params), ``autodiff`` (``define_residual_op``), ``composite``
+framework params), ``autodiff`` (``define_residual_op``), ``signature``
+(named operands), ``declaration`` (one primitive from a reference, kernels
+and dims: what ``pallax.custom_op`` builds), ``dims_rule`` (sharding dims as
+an einsum-like string), ``fold`` (the generic vmap rule), ``composite``
 (``define_composite``), ``kernel`` (an op's kernels for the executor),
 ``sharding`` (``Dims`` and the partitioning rule) and ``collectives`` (the
 per-shard programs that compute a sharded factor the kernel cannot split, and
 the record of which one ran).
+
+The declaration API
+-------------------
+
+A user's op and a built-in op are declared the same way: ``pallax.custom_op``
+is the public face of these declarations (``primitives/paged_attention.py``
+declares a built-in op through it). The names a user may rely on, kept
+compatible across releases:
+
+* ``pallax.custom_op``, ``pallax.CustomOp``, ``pallax.ConfigSpace``
+  (also ``pallax.op.ConfigSpace``), ``pallax.KernelStage``,
+  ``pallax.ResidualJVP``: an op in one call.
+* ``Dims``, ``DimsRule``: sharding dims (a ``Dims``, or a ``DimsRule`` from a
+  string such as ``"... c, ... c -> ... c"``); ``Program``, ``Shards``,
+  ``explain_programs``: per-shard programs with collectives for a factor the
+  kernel cannot split.
+* ``Kernel``: an op's kernels and config space (``Kernel.of_family`` reads a
+  ``kernels/<family>/`` package; ``Kernel.space`` is its ``ConfigSpace``).
+* ``Declaration``: one primitive's pieces; ``Declaration.spec()`` gives the
+  ``PrimitiveSpec`` and ``Declaration.jvp_rule`` its JVP rule.
+* ``PrimitiveSpec``, ``define_primitive``, ``define_residual_op``,
+  ``ResidualOp``, ``Operand``, ``ResidualSignature``, ``define_composite``:
+  primitives built from specs, for ops whose pieces ``custom_op`` does not
+  cover (residual stages with named optional operands, peephole rewrites).
+* ``fold_rule``, ``merge_into``, ``BATCHED``: the generic vmap rule and its
+  piece for a rule of one's own; ``bind``, ``op_params``, ``instantiate``,
+  ``derived_aval``, ``full_spec``, ``match_manual_axes``: helpers for
+  public functions, abstract evals and rules.
+
+The other names (``FRAMEWORK_PARAMS``, ``KernelPrimitive``, ``Rewrite``,
+``produced_by``, ``kernel_runner``, ``select_config``, ``Choice``,
+``CompositePrimitive``) are the framework's own and may change.
 
 An op author writes the pieces (abstract eval, XLA program, Pallas kernels per
 backend, sharding dims, batching rule) and declares them here, once:
@@ -41,9 +76,13 @@ final (vmapped, per-shard) shapes. Rules that bind further primitives pass all
 three on.
 """
 
+from pallax.executor.registry import ConfigSpace
 from pallax.op.autodiff import ResidualOp, define_residual_op, instantiate
 from pallax.op.collectives import Choice, Program, Shards, explain_programs
 from pallax.op.composite import CompositePrimitive, define_composite
+from pallax.op.declaration import Declaration
+from pallax.op.dims_rule import DimsRule
+from pallax.op.fold import BATCHED, fold_rule, merge_into
 from pallax.op.kernel import Kernel, kernel_runner, select_config
 from pallax.op.primitive import (
   FRAMEWORK_PARAMS,
@@ -56,17 +95,24 @@ from pallax.op.primitive import (
   produced_by,
 )
 from pallax.op.sharding import Dims, derived_aval, full_spec, match_manual_axes
+from pallax.op.signature import Operand, ResidualSignature
 
 __all__ = [
+  "BATCHED",
   "FRAMEWORK_PARAMS",
   "Choice",
+  "ConfigSpace",
   "CompositePrimitive",
+  "Declaration",
   "Dims",
+  "DimsRule",
   "Kernel",
   "KernelPrimitive",
+  "Operand",
   "PrimitiveSpec",
   "Program",
   "ResidualOp",
+  "ResidualSignature",
   "Rewrite",
   "Shards",
   "bind",
@@ -75,10 +121,12 @@ __all__ = [
   "define_residual_op",
   "derived_aval",
   "explain_programs",
+  "fold_rule",
   "full_spec",
   "instantiate",
   "kernel_runner",
   "match_manual_axes",
+  "merge_into",
   "op_params",
   "produced_by",
   "select_config",

@@ -12,6 +12,7 @@ import jax
 
 from pallax.executor import KernelConfig, Scope, Selection
 from pallax.executor.implementation import PALLAS, implementation
+from pallax.executor.registry import ConfigSpace
 
 if TYPE_CHECKING:
   from pallax.op.primitive import KernelPrimitive
@@ -43,6 +44,13 @@ class Kernel:
     """The implementations as configs name them: ``"pallas"`` for every Pallas one, the others."""
     names = [PALLAS if implementation(name).pallas else name for name in self.impls]
     return tuple(dict.fromkeys(names))
+
+  @property
+  def space(self) -> ConfigSpace:
+    """Its config space, as ``pallax.custom_op`` takes it (``config=``)."""
+    return ConfigSpace(
+      self.config_cls, self.heuristic, self.candidates, self.supports, self.version
+    )
 
   @classmethod
   def of_family(cls, name: str, *, config: Any, backends: Mapping[str, Any], **bound) -> Kernel:
