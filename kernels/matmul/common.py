@@ -23,6 +23,7 @@ from pallax.activations import activate_in_kernel
 from pallax.kernels.matmul.config import MatmulConfig
 from pallax.kernels.matmul.layout import Problem, acc_dtype
 from pallax.kernels.matmul.xla import epilogue, split_params
+from pallax.op.signature import Named, Operand, Signature
 
 
 @dataclasses.dataclass(frozen=True)
@@ -102,6 +103,11 @@ def tile_mask(rows_ok, cols_ok, shape):
   return jnp.broadcast_to(rows & cols, shape)
 
 
+# The kernel's operands and results by name (``pallax.op.signature``).
+_OPERANDS = (Operand("a"), Operand("b"), Operand("bias", when="has_bias"))
+_RESULTS = (Operand("out"), Operand("z", when="save_preactivation"))
+
+
 @dataclasses.dataclass(frozen=True)
 class KernelArgs:
   """What a kernel body knows of its call besides its refs."""
@@ -113,6 +119,24 @@ class KernelArgs:
   precision: Any
   activation: Any
   save_preactivation: bool
+
+  @property
+  def signature(self) -> Signature:
+    """The kernel's operand and result names for this call."""
+    params = dict(has_bias=self.has_bias, save_preactivation=self.save_preactivation)
+    return Signature.declare(_OPERANDS, _RESULTS, params)
+
+  def refs(self, refs: Sequence[Any]) -> Named:
+    """A kernel's refs by name: ``a``, ``b``, ``bias`` (None without), ``out``, ``z``.
+
+    ``z`` is the pre-activation, a result where the call saves it.
+    """
+    return self.signature.unpack_all(refs)
+
+  def store(self, refs: Named, outs: Sequence[jax.Array], put: Callable[[Any, jax.Array], None]):
+    """``put(ref, value)`` for each result of ``finish`` into the ref of its name."""
+    for name, value in zip(self.signature.results, outs):
+      put(refs[name], value)
 
   def product(self, a, b, dtype) -> jax.Array:
     """One tile product ``op(a) @ op(b)``, accumulated in ``dtype``."""

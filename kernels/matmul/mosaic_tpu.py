@@ -26,10 +26,15 @@ def _zero_k_tail(x: jax.Array, left, axis: int) -> jax.Array:
   return jnp.where(lax.broadcasted_iota(jnp.int32, x.shape, axis) < left, x, 0)
 
 
-def _kernel(a_ref, b_ref, *refs, args: common.KernelArgs, block_k: int):
+def _put(ref, value) -> None:
+  ref[...] = value
+
+
+def _kernel(*refs, args: common.KernelArgs, block_k: int):
   prob = args.prob
-  bias_ref = refs[0] if args.has_bias else None
-  out_refs, acc_ref = refs[args.has_bias : -1], refs[-1]
+  *refs, acc_ref = refs  # the accumulator: the kernel's VMEM scratch
+  r = args.refs(refs)
+  a_ref, b_ref = r.a, r.b
   k_axis = len(prob.grid_batch) + 2
   s = pl.program_id(k_axis)
 
@@ -47,9 +52,8 @@ def _kernel(a_ref, b_ref, *refs, args: common.KernelArgs, block_k: int):
 
   @pl.when(s == pl.num_programs(k_axis) - 1)
   def _finish():
-    outs = args.finish(acc_ref[...], [bias_ref[...]] if args.has_bias else [], out_refs[0].dtype)
-    for ref, value in zip(out_refs, outs):
-      ref[...] = value
+    bias = [] if r.bias is None else [r.bias[...]]
+    args.store(r, args.finish(acc_ref[...], bias, r.out.dtype), _put)
 
 
 def _plan(prob: Problem, config: MatmulConfig, args: common.KernelArgs, acc) -> common.Plan:

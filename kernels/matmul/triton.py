@@ -20,11 +20,11 @@ from pallax.kernels.matmul.layout import Problem, acc_dtype
 from pallax.pallas_utils import in_bounds, load, store, triton_compiler_params
 
 
-def _kernel(a_ref, b_ref, *refs, args: common.KernelArgs, block_k: int):
+def _kernel(*refs, args: common.KernelArgs, block_k: int):
   prob, transpose_a, transpose_b = args.prob, args.transpose_a, args.transpose_b
-  bias_ref = refs[0] if args.has_bias else None
-  out_refs = refs[args.has_bias :]
-  bm, bn = out_refs[0].shape
+  r = args.refs(refs)
+  a_ref, b_ref = r.a, r.b
+  bm, bn = r.out.shape
   rank = len(prob.grid_batch) + 2
   row_ok = in_bounds(pl.program_id(rank - 2), bm, prob.m, (bm,), 0)
   col_ok = in_bounds(pl.program_id(rank - 1), bn, prob.n, (bn,), 0)
@@ -49,10 +49,9 @@ def _kernel(a_ref, b_ref, *refs, args: common.KernelArgs, block_k: int):
   acc = lax.fori_loop(
     0, pl.cdiv(prob.k, block_k), step, jnp.zeros((bm, bn), acc_dtype(a_ref.dtype, b_ref.dtype))
   )
-  bias_mask = common.tile_mask(None, col_ok, (1, bn))
-  outs = args.finish(acc, [load(bias_ref, bias_mask)] if args.has_bias else [], out_refs[0].dtype)
-  for ref, value in zip(out_refs, outs):
-    store(ref, value, common.tile_mask(row_ok, col_ok, (bm, bn)))
+  bias = [] if r.bias is None else [load(r.bias, common.tile_mask(None, col_ok, (1, bn)))]
+  mask = common.tile_mask(row_ok, col_ok, (bm, bn))
+  args.store(r, args.finish(acc, bias, r.out.dtype), lambda ref, value: store(ref, value, mask))
 
 
 def _plan(prob: Problem, config: MatmulConfig, args: common.KernelArgs, acc) -> common.Plan:

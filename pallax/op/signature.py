@@ -111,6 +111,14 @@ class Signature:
   results: tuple[str, ...]
   declared: Mapping[str, Operand]
 
+  @classmethod
+  def declare(
+    cls, operands: Sequence[Operand], results: Sequence[Operand], params: Mapping[str, Any]
+  ) -> Signature:
+    """The names of one call, with static ``params``, of a primitive declaring these."""
+    present = lambda declared: tuple(o.name for o in declared if o.present(params))
+    return cls(present(operands), present(results), {o.name: o for o in (*operands, *results)})
+
   def unpack(self, values: Sequence[Any], *, results: bool = False) -> Named:
     """``values`` (one per operand, or per result with ``results``) by name."""
     names = self.results if results else self.operands
