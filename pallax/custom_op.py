@@ -376,13 +376,9 @@ def _residual_op(name: str, fwd: Declaration, spec: ResidualJVP) -> CustomOp:
     )
   for suffix in ("fwd", "jvp", "bwd"):
     _check_name(f"{name}_{suffix}", "name")
-  residual = [("result", outputs + i) for i in range(spec.residuals)]
-  operands = [("operand", i) for i in range(n)]
-  results = [("result", i) for i in range(outputs)]
-  tangent_layout = operands + residual + operands
-  bwd_layout = operands + residual + results
+  signature = _signature(n, outputs, spec.residuals)
 
-  def stage(s: Optional[KernelStage], what: str, layout, outs) -> Declaration:
+  def stage(s: Optional[KernelStage], what: str, names: str) -> Declaration:
     if s is None:  # the tangent: jax.jvp of the forward's reference
 
       def reference(*args, **params):
@@ -412,7 +408,7 @@ def _residual_op(name: str, fwd: Declaration, spec: ResidualJVP) -> CustomOp:
     if s.dims is not None:
       rule = DimsRule(s.dims, s.replicated, what=f"ResidualJVP.{what}.dims")
     else:
-      rule = fwd.dims.stage(layout, outs)
+      rule = fwd.dims.derived(signature.stage("fwd", {}), signature.stage(names, {}))
       if rule is None:
         raise ValueError(f"jvp: ResidualJVP.{what}.dims is needed: the op's dims are not a string")
     return Declaration(
@@ -425,8 +421,8 @@ def _residual_op(name: str, fwd: Declaration, spec: ResidualJVP) -> CustomOp:
       s.abstract_eval,
     )
 
-  tangent = stage(spec.tangent, "tangent", tangent_layout, results)
-  bwd = None if spec.bwd is None else stage(spec.bwd, "bwd", bwd_layout, operands)
+  tangent = stage(spec.tangent, "tangent", "jvp")
+  bwd = None if spec.bwd is None else stage(spec.bwd, "bwd", "bwd")
 
   def residual_tangents(primals, outs, operands, **params):
     # The residuals' tangents (second-order AD differentiates the backward
@@ -440,7 +436,7 @@ def _residual_op(name: str, fwd: Declaration, spec: ResidualJVP) -> CustomOp:
     fwd=fwd.spec(),
     tangent=tangent.spec(),
     bwd=None if bwd is None else bwd.spec(),
-    signature=_signature(n, outputs, spec.residuals),
+    signature=signature,
     residual_tangents=residual_tangents if spec.residuals else None,
   )
   unique = tuple(dict.fromkeys((prims.fwd, prims.tangent, prims.bwd)))

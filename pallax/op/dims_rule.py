@@ -20,6 +20,7 @@ from typing import Any, Optional, Union
 import jax
 
 from pallax.op.sharding import Dims
+from pallax.op.signature import Signature
 
 # The factor names of the dims of a "...", counted from the right.
 ELLIPSIS_FACTOR = "_e{}"
@@ -174,20 +175,20 @@ class DimsRule:
       replicated=self.replicated,
     )
 
-  def stage(
-    self, layout: Sequence[tuple[str, int]], results: Sequence[tuple[str, int]]
-  ) -> Optional[DimsRule]:
-    """The dims of a tangent or backward stage whose operands and results are picked by index.
+  def derived(self, forward: Signature, stage: Signature) -> Optional[DimsRule]:
+    """The dims of another stage of an op whose ``forward`` stage has these dims.
 
-    ``layout`` and ``results`` are ``("operand" | "result", index)`` pairs of
-    this rule's operands and results. None where the dims are a callable.
+    ``forward`` and ``stage`` are a ``ResidualSignature``'s stages
+    (``pallax.op.signature``): each operand and result of ``stage`` (a
+    residual, a tangent, a cotangent) has the dims of the forward's operand
+    or result it is or derives from. None where the dims are a callable.
     """
     if self.operands is None:
       return None
-    pick = {"operand": self.operands, "result": self.results}
-    left = ", ".join(str(pick[k][i]) for k, i in layout)
-    right = ", ".join(str(pick[k][i]) for k, i in results)
-    return DimsRule(f"{left} -> {right}", self.replicated)
+    labels = dict(zip(forward.operands, self.operands))
+    labels.update(zip(forward.results, self.results))
+    of = lambda names: ", ".join(str(labels[stage.operand(n).name]) for n in names)
+    return DimsRule(f"{of(stage.operands)} -> {of(stage.results)}", self.replicated)
 
 
 def _describe(factor: str) -> str:
