@@ -32,14 +32,15 @@ implementation's matmul ``(a, b, kind) -> stats dtype`` of kind ``"qk"``
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+import functools
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Optional
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 
-from pallax.op.signature import Named, Operand, ResidualSignature
+from pallax.op.signature import Named, Operand, ResidualSignature, Signature
 from pallax.pallas_utils import stat_dtype
 
 NEG_INF = float("-inf")
@@ -92,10 +93,15 @@ class Problem:
   @classmethod
   def of(cls, avals: Sequence[Any], **params) -> Problem:
     """The facts of a call of any stage, from its operands' avals and its params."""
-    ops = inputs(avals, params)
-    q, k, v = ops.q, ops.k, ops.v
+    return cls.of_inputs(inputs(avals, params), params)
+
+  @classmethod
+  def of_inputs(cls, ops: Mapping[str, Any], params: Mapping[str, Any]) -> Problem:
+    """The facts of a call, from its inputs (arrays or avals) by name and its params."""
+    q, k, v = ops["q"], ops["k"], ops["v"]
     b, kh, g, t, h = q.shape
-    extra = ops.bias if ops.bias is not None else ops.mask
+    extra = ops.get("bias")
+    extra = ops.get("mask") if extra is None else extra
     return cls(
       b,
       kh,
@@ -151,36 +157,52 @@ class Blocks:
 
 
 @dataclasses.dataclass(frozen=True)
-class Operands:
-  """A primitive's operands by role: the inputs, then the stage's own (``rest``)."""
+class Call:
+  """One call of a stage of an implementation, as its kernels see it.
 
-  q: Any
-  k: Any
-  v: Any
-  q_len: Any
-  kv_len: Any
-  bias: Any
-  mask: Any
-  q_seg: Any
-  kv_seg: Any
-  sinks: Any
-  rest: tuple
+  Attributes:
+    sig: the stage's operand and result names for the call's params.
+    p: its static facts, built once here and passed down to every helper.
+    ops: its operands by name (an absent optional one is None).
+  """
+
+  sig: Signature
+  p: Problem
+  ops: Named
 
   @classmethod
-  def of(cls, p: Problem, operands: Sequence[Any]) -> Operands:
-    names = ("q", "k", "v", "q_len", "kv_len", "bias", "mask", "q_seg", "kv_seg", "sinks")
-    named = inputs(operands, _flags(p))
-    return cls(*(named[n] if n in named else None for n in names), tuple(operands[len(named) :]))
+  def of(cls, stage: str, operands: Sequence[Any], params: Mapping[str, Any]) -> Call:
+    """The call of ``stage`` (``"fwd"``, ``"jvp"`` or ``"bwd"``) on ``operands`` with ``params``."""
+    sig = SIGNATURE.stage(stage, params)
+    ops = sig.unpack(operands)
+    return cls(sig, Problem.of_inputs(ops, params), ops)
 
-  def inputs(self, sinks: bool = True) -> list:
-    """The operands before the stage's own (``rest``), in order."""
-    optional = (self.bias, self.mask, self.q_seg, self.kv_seg, self.sinks if sinks else None)
-    core = [self.q, self.k, self.v, self.q_len, self.kv_len]
-    return core + [x for x in optional if x is not None]
+  def results(self, named: Mapping[str, Any]) -> list:
+    """The stage's results from ``named`` (absent optional ones may be left out or None)."""
+    return self.sig.pack(named, results=True)
 
 
-def _flags(p: Problem) -> dict[str, bool]:
-  return {f: getattr(p, f) for f in ("has_bias", "has_mask", "has_segments", "has_sinks")}
+# A kernel's inputs or outputs by name: per name an array (an output's shape)
+# and its BlockSpec, in the order the kernel binds them.
+Bound = dict[str, tuple[Any, Any]]
+
+
+def unzip(bound: Bound) -> tuple[list, list]:
+  """The arrays (or shapes) and the BlockSpecs of ``bound``, in its order."""
+  return [x for x, _ in bound.values()], [spec for _, spec in bound.values()]
+
+
+def by_name(kernel: Callable[[Named], None], names: Sequence[str], optional: Sequence[str] = ()):
+  """``kernel``, which takes its refs by name, as Pallas calls it: refs in the order of ``names``.
+
+  ``optional``: names a call may lack, which then read as None.
+  """
+
+  @functools.wraps(kernel)
+  def body(*refs):
+    return kernel(Named(zip(names, refs, strict=True), optional=optional))
+
+  return body
 
 
 def inputs(operands: Sequence[Any], params) -> Named:
@@ -445,9 +467,12 @@ def bwd_probs(p: Problem, dot, v, do, s, lse, delta):
   return pr, pr * (dot(do, v, "qk") - delta)
 
 
-def bwd_delta(p: Problem, out, do, dlse):
-  """``rowsum(do * out) - dlse``: with ``lse``'s cotangent, ``ds = P (dp - delta)`` still."""
-  return jnp.sum(do.astype(p.stat) * out.astype(p.stat), axis=-1) - dlse.astype(p.stat)
+def bwd_delta(stat, out, do, dlse):
+  """``rowsum(do * out) - dlse`` in the stats dtype ``stat``.
+
+  With ``lse``'s cotangent ``dlse``, ``ds = P (dp - delta)`` still.
+  """
+  return jnp.sum(do.astype(stat) * out.astype(stat), axis=-1) - dlse.astype(stat)
 
 
 def reduce_bias_grad(ds: jax.Array, bias) -> jax.Array:
@@ -456,19 +481,22 @@ def reduce_bias_grad(ds: jax.Array, bias) -> jax.Array:
   return jnp.sum(ds, axis=axes, keepdims=True).astype(bias.dtype)
 
 
-def backward(p: Problem, ops: Operands, dq_pass, dkdv_pass) -> list[jax.Array]:
-  """``[dq, dk, dv[, dbias]]`` of a kernel backend from its two passes.
+def backward(c: Call, dq_pass, dkdv_pass) -> list[jax.Array]:
+  """The backward stage's results (``dq, dk, dv``, ``dbias``) of a kernel backend from its passes.
 
-  Both passes take ``(lse, delta, do)``: ``dq_pass`` gives ``[dq]``, and with
-  a bias also the logits' gradient ``(B, K, G, T, S)``; ``dkdv_pass`` gives
-  ``(dk, dv)`` per query head ``(B, K, G, S, x)``, summed here over each kv
-  head's query heads.
+  Both passes take ``(lse, delta, dout)`` and give their results by name:
+  ``dq_pass`` gives ``dq`` and, with a bias, ``ds``, the logits' gradient
+  ``(B, K, G, T, S)``; ``dkdv_pass`` gives ``dk`` and ``dv`` per query head
+  ``(B, K, G, S, x)``, summed here over each kv head's query heads.
   """
-  out, lse, do, dlse = ops.rest
-  delta = bwd_delta(p, out, do, dlse)
-  dq, *ds = dq_pass(lse, delta, do)
-  dk, dv = (jnp.sum(x, axis=2).astype(p.dtype) for x in dkdv_pass(lse, delta, do))
-  return [dq, dk, dv, *(reduce_bias_grad(d, ops.bias) for d in ds)]
+  p, ops = c.p, c.ops
+  delta = bwd_delta(p.stat, ops.out, ops.dout, ops.dlse)
+  dq = dq_pass(ops.lse, delta, ops.dout)
+  dkdv = dkdv_pass(ops.lse, delta, ops.dout)
+  dk, dv = (jnp.sum(dkdv[n], axis=2).astype(p.dtype) for n in ("dk", "dv"))
+  ds = dq.get("ds")
+  dbias = None if ds is None else reduce_bias_grad(ds, ops.bias)
+  return c.results({"dq": dq["dq"], "dk": dk, "dv": dv, "dbias": dbias})
 
 
 def bwd_dq(p: Problem, dot, ds, k, g=None):
@@ -534,30 +562,29 @@ def with_sinks(stage: str, fn):
   """
 
   def run(*operands, **params):
-    p = Problem.of(operands, **params)
-    if not p.has_sinks:
+    if not params["has_sinks"]:
       return fn(*operands, **params)
-    ops = Operands.of(p, operands)
+    sig = SIGNATURE.stage(stage, params)
+    ops = sig.unpack(operands)
     inner = dict(params, has_sinks=False)
-    base = ops.inputs(sinks=False)
-    st = p.stat
+    inner_sig = SIGNATURE.stage(stage, inner)
+    base = inner_sig.unpack(fn(*inner_sig.pack(ops), **inner), results=True)
+    st = stat_dtype(ops.q.dtype)
     if stage == "fwd":
-      out, lse0 = fn(*base, **inner)
-      lse = jnp.logaddexp(lse0, ops.sinks.astype(st)[..., None])
-      empty = lse0 == NEG_INF
-      rescale = jnp.where(empty, 0.0, jnp.exp(jnp.where(empty, 0.0, lse0) - lse))
-      return [(out.astype(st) * rescale[..., None]).astype(out.dtype), lse]
+      lse = jnp.logaddexp(base.lse, ops.sinks.astype(st)[..., None])
+      empty = base.lse == NEG_INF
+      rescale = jnp.where(empty, 0.0, jnp.exp(jnp.where(empty, 0.0, base.lse) - lse))
+      out = (base.out.astype(st) * rescale[..., None]).astype(base.out.dtype)
+      return sig.pack({"out": out, "lse": lse}, results=True)
     if stage == "jvp":
-      out, lse, *tangents, dsinks = ops.rest
-      dout, dlse = fn(*base, out, lse, *tangents, **inner)
-      r = _sink_probs(ops.sinks, lse) * dsinks.astype(st)[..., None]
-      dout = dout.astype(st) - r[..., None] * out.astype(st)
-      return [dout.astype(out.dtype), dlse + r]
-    out, lse, do, dlse = ops.rest
-    grads = fn(*base, *ops.rest, **inner)
-    dsinks = -jnp.sum(_sink_probs(ops.sinks, lse) * bwd_delta(p, out, do, dlse), axis=-1)
+      r = _sink_probs(ops.sinks, ops.lse) * ops.sinks_dot.astype(st)[..., None]
+      out_dot = base.out_dot.astype(st) - r[..., None] * ops.out.astype(st)
+      named = {"out_dot": out_dot.astype(ops.out.dtype), "lse_dot": base.lse_dot + r}
+      return sig.pack(named, results=True)
+    sink_probs = _sink_probs(ops.sinks, ops.lse)
+    dsinks = -jnp.sum(sink_probs * bwd_delta(st, ops.out, ops.dout, ops.dlse), axis=-1)
     if ops.sinks.shape[0] == 1:
       dsinks = jnp.sum(dsinks, axis=0, keepdims=True)
-    return [*grads, dsinks.astype(ops.sinks.dtype)]
+    return sig.pack({**base, "dsinks": dsinks.astype(ops.sinks.dtype)}, results=True)
 
   return run

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
@@ -30,8 +31,9 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from pallax.kernels.attention import common
-from pallax.kernels.attention.common import NEG_INF, Operands, Problem, block_dot
+from pallax.kernels.attention.common import NEG_INF, Call, block_dot
 from pallax.kernels.attention.config import AttentionConfig
+from pallax.op.signature import Named
 
 
 @dataclasses.dataclass(frozen=True)
@@ -127,21 +129,19 @@ class _Grid(common.Blocks):
 
 
 class _Step:
-  """What a grid step sees: refs by role, its blocks' positions, and whether it runs."""
+  """What a grid step sees: its refs, its blocks' positions, and whether it runs.
 
-  def __init__(self, grid: _Grid, refs, n_rest: int):
+  Refs by name as ``_pallas`` binds them: ``st.q``, ``st.out``, ``st.dq_acc``.
+  """
+
+  def __init__(self, grid: _Grid, refs: Named):
     p = self.p = grid.p
-    self.grid = grid
-    n_prefetch = 4 if p.has_segments else 2
-    prefetch, (q, k, v, *rest) = refs[:n_prefetch], refs[n_prefetch:]
-    q_len, kv_len, *tabs = prefetch
-    self.q, self.k, self.v = q, k, v
-    self.bias = rest.pop(0) if p.has_bias else None
-    self.mask = rest.pop(0) if p.has_mask else None
-    self.segs = (rest.pop(0), rest.pop(0)) if p.has_segments else None
-    self.rest, self.outs = rest[:n_rest], rest[n_rest:]
+    self.grid, self.refs = grid, refs
+    tabs = (refs.q_tab, refs.k_tab) if p.has_segments else ()
+    prefetch = (refs.q_len, refs.kv_len, *tabs)
+    self.segs = (refs.q_seg, refs.kv_seg) if p.has_segments else None
     b, outer, inner = pl.program_id(0), pl.program_id(2), pl.program_id(3)
-    self.lens = (q_len[b], kv_len[b]) if p.has_lengths else (None, None)
+    self.lens = (refs.q_len[b], refs.kv_len[b]) if p.has_lengths else (None, None)
     lo, hi = grid.range(b, outer, *prefetch)
     self.first, self.last = inner == 0, inner == pl.num_programs(3) - 1
     self.runs = (inner >= lo) & (inner < hi)
@@ -154,6 +154,11 @@ class _Step:
     self.s_pos = self.s0 + lax.broadcasted_iota(jnp.int32, tile, 1)
     self.t_ok = self.t0 + lax.broadcasted_iota(jnp.int32, (grid.bq, 1), 0) < p.t
     self.s_ok = self.s0 + lax.broadcasted_iota(jnp.int32, (grid.bk, 1), 0) < p.s
+
+  def __getattr__(self, name: str):
+    if name == "refs":  # not set yet
+      raise AttributeError(name)
+    return getattr(self.refs, name)
 
   def rows(self, ref, ok):
     """A block with its padded rows zeroed (they hold undefined values)."""
@@ -171,41 +176,58 @@ class _Step:
     return common.scores(p, block_dot, q, k, bias, keep, cap_grad=True)
 
 
+# The refs a kernel may lack: the op's optional inputs, the segment ids and
+# tables, the bias' tangent and the logits' gradient.
+_OPTIONAL = ("bias", "mask", "q_seg", "kv_seg", "q_tab", "k_tab", "bias_dot", "ds")
+
+
 def _pallas(
-  kernel,
+  kernel: Callable[[_Step], None],
   grid: _Grid,
-  ops: Operands,
-  rest,
-  rest_specs,
-  out_shapes,
-  out_specs,
-  scratch,
-  interpret,
-  name,
-):
+  ops: Named,
+  own: common.Bound,
+  outs: common.Bound,
+  scratch: dict[str, Any],
+  interpret: Any,
+  name: str,
+) -> dict[str, jax.Array]:
+  """``pallas_call`` of ``kernel`` over ``grid``, its refs and results by name.
+
+  Every kernel reads the inputs (the lengths and, with segments, the
+  flattened segment tables ``q_tab``, ``k_tab`` prefetched; the mask as int8;
+  segment ids as ``(B, T, 1)`` and ``(B, 1, S)``); ``own``: the stage's own
+  operands with their BlockSpecs; ``outs``: per output its shape and
+  BlockSpec; ``scratch``: per scratch buffer its shape. ``kernel`` takes the
+  ``_Step`` of them all.
+  """
   p = grid.p
-  mask = None if ops.mask is None else ops.mask.astype(jnp.int8)
-  extras = [x for x in (ops.bias, mask) if x is not None]
-  in_specs = [
-    grid.query_side(p.head_dim),
-    grid.key_side(p.head_dim),
-    grid.key_side(p.value_dim),
-    *(grid.tile(x) for x in extras),
-  ]
-  prefetch = [ops.q_len, ops.kv_len]
+  prefetch = {"q_len": ops.q_len, "kv_len": ops.kv_len}
+  ins = {
+    "q": (ops.q, grid.query_side(p.head_dim)),
+    "k": (ops.k, grid.key_side(p.head_dim)),
+    "v": (ops.v, grid.key_side(p.value_dim)),
+  }
+  if ops.bias is not None:
+    ins["bias"] = (ops.bias, grid.tile(ops.bias))
+  if ops.mask is not None:
+    ins["mask"] = (ops.mask.astype(jnp.int8), grid.tile(ops.mask))
   if p.has_segments:
-    tabs = common.segment_tables(ops.q_seg, ops.kv_seg, grid.bq, grid.bk)
-    prefetch += [tab.reshape(-1) for tab in tabs]
-    extras += [ops.q_seg[:, :, None], ops.kv_seg[:, None, :]]
-    in_specs += [grid.segments(True), grid.segments(False)]
-  return pl.pallas_call(
-    kernel,
+    q_tab, k_tab = common.segment_tables(ops.q_seg, ops.kv_seg, grid.bq, grid.bk)
+    prefetch["q_tab"], prefetch["k_tab"] = q_tab.reshape(-1), k_tab.reshape(-1)
+    ins["q_seg"] = (ops.q_seg[:, :, None], grid.segments(True))
+    ins["kv_seg"] = (ops.kv_seg[:, None, :], grid.segments(False))
+  ins.update(own)
+  names = (*prefetch, *ins, *outs, *scratch)
+  body = common.by_name(lambda refs: kernel(_Step(grid, refs)), names, _OPTIONAL)
+  (arrays, in_specs), (out_shapes, out_specs) = common.unzip(ins), common.unzip(outs)
+  results = pl.pallas_call(
+    body,
     grid_spec=pltpu.PrefetchScalarGridSpec(
       num_scalar_prefetch=len(prefetch),
       grid=grid.shape,
-      in_specs=in_specs + list(rest_specs),
+      in_specs=in_specs,
       out_specs=out_specs,
-      scratch_shapes=scratch,
+      scratch_shapes=list(scratch.values()),
     ),
     out_shape=out_shapes,
     compiler_params=pltpu.CompilerParams(
@@ -213,13 +235,13 @@ def _pallas(
     ),
     interpret=interpret,
     name=name,
-  )(*prefetch, ops.q, ops.k, ops.v, *extras, *rest)
+  )(*prefetch.values(), *arrays)
+  return dict(zip(outs, results, strict=True))
 
 
-def _setup(operands, config: AttentionConfig, params, query_major=True):
-  p = Problem.of(operands, **params)
-  grid = _Grid(p, min(config.block_q, p.t), min(config.block_k, p.s), query_major)
-  return p, Operands.of(p, operands), grid
+def _setup(stage: str, operands, config: AttentionConfig, params) -> tuple[Call, _Grid]:
+  c = Call.of(stage, operands, params)
+  return c, _Grid(c.p, min(config.block_q, c.p.t), min(config.block_k, c.p.s), True)
 
 
 def _stats(x):
@@ -227,33 +249,40 @@ def _stats(x):
   return x[..., None]
 
 
-def _accumulate(step: _Step, scratch, init, update, finish):
-  """The reduction over the inner axis: init at its first step, ``update`` where it runs."""
+def _accumulate(step: _Step, scratch: Sequence[str], init, update, finish):
+  """The reduction over the inner axis, carried in the ``scratch`` refs (names).
+
+  ``init`` at its first step, ``update`` where it runs, ``finish`` at its last.
+  """
+  refs = [step.refs[n] for n in scratch]
 
   @pl.when(step.first)
   def _():
-    for ref, value in zip(scratch, init):
+    for ref, value in zip(refs, init):
       ref[...] = value
 
   @pl.when(step.runs)
   def _():
-    values = update(tuple(ref[...] for ref in scratch))
-    for ref, value in zip(scratch, values):
+    values = update(tuple(ref[...] for ref in refs))
+    for ref, value in zip(refs, values):
       ref[...] = value
 
   @pl.when(step.last)
   def _():
-    finish(tuple(ref[...] for ref in scratch))
+    finish(tuple(ref[...] for ref in refs))
 
 
 def fwd(*operands, config: AttentionConfig, interpret: Any, **params):
   """``(out, lse)``."""
-  p, ops, grid = _setup(operands, config, params)
+  c, grid = _setup("fwd", operands, config, params)
+  p = c.p
+  scratch = {
+    "m": pltpu.VMEM((grid.bq, 1), p.stat),
+    "denom": pltpu.VMEM((grid.bq, 1), p.stat),
+    "acc": pltpu.VMEM((grid.bq, p.value_dim), p.stat),
+  }
 
-  def kernel(*refs):
-    st = _Step(grid, refs[:-3], 0)
-    out_ref, lse_ref = st.outs
-
+  def kernel(st: _Step):
     def update(carry):
       v = st.rows(st.v, st.s_ok)
       s, _ = st.scores(st.q[...], st.k[...])
@@ -261,190 +290,155 @@ def fwd(*operands, config: AttentionConfig, interpret: Any, **params):
 
     def finish(carry):
       out, lse = common.online_finish(carry)
-      out_ref[...] = out.astype(out_ref.dtype)
-      lse_ref[...] = lse
+      st.out[...] = out.astype(st.out.dtype)
+      st.lse[...] = lse
 
-    _accumulate(st, refs[-3:], common.online_init(p, (grid.bq,), p.value_dim), update, finish)
+    _accumulate(st, scratch, common.online_init(p, (grid.bq,), p.value_dim), update, finish)
 
   rows = (p.batch, p.kv_heads, p.groups, p.t)
-  out, lse = _pallas(
-    kernel,
-    grid,
-    ops,
-    [],
-    [],
-    [jax.ShapeDtypeStruct((*rows, p.value_dim), p.dtype), jax.ShapeDtypeStruct((*rows, 1), p.stat)],
-    [grid.query_side(p.value_dim), grid.query_side(1)],
-    [
-      pltpu.VMEM((grid.bq, 1), p.stat),
-      pltpu.VMEM((grid.bq, 1), p.stat),
-      pltpu.VMEM((grid.bq, p.value_dim), p.stat),
-    ],
-    interpret,
-    "attention_fwd",
-  )
-  return [out, lse[..., 0]]
+  outs = {
+    "out": (jax.ShapeDtypeStruct((*rows, p.value_dim), p.dtype), grid.query_side(p.value_dim)),
+    "lse": (jax.ShapeDtypeStruct((*rows, 1), p.stat), grid.query_side(1)),
+  }
+  res = _pallas(kernel, grid, c.ops, {}, outs, scratch, interpret, "attention_fwd")
+  return c.results({"out": res["out"], "lse": res["lse"][..., 0]})
 
 
 def jvp(*operands, config: AttentionConfig, interpret: Any, **params):
   """``(out_dot, lse_dot)``."""
-  p, ops, grid = _setup(operands, config, params)
-  out, lse, dq, dk, dv, *dbias = ops.rest
+  c, grid = _setup("jvp", operands, config, params)
+  p, ops = c.p, c.ops
   st_dtype = p.stat
+  scratch = {
+    "pdsv": pltpu.VMEM((grid.bq, p.value_dim), st_dtype),
+    "rows": pltpu.VMEM((grid.bq, 1), st_dtype),
+    "pdv": pltpu.VMEM((grid.bq, p.value_dim), st_dtype),
+  }
 
-  def kernel(*refs):
-    st = _Step(grid, refs[:-3], 5 + len(dbias))
-    out_ref, lse_ref, dq_ref, dk_ref, dv_ref, *dbias_ref = st.rest
-    dout_ref, dlse_ref = st.outs
-
+  def kernel(st: _Step):
     def update(carry):
-      k, v, dk_blk, dv_blk = (st.rows(r, st.s_ok) for r in (st.k, st.v, dk_ref, dv_ref))
-      db = dbias_ref[0][...] if dbias_ref else None
+      k, v, dk_blk, dv_blk = (st.rows(r, st.s_ok) for r in (st.k, st.v, st.k_dot, st.v_dot))
+      db = None if st.bias_dot is None else st.bias_dot[...]
       q = st.q[...]
       s, g = st.scores(q, k)
-      blk = (q, k, v, s, lse_ref[...], dq_ref[...], dk_blk, dv_blk, db, g)
+      blk = (q, k, v, s, st.lse[...], st.q_dot[...], dk_blk, dv_blk, db, g)
       terms = common.tangent_block(p, block_dot, *blk)
       return tuple(a + b for a, b in zip(carry, terms))
 
     def finish(carry):
       pdsv, rows, pdv = carry
-      dout = pdsv - rows * out_ref[...].astype(st_dtype) + pdv
-      dout_ref[...] = dout.astype(dout_ref.dtype)
-      dlse_ref[...] = rows
+      dout = pdsv - rows * st.out[...].astype(st_dtype) + pdv
+      st.out_dot[...] = dout.astype(st.out_dot.dtype)
+      st.lse_dot[...] = rows
 
     init = (
       jnp.zeros((grid.bq, p.value_dim), st_dtype),
       jnp.zeros((grid.bq, 1), st_dtype),
       jnp.zeros((grid.bq, p.value_dim), st_dtype),
     )
-    _accumulate(st, refs[-3:], init, update, finish)
+    _accumulate(st, scratch, init, update, finish)
 
-  rest_specs = [
-    grid.query_side(p.value_dim),
-    grid.query_side(1),
-    grid.query_side(p.head_dim),
-    grid.key_side(p.head_dim),
-    grid.key_side(p.value_dim),
-    *(grid.tile(d) for d in dbias),
-  ]
+  own = {
+    "out": (ops.out, grid.query_side(p.value_dim)),
+    "lse": (_stats(ops.lse), grid.query_side(1)),
+    "q_dot": (ops.q_dot, grid.query_side(p.head_dim)),
+    "k_dot": (ops.k_dot, grid.key_side(p.head_dim)),
+    "v_dot": (ops.v_dot, grid.key_side(p.value_dim)),
+  }
+  if ops.bias_dot is not None:
+    own["bias_dot"] = (ops.bias_dot, grid.tile(ops.bias_dot))
   rows = (p.batch, p.kv_heads, p.groups, p.t)
-  dout, dlse = _pallas(
-    kernel,
-    grid,
-    ops,
-    [out, _stats(lse), dq, dk, dv, *dbias],
-    rest_specs,
-    [
-      jax.ShapeDtypeStruct((*rows, p.value_dim), p.dtype),
-      jax.ShapeDtypeStruct((*rows, 1), st_dtype),
-    ],
-    [grid.query_side(p.value_dim), grid.query_side(1)],
-    [
-      pltpu.VMEM((grid.bq, p.value_dim), st_dtype),
-      pltpu.VMEM((grid.bq, 1), st_dtype),
-      pltpu.VMEM((grid.bq, p.value_dim), st_dtype),
-    ],
-    interpret,
-    "attention_jvp",
-  )
-  return [dout, dlse[..., 0]]
+  outs = {
+    "out_dot": (jax.ShapeDtypeStruct((*rows, p.value_dim), p.dtype), grid.query_side(p.value_dim)),
+    "lse_dot": (jax.ShapeDtypeStruct((*rows, 1), st_dtype), grid.query_side(1)),
+  }
+  res = _pallas(kernel, grid, ops, own, outs, scratch, interpret, "attention_jvp")
+  return c.results({"out_dot": res["out_dot"], "lse_dot": res["lse_dot"][..., 0]})
 
 
-def _bwd_pallas(kernel, grid: _Grid, ops, stats, out_shapes, out_specs, scratch, interpret, name):
-  """``_pallas`` of a backward kernel, whose own operands are ``stats``: ``(lse, delta, do)``."""
-  lse, delta, do = stats
-  specs = [grid.query_side(1), grid.query_side(1), grid.query_side(grid.p.value_dim)]
-  rest = [_stats(lse), _stats(delta), do]
-  return _pallas(kernel, grid, ops, rest, specs, out_shapes, out_specs, scratch, interpret, name)
+def _bwd_pallas(kernel, grid: _Grid, ops, stats, outs, scratch, interpret, name):
+  """``_pallas`` of a backward kernel, whose own operands are ``stats``: ``(lse, delta, dout)``."""
+  lse, delta, dout = stats
+  own = {
+    "lse": (_stats(lse), grid.query_side(1)),
+    "delta": (_stats(delta), grid.query_side(1)),
+    "dout": (dout, grid.query_side(grid.p.value_dim)),
+  }
+  return _pallas(kernel, grid, ops, own, outs, scratch, interpret, name)
 
 
-def _dq(p, ops, grid, interpret, *stats):
-  """``dq`` and, with a bias, the logits' gradient (zero on skipped blocks)."""
+def _dq(c: Call, grid: _Grid, interpret, *stats) -> dict[str, jax.Array]:
+  """``dq`` and, with a bias, ``ds``, the logits' gradient (zero on skipped blocks)."""
+  p = c.p
   st_dtype = p.stat
-  n_scratch = 1
+  scratch = {"dq_acc": pltpu.VMEM((grid.bq, p.head_dim), st_dtype)}
 
-  def kernel(*refs):
-    st = _Step(grid, refs[:-n_scratch], 3)
-    lse_ref, delta_ref, do_ref = st.rest
-    dq_ref, *ds_ref = st.outs
-
+  def kernel(st: _Step):
     def update(carry):
       (acc,) = carry
       v, k = st.rows(st.v, st.s_ok), st.rows(st.k, st.s_ok)
       s, g = st.scores(st.q[...], k)
-      _, ds = common.bwd_probs(p, block_dot, v, do_ref[...], s, lse_ref[...], delta_ref[...])
-      if ds_ref:
-        ds_ref[0][...] = ds.astype(ds_ref[0].dtype)
+      _, ds = common.bwd_probs(p, block_dot, v, st.dout[...], s, st.lse[...], st.delta[...])
+      if st.ds is not None:
+        st.ds[...] = ds.astype(st.ds.dtype)
       return (acc + common.bwd_dq(p, block_dot, ds, k, g),)
 
     def finish(carry):
-      dq_ref[...] = carry[0].astype(dq_ref.dtype)
+      st.dq[...] = carry[0].astype(st.dq.dtype)
 
-    if ds_ref:
+    if st.ds is not None:
 
       @pl.when(jnp.logical_not(st.runs))
       def _():
-        ds_ref[0][...] = jnp.zeros(ds_ref[0].shape, ds_ref[0].dtype)
+        st.ds[...] = jnp.zeros(st.ds.shape, st.ds.dtype)
 
-    _accumulate(
-      st, refs[-n_scratch:], (jnp.zeros((grid.bq, p.head_dim), st_dtype),), update, finish
-    )
+    _accumulate(st, scratch, (jnp.zeros((grid.bq, p.head_dim), st_dtype),), update, finish)
 
   rows = (p.batch, p.kv_heads, p.groups, p.t)
-  out_shapes = [jax.ShapeDtypeStruct((*rows, p.head_dim), p.dtype)]
-  out_specs = [grid.query_side(p.head_dim)]
+  outs = {"dq": (jax.ShapeDtypeStruct((*rows, p.head_dim), p.dtype), grid.query_side(p.head_dim))}
   if p.has_bias:
-    out_shapes.append(jax.ShapeDtypeStruct((*rows, p.s), st_dtype))
-    out_specs.append(grid.tile(out_shapes[-1], clamp=False))
-  scratch = [pltpu.VMEM((grid.bq, p.head_dim), st_dtype)]
-  return _bwd_pallas(
-    kernel, grid, ops, stats, out_shapes, out_specs, scratch, interpret, "attention_bwd_dq"
-  )
+    ds = jax.ShapeDtypeStruct((*rows, p.s), st_dtype)
+    outs["ds"] = (ds, grid.tile(ds, clamp=False))
+  return _bwd_pallas(kernel, grid, c.ops, stats, outs, scratch, interpret, "attention_bwd_dq")
 
 
-def _dkdv(p, ops, grid, interpret, *stats):
+def _dkdv(c: Call, grid: _Grid, interpret, *stats) -> dict[str, jax.Array]:
   """``dk, dv`` per query head, float32 (summed over a kv head's query heads by ``backward``)."""
+  p = c.p
   st_dtype = p.stat
+  scratch = {
+    "dk_acc": pltpu.VMEM((grid.bk, p.head_dim), st_dtype),
+    "dv_acc": pltpu.VMEM((grid.bk, p.value_dim), st_dtype),
+  }
 
-  def kernel(*refs):
-    st = _Step(grid, refs[:-2], 3)
-    lse_ref, delta_ref, do_ref = st.rest
-    dk_ref, dv_ref = st.outs
-
+  def kernel(st: _Step):
     def update(carry):
-      q, do = st.rows(st.q, st.t_ok), st.rows(do_ref, st.t_ok)
+      q, do = st.rows(st.q, st.t_ok), st.rows(st.dout, st.t_ok)
       s, g = st.scores(q, st.k[...])
-      lse = jnp.where(st.t_ok, lse_ref[...], NEG_INF)
-      delta = st.rows(delta_ref, st.t_ok)
+      lse = jnp.where(st.t_ok, st.lse[...], NEG_INF)
+      delta = st.rows(st.delta, st.t_ok)
       pr, ds = common.bwd_probs(p, block_dot, st.rows(st.v, st.s_ok), do, s, lse, delta)
       dk, dv = common.bwd_dkdv(p, block_dot, pr, ds, q, do, g)
       return carry[0] + dk, carry[1] + dv
 
     def finish(carry):
-      dk_ref[...] = carry[0]
-      dv_ref[...] = carry[1]
+      st.dk[...] = carry[0]
+      st.dv[...] = carry[1]
 
     init = (jnp.zeros((grid.bk, p.head_dim), st_dtype), jnp.zeros((grid.bk, p.value_dim), st_dtype))
-    _accumulate(st, refs[-2:], init, update, finish)
+    _accumulate(st, scratch, init, update, finish)
 
   shape = lambda x: jax.ShapeDtypeStruct((p.batch, p.kv_heads, p.groups, p.s, x), st_dtype)
-  widths = (p.head_dim, p.value_dim)
-  return _bwd_pallas(
-    kernel,
-    grid,
-    ops,
-    stats,
-    [shape(x) for x in widths],
-    [grid.per_head_keys(x) for x in widths],
-    [pltpu.VMEM((grid.bk, x), st_dtype) for x in widths],
-    interpret,
-    "attention_bwd_dkdv",
-  )
+  outs = {
+    n: (shape(x), grid.per_head_keys(x)) for n, x in (("dk", p.head_dim), ("dv", p.value_dim))
+  }
+  name = "attention_bwd_dkdv"
+  return _bwd_pallas(kernel, grid, c.ops, stats, outs, scratch, interpret, name)
 
 
 def bwd(*operands, config: AttentionConfig, interpret: Any, **params):
   """``(dq, dk, dv[, dbias])``."""
-  p, ops, grid = _setup(operands, config, params)
+  c, grid = _setup("bwd", operands, config, params)
   key_grid = dataclasses.replace(grid, query_major=False)
-  dq_pass = functools.partial(_dq, p, ops, grid, interpret)
-  return common.backward(p, ops, dq_pass, functools.partial(_dkdv, p, ops, key_grid, interpret))
+  dq_pass = functools.partial(_dq, c, grid, interpret)
+  return common.backward(c, dq_pass, functools.partial(_dkdv, c, key_grid, interpret))

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from collections.abc import Callable
 from typing import Any, Optional
 
 import jax
@@ -32,8 +33,9 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from pallax.kernels.attention import common
-from pallax.kernels.attention.common import NEG_INF, Operands, Problem, block_dot
+from pallax.kernels.attention.common import NEG_INF, Call, Problem, block_dot
 from pallax.kernels.attention.config import AttentionConfig
+from pallax.op.signature import Named
 from pallax.pallas_triton import padded_ok, tile_mask, triton_call
 from pallax.pallas_utils import and_masks, load, next_pow2, store
 
@@ -108,23 +110,20 @@ def _positions(start, size: int, extent: int):
 
 
 class _Refs:
-  """A kernel's input refs by role, and the lengths as scalars.
+  """A kernel's refs by name (``_call``: ``r.q``, ``r.out``, ...), and the lengths as scalars.
 
   With segments: ``own_seg``/``other_seg`` the segment ids of the program's
   block and of the whole other side, ``own_tab``/``other_tab`` their tables.
   """
 
-  def __init__(self, p: Problem, refs, n_rest: int):
-    q, k, v, q_len, kv_len, *rest = refs
-    self.q, self.k, self.v = q, k, v
-    self.bias = rest.pop(0) if p.has_bias else None
-    self.mask = rest.pop(0) if p.has_mask else None
-    self.own_seg = self.other_seg = self.own_tab = self.other_tab = None
-    if p.has_segments:
-      self.own_seg, self.other_seg, self.own_tab, self.other_tab = rest[:4]
-      rest = rest[4:]
-    self.rest, self.outs = rest[:n_rest], rest[n_rest:]
-    self.lens = (q_len[0], kv_len[0]) if p.has_lengths else (None, None)
+  def __init__(self, p: Problem, refs: Named):
+    self.refs = refs
+    self.lens = (refs.q_len[0], refs.kv_len[0]) if p.has_lengths else (None, None)
+
+  def __getattr__(self, name: str):
+    if name == "refs":  # not set yet
+      raise AttributeError(name)
+    return getattr(self.refs, name)
 
   def run(self):
     """``[lo, hi)`` of the other side's blocks the program's segments meet (None: all)."""
@@ -208,61 +207,82 @@ def _over_key_blocks(lay: _Layout, r: _Refs, step, init, extra_loads=(), skipped
   return loop, (t_ok, h_ok, hv_ok), (lo, hi)
 
 
-def _input_specs(lay: _Layout, ops: Operands, query_blocks: bool) -> list:
+# The refs a kernel may lack: the op's optional inputs, the segment ids and
+# tables, the bias' tangent and the logits' gradient.
+_OPTIONAL = ("bias", "mask", "own_seg", "other_seg", "own_tab", "other_tab", "bias_dot", "ds")
+
+
+def _inputs(lay: _Layout, ops: Named, query_blocks: bool) -> common.Bound:
+  """The inputs every kernel reads by name, each with its BlockSpec.
+
+  The mask travels as int8 (bool refs are not portable); segment ids as the
+  program's side per block and the other whole, with their tables.
+  """
   p = lay.p
-  specs = [
-    lay.rows(p.head_dim, query_blocks),
-    lay.keys(p.head_dim, not query_blocks),
-    lay.keys(p.value_dim, not query_blocks),
-    lay.length(),
-    lay.length(),
-  ]
-  specs += [lay.tile(x, query_blocks) for x in (ops.bias, ops.mask) if x is not None]
-  if p.has_segments:  # the program's side per block, the other whole
-    own, other = query_blocks, not query_blocks
-    specs += [lay.segments(own, True), lay.segments(other, False)]
-    specs += [lay.table(own, True), lay.table(other, False)]
-  return specs
-
-
-def _inputs(lay: _Layout, ops: Operands, query_blocks: bool) -> list:
-  """The core operands; the mask travels as int8 (bool refs are not portable)."""
-  mask = None if ops.mask is None else ops.mask.astype(jnp.int8)
-  inputs = [
-    ops.q,
-    ops.k,
-    ops.v,
-    ops.q_len,
-    ops.kv_len,
-    *(x for x in (ops.bias, mask) if x is not None),
-  ]
-  if lay.p.has_segments:
+  ins = {
+    "q": (ops.q, lay.rows(p.head_dim, query_blocks)),
+    "k": (ops.k, lay.keys(p.head_dim, not query_blocks)),
+    "v": (ops.v, lay.keys(p.value_dim, not query_blocks)),
+    "q_len": (ops.q_len, lay.length()),
+    "kv_len": (ops.kv_len, lay.length()),
+  }
+  if ops.bias is not None:
+    ins["bias"] = (ops.bias, lay.tile(ops.bias, query_blocks))
+  if ops.mask is not None:
+    ins["mask"] = (ops.mask.astype(jnp.int8), lay.tile(ops.mask, query_blocks))
+  if p.has_segments:
     q_tab, k_tab = common.segment_tables(ops.q_seg, ops.kv_seg, lay.bq, lay.bk)
-    segs, tabs = (ops.q_seg, ops.kv_seg), (q_tab, k_tab)
-    if not query_blocks:
-      segs, tabs = segs[::-1], tabs[::-1]
-    inputs += [*segs, *tabs]
-  return inputs
+    q_side, k_side = (ops.q_seg, q_tab), (ops.kv_seg, k_tab)
+    own, other = (q_side, k_side) if query_blocks else (k_side, q_side)
+    ins["own_seg"] = (own[0], lay.segments(query_blocks, True))
+    ins["other_seg"] = (other[0], lay.segments(not query_blocks, False))
+    ins["own_tab"] = (own[1], lay.table(query_blocks, True))
+    ins["other_tab"] = (other[1], lay.table(not query_blocks, False))
+  return ins
 
 
-def _setup(operands, config: AttentionConfig, params) -> tuple[Problem, Operands, _Layout]:
-  p = Problem.of(operands, **params)
-  bq = min(config.block_q, next_pow2(max(p.t, 16)))
-  bk = min(config.block_k, next_pow2(max(p.s, 16)))
-  return p, Operands.of(p, operands), _Layout(p, bq, bk)
+def _call(
+  kernel: Callable[[_Refs], None],
+  lay: _Layout,
+  blocks: int,
+  ins: common.Bound,
+  outs: common.Bound,
+  config: AttentionConfig,
+  interpret: Any,
+  name: str,
+) -> dict[str, jax.Array]:
+  """``triton_call`` of ``kernel`` over ``blocks`` blocks, its refs and results by name.
+
+  ``kernel`` takes the ``_Refs`` of ``ins`` and ``outs``.
+  """
+  body = common.by_name(lambda refs: kernel(_Refs(lay.p, refs)), (*ins, *outs), _OPTIONAL)
+  args = (*common.unzip(ins), *common.unzip(outs))  # inputs, their specs, out shapes, specs
+  results = triton_call(body, lay.grid(blocks), *args, config, interpret, name)
+  return dict(zip(outs, results, strict=True))
+
+
+def _setup(stage: str, operands, config: AttentionConfig, params) -> tuple[Call, _Layout]:
+  c = Call.of(stage, operands, params)
+  bq = min(config.block_q, next_pow2(max(c.p.t, 16)))
+  bk = min(config.block_k, next_pow2(max(c.p.s, 16)))
+  return c, _Layout(c.p, bq, bk)
 
 
 def _row_shape(p: Problem, x: int, dtype) -> jax.ShapeDtypeStruct:
   return jax.ShapeDtypeStruct((p.batch, p.kv_heads, p.groups, p.t, x), dtype)
 
 
+def _stat_shape(p: Problem) -> jax.ShapeDtypeStruct:
+  """A (B, K, G, T) statistic (lse and its tangent)."""
+  return jax.ShapeDtypeStruct((p.batch, p.kv_heads, p.groups, p.t), p.stat)
+
+
 def fwd(*operands, config: AttentionConfig, interpret: Any, **params):
   """``(out, lse)``."""
-  p, ops, lay = _setup(operands, config, params)
+  c, lay = _setup("fwd", operands, config, params)
+  p = c.p
 
-  def kernel(*refs):
-    r = _Refs(p, refs, 0)
-    out_ref, lse_ref = r.outs
+  def kernel(r: _Refs):
     carry, (t_ok, _, hv_ok), _ = _over_key_blocks(
       lay,
       r,
@@ -270,45 +290,33 @@ def fwd(*operands, config: AttentionConfig, interpret: Any, **params):
       common.online_init(p, (lay.bq,), lay.width(p.value_dim)),
     )
     out, lse = common.online_finish(carry)
-    store(out_ref, out.astype(out_ref.dtype), tile_mask(t_ok, hv_ok))
-    store(lse_ref, lse[:, 0], t_ok)
+    store(r.out, out.astype(r.out.dtype), tile_mask(t_ok, hv_ok))
+    store(r.lse, lse[:, 0], t_ok)
 
-  out_shapes = [
-    _row_shape(p, p.value_dim, p.dtype),
-    jax.ShapeDtypeStruct((p.batch, p.kv_heads, p.groups, p.t), p.stat),
-  ]
-  out_specs = [lay.rows(p.value_dim, True), lay.row_stats(True)]
-  return triton_call(
-    kernel,
-    lay.grid(lay.nq),
-    _inputs(lay, ops, True),
-    _input_specs(lay, ops, True),
-    out_shapes,
-    out_specs,
-    config,
-    interpret,
-    "attention_fwd",
-  )
+  outs = {
+    "out": (_row_shape(p, p.value_dim, p.dtype), lay.rows(p.value_dim, True)),
+    "lse": (_stat_shape(p), lay.row_stats(True)),
+  }
+  ins = _inputs(lay, c.ops, True)
+  return c.results(_call(kernel, lay, lay.nq, ins, outs, config, interpret, "attention_fwd"))
 
 
 def jvp(*operands, config: AttentionConfig, interpret: Any, **params):
   """``(out_dot, lse_dot)``: the tangents, one pass over the visible key blocks."""
-  p, ops, lay = _setup(operands, config, params)
-  out, lse, dq, dk, dv, *dbias = ops.rest
+  c, lay = _setup("jvp", operands, config, params)
+  p, ops = c.p, c.ops
   st = p.stat
 
-  def kernel(*refs):
-    r = _Refs(p, refs, 5 + len(dbias))
-    out_ref, lse_ref, dq_ref, dk_ref, dv_ref, *dbias_ref = r.rest
-    dout_ref, dlse_ref = r.outs
+  def kernel(r: _Refs):
     t0 = pl.program_id(0) * lay.bq
     _, t_ok = _positions(t0, lay.bq, p.t)
     h_ok = lay.cols_ok(p.head_dim)
-    lse_blk = load(lse_ref, t_ok, other=NEG_INF)[:, None]
-    dq_blk = load(dq_ref, tile_mask(t_ok, h_ok))
+    lse_blk = load(r.lse, t_ok, other=NEG_INF)[:, None]
+    dq_blk = load(r.q_dot, tile_mask(t_ok, h_ok))
 
     def step(carry, s, g, q, k, v, ok, s0, dk_blk, dv_blk):
-      db = None if not dbias_ref else load(dbias_ref[0].at[:, pl.ds(s0, lay.bk)], ok)
+      bias_dot = r.bias_dot
+      db = None if bias_dot is None else load(bias_dot.at[:, pl.ds(s0, lay.bk)], ok)
       blk = (q, k, v, s, lse_blk, dq_blk, dk_blk, dv_blk, db, g)
       terms = common.tangent_block(p, block_dot, *blk)
       return tuple(a + b for a, b in zip(carry, terms))
@@ -318,108 +326,92 @@ def jvp(*operands, config: AttentionConfig, interpret: Any, **params):
       jnp.zeros((lay.bq, 1), st),
       jnp.zeros((lay.bq, lay.width(p.value_dim)), st),
     )
-    (pdsv, rows, pdv), (t_ok, _, hv_ok), _ = _over_key_blocks(lay, r, step, init, (dk_ref, dv_ref))
+    tangents = (r.k_dot, r.v_dot)
+    (pdsv, rows, pdv), (t_ok, _, hv_ok), _ = _over_key_blocks(lay, r, step, init, tangents)
     mask = tile_mask(t_ok, hv_ok)
-    dout = pdsv - rows * load(out_ref, mask).astype(st) + pdv
-    store(dout_ref, dout.astype(dout_ref.dtype), mask)
-    store(dlse_ref, rows[:, 0], t_ok)
+    dout = pdsv - rows * load(r.out, mask).astype(st) + pdv
+    store(r.out_dot, dout.astype(r.out_dot.dtype), mask)
+    store(r.lse_dot, rows[:, 0], t_ok)
 
-  rest_specs = [
-    lay.rows(p.value_dim, True),
-    lay.row_stats(True),
-    lay.rows(p.head_dim, True),
-    lay.keys(p.head_dim, False),
-    lay.keys(p.value_dim, False),
-  ] + [lay.tile(d, True) for d in dbias]
-  return triton_call(
-    kernel,
-    lay.grid(lay.nq),
-    _inputs(lay, ops, True) + [out, lse, dq, dk, dv, *dbias],
-    _input_specs(lay, ops, True) + rest_specs,
-    [
-      _row_shape(p, p.value_dim, p.dtype),
-      jax.ShapeDtypeStruct((p.batch, p.kv_heads, p.groups, p.t), st),
-    ],
-    [lay.rows(p.value_dim, True), lay.row_stats(True)],
-    config,
-    interpret,
-    "attention_jvp",
-  )
+  ins = _inputs(lay, ops, True)
+  ins["out"] = (ops.out, lay.rows(p.value_dim, True))
+  ins["lse"] = (ops.lse, lay.row_stats(True))
+  ins["q_dot"] = (ops.q_dot, lay.rows(p.head_dim, True))
+  ins["k_dot"] = (ops.k_dot, lay.keys(p.head_dim, False))
+  ins["v_dot"] = (ops.v_dot, lay.keys(p.value_dim, False))
+  if ops.bias_dot is not None:
+    ins["bias_dot"] = (ops.bias_dot, lay.tile(ops.bias_dot, True))
+  outs = {
+    "out_dot": (_row_shape(p, p.value_dim, p.dtype), lay.rows(p.value_dim, True)),
+    "lse_dot": (_stat_shape(p), lay.row_stats(True)),
+  }
+  return c.results(_call(kernel, lay, lay.nq, ins, outs, config, interpret, "attention_jvp"))
 
 
 def _bwd_call(kernel, lay: _Layout, ops, query_blocks: bool, stats, outs, config, interpret, name):
-  """``triton_call`` of a backward kernel over query blocks (dq) or key blocks (dk, dv).
+  """``_call`` of a backward kernel over query blocks (dq) or key blocks (dk, dv).
 
-  Its own operands are ``stats``: ``(lse, delta, do)``, whole or per query
-  block; ``outs``: its outputs' shapes and BlockSpecs.
+  Its own operands are ``stats``: ``(lse, delta, dout)``, whole or per query
+  block; ``outs``: its outputs' shapes and BlockSpecs by name.
   """
   p = lay.p
-  specs = [lay.row_stats(query_blocks)] * 2 + [lay.rows(p.value_dim, query_blocks)]
-  return triton_call(
-    kernel,
-    lay.grid(lay.nq if query_blocks else lay.nk),
-    _inputs(lay, ops, query_blocks) + list(stats),
-    _input_specs(lay, ops, query_blocks) + specs,
-    *outs,
-    config,
-    interpret,
-    name,
-  )
+  lse, delta, dout = stats
+  ins = _inputs(lay, ops, query_blocks)
+  ins["lse"] = (lse, lay.row_stats(query_blocks))
+  ins["delta"] = (delta, lay.row_stats(query_blocks))
+  ins["dout"] = (dout, lay.rows(p.value_dim, query_blocks))
+  blocks = lay.nq if query_blocks else lay.nk
+  return _call(kernel, lay, blocks, ins, outs, config, interpret, name)
 
 
-def _dq(p, ops, lay, config, interpret, *stats):
-  """``dq`` (and the logits' gradient where there is a bias): per query block."""
+def _dq(c: Call, lay: _Layout, config, interpret, *stats) -> dict[str, jax.Array]:
+  """``dq`` and, with a bias, ``ds``, the logits' gradient: per query block."""
+  p = c.p
   st = p.stat
 
-  def kernel(*refs):
-    r = _Refs(p, refs, 3)
-    lse_ref, delta_ref, do_ref = r.rest
-    dq_ref, *ds_ref = r.outs
+  def kernel(r: _Refs):
+    ds_ref = r.ds
     t0 = pl.program_id(0) * lay.bq
     _, t_ok = _positions(t0, lay.bq, p.t)
     hv_ok = lay.cols_ok(p.value_dim)
-    lse_blk = load(lse_ref, t_ok, other=NEG_INF)[:, None]
-    delta_blk = load(delta_ref, t_ok)[:, None]
-    do_blk = load(do_ref, tile_mask(t_ok, hv_ok))
+    lse_blk = load(r.lse, t_ok, other=NEG_INF)[:, None]
+    delta_blk = load(r.delta, t_ok)[:, None]
+    do_blk = load(r.dout, tile_mask(t_ok, hv_ok))
 
     def step(acc, s, g, q, k, v, ok, s0):
       _, ds = common.bwd_probs(p, block_dot, v, do_blk, s, lse_blk, delta_blk)
-      if ds_ref:
-        store(ds_ref[0].at[:, pl.ds(s0, lay.bk)], ds.astype(ds_ref[0].dtype), ok)
+      if ds_ref is not None:
+        store(ds_ref.at[:, pl.ds(s0, lay.bk)], ds.astype(ds_ref.dtype), ok)
       return acc + common.bwd_dq(p, block_dot, ds, k, g)
 
     def clear(j):  # a key block the loop skips has a zero bias gradient
       _, s_ok = _positions(j * lay.bk, lay.bk, p.s)
-      zeros = jnp.zeros((lay.bq, lay.bk), ds_ref[0].dtype)
-      store(ds_ref[0].at[:, pl.ds(j * lay.bk, lay.bk)], zeros, tile_mask(t_ok, s_ok))
+      zeros = jnp.zeros((lay.bq, lay.bk), ds_ref.dtype)
+      store(ds_ref.at[:, pl.ds(j * lay.bk, lay.bk)], zeros, tile_mask(t_ok, s_ok))
 
     init = jnp.zeros((lay.bq, lay.width(p.head_dim)), st)
-    skipped = clear if ds_ref else None
+    skipped = None if ds_ref is None else clear
     acc, (t_ok, h_ok, _), (lo, hi) = _over_key_blocks(lay, r, step, init, skipped=skipped)
-    store(dq_ref, acc.astype(dq_ref.dtype), tile_mask(t_ok, h_ok))
-    if ds_ref:
+    store(r.dq, acc.astype(r.dq.dtype), tile_mask(t_ok, h_ok))
+    if ds_ref is not None:
       clearing = lambda j, carry: clear(j) or carry
       lax.fori_loop(0, lo, clearing, 0)
       lax.fori_loop(hi, lay.nk, clearing, 0)
 
-  out_shapes = [_row_shape(p, p.head_dim, p.dtype)]
-  out_specs = [lay.rows(p.head_dim, True)]
+  outs = {"dq": (_row_shape(p, p.head_dim, p.dtype), lay.rows(p.head_dim, True))}
   if p.has_bias:
-    out_shapes.append(jax.ShapeDtypeStruct((p.batch, p.kv_heads, p.groups, p.t, p.s), st))
-    out_specs.append(lay.tile(out_shapes[-1], True))
-  outs = (out_shapes, out_specs)
-  return _bwd_call(kernel, lay, ops, True, stats, outs, config, interpret, "attention_bwd_dq")
+    ds = jax.ShapeDtypeStruct((p.batch, p.kv_heads, p.groups, p.t, p.s), st)
+    outs["ds"] = (ds, lay.tile(ds, True))
+  return _bwd_call(kernel, lay, c.ops, True, stats, outs, config, interpret, "attention_bwd_dq")
 
 
-def _dkdv(p, ops, lay, config, interpret, *stats):
+def _dkdv(c: Call, lay: _Layout, config, interpret, *stats) -> dict[str, jax.Array]:
   """``dk, dv`` per query head (summed over a kv head's query heads by ``common.backward``)."""
+  p = c.p
   st = p.stat
   out_dtype = p.dtype if p.groups == 1 else st
 
-  def kernel(*refs):
-    r = _Refs(p, refs, 3)
-    lse_ref, delta_ref, do_ref = r.rest
-    dk_ref, dv_ref = r.outs
+  def kernel(r: _Refs):
     s0 = pl.program_id(0) * lay.bk
     s_pos, s_ok = _positions(s0, lay.bk, p.s)
     h_ok, hv_ok = lay.cols_ok(p.head_dim), lay.cols_ok(p.value_dim)
@@ -432,7 +424,7 @@ def _dkdv(p, ops, lay, config, interpret, *stats):
       t_pos, t_ok = _positions(t0, lay.bq, p.t)
       rows = lambda ref: ref.at[pl.ds(t0, lay.bq)]
       q = load(r.q.at[pl.ds(t0, lay.bq), :], tile_mask(t_ok, h_ok))
-      do_blk = load(do_ref.at[pl.ds(t0, lay.bq), :], tile_mask(t_ok, hv_ok))
+      do_blk = load(r.dout.at[pl.ds(t0, lay.bq), :], tile_mask(t_ok, hv_ok))
       ok = tile_mask(t_ok, s_ok)
       tile = lambda ref: None if ref is None else load(ref.at[pl.ds(t0, lay.bq), :], ok)
       mask = tile(r.mask)
@@ -447,8 +439,8 @@ def _dkdv(p, ops, lay, config, interpret, *stats):
         v,
         do_blk,
         s,
-        load(rows(lse_ref), t_ok, other=NEG_INF)[:, None],
-        load(rows(delta_ref), t_ok)[:, None],
+        load(rows(r.lse), t_ok, other=NEG_INF)[:, None],
+        load(rows(r.delta), t_ok)[:, None],
       )
       dk, dv = common.bwd_dkdv(p, block_dot, pr, ds, q, do_blk, g)
       return carry[0] + dk, carry[1] + dv
@@ -459,8 +451,8 @@ def _dkdv(p, ops, lay, config, interpret, *stats):
       jnp.zeros((lay.bk, lay.width(p.value_dim)), st),
     )
     dk, dv = lax.fori_loop(lo, hi, _skipping(r, body), init)
-    store(dk_ref, dk.astype(dk_ref.dtype), tile_mask(s_ok, h_ok))
-    store(dv_ref, dv.astype(dv_ref.dtype), tile_mask(s_ok, hv_ok))
+    store(r.dk, dk.astype(r.dk.dtype), tile_mask(s_ok, h_ok))
+    store(r.dv, dv.astype(r.dv.dtype), tile_mask(s_ok, hv_ok))
 
   def per_head(x):
     return pl.BlockSpec(
@@ -468,13 +460,13 @@ def _dkdv(p, ops, lay, config, interpret, *stats):
     )
 
   shape = lambda x: jax.ShapeDtypeStruct((p.batch, p.kv_heads, p.groups, p.s, x), out_dtype)
-  widths = (p.head_dim, p.value_dim)
-  outs = ([shape(x) for x in widths], [per_head(x) for x in widths])
-  return _bwd_call(kernel, lay, ops, False, stats, outs, config, interpret, "attention_bwd_dkdv")
+  outs = {n: (shape(x), per_head(x)) for n, x in (("dk", p.head_dim), ("dv", p.value_dim))}
+  name = "attention_bwd_dkdv"
+  return _bwd_call(kernel, lay, c.ops, False, stats, outs, config, interpret, name)
 
 
 def bwd(*operands, config: AttentionConfig, interpret: Any, **params):
   """``(dq, dk, dv[, dbias])``: the dq kernel and the dk/dv kernel."""
-  p, ops, lay = _setup(operands, config, params)
-  passes = (functools.partial(f, p, ops, lay, config, interpret) for f in (_dq, _dkdv))
-  return common.backward(p, ops, *passes)
+  c, lay = _setup("bwd", operands, config, params)
+  passes = (functools.partial(f, c, lay, config, interpret) for f in (_dq, _dkdv))
+  return common.backward(c, *passes)

@@ -41,7 +41,7 @@ import jax.numpy as jnp
 
 from pallax import triton_raw
 from pallax.kernels.attention import common
-from pallax.kernels.attention.common import Operands, Problem
+from pallax.kernels.attention.common import Call, Problem
 from pallax.kernels.attention.config import AttentionConfig, raw_feature_reason
 from pallax.pallas_utils import next_pow2
 
@@ -443,20 +443,20 @@ def _dkdv_kernel(
 
 
 @dataclasses.dataclass(frozen=True)
-class _Call(common.Blocks):
-  """A call cut into blocks, its operands, and the constexprs every kernel takes."""
+class _Launch(common.Blocks):
+  """A call cut into blocks, the call itself, and the constexprs every kernel takes."""
 
-  ops: Operands
+  call: Call
 
   @classmethod
-  def of(cls, operands, config: AttentionConfig, params) -> _Call:
-    p = Problem.of(operands, **params)
+  def of(cls, call: Call, config: AttentionConfig) -> _Launch:
+    p = call.p
     reason = raw_feature_reason(p)
     if reason is not None:
       raise NotImplementedError(reason)
     bq = min(config.block_q, next_pow2(max(p.t, 16)))
     bk = min(config.block_k, next_pow2(max(p.s, 16)))
-    return cls(p, bq, bk, Operands.of(p, operands))
+    return cls(p, bq, bk, call)
 
   def consts(self, interpret: bool) -> _Consts:
     p = self.p
@@ -505,29 +505,32 @@ def _rows_shape(p: Problem, length: int, width: int, dtype) -> jax.ShapeDtypeStr
 
 def fwd(*operands, config: AttentionConfig, interpret: bool, **params) -> list[jax.Array]:
   """``(out, lse)``."""
-  c = _Call.of(operands, config, params)
-  p, ops = c.p, c.ops
+  c = _Launch.of(Call.of("fwd", operands, params), config)
+  p, ops = c.p, c.call.ops
   out_shape = [
     _rows_shape(p, p.t, p.value_dim, p.dtype),
     jax.ShapeDtypeStruct((p.batch, p.kv_heads, p.groups, p.t), p.stat),
   ]
   args = (ops.q, ops.k, ops.v, ops.q_len, ops.kv_len)
-  return c.launch(_fwd_kernel, args, out_shape, c.nq, config, interpret)
+  out, lse = c.launch(_fwd_kernel, args, out_shape, c.nq, config, interpret)
+  return c.call.results({"out": out, "lse": lse})
 
 
 def bwd(*operands, config: AttentionConfig, interpret: bool, **params) -> list[jax.Array]:
   """``(dq, dk, dv)``: the dq kernel and the dk/dv kernel."""
-  c = _Call.of(operands, config, params)
-  p, ops = c.p, c.ops
-  inputs = lambda *stats: (ops.q, ops.k, ops.v, ops.q_len, ops.kv_len, *stats)
+  c = _Launch.of(Call.of("bwd", operands, params), config)
+  p, ops = c.p, c.call.ops
+  inputs = lambda lse, delta, dout: (ops.q, ops.k, ops.v, ops.q_len, ops.kv_len, lse, delta, dout)
 
   def dq_pass(*stats):
     shape = [_rows_shape(p, p.t, p.head_dim, p.dtype)]
-    return c.launch(_dq_kernel, inputs(*stats), shape, c.nq, config, interpret)
+    (dq,) = c.launch(_dq_kernel, inputs(*stats), shape, c.nq, config, interpret)
+    return {"dq": dq}
 
   def dkdv_pass(*stats):
     partial = p.dtype if p.groups == 1 else p.stat
     shapes = [_rows_shape(p, p.s, x, partial) for x in (p.head_dim, p.value_dim)]
-    return c.launch(_dkdv_kernel, inputs(*stats), shapes, c.nk, config, interpret)
+    dk, dv = c.launch(_dkdv_kernel, inputs(*stats), shapes, c.nk, config, interpret)
+    return {"dk": dk, "dv": dv}
 
-  return common.backward(p, ops, dq_pass, dkdv_pass)
+  return common.backward(c.call, dq_pass, dkdv_pass)

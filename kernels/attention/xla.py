@@ -15,7 +15,7 @@ from jax import lax
 
 from pallax.kernels.attention.common import (
   NEG_INF,
-  Operands,
+  Call,
   Problem,
   block_unmasked,
   bwd_delta,
@@ -34,6 +34,7 @@ from pallax.kernels.attention.common import (
   tangent_block,
   visible,
 )
+from pallax.op.signature import Named
 
 # Blocks of the XLA programs: CPU matmuls of (512 x 64) @ (64 x 512) per head
 # run near the machine's peak, and a block's logits stay in cache.
@@ -62,7 +63,7 @@ def _dot(a, b, kind):
 class _Blocks:
   """The call cut into (block_q, block_k) blocks; slices with positions and visibility."""
 
-  def __init__(self, p: Problem, ops: Operands):
+  def __init__(self, p: Problem, ops: Named):
     self.p, self.ops = p, ops
     self.bq, self.bk = min(p.t, BLOCK_Q), min(p.s, BLOCK_K)
     self.nq, self.nk = -(-p.t // self.bq), -(-p.s // self.bk)
@@ -189,8 +190,8 @@ def _per_query_block(blocks: _Blocks, q, step, init, finish, outs):
 
 def attention_fwd(*operands, **params):
   """``(out, lse)``: the forward."""
-  p = Problem.of(operands, **params)
-  ops = Operands.of(p, operands)
+  c = Call.of("fwd", operands, params)
+  p, ops = c.p, c.ops
   blocks = _Blocks(p, ops)
   q, k, v = blocks.pad_t(ops.q), blocks.pad_s(ops.k), blocks.pad_s(ops.v)
   b, kh, g = p.batch, p.kv_heads, p.groups
@@ -209,21 +210,22 @@ def attention_fwd(*operands, **params):
   )
   init = online_init(p, (b, kh, g, blocks.bq), p.value_dim)
   out, lse = _per_query_block(blocks, q, step, init, finish, outs)
-  return [out[:, :, :, : p.t], lse[..., : p.t]]
+  return c.results({"out": out[:, :, :, : p.t], "lse": lse[..., : p.t]})
 
 
 def attention_jvp(*operands, **params):
   """``(out_dot, lse_dot)``: the tangents, linear in ``(dq, dk, dv[, dbias])``."""
-  p = Problem.of(operands, **params)
-  ops = Operands.of(p, operands)
+  c = Call.of("jvp", operands, params)
+  p, ops = c.p, c.ops
   # A barrier keeps XLA from seeing constant (zero) tangents: its algebraic
   # simplifier's rewrites of them gave uninitialised values on the CPU.
-  out, lse, dq, dk, dv, *dbias = lax.optimization_barrier(ops.rest)
+  own = [n for n in ("out", "lse", "q_dot", "k_dot", "v_dot", "bias_dot") if n in ops]
+  barred = dict(zip(own, lax.optimization_barrier([ops[n] for n in own]), strict=True))
   blocks = _Blocks(p, ops)
-  q, dq, out = blocks.pad_t(ops.q), blocks.pad_t(dq), blocks.pad_t(out)
-  lse = blocks.pad_t(lse, value=NEG_INF)
-  k, v, dk, dv = (blocks.pad_s(x) for x in (ops.k, ops.v, dk, dv))
-  dbias = blocks.pad_ts(dbias[0]) if dbias else None
+  q, dq, out = blocks.pad_t(ops.q), blocks.pad_t(barred["q_dot"]), blocks.pad_t(barred["out"])
+  lse = blocks.pad_t(barred["lse"], value=NEG_INF)
+  k, v, dk, dv = (blocks.pad_s(x) for x in (ops.k, ops.v, barred["k_dot"], barred["v_dot"]))
+  dbias = blocks.pad_ts(barred.get("bias_dot"))
   b, kh, g, bq, bk = p.batch, p.kv_heads, p.groups, blocks.bq, blocks.bk
 
   def step(carry, q_blk, t0, s0):
@@ -251,29 +253,28 @@ def attention_jvp(*operands, **params):
     jnp.zeros((b, kh, g, blocks.tp), st),
   )
   dout, dlse = _per_query_block(blocks, q, step, init, finish, outs)
-  return [dout[:, :, :, : p.t], dlse[..., : p.t]]
+  return c.results({"out_dot": dout[:, :, :, : p.t], "lse_dot": dlse[..., : p.t]})
 
 
 def attention_bwd(*operands, **params):
   """``(dq, dk, dv[, dbias])``: the backward, per key block over the query blocks seeing it."""
-  p = Problem.of(operands, **params)
-  ops = Operands.of(p, operands)
-  out, lse, do, dlse = ops.rest
+  c = Call.of("bwd", operands, params)
+  p, ops = c.p, c.ops
   blocks = _Blocks(p, ops)
   st = p.stat
-  delta = bwd_delta(p, out, do, dlse)
-  q, do, delta = blocks.pad_t(ops.q), blocks.pad_t(do), blocks.pad_t(delta)
-  lse = blocks.pad_t(lse, value=NEG_INF)
+  delta = bwd_delta(st, ops.out, ops.dout, ops.dlse)
+  q, do, delta = blocks.pad_t(ops.q), blocks.pad_t(ops.dout), blocks.pad_t(delta)
+  lse = blocks.pad_t(ops.lse, value=NEG_INF)
   k, v = blocks.pad_s(ops.k), blocks.pad_s(ops.v)
   b, kh, g, bq, bk = p.batch, p.kv_heads, p.groups, blocks.bq, blocks.bk
 
-  def k_block(j, bufs):
-    dq_buf, dk_buf, dv_buf, *dbias_buf = bufs
+  def k_block(j, bufs):  # dbias_buf: None without a bias
+    dq_buf, dk_buf, dv_buf, dbias_buf = bufs
     s0 = j * bk
     k_blk, v_blk = _slice(k, s0, bk, 2), _slice(v, s0, bk, 2)
 
     def q_block(i, carry):
-      dk_acc, dv_acc, dq_buf, *dbias_buf = carry
+      dk_acc, dv_acc, dq_buf, dbias_buf = carry
       t0 = i * bq
       cut = lambda x: _slice(x, t0, bq, 3)
       q_blk = cut(q)
@@ -283,32 +284,31 @@ def attention_bwd(*operands, **params):
       dq_c = bwd_dq(p, _dot, ds, k_blk, g)
       dk_c, dv_c = bwd_dkdv(p, _dot, pr, ds, q_blk, do_blk, g)
       dq_buf = _update(dq_buf, cut(dq_buf) + dq_c, t0, 3)
-      if dbias_buf:
-        dbias_buf = [_update(dbias_buf[0], _update(cut(dbias_buf[0]), ds, s0, 4), t0, 3)]
-      return (dk_acc + dk_c, dv_acc + dv_c, dq_buf, *dbias_buf)
+      if dbias_buf is not None:
+        dbias_buf = _update(dbias_buf, _update(cut(dbias_buf), ds, s0, 4), t0, 3)
+      return (dk_acc + dk_c, dv_acc + dv_c, dq_buf, dbias_buf)
 
     lo, hi = blocks.query_range(s0)
     init = (
       jnp.zeros((b, kh, bk, p.head_dim), st),
       jnp.zeros((b, kh, bk, p.value_dim), st),
       dq_buf,
-      *dbias_buf,
+      dbias_buf,
     )
     skipping = lambda i, c: blocks.skip_unmet(lambda c: q_block(i, c), i * bq, s0)(c)
-    dk_blk, dv_blk, dq_buf, *dbias_buf = lax.fori_loop(lo, hi, skipping, init)
+    dk_blk, dv_blk, dq_buf, dbias_buf = lax.fori_loop(lo, hi, skipping, init)
     dk_buf = _update(dk_buf, dk_blk.astype(dk_buf.dtype), s0, 2)
     dv_buf = _update(dv_buf, dv_blk.astype(dv_buf.dtype), s0, 2)
-    return (dq_buf, dk_buf, dv_buf, *dbias_buf)
+    return (dq_buf, dk_buf, dv_buf, dbias_buf)
 
   bufs = (
     jnp.zeros((b, kh, g, blocks.tp, p.head_dim), st),
     jnp.zeros((b, kh, blocks.sp, p.head_dim), p.dtype),
     jnp.zeros((b, kh, blocks.sp, p.value_dim), p.dtype),
+    jnp.zeros((b, kh, g, blocks.tp, blocks.sp), st) if p.has_bias else None,
   )
-  if p.has_bias:
-    bufs += (jnp.zeros((b, kh, g, blocks.tp, blocks.sp), st),)
-  dq, dk, dv, *dbias = lax.fori_loop(0, blocks.nk, k_block, bufs)
-  grads = [dq[:, :, :, : p.t].astype(p.dtype), dk[:, :, : p.s], dv[:, :, : p.s]]
-  if p.has_bias:
-    grads.append(reduce_bias_grad(dbias[0][..., : p.t, : p.s], ops.bias))
-  return grads
+  dq, dk, dv, dbias = lax.fori_loop(0, blocks.nk, k_block, bufs)
+  grads = {"dq": dq[:, :, :, : p.t].astype(p.dtype), "dk": dk[:, :, : p.s], "dv": dv[:, :, : p.s]}
+  if dbias is not None:
+    grads["dbias"] = reduce_bias_grad(dbias[..., : p.t, : p.s], ops.bias)
+  return c.results(grads)
