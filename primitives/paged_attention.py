@@ -2,7 +2,8 @@
 
 The layout and signature of JAX's TPU ``paged_attention`` op: each sequence's
 keys and values live in fixed-size pages of a shared pool, and a page table
-says which pages, in order, hold it. One primitive:
+says which pages, in order, hold it. One primitive, declared as a user
+declares an op, through ``pallax.custom_op`` (one framework for both):
 
 * ``paged_attention (q, k_pages, v_pages, lengths, page_indices) -> (out,)``
   with the operands of ``kernels/paged_attention/common.py`` (query heads
