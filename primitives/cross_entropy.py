@@ -6,12 +6,16 @@
 share three primitives (``kernels/cross_entropy/common.py`` has their contract),
 declared with ``define_residual_op`` (design.md section 2):
 
-* ``cross_entropy_fwd (*primals) -> (lse, zy, zsum)``: per-token statistics of
-  the (soft-capped) logits: log-sum-exp, the label's logit, their sum;
-* ``cross_entropy_jvp (*primals, lse, *tangents)``: their tangents, linear in
-  the tangents of ``x``, ``weight``, ``bias`` (or the logits);
-* ``cross_entropy_bwd (*primals, lse, *cotangents)``: its transpose, the
-  gradients, recomputing the logits block by block from the saved ``lse``.
+* ``cross_entropy_fwd (x, [w], [b], labels) -> (lse, zy, zsum)``: per-token
+  statistics of the (soft-capped) logits: log-sum-exp, the label's logit,
+  their sum;
+* ``cross_entropy_jvp``: their tangents, linear in the tangents of ``x``,
+  ``w``, ``b`` (or the logits);
+* ``cross_entropy_bwd``: its transpose, the gradients, recomputing the logits
+  block by block from the saved ``lse``.
+
+Their operands are named once, in ``common.SIGNATURE``; every rule here reads
+them by name.
 
 The loss itself (ignored tokens, label smoothing, z-loss, the reduction) is
 jnp on the statistics, so JAX differentiates it: ``grad`` costs one forward
@@ -40,7 +44,14 @@ from pallax.batching_rules import cross_entropy as cross_entropy_batching
 from pallax.kernels import cross_entropy as kernels
 from pallax.kernels.cross_entropy import CrossEntropyConfig, common
 from pallax.kernels.cross_entropy import xla as cross_entropy_xla
-from pallax.kernels.cross_entropy.common import Problem, combine_stats, flat_tokens
+from pallax.kernels.cross_entropy.common import (
+  SIGNATURE,
+  Problem,
+  combine_stats,
+  flat_tokens,
+  float_names,
+  inputs,
+)
 from pallax.op import (
   Dims,
   PrimitiveSpec,
@@ -52,7 +63,6 @@ from pallax.op import (
   define_residual_op,
   derived_aval,
   full_spec,
-  instantiate,
   match_manual_axes,
   op_params,
   produced_by,
@@ -75,28 +85,28 @@ REDUCTIONS = ("mean", "sum", "none")
 # Shapes and shardings.
 
 
-def _primal_factors(token, linear: bool, has_bias: bool, transposed_weight: bool, **params):
-  """Factor names of the primal operands: groups and tokens (``token``), hidden, vocabulary."""
-  if not linear:
-    return (token + ("v",), token)
-  w = ("g", "v", "d") if transposed_weight else ("g", "d", "v")
-  return (token + ("d",), w) + ((("g", "v"),) if has_bias else ()) + (token,)
+def _factors(token, linear: bool, transposed_weight: bool, **params) -> dict:
+  """Factor names of each declared operand: groups and tokens (``token``), hidden, vocabulary."""
+  return dict(
+    x=token + (("d",) if linear else ("v",)),
+    w=("g", "v", "d") if transposed_weight else ("g", "d", "v"),
+    b=("g", "v"),
+    labels=token,
+    lse=token,
+    zy=token,
+    zsum=token,
+  )
 
 
 def _dims(stage: str):
   def dims(*avals, **params) -> Dims:
-    token = ("g",) + tuple(f"n{i}" for i in range(avals[0].ndim - 2))
-    primals = _primal_factors(token, **params)
-    floats = primals[:-1]
-    if stage == "fwd":
-      operands, results = primals, (token,) * 3
-    elif stage == "jvp":
-      operands, results = primals + (token,) + floats, (token,) * 3
-    else:
-      operands, results = primals + (token,) * 4, floats
+    token = ("g",) + tuple(f"n{i}" for i in range(inputs(avals, params).x.ndim - 2))
+    factors = _factors(token, **params)
+    sig = SIGNATURE.stage(stage, params)
+    of = lambda name: factors[sig.operand(name).name]
     return Dims(
-      operands,
-      results,
+      tuple(map(of, sig.operands)),
+      tuple(map(of, sig.results)),
       replicated=("d",) if params["linear"] else (),
       programs=(Program("vocab_parallel", ("v",), functools.partial(_per_shard, stage, params)),),
     )
@@ -115,9 +125,10 @@ def _per_shard(stage: str, params: dict, shards: Shards, *args):
   vocab = shards.axes("v")
   if vocab:
     local = Problem.of([jax.typeof(a) for a in args], **params)
-    args = list(args)
-    at = local.primals - 1  # the labels
-    args[at] = args[at] - lax.axis_index(vocab) * local.vocab
+    sig = SIGNATURE.stage(stage, params)
+    named = dict(sig.unpack(args))
+    named["labels"] = named["labels"] - lax.axis_index(vocab) * local.vocab
+    args = sig.pack(named)
   outs = _STAGES[stage].kernel.bind(*args, **params)
   if stage == "fwd":
     return combine_stats(
@@ -127,15 +138,17 @@ def _per_shard(stage: str, params: dict, shards: Shards, *args):
 
 
 def _stats_abstract_eval(*avals, **params):
-  token = avals[0]
+  token = inputs(avals, params).x
   dtype = stat_dtype(token.dtype)
   spec = full_spec(token)[:-1]
   return [derived_aval(token, token.shape[:-1], dtype, spec) for _ in range(3)]
 
 
 def _bwd_abstract_eval(*avals, **params):
-  floats = Problem.of(avals, **params).primals - 1
-  return [a.update(weak_type=False) for a in avals[:floats]]
+  """The gradients: like the inputs they are of."""
+  sig = SIGNATURE.stage("bwd", params)
+  named = sig.unpack(avals)
+  return [named[sig.operand(g).name].update(weak_type=False) for g in sig.results]
 
 
 def _transposed_table(value, aval):
@@ -159,9 +172,11 @@ def _read_table_in_place(stage: str, values, avals, params) -> Optional[Rewrite]
   weight gradient comes out in the table's layout and is transposed back,
   which XLA folds into the caller's transpose of the cotangent.
   """
-  if not params["linear"] or avals[1].shape[0] != 1:
+  sig = SIGNATURE.stage(stage, params)
+  if not params["linear"] or sig.unpack(avals).w.shape[0] != 1:
     return None
-  at = (1, Problem.of(avals, **params).primals + 2) if stage == "jvp" else (1,)
+  # The weight, and in the tangent stage its tangent.
+  at = tuple(i for i, n in enumerate(sig.operands) if sig.operand(n).name == "w")
   tables = [_transposed_table(values[i], avals[i]) for i in at]
   if any(t is None for t in tables):
     return None
@@ -175,7 +190,8 @@ def _read_table_in_place(stage: str, values, avals, params) -> Optional[Rewrite]
 
   def finish(outs):
     if stage == "bwd":
-      outs[1] = jnp.swapaxes(outs[1], 1, 2)
+      dw = sig.index("dw", results=True)
+      outs[dw] = jnp.swapaxes(outs[dw], 1, 2)
     return outs
 
   flipped = dict(params, transposed_weight=not params["transposed_weight"])
@@ -193,24 +209,12 @@ def _stage(stage: str, abstract_eval) -> PrimitiveSpec:
   )
 
 
-def _linear(**params) -> slice:
-  """The tangent primitive's linear block: the tangents after ``(*primals, lse)``."""
-  primals = 3 + params["has_bias"] if params["linear"] else 2
-  return slice(primals + 1, 2 * primals)
-
-
-def _tangent_operands(primals, outs, tangents, **params):
-  """``(*primals, lse, *tangents of the floating primals)``: labels have no tangent."""
-  return [*primals, outs[0], *instantiate(tangents[: len(primals) - 1])]
-
-
 cross_entropy_p = define_residual_op(
   "cross_entropy",
   fwd=_stage("fwd", _stats_abstract_eval),
   tangent=_stage("jvp", _stats_abstract_eval),
   bwd=_stage("bwd", _bwd_abstract_eval),
-  linear=_linear,
-  tangent_operands=_tangent_operands,
+  signature=SIGNATURE,
 )
 _STAGES = {"fwd": cross_entropy_p.fwd, "jvp": cross_entropy_p.tangent, "bwd": cross_entropy_p.bwd}
 
@@ -235,7 +239,7 @@ def _token_options(options: tuple, vocab: int) -> dict:
 
 def _group_losses(*ops, ignore_index, label_smoothing, z_loss, reduction, **params):
   """Each group's scalar loss, ``(G,)``, from the forward primitive's statistics."""
-  labels = ops[-1]
+  labels = inputs(ops, params).labels
   lse, zy, zsum = cross_entropy_p.fwd.bind(*ops, **params)
   vocab = Problem.of([jax.typeof(o) for o in ops], **op_params(params)).vocab
   loss = common.token_loss(
@@ -254,15 +258,19 @@ def _group_losses(*ops, ignore_index, label_smoothing, z_loss, reduction, **para
 
 def _value_and_grad_reference(*ops, **params):
   """``(loss (G,), dx, dw[, db])`` from the forward and backward primitives (``jax.vjp``)."""
-  *floats, labels = ops
-  loss, pull = jax.vjp(lambda *f: _group_losses(*f, labels, **params), *floats)
+  fwd = SIGNATURE.stage("fwd", params)
+  named = fwd.unpack(ops)
+  floats = float_names(named)
+  group_losses = lambda *f: _group_losses(*fwd.pack({**named, **dict(zip(floats, f))}), **params)
+  loss, pull = jax.vjp(group_losses, *(named[n] for n in floats))
   return [loss, *pull(jnp.ones_like(loss))]
 
 
 def _value_and_grad_abstract_eval(*avals, **params):
-  token = avals[0]
+  named = inputs(avals, params)
+  token = named.x
   loss = derived_aval(token, token.shape[:1], stat_dtype(token.dtype), full_spec(token)[:1])
-  return [loss, *(a.update(weak_type=False) for a in avals[:-1])]
+  return [loss, *(named[n].update(weak_type=False) for n in float_names(named))]
 
 
 linear_cross_entropy_value_and_grad_p = define_composite(
@@ -283,8 +291,10 @@ def _scalar_loss_jvp(primals, tangents, **params):
   Forward-mode ``jvp`` costs the same: the gradient and a dot with the tangents.
   """
   loss, *grads = linear_cross_entropy_value_and_grad_p.bind(*primals, **params)
+  tangent_of = inputs(tangents, params)
   dloss = jnp.zeros_like(loss)
-  for g, t in zip(grads, tangents):
+  for g, n in zip(grads, float_names(tangent_of)):
+    t = tangent_of[n]
     if type(t) is not ad.Zero:
       dloss = dloss + jnp.sum(g.astype(loss.dtype) * t.astype(loss.dtype), axis=range(1, g.ndim))
   return [loss], [dloss]
@@ -343,22 +353,33 @@ def _labels(op: str, labels, shape: tuple[int, ...], vocab: int, ignore_index) -
   return labels.astype(jnp.int32)
 
 
-def _loss(op: str, operands, labels, params, options, vocab, config, return_lse):
+def _loss(op: str, floats: dict, labels, params, vocab, options: tuple, config, return_lse):
   """The loss from the forward primitive's statistics, or ``linear_cross_entropy_loss_p``.
+
+  ``floats``: the floating operands by name (``x``, ``w``, ``b``), checked,
+  taken in their common dtype; ``labels`` of ``x``'s token dims; ``options``
+  the loss options as the public functions take them, checked here.
 
   A scalar loss of ``linear_cross_entropy`` (without ``return_lse``) is
   ``linear_cross_entropy_loss_p``, whose derivative is the value-and-gradient
   primitive; the rest differentiates the statistics.
   """
+  options = _options(op, *options)
+  check_config(op, config, CrossEntropyConfig)
   ignore_index, smoothing, z_loss, cap, reduction = options
+  labels = _labels(op, labels, floats["x"].shape[:-1], vocab, ignore_index)
   shape = labels.shape
   tokens = labels.size
-  st = stat_dtype(operands[0].dtype)
-  operands = match_manual_axes(*operands, labels[None])
+  dtype = jnp.result_type(*floats.values())
+  floats = {name: a.astype(dtype) for name, a in floats.items()}
+  st = stat_dtype(dtype)
+  named = {name: a[None] for name, a in floats.items()}
+  operands = SIGNATURE.stage("fwd", params).pack(dict(named, labels=labels[None]))
+  operands = match_manual_axes(*operands)
   if tokens and params["linear"] and reduction != "none" and not return_lse:
     loss_params = dict(params, soft_cap=cap, **_loss_params(options))
     (loss,) = bind(linear_cross_entropy_loss_p, *operands, config=config, **loss_params)
-    return loss[0], None
+    return loss[0]
   if tokens:
     stats = bind(_STAGES["fwd"], *operands, config=config, **params, soft_cap=cap)
     lse, zy, zsum = (s[0] for s in stats)
@@ -367,7 +388,7 @@ def _loss(op: str, operands, labels, params, options, vocab, config, return_lse)
   loss = common.token_loss(lse, zy, zsum, labels, **_token_options(options, vocab))
   if reduction != "none":
     loss = jnp.sum(loss) * common.mean_scale(labels[None], ignore_index, reduction, st)[0]
-  return loss, lse
+  return (loss, lse) if return_lse else loss
 
 
 def _floating(op: str, name: str, a) -> jax.Array:
@@ -420,14 +441,10 @@ def cross_entropy(
   logits = _floating(op, "logits", logits)
   if logits.ndim < 1 or logits.shape[-1] == 0:
     raise ValueError(f"{op}: logits must have a non-empty last (class) axis, got {logits.shape}")
-  options = _options(op, ignore_index, label_smoothing, z_loss, logit_soft_cap, reduction)
-  check_config(op, config, CrossEntropyConfig)
-  vocab = logits.shape[-1]
-  labels = _labels(op, labels, logits.shape[:-1], vocab, options[0])
-  operands = [logits[None]]
   params = dict(linear=False, has_bias=False, transposed_weight=False)
-  loss, lse = _loss(op, operands, labels, params, options, vocab, config, return_lse)
-  return (loss, lse) if return_lse else loss
+  options = (ignore_index, label_smoothing, z_loss, logit_soft_cap, reduction)
+  vocab = logits.shape[-1]
+  return _loss(op, dict(x=logits), labels, params, vocab, options, config, return_lse)
 
 
 def linear_cross_entropy(
@@ -499,21 +516,15 @@ def linear_cross_entropy(
       f"got {weight.shape}{hint}"
     )
   _, vocab = shape
-  floats = [x, weight]
+  floats = dict(x=x, w=weight)
   if bias is not None:
     bias = _floating(op, "bias", bias)
     if bias.shape != (vocab,):
       raise ValueError(f"{op}: bias must have shape ({vocab},), got {bias.shape}")
-    floats.append(bias)
-  options = _options(op, ignore_index, label_smoothing, z_loss, logit_soft_cap, reduction)
-  check_config(op, config, CrossEntropyConfig)
-  labels = _labels(op, labels, x.shape[:-1], vocab, options[0])
-  dtype = jnp.result_type(*floats)
-  x, weight, *rest = (a.astype(dtype) for a in floats)
-  operands = [x[None], weight[None], *(b[None] for b in rest)]
+    floats["b"] = bias
   params = dict(linear=True, has_bias=bias is not None, transposed_weight=bool(transposed_weight))
-  loss, lse = _loss(op, operands, labels, params, options, vocab, config, return_lse)
-  return (loss, lse) if return_lse else loss
+  options = (ignore_index, label_smoothing, z_loss, logit_soft_cap, reduction)
+  return _loss(op, floats, labels, params, vocab, options, config, return_lse)
 
 
 def linear_softmax_cross_entropy_loss(

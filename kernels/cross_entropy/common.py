@@ -21,26 +21,28 @@ and ``b`` (``g @ w^T``, ``x^T @ g``, ``sum_n g``). Statistics are shared
 across vocabulary shards by all-reduces (a max and sums), so a vocab-sharded
 weight is never gathered.
 
-Operands of the primitives (``G`` groups: 1 unless vmap folded a mapped
-weight into it; ``N`` tokens; ``D`` hidden; ``V`` vocabulary):
+Operands of the primitives, by name (``SIGNATURE``; ``G`` groups: 1 unless
+vmap folded a mapped weight into it; ``N`` tokens; ``D`` hidden; ``V``
+vocabulary):
 
-* ``linear``: ``x (G, N, D)``, ``w (G, D, V)`` (``(G, V, D)`` with
-  ``transposed_weight``: a tied embedding table read in place), optional
-  ``b (G, V)`` (``has_bias``), ``labels (G, N)`` int32;
-* not ``linear``: ``logits (G, N, V)``, ``labels (G, N)`` int32.
+* ``x (G, N, D)`` with ``linear``; without it ``x`` is the logits ``(G, N, V)``;
+* ``w (G, D, V)`` with ``linear`` (``(G, V, D)`` with ``transposed_weight``: a
+  tied embedding table read in place);
+* ``b (G, V)`` with ``has_bias`` (and ``linear``);
+* ``labels (G, N)`` int32.
 
 The primitives keep the caller's token dims (``N`` stands for any number of
 them); the implementations see them flattened (``flat_tokens``).
 
-Stages (their extra operands follow the primal ones):
+Stages (``pallax.op.signature`` names them: ``x_dot`` is the tangent of ``x``,
+``dx`` its gradient, ``dlse`` the cotangent of ``lse``):
 
-* ``fwd (*primals) -> (lse, zy, zsum)``, each ``(G, N)`` in the stats dtype
-  (float32; float64 for float64 inputs);
-* ``jvp (*primals, lse, *tangents) -> (dlse, dzy, dzsum)``, tangents of the
-  floating primals in order (``dx, dw, [db]`` or ``dlogits``), linear in them;
-* ``bwd (*primals, lse, a_lse, a_zy, a_sum) -> cotangents`` of the floating
-  primals (``dx, dw, [db]`` or ``dlogits``), in their dtypes; ``dw`` in
-  ``w``'s layout, accumulated in float32.
+* ``fwd (x, [w], [b], labels) -> (lse, zy, zsum)``, each ``(G, N)`` in the
+  stats dtype (float32; float64 for float64 inputs);
+* ``jvp (x, [w], [b], labels, lse, x_dot, [w_dot], [b_dot]) -> (lse_dot,
+  zy_dot, zsum_dot)``, linear in the tangents;
+* ``bwd (x, [w], [b], labels, lse, dlse, dzy, dzsum) -> (dx, [dw], [db])`` in
+  the inputs' dtypes; ``dw`` in ``w``'s layout, accumulated in float32.
 """
 
 from __future__ import annotations
@@ -55,7 +57,34 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
+from pallax.op.signature import Named, Operand, ResidualSignature, Signature
 from pallax.pallas_utils import stat_dtype
+
+# The op's operands by name: every stage's operands start with the inputs and
+# ``lse`` (``residuals``), all that the tangent and backward stages need of the
+# forward; the statistics are all differentiable (the loss reads all three).
+SIGNATURE = ResidualSignature(
+  inputs=(
+    Operand("x", differentiable=True),  # x, or the logits without ``linear``
+    Operand("w", when="linear", differentiable=True),
+    Operand("b", when="has_bias", differentiable=True),
+    Operand("labels"),
+  ),
+  outputs=(
+    Operand("lse", differentiable=True),
+    Operand("zy", differentiable=True),
+    Operand("zsum", differentiable=True),
+  ),
+  residuals=("x", "w", "b", "labels", "lse"),
+)
+# The floating inputs, in order: those with a tangent and a gradient.
+_FLOATS = tuple(o.name for o in SIGNATURE.inputs if o.differentiable)
+# The backward's per-token operands as ``cotangent`` takes them: ``lse``, then
+# the cotangents of the statistics.
+BWD_STATS = ("lse", "dlse", "dzy", "dzsum")
+# The inputs without token dims (they lead with the groups only), and so their
+# tangents and gradients; every other operand and result leads with (G, N).
+_WEIGHTS = frozenset({"w", "b"})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -84,10 +113,12 @@ class Problem:
     soft_cap: Optional[float],
     **params,
   ) -> Problem:
-    first = avals[0]
+    """The shape of a call of any stage, from its operands' avals and its params."""
+    named = inputs(avals, dict(linear=linear, has_bias=has_bias))
+    first = named.x
     groups, tokens = first.shape[0], math.prod(first.shape[1:-1])
     if linear:
-      w = avals[1]
+      w = named.w
       vocab = w.shape[1] if transposed_weight else w.shape[2]
       return cls(
         groups,
@@ -104,35 +135,40 @@ class Problem:
     return cls(groups, tokens, 0, first.shape[-1], first.dtype, None, False, False, False, soft_cap)
 
   @property
-  def primals(self) -> int:
-    """How many primal operands (labels included) the stages start with."""
-    return 3 + self.has_bias if self.linear else 2
-
-  @property
   def stat_dtype(self):
     return stat_dtype(self.dtype)
 
 
-@dataclasses.dataclass(frozen=True)
-class Operands:
-  """A stage's operands by name (None where a call has none)."""
+def inputs(operands: Sequence[Any], params) -> Named:
+  """The op's inputs by name, from the operands (or avals) of any of its stages, which they lead."""
+  fwd = SIGNATURE.stage("fwd", params)
+  return fwd.unpack(operands[: len(fwd.operands)])
 
-  x: jax.Array  # x, or the logits without ``linear``
-  w: Optional[jax.Array]
-  b: Optional[jax.Array]
-  labels: jax.Array
-  rest: tuple  # lse and the stage's tangents / cotangents
 
-  @classmethod
-  def of(cls, ops: Sequence[Any], *, linear: bool, has_bias: bool, **params) -> Operands:
-    if not linear:
-      return cls(ops[0], None, None, ops[1], tuple(ops[2:]))
-    b = ops[2] if has_bias else None
-    return cls(ops[0], ops[1], b, ops[2 + has_bias], tuple(ops[3 + has_bias :]))
+def operands(stage: str, ops: Sequence[Any], params) -> Named:
+  """The operands ``ops`` of ``stage`` for a call with ``params``, by name."""
+  return SIGNATURE.stage(stage, params).unpack(ops)
 
-  def primals(self) -> list[jax.Array]:
-    """The floating primals in order: ``x``, then ``w`` and ``b`` where the call has them."""
-    return [a for a in (self.x, self.w, self.b) if a is not None]
+
+def float_names(named: Named) -> list[str]:
+  """The names of the floating inputs ``named`` has, in order: ``x``, then ``w`` and ``b``."""
+  return [n for n in _FLOATS if n in named]
+
+
+def returning(sig: Signature, *results: str) -> Signature:
+  """``sig`` for a kernel that returns only those of ``results`` the call has."""
+  return dataclasses.replace(sig, results=tuple(r for r in sig.results if r in results))
+
+
+def kernel_refs(sig: Signature, refs: Sequence[Any]) -> tuple[Named, list]:
+  """A kernel's refs by name (its operands, then its results), and its scratch refs after them."""
+  count = len(sig.operands) + len(sig.results)
+  return sig.unpack_all(refs[:count]), list(refs[count:])
+
+
+def has_tokens(sig: Signature, name: str) -> bool:
+  """Whether operand or result ``name`` leads with ``(G, N)`` (else with ``G``: a weight)."""
+  return sig.operand(name).name not in _WEIGHTS
 
 
 @dataclasses.dataclass(frozen=True)
@@ -161,16 +197,6 @@ class Blocks:
     return pl.cdiv(self.p.hidden, self.bd) if self.p.linear else 1
 
 
-def weight_like(stage: str, p: Problem) -> frozenset[int]:
-  """Positions of a stage's operands without token dims: ``w``, ``b`` and their tangents."""
-  if not p.linear:
-    return frozenset()
-  weights = set(range(1, 2 + p.has_bias))
-  if stage == "jvp":
-    weights |= {p.primals + 1 + i for i in weights}
-  return frozenset(weights)
-
-
 def flat_tokens(stage: str, fn):
   """``fn`` (an implementation of ``stage`` on ``(G, N, ...)`` operands) for any token dims.
 
@@ -183,17 +209,16 @@ def flat_tokens(stage: str, fn):
   @functools.wraps(fn)
   def run(*ops, **params):
     p = Problem.of([jax.typeof(o) for o in ops], **params)
-    tokens = ops[p.primals - 1].shape[1:]
-    weights = weight_like(stage, p)
+    sig = SIGNATURE.stage(stage, params)
+    tokens = inputs(ops, params).labels.shape[1:]
     flat = [
-      o if i in weights else o.reshape(p.groups, p.tokens, *o.shape[1 + len(tokens) :])
-      for i, o in enumerate(ops)
+      o.reshape(p.groups, p.tokens, *o.shape[1 + len(tokens) :]) if has_tokens(sig, n) else o
+      for n, o in zip(sig.operands, ops)
     ]
     outs = fn(*flat, **params)
-    token_outs = len(outs) if stage != "bwd" else 1
     return [
-      o.reshape(p.groups, *tokens, *o.shape[2:]) if i < token_outs else o
-      for i, o in enumerate(outs)
+      o.reshape(p.groups, *tokens, *o.shape[2:]) if has_tokens(sig, n) else o
+      for n, o in zip(sig.results, outs)
     ]
 
   return run

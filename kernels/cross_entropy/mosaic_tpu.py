@@ -38,8 +38,15 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from pallax.kernels.cross_entropy import common
-from pallax.kernels.cross_entropy.common import Operands, Problem
+from pallax.kernels.cross_entropy.common import (
+  BWD_STATS,
+  SIGNATURE,
+  Problem,
+  kernel_refs,
+  returning,
+)
 from pallax.kernels.cross_entropy.config import TPU_VMEM_LIMIT, CrossEntropyConfig
+from pallax.op.signature import Named, Signature
 from pallax.pallas_utils import in_bounds, masked
 
 _F32 = jnp.float32
@@ -147,6 +154,10 @@ def _col(a: jax.Array) -> jax.Array:
   return a[..., None]
 
 
+# The backward kernels' grids: groups and one block index in parallel, the last sequential.
+_SEQUENTIAL_LAST = ("parallel", "parallel", "arbitrary")
+
+
 def _params(semantics: tuple[str, ...]) -> pltpu.CompilerParams:
   return pltpu.CompilerParams(dimension_semantics=semantics, vmem_limit_bytes=TPU_VMEM_LIMIT)
 
@@ -200,27 +211,52 @@ def _stat_outputs(lay: _Layout) -> list[jax.ShapeDtypeStruct]:
   return [jax.ShapeDtypeStruct((p.groups, p.tokens, 1), p.stat_dtype)] * 3
 
 
-def _problem(ops, params) -> tuple[Problem, Operands]:
-  return Problem.of([jax.typeof(o) for o in ops], **params), Operands.of(ops, **params)
-
-
-def _check(p: Problem) -> None:
+def _problem(stage: str, ops, params) -> tuple[Problem, Signature, Named]:
+  """The call's problem (checked), ``stage``'s names and its operands by name."""
+  p = Problem.of([jax.typeof(o) for o in ops], **params)
   if p.stat_dtype != _F32:
     raise NotImplementedError(f"the Mosaic TPU cross-entropy kernels take no {p.dtype} operands")
+  sig = SIGNATURE.stage(stage, params)
+  return p, sig, sig.unpack(ops)
+
+
+def _call(kernel, lay, sig: Signature, o: Named, grid, semantics, out, name, *, interpret, **kw):
+  """Runs ``kernel(r, scratch)`` (``r``: the refs of ``sig`` by name) on ``grid``.
+
+  Its operands are ``o``'s, laid out by ``_inputs`` (``kw``: its
+  ``vocab_major`` and ``columns``); ``out``: its ``(out_specs, out_shape,
+  scratch_shapes)``.
+  """
+  in_specs, args = _inputs(lay, sig, o, **kw)
+  out_specs, out_shape, scratch = out
+  return pl.pallas_call(
+    lambda *refs: kernel(*kernel_refs(sig, refs)),
+    grid=grid,
+    in_specs=in_specs,
+    out_specs=out_specs,
+    out_shape=out_shape,
+    scratch_shapes=scratch,
+    compiler_params=_params(semantics),
+    interpret=interpret,
+    name=name,
+  )(*args)
+
+
+def _stats_call(kernel, lay: _Layout, sig: Signature, o: Named, scratch, interpret, name: str):
+  """The ``(G, N)`` results of a forward or tangent ``kernel`` on the reduction grid."""
+  grid, semantics = _reduction_grid(lay)
+  out = ([lay.col_spec()] * len(sig.results), _stat_outputs(lay), scratch)
+  stats = _call(kernel, lay, sig, o, grid, semantics, out, name, interpret=interpret)
+  return [s[..., 0] for s in stats]
 
 
 def fwd(*ops, config: CrossEntropyConfig, interpret: Any, **params) -> list[jax.Array]:
   """``(lse, zy, zsum)``, each ``(G, N)`` float32."""
-  p, o = _problem(ops, params)
-  _check(p)
+  p, sig, o = _problem("fwd", ops, params)
   lay = _Layout.of(p, config)
-  grid, semantics = _reduction_grid(lay)
 
-  def kernel(*refs):
-    x_ref, *refs = refs
-    w_ref = refs.pop(0) if p.linear else None
-    b_ref = refs.pop(0) if p.has_bias else None
-    labels_ref, lse_ref, zy_ref, zsum_ref, *scratch = refs
+  def kernel(r, scratch):
+    x_ref, w_ref, b_ref, labels_ref = r.x, r.w, r.b, r.labels
     stats, acc = scratch[:4], scratch[4:]
     j = pl.program_id(2)
 
@@ -245,43 +281,25 @@ def fwd(*ops, config: CrossEntropyConfig, interpret: Any, **params) -> list[jax.
 
       @pl.when(j == lay.nv - 1)
       def _():
-        for ref, value in zip((lse_ref, zy_ref, zsum_ref), common.stats_finish(new)):
-          ref[...] = value
+        for name, value in zip(sig.results, common.stats_finish(new)):
+          r[name][...] = value
 
     _over_hidden(lay, acc, parts, finish)
 
-  in_specs, args = _primal_inputs(lay, o.primals())
-  outs = pl.pallas_call(
-    kernel,
-    grid=grid,
-    in_specs=in_specs + [lay.col_spec()],
-    out_specs=[lay.col_spec()] * 3,
-    out_shape=_stat_outputs(lay),
-    scratch_shapes=[pltpu.VMEM((lay.bn, 1), _F32) for _ in range(4)]
-    + ([pltpu.VMEM((lay.bn, lay.bv), _F32)] if lay.nd > 1 else []),
-    compiler_params=_params(semantics),
-    interpret=interpret,
-    name="cross_entropy_fwd",
-  )(*args, _col(o.labels))
-  return [out[..., 0] for out in outs]
+  scratch = [pltpu.VMEM((lay.bn, 1), _F32) for _ in range(4)]
+  scratch += [pltpu.VMEM((lay.bn, lay.bv), _F32)] if lay.nd > 1 else []
+  return _stats_call(kernel, lay, sig, o, scratch, interpret, "cross_entropy_fwd")
 
 
 def jvp(*ops, config: CrossEntropyConfig, interpret: Any, **params) -> list[jax.Array]:
   """``(dlse, dzy, dzsum)``, each ``(G, N)`` float32."""
-  p, o = _problem(ops, params)
-  _check(p)
+  p, sig, o = _problem("jvp", ops, params)
   lay = _Layout.of(p, config)
-  grid, semantics = _reduction_grid(lay)
-  lse, *tangents = o.rest
 
-  def kernel(*refs):
-    x_ref, *refs = refs
-    w_ref = refs.pop(0) if p.linear else None
-    b_ref = refs.pop(0) if p.has_bias else None
-    labels_ref, lse_ref, dx_ref, *refs = refs
-    dw_ref = refs.pop(0) if p.linear else None
-    db_ref = refs.pop(0) if p.has_bias else None
-    out_refs, sums, acc = refs[:3], refs[3:6], refs[6:]
+  def kernel(r, scratch):
+    x_ref, w_ref, b_ref, labels_ref = r.x, r.w, r.b, r.labels
+    dx_ref, dw_ref, db_ref = r.x_dot, r.w_dot, r.b_dot
+    sums, acc = scratch[:3], scratch[3:]
     j = pl.program_id(2)
 
     @pl.when(_first_step(lay))
@@ -307,35 +325,20 @@ def jvp(*ops, config: CrossEntropyConfig, interpret: Any, **params) -> list[jax.
       zc, c = common.capped(masked(z, valid), p.soft_cap)
       hit = lay.hit(j, labels_ref[...])
       old = tuple(ref[...] for ref in sums)
-      new = common.tangent_update(old, zc, c, lse_ref[...], dz, hit, valid)
+      new = common.tangent_update(old, zc, c, r.lse[...], dz, hit, valid)
       for ref, value in zip(sums, new):
         ref[...] = value
 
       @pl.when(j == lay.nv - 1)
       def _():
-        for ref, value in zip(out_refs, new):
-          ref[...] = value
+        for name, value in zip(sig.results, new):
+          r[name][...] = value
 
     _over_hidden(lay, acc, parts, finish)
 
-  in_specs, args = _primal_inputs(lay, o.primals())
-  in_specs += [lay.col_spec(), lay.col_spec()]
-  args += [_col(o.labels), _col(lse.astype(_F32))]
-  tangent_specs, tangent_args = _primal_inputs(lay, tangents)
-  in_specs, args = in_specs + tangent_specs, args + tangent_args
-  outs = pl.pallas_call(
-    kernel,
-    grid=grid,
-    in_specs=in_specs,
-    out_specs=[lay.col_spec()] * 3,
-    out_shape=_stat_outputs(lay),
-    scratch_shapes=[pltpu.VMEM((lay.bn, 1), _F32) for _ in range(3)]
-    + [pltpu.VMEM((lay.bn, lay.bv), _F32) for _ in range(2 if lay.nd > 1 else 0)],
-    compiler_params=_params(semantics),
-    interpret=interpret,
-    name="cross_entropy_jvp",
-  )(*args)
-  return [out[..., 0] for out in outs]
+  scratch = [pltpu.VMEM((lay.bn, 1), _F32) for _ in range(3)]
+  scratch += [pltpu.VMEM((lay.bn, lay.bv), _F32) for _ in range(2 if lay.nd > 1 else 0)]
+  return _stats_call(kernel, lay, sig, o, scratch, interpret, "cross_entropy_jvp")
 
 
 def _cotangent_tile(lay: _Layout, z, j, labels_ref, stat_refs, b_ref=None) -> jax.Array:
@@ -350,61 +353,79 @@ def _cotangent_tile(lay: _Layout, z, j, labels_ref, stat_refs, b_ref=None) -> ja
 
 def bwd(*ops, config: CrossEntropyConfig, interpret: Any, **params) -> list[jax.Array]:
   """The cotangents of the floating primals: ``dlogits``, or ``dx, dw[, db]``."""
-  p, o = _problem(ops, params)
-  _check(p)
-  stats = [_col(r.astype(_F32)) for r in o.rest]  # lse, a_lse, a_zy, a_sum
+  p, sig, o = _problem("bwd", ops, params)
+  # The statistics and their cotangents as float32 columns, shared by the kernels.
+  columns = {n: _col(o[n].astype(_F32)) for n in BWD_STATS}
   if not p.linear:
-    return [_bwd_logits(p, o, stats, config, interpret)]
+    return [_bwd_logits(p, sig, o, columns, config, interpret)]
   lay = _Layout.of(p, config, full_hidden=True)
-  return [_bwd_dx(lay, o, stats, interpret), *_bwd_dw(lay, o, stats, interpret)]
+  grads = {"dx": _bwd_dx(lay, sig, o, columns, interpret)}
+  grads.update(_bwd_dw(lay, sig, o, columns, interpret))
+  return [grads[n] for n in sig.results]
 
 
-def _bwd_logits(p: Problem, o: Operands, stats, config, interpret) -> jax.Array:
+def _bwd_logits(p: Problem, sig: Signature, o: Named, columns, config, interpret) -> jax.Array:
   """``dlogits``, tile by tile."""
   lay = _Layout.of(p, config)
 
-  def kernel(z_ref, labels_ref, *refs):
-    *stat_refs, out_ref = refs
-    g = _cotangent_tile(lay, z_ref[...].astype(_F32), pl.program_id(2), labels_ref, stat_refs)
-    out_ref[...] = g.astype(out_ref.dtype)
+  def kernel(r, _):
+    stat_refs = [r[n] for n in BWD_STATS]
+    g = _cotangent_tile(lay, r.x[...].astype(_F32), pl.program_id(2), r.labels, stat_refs)
+    r.dx[...] = g.astype(r.dx.dtype)
 
-  return pl.pallas_call(
-    kernel,
-    grid=(p.groups, lay.nn, lay.nv),
-    in_specs=[lay.x_spec()] + [lay.col_spec()] * 5,
-    out_specs=lay.x_spec(),
-    out_shape=jax.ShapeDtypeStruct(o.x.shape, o.x.dtype),
-    compiler_params=_params(("parallel",) * 3),
-    interpret=interpret,
-    name="cross_entropy_bwd",
-  )(o.x, _col(o.labels), *stats)
+  grid = (p.groups, lay.nn, lay.nv)
+  out = (lay.x_spec(), jax.ShapeDtypeStruct(o.x.shape, o.x.dtype), ())
+  semantics = ("parallel",) * 3
+  name = "cross_entropy_bwd"
+  return _call(
+    kernel, lay, sig, o, grid, semantics, out, name, columns=columns, interpret=interpret
+  )
 
 
-def _primal_inputs(lay: _Layout, arrays, vocab_major: bool = False) -> tuple[list, list]:
-  """The BlockSpecs and operands of the floating primals ``x[, w][, b]`` or of their tangents.
+def _inputs(
+  lay: _Layout, sig: Signature, o: Named, vocab_major: bool = False, columns=None
+) -> tuple[list, list]:
+  """The BlockSpecs and arrays of a kernel's operands ``sig.operands``, from ``o`` by name.
 
-  ``arrays`` as ``Operands.primals`` orders them; the bias travels as ``(G, 1, V)`` rows.
+  ``x``- and ``w``-like ones (the inputs and their tangents) go as they are,
+  ``b``-like ones as ``(G, 1, V)`` rows, per-token ones as ``(G, N, 1)``
+  columns: the labels, and the statistics and their cotangents in float32,
+  taken from ``columns`` (name -> column) where given there.
   """
-  specs = [lay.x_spec(vocab_major)]
-  specs += [lay.w_spec(vocab_major)] if lay.p.linear else []
-  specs += [lay.b_spec(vocab_major)] if lay.p.has_bias else []
-  return specs, [*arrays[:2], *(b[:, None, :] for b in arrays[2:])]
+  columns = columns or {}
+  specs, args = [], []
+  for name in sig.operands:
+    declared = sig.operand(name).name
+    if declared == "x":
+      specs.append(lay.x_spec(vocab_major))
+      args.append(o[name])
+    elif declared == "w":
+      specs.append(lay.w_spec(vocab_major))
+      args.append(o[name])
+    elif declared == "b":
+      specs.append(lay.b_spec(vocab_major))
+      args.append(o[name][:, None, :])
+    else:
+      specs.append(lay.col_spec(vocab_major))
+      if name in columns:
+        args.append(columns[name])
+      elif declared == "labels":
+        args.append(_col(o[name]))
+      else:
+        args.append(_col(o[name].astype(_F32)))
+  return specs, args
 
 
-def _linear_inputs(lay: _Layout, o: Operands, vocab_major: bool):
-  """The operands and BlockSpecs of the linear backward kernels: x, w, [b], labels, stats."""
-  specs, args = _primal_inputs(lay, o.primals(), vocab_major)
-  return specs + [lay.col_spec(vocab_major)] * 5, args + [_col(o.labels)]
-
-
-def _bwd_dx(lay: _Layout, o: Operands, stats, interpret) -> jax.Array:
+def _bwd_dx(lay: _Layout, sig: Signature, o: Named, columns, interpret) -> jax.Array:
   """``dx = g @ w^T``: grid ``(G, N blocks, V blocks)``, V sequential."""
   p = lay.p
   t = p.transposed_weight
+  sig = returning(sig, "dx")
 
-  def kernel(x_ref, w_ref, *refs):
-    b_ref = refs[0] if p.has_bias else None
-    labels_ref, *stat_refs, out_ref, acc_ref = refs[p.has_bias :]
+  def kernel(r, scratch):
+    (acc_ref,) = scratch
+    x_ref, w_ref, b_ref, labels_ref, out_ref = r.x, r.w, r.b, r.labels, r.dx
+    stat_refs = [r[n] for n in BWD_STATS]
     j = pl.program_id(2)
 
     @pl.when(j == 0)
@@ -421,39 +442,33 @@ def _bwd_dx(lay: _Layout, o: Operands, stats, interpret) -> jax.Array:
     def _():
       out_ref[...] = acc_ref[...].astype(out_ref.dtype)
 
-  specs, args = _linear_inputs(lay, o, vocab_major=False)
-  return pl.pallas_call(
-    kernel,
-    grid=(p.groups, lay.nn, lay.nv),
-    in_specs=specs,
-    out_specs=lay.x_spec(),
-    out_shape=jax.ShapeDtypeStruct(o.x.shape, o.x.dtype),
-    scratch_shapes=[pltpu.VMEM((lay.bn, p.hidden), _F32)],
-    compiler_params=_params(("parallel", "parallel", "arbitrary")),
-    interpret=interpret,
-    name="cross_entropy_bwd_dx",
-  )(*args, *stats)
+  grid = (p.groups, lay.nn, lay.nv)
+  out_shape = jax.ShapeDtypeStruct(o.x.shape, o.x.dtype)
+  out = (lay.x_spec(), out_shape, [pltpu.VMEM((lay.bn, p.hidden), _F32)])
+  name = "cross_entropy_bwd_dx"
+  return _call(
+    kernel, lay, sig, o, grid, _SEQUENTIAL_LAST, out, name, columns=columns, interpret=interpret
+  )
 
 
-def _bwd_dw(lay: _Layout, o: Operands, stats, interpret) -> list[jax.Array]:
-  """``dw = x^T @ g`` (transposed: ``g^T @ x``) and ``db = sum_n g``.
+def _bwd_dw(lay: _Layout, sig: Signature, o: Named, columns, interpret) -> dict:
+  """``dw = x^T @ g`` (transposed: ``g^T @ x``) and ``db = sum_n g``, by name.
 
   Grid ``(G, V blocks, N blocks)``, N sequential.
   """
   p = lay.p
   t = p.transposed_weight
+  sig = returning(sig, "dw", "db")
 
-  def kernel(x_ref, w_ref, *refs):
-    b_ref = refs[0] if p.has_bias else None
-    labels_ref, *refs = refs[p.has_bias :]
-    stat_refs, refs = refs[:4], refs[4:]
-    n_out = 1 + p.has_bias
-    out_refs, acc_refs = refs[:n_out], refs[n_out:]
+  def kernel(r, scratch):
+    x_ref, w_ref, b_ref, labels_ref = r.x, r.w, r.b, r.labels
+    stat_refs = [r[n] for n in BWD_STATS]
+    acc = dict(zip(sig.results, scratch))  # a float32 accumulator per result
     j, i = pl.program_id(1), pl.program_id(2)
 
     @pl.when(i == 0)
     def _():
-      for ref in acc_refs:
+      for ref in acc.values():
         ref[...] = jnp.zeros(ref.shape, _F32)
 
     # Rows past N hold undefined values: zeroed in x and g before summing over tokens.
@@ -462,33 +477,40 @@ def _bwd_dw(lay: _Layout, o: Operands, stats, interpret) -> list[jax.Array]:
     g = _cotangent_tile(lay, lay.logits_part(x, w_ref[...], 0), j, labels_ref, stat_refs, b_ref)
     g = masked(g, rows)
     gx = g.astype(x.dtype)
-    acc_refs[0][...] += _dot(gx, x, (0, 0)) if t else _dot(x, gx, (0, 0))
+    acc["dw"][...] += _dot(gx, x, (0, 0)) if t else _dot(x, gx, (0, 0))
     if p.has_bias:
-      acc_refs[1][...] += jnp.sum(g, axis=0, keepdims=True)
+      acc["db"][...] += jnp.sum(g, axis=0, keepdims=True)
 
     @pl.when(i == lay.nn - 1)
     def _():
-      for out, acc in zip(out_refs, acc_refs):
-        out[...] = acc[...].astype(out.dtype)
+      for name in sig.results:
+        r[name][...] = acc[name][...].astype(r[name].dtype)
 
-  specs, args = _linear_inputs(lay, o, vocab_major=True)
   w_block = (lay.bv, p.hidden) if t else (p.hidden, lay.bv)
-  out_specs = [lay.w_spec(vocab_major=True)]
-  out_shape = [jax.ShapeDtypeStruct(o.w.shape, o.w.dtype)]
-  scratch = [pltpu.VMEM(w_block, _F32)]
-  if p.has_bias:
-    out_specs.append(lay.b_spec(vocab_major=True))
-    out_shape.append(jax.ShapeDtypeStruct((p.groups, 1, p.vocab), o.b.dtype))
-    scratch.append(pltpu.VMEM((1, lay.bv), _F32))
-  outs = pl.pallas_call(
+  # Each result's BlockSpec, shape (the bias as (G, 1, V) rows) and accumulator block.
+  outputs = {
+    "dw": (lay.w_spec(vocab_major=True), o.w.shape, w_block),
+    "db": (lay.b_spec(vocab_major=True), (p.groups, 1, p.vocab), (1, lay.bv)),
+  }
+  out_specs = [outputs[n][0] for n in sig.results]
+  dtypes = [o[sig.operand(n).name].dtype for n in sig.results]
+  out_shape = [jax.ShapeDtypeStruct(outputs[n][1], d) for n, d in zip(sig.results, dtypes)]
+  scratch = [pltpu.VMEM(outputs[n][2], _F32) for n in sig.results]
+  grid, out = (p.groups, lay.nv, lay.nn), (out_specs, out_shape, scratch)
+  outs = _call(
     kernel,
-    grid=(p.groups, lay.nv, lay.nn),
-    in_specs=specs,
-    out_specs=out_specs,
-    out_shape=out_shape,
-    scratch_shapes=scratch,
-    compiler_params=_params(("parallel", "parallel", "arbitrary")),
+    lay,
+    sig,
+    o,
+    grid,
+    _SEQUENTIAL_LAST,
+    out,
+    "cross_entropy_bwd_dw",
+    vocab_major=True,
+    columns=columns,
     interpret=interpret,
-    name="cross_entropy_bwd_dw",
-  )(*args, *stats)
-  return [outs[0]] + ([outs[1][:, 0, :]] if p.has_bias else [])
+  )
+  grads = dict(sig.unpack(outs, results=True))
+  if "db" in grads:
+    grads["db"] = grads["db"][:, 0, :]  # (G, 1, V) rows back to (G, V)
+  return grads

@@ -35,8 +35,15 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 from pallax.kernels.cross_entropy import common
-from pallax.kernels.cross_entropy.common import Operands, Problem
+from pallax.kernels.cross_entropy.common import (
+  BWD_STATS,
+  SIGNATURE,
+  Problem,
+  kernel_refs,
+  returning,
+)
 from pallax.kernels.cross_entropy.config import CrossEntropyConfig
+from pallax.op.signature import Named, Signature
 from pallax.pallas_triton import tile_mask, triton_call
 from pallax.pallas_utils import in_bounds, load, next_pow2, store
 
@@ -167,28 +174,29 @@ def _bias(lay: _Layout, ref, t: _Tile) -> jax.Array:
   return load(ref.at[pl.ds(t.v0, lay.bv)], t.cols_ok).astype(_F32)[None, :]
 
 
-def _logits(lay: _Layout, t: _Tile, x_ref, w_ref, b_ref, tangent_refs=None):
-  """The tile's raw logits (float32), and with ``tangent_refs`` their tangent.
+def _logits(lay: _Layout, t: _Tile, r: Named, tangent: bool = False):
+  """The tile's raw logits (float32) from the refs ``r``, and with ``tangent`` their tangent.
 
-  ``tangent_refs``: ``(dx, dw, db or None)`` refs laid out like ``x``, ``w``,
-  ``b`` (``linear``), or ``(dlogits,)``.
+  The tangent from the refs ``x_dot``, ``w_dot`` and ``b_dot`` (where the
+  call has them), laid out like ``x``, ``w`` and ``b``.
   """
   p = lay.p
+  x_ref, w_ref, b_ref = r.x, r.w, r.b
   if not p.linear:
     view = lambda ref: ref.at[pl.ds(t.n0, lay.bn), pl.ds(t.v0, lay.bv)]
     mask = tile_mask(t.rows_ok, t.cols_ok)
     z = load(view(x_ref), mask).astype(_F32)
-    if tangent_refs is None:
+    if not tangent:
       return z
-    return z, load(view(tangent_refs[0]), mask).astype(_F32)
+    return z, load(view(r.x_dot), mask).astype(_F32)
 
   zeros = jnp.zeros((lay.bn, lay.bv), _F32)
-  if tangent_refs is None:
+  if not tangent:
     step = lambda k, z: z + _xw(lay, _x_tile(lay, x_ref, t, k), _w_tile(lay, w_ref, t, k))
     z = lax.fori_loop(0, lay.nd, step, zeros)
     return z if b_ref is None else z + _bias(lay, b_ref, t)
 
-  dx_ref, dw_ref, db_ref = tangent_refs
+  dx_ref, dw_ref, db_ref = r.x_dot, r.w_dot, r.b_dot
 
   def step(k, acc):
     z, dz = acc
@@ -204,31 +212,30 @@ def _logits(lay: _Layout, t: _Tile, x_ref, w_ref, b_ref, tangent_refs=None):
   return z, dz
 
 
-def _setup(ops, config: CrossEntropyConfig, params) -> tuple[Problem, Operands, _Layout]:
+def _setup(stage: str, ops, config: CrossEntropyConfig, params):
+  """The call's problem, ``stage``'s names, its operands by name and its blocks."""
   p = Problem.of([jax.typeof(o) for o in ops], **params)
   if p.stat_dtype != _F32:
     raise NotImplementedError("the Triton cross-entropy kernels compute in float32 only")
-  return p, Operands.of(ops, **params), _Layout.of(p, config)
+  sig = SIGNATURE.stage(stage, params)
+  return p, sig, sig.unpack(ops), _Layout.of(p, config)
 
 
-def _primal_specs(lay: _Layout, per_token_block: bool) -> list:
-  """Specs of the primals except the labels: the row side per block or whole, ``w`` whole."""
-  p = lay.p
-  if not p.linear:
-    return [lay.spec_rows(lay.nv * lay.bv, per_token_block)]
-  specs = [lay.spec_rows(lay.nd * lay.bd, per_token_block), lay.spec_w(not per_token_block)]
-  if p.has_bias:
-    specs.append(lay.spec_vocab(not per_token_block))
-  return specs
+def _specs(lay: _Layout, sig: Signature, names, per_token_block: bool) -> list:
+  """The BlockSpec of each of ``names`` (operands or results of ``sig``).
 
-
-def _split_primals(p: Problem, refs):
-  """``(x, w, b, labels), rest`` from a kernel's refs (None where absent)."""
-  if not p.linear:
-    return (refs[0], None, None, refs[1]), refs[2:]
-  x, w = refs[:2]
-  b = refs[2] if p.has_bias else None
-  return (x, w, b, refs[2 + p.has_bias]), refs[3 + p.has_bias :]
+  Token-side ones (``x``-like rows, per-token columns) hold the program's
+  token block (``per_token_block``) or all tokens; ``w``- and ``b``-like ones
+  the program's vocabulary block or all of it, the other way round.
+  """
+  width = lay.nd * lay.bd if lay.p.linear else lay.nv * lay.bv
+  by_input = {
+    "x": lambda: lay.spec_rows(width, per_token_block),
+    "w": lambda: lay.spec_w(not per_token_block),
+    "b": lambda: lay.spec_vocab(not per_token_block),
+  }
+  tokens = lambda: lay.spec_tokens(per_token_block)
+  return [by_input.get(sig.operand(n).name, tokens)() for n in names]
 
 
 def _row_tile(lay: _Layout, j, rows_ok) -> _Tile:
@@ -240,80 +247,73 @@ def _stats_shapes(p: Problem, count: int) -> list:
   return [jax.ShapeDtypeStruct((p.groups, p.tokens), _F32)] * count
 
 
+def _call(kernel, lay: _Layout, sig: Signature, o: Named, per_token_block, out_shapes, *call):
+  """Runs ``kernel`` on ``sig``'s operands ``o``: a program per token block or vocabulary block.
+
+  ``kernel`` takes the refs by name (``sig``'s operands and results);
+  ``per_token_block``: a program per (token block, group), else per
+  (vocabulary block, group), with the BlockSpecs that go with it (``_specs``);
+  ``call``: ``(config, interpret, name)`` as ``triton_call`` takes them.
+  """
+  return triton_call(
+    lambda *refs: kernel(kernel_refs(sig, refs)[0]),
+    lay.grid(lay.nn if per_token_block else lay.nv),
+    sig.pack(o),
+    _specs(lay, sig, sig.operands, per_token_block),
+    out_shapes,
+    _specs(lay, sig, sig.results, per_token_block),
+    *call,
+  )
+
+
 def fwd(*ops, config: CrossEntropyConfig, interpret: Any, **params) -> list[jax.Array]:
   """``(lse, zy, zsum)``, each ``(G, N)`` float32."""
-  p, o, lay = _setup(ops, config, params)
+  p, sig, o, lay = _setup("fwd", ops, config, params)
 
-  def kernel(*refs):
-    (x_ref, w_ref, b_ref, labels_ref), (lse_ref, zy_ref, zsum_ref) = _split_primals(p, refs)
+  def kernel(r):
     rows_ok = lay.rows_ok(pl.program_id(0))
-    labels = load(labels_ref, rows_ok, other=-1)[:, None]
+    labels = load(r.labels, rows_ok, other=-1)[:, None]
 
     def body(j, acc):
       t = _row_tile(lay, j, rows_ok)
-      zc, _ = common.capped(_logits(lay, t, x_ref, w_ref, b_ref), p.soft_cap)
+      zc, _ = common.capped(_logits(lay, t, r), p.soft_cap)
       return common.stats_update(acc, zc, t.hit(labels, lay.bv), t.valid)
 
     acc = lax.fori_loop(0, lay.nv, body, common.stats_init(lay.bn, _F32))
-    for ref, stat in zip((lse_ref, zy_ref, zsum_ref), common.stats_finish(acc)):
-      store(ref, stat[:, 0], rows_ok)
+    for name, stat in zip(sig.results, common.stats_finish(acc)):
+      store(r[name], stat[:, 0], rows_ok)
 
-  return triton_call(
-    kernel,
-    lay.grid(lay.nn),
-    [*o.primals(), o.labels],
-    [*_primal_specs(lay, True), lay.spec_tokens()],
-    _stats_shapes(p, 3),
-    [lay.spec_tokens()] * 3,
-    config,
-    interpret,
-    "cross_entropy_fwd",
-  )
+  shapes = _stats_shapes(p, len(sig.results))
+  return _call(kernel, lay, sig, o, True, shapes, config, interpret, "cross_entropy_fwd")
 
 
 def jvp(*ops, config: CrossEntropyConfig, interpret: Any, **params) -> list[jax.Array]:
   """``(dlse, dzy, dzsum)``, each ``(G, N)`` float32, linear in the tangents."""
-  p, o, lay = _setup(ops, config, params)
-  lse, *tangents = o.rest
+  p, sig, o, lay = _setup("jvp", ops, config, params)
 
-  def kernel(*refs):
-    (x_ref, w_ref, b_ref, labels_ref), rest = _split_primals(p, refs)
-    lse_ref, *tangent_refs = rest[: 1 + len(tangents)]
-    out_refs = rest[1 + len(tangents) :]
-    if p.linear and not p.has_bias:
-      tangent_refs.append(None)
+  def kernel(r):
     rows_ok = lay.rows_ok(pl.program_id(0))
-    labels = load(labels_ref, rows_ok, other=-1)[:, None]
-    lse_blk = load(lse_ref, rows_ok)[:, None]
+    labels = load(r.labels, rows_ok, other=-1)[:, None]
+    lse_blk = load(r.lse, rows_ok)[:, None]
 
     def body(j, acc):
       t = _row_tile(lay, j, rows_ok)
-      z, dz = _logits(lay, t, x_ref, w_ref, b_ref, tangent_refs)
+      z, dz = _logits(lay, t, r, tangent=True)
       zc, c = common.capped(z, p.soft_cap)
       return common.tangent_update(acc, zc, c, lse_blk, dz, t.hit(labels, lay.bv), t.valid)
 
     zero = jnp.zeros((lay.bn, 1), _F32)
     acc = lax.fori_loop(0, lay.nv, body, (zero, zero, zero))
-    for ref, stat in zip(out_refs, acc):
-      store(ref, stat[:, 0], rows_ok)
+    for name, stat in zip(sig.results, acc):
+      store(r[name], stat[:, 0], rows_ok)
 
-  return triton_call(
-    kernel,
-    lay.grid(lay.nn),
-    [*o.primals(), o.labels, lse, *tangents],
-    [*_primal_specs(lay, True), lay.spec_tokens(), lay.spec_tokens(), *_primal_specs(lay, True)],
-    _stats_shapes(p, 3),
-    [lay.spec_tokens()] * 3,
-    config,
-    interpret,
-    "cross_entropy_jvp",
-  )
+  shapes = _stats_shapes(p, len(sig.results))
+  return _call(kernel, lay, sig, o, True, shapes, config, interpret, "cross_entropy_jvp")
 
 
-def _g_tile(lay: _Layout, t: _Tile, prim_refs, labels, stats) -> jax.Array:
+def _g_tile(lay: _Layout, t: _Tile, r: Named, labels, stats) -> jax.Array:
   """The tile's logits cotangent ``g`` (float32), 0 in rows and columns outside the arrays."""
-  x_ref, w_ref, b_ref, _ = prim_refs
-  zc, c = common.capped(_logits(lay, t, x_ref, w_ref, b_ref), lay.p.soft_cap)
+  zc, c = common.capped(_logits(lay, t, r), lay.p.soft_cap)
   g = common.cotangent(zc, c, *stats[:1], t.hit(labels, lay.bv), t.valid, *stats[1:])
   return g if t.rows_ok is None else jnp.where(t.rows_ok[:, None], g, 0)
 
@@ -357,57 +357,45 @@ def _add_over_hidden(lay: _Layout, ref, view, mask_of, part, interpret) -> None:
   _sync(interpret)
 
 
-def _bwd_logits(p, o, lay, config, interpret):
+def _bwd_logits(p, sig, o, lay, config, interpret):
   """``dlogits``: per token block, ``g`` tile by tile."""
-  lse, *cots = o.rest
 
-  def kernel(x_ref, labels_ref, *refs):
-    stat_refs, out_ref = refs[:4], refs[4]
+  def kernel(r):
+    out_ref = r.dx
     rows_ok = lay.rows_ok(pl.program_id(0))
-    labels = load(labels_ref, rows_ok, other=-1)[:, None]
-    stats = [load(r, rows_ok)[:, None] for r in stat_refs]
+    labels = load(r.labels, rows_ok, other=-1)[:, None]
+    stats = [load(r[n], rows_ok)[:, None] for n in BWD_STATS]
 
     def body(j, carry):
       t = _row_tile(lay, j, rows_ok)
-      g = _g_tile(lay, t, (x_ref, None, None, None), labels, stats)
+      g = _g_tile(lay, t, r, labels, stats)
       view = out_ref.at[:, pl.ds(t.v0, lay.bv)]
       store(view, g.astype(out_ref.dtype), tile_mask(rows_ok, t.cols_ok))
       return carry
 
     lax.fori_loop(0, lay.nv, body, 0)
 
-  return triton_call(
-    kernel,
-    lay.grid(lay.nn),
-    [o.x, o.labels, lse, *cots],
-    [*_primal_specs(lay, True), *[lay.spec_tokens()] * 5],
-    [jax.ShapeDtypeStruct(o.x.shape, o.x.dtype)],
-    [lay.spec_rows(lay.nv * lay.bv)],
-    config,
-    interpret,
-    "cross_entropy_bwd",
-  )
+  shapes = [jax.ShapeDtypeStruct(o.x.shape, o.x.dtype)]
+  return _call(kernel, lay, sig, o, True, shapes, config, interpret, "cross_entropy_bwd")
 
 
-def _bwd_dx(p, o, lay, config, interpret) -> jax.Array:
+def _bwd_dx(p, sig, o, lay, config, interpret) -> jax.Array:
   """``dx`` in float32: per token block, ``sum_v g w^T`` accumulated in its own output block."""
-  lse, *cots = o.rest
+  sig = returning(sig, "dx")
   d_view = lambda ref, k: ref.at[:, pl.ds(k * lay.bd, lay.bd)]
 
-  def kernel(*refs):
-    prim_refs, rest = _split_primals(p, refs)
-    stat_refs, dx_ref = rest[:4], rest[4]
-    w_ref = prim_refs[1]
+  def kernel(r):
+    dx_ref, w_ref = r.dx, r.w
     rows_ok = lay.rows_ok(pl.program_id(0))
-    labels = load(prim_refs[3], rows_ok, other=-1)[:, None]
-    stats = [load(r, rows_ok)[:, None] for r in stat_refs]
+    labels = load(r.labels, rows_ok, other=-1)[:, None]
+    stats = [load(r[n], rows_ok)[:, None] for n in BWD_STATS]
     dx_mask = lambda k: tile_mask(rows_ok, lay.d_ok(k))
     _zero_out(dx_ref, lay.nd, d_view, dx_mask, (lay.bn, lay.bd))
     _sync(interpret)
 
     def body(j, carry):
       t = _row_tile(lay, j, rows_ok)
-      g = _g_tile(lay, t, prim_refs, labels, stats).astype(lay.compute)
+      g = _g_tile(lay, t, r, labels, stats).astype(lay.compute)
 
       part = lambda k: _dot(g, _w_tile(lay, w_ref, t, k), (1, 0) if p.transposed_weight else (1, 1))
       _add_over_hidden(lay, dx_ref, d_view, dx_mask, part, interpret)
@@ -415,23 +403,13 @@ def _bwd_dx(p, o, lay, config, interpret) -> jax.Array:
 
     lax.fori_loop(0, lay.nv, body, 0)
 
-  out = jax.ShapeDtypeStruct(o.x.shape, _F32)
-  return triton_call(
-    kernel,
-    lay.grid(lay.nn),
-    [*o.primals(), o.labels, lse, *cots],
-    [*_primal_specs(lay, True), *[lay.spec_tokens()] * 5],
-    [out],
-    [lay.spec_rows(lay.nd * lay.bd)],
-    config,
-    interpret,
-    "cross_entropy_bwd_dx",
-  )[0]
+  shapes = [jax.ShapeDtypeStruct(o.x.shape, _F32)]
+  return _call(kernel, lay, sig, o, True, shapes, config, interpret, "cross_entropy_bwd_dx")[0]
 
 
-def _bwd_dw(p, o, lay, config, interpret) -> list[jax.Array]:
-  """``dw`` (and ``db``) in float32: per vocabulary block, ``sum_n x^T g`` in its own block."""
-  lse, *cots = o.rest
+def _bwd_dw(p, sig, o, lay, config, interpret) -> Named:
+  """``dw`` (and ``db``) in float32 by name: per vocabulary block, ``sum_n x^T g`` in its block."""
+  sig = returning(sig, "dw", "db")
   if p.transposed_weight:
     d_view = lambda ref, k: ref.at[:, pl.ds(k * lay.bd, lay.bd)]
     shape = (lay.bv, lay.bd)
@@ -439,11 +417,8 @@ def _bwd_dw(p, o, lay, config, interpret) -> list[jax.Array]:
     d_view = lambda ref, k: ref.at[pl.ds(k * lay.bd, lay.bd), :]
     shape = (lay.bd, lay.bv)
 
-  def kernel(*refs):
-    prim_refs, rest = _split_primals(p, refs)
-    stat_refs, out_refs = rest[:4], rest[4:]
-    dw_ref, db_ref = out_refs[0], (out_refs[1] if p.has_bias else None)
-    x_ref = prim_refs[0]
+  def kernel(r):
+    dw_ref, db_ref, x_ref = r.dw, r.db, r.x
     j = pl.program_id(0)
     cols_ok = lay.cols_ok(j)
     if p.transposed_weight:
@@ -458,9 +433,9 @@ def _bwd_dw(p, o, lay, config, interpret) -> list[jax.Array]:
       rows_ok = lay.rows_ok(i)
       t = _Tile(n0, 0, j * lay.bv, rows_ok, cols_ok)
       rows = lambda ref: ref.at[pl.ds(n0, lay.bn)]
-      labels = load(rows(prim_refs[3]), rows_ok, other=-1)[:, None]
-      stats = [load(rows(r), rows_ok)[:, None] for r in stat_refs]
-      g = _g_tile(lay, t, prim_refs, labels, stats)
+      labels = load(rows(r.labels), rows_ok, other=-1)[:, None]
+      stats = [load(rows(r[n]), rows_ok)[:, None] for n in BWD_STATS]
+      g = _g_tile(lay, t, r, labels, stats)
       db = db if db is None else db + jnp.sum(g, axis=0)  # before the D loop: g then dies
       gc = g.astype(lay.compute)
 
@@ -476,29 +451,16 @@ def _bwd_dw(p, o, lay, config, interpret) -> list[jax.Array]:
     if db_ref is not None:
       store(db_ref, db, cols_ok)
 
-  out_shapes = [jax.ShapeDtypeStruct(o.w.shape, _F32)]
-  out_specs = [lay.spec_w(True)]
-  if p.has_bias:
-    out_shapes.append(jax.ShapeDtypeStruct(o.b.shape, _F32))
-    out_specs.append(lay.spec_vocab(True))
-  return triton_call(
-    kernel,
-    lay.grid(lay.nv),
-    [*o.primals(), o.labels, lse, *cots],
-    [*_primal_specs(lay, False), lay.spec_tokens(False), *[lay.spec_tokens(False)] * 4],
-    out_shapes,
-    out_specs,
-    config,
-    interpret,
-    "cross_entropy_bwd_dw",
-  )
+  shapes = [jax.ShapeDtypeStruct(o[sig.operand(n).name].shape, _F32) for n in sig.results]
+  outs = _call(kernel, lay, sig, o, False, shapes, config, interpret, "cross_entropy_bwd_dw")
+  return sig.unpack(outs, results=True)
 
 
 def bwd(*ops, config: CrossEntropyConfig, interpret: Any, **params) -> list[jax.Array]:
   """The primals' cotangents ``(dx, dw[, db])`` or ``(dlogits,)`` in their dtypes."""
-  p, o, lay = _setup(ops, config, params)
+  p, sig, o, lay = _setup("bwd", ops, config, params)
   if not p.linear:
-    return _bwd_logits(p, o, lay, config, interpret)
-  dx = _bwd_dx(p, o, lay, config, interpret)
-  dw, *db = _bwd_dw(p, o, lay, config, interpret)
-  return [dx.astype(o.x.dtype), dw.astype(o.w.dtype), *(d.astype(o.b.dtype) for d in db)]
+    return _bwd_logits(p, sig, o, lay, config, interpret)
+  grads = {"dx": _bwd_dx(p, sig, o, lay, config, interpret)}
+  grads.update(_bwd_dw(p, sig, o, lay, config, interpret))
+  return [grads[n].astype(o[sig.operand(n).name].dtype) for n in sig.results]

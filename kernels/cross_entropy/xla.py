@@ -22,7 +22,8 @@ import jax.numpy as jnp
 from jax import lax
 
 from pallax.kernels.cross_entropy import common
-from pallax.kernels.cross_entropy.common import Operands, Problem
+from pallax.kernels.cross_entropy.common import BWD_STATS, SIGNATURE, Problem, operands
+from pallax.op.signature import Named
 
 # Logit elements per chunk: 4M float32 (16 MiB) keeps a chunk's logits and
 # cotangents in the CPU's caches' reach while its matmuls stay large.
@@ -56,7 +57,7 @@ def _chunks(p: Problem, body, carry, *, total=None, size=None):
   return carry
 
 
-def _w_chunk(o: Operands, p: Problem, start, size):
+def _w_chunk(o: Named, p: Problem, start, size):
   axis = 1 if p.transposed_weight else 2
   return lax.dynamic_slice_in_dim(o.w, start, size, axis)
 
@@ -65,7 +66,7 @@ def _dot(a, b, spec: str, dtype):
   return jnp.einsum(spec, a, b, preferred_element_type=dtype, precision=lax.Precision.HIGHEST)
 
 
-def _logits(o: Operands, p: Problem, start, size):
+def _logits(o: Named, p: Problem, start, size):
   """The chunk's raw logits ``(G, N, size)`` in the stats dtype."""
   st = p.stat_dtype
   if not p.linear:
@@ -77,7 +78,7 @@ def _logits(o: Operands, p: Problem, start, size):
   return z
 
 
-def _hit(o: Operands, start, size):
+def _hit(o: Named, start, size):
   cols = start + lax.broadcasted_iota(jnp.int32, (1, 1, size), 2)
   return cols == o.labels[:, :, None]
 
@@ -103,7 +104,7 @@ def _rows(f, *tiles):
 
 
 def fwd(*ops, **params):
-  o, p = Operands.of(ops, **params), _problem(ops, params)
+  o, p = operands("fwd", ops, params), _problem(ops, params)
 
   def body(start, size, acc):
     zc, _ = common.capped(_logits(o, p, start, size), p.soft_cap)
@@ -114,25 +115,24 @@ def fwd(*ops, **params):
   return [s[..., 0] for s in common.stats_finish(_chunks(p, body, init))]
 
 
-def _tangent_logits(o: Operands, p: Problem, start, size):
+def _tangent_logits(o: Named, p: Problem, start, size):
   """The chunk's logits tangent ``dx w + x dw + db`` (or ``dlogits``)."""
   st = p.stat_dtype
   if not p.linear:
-    (dlogits,) = o.rest[1:]
-    return lax.dynamic_slice_in_dim(dlogits, start, size, 2).astype(st)
-  dx, dw, *db = o.rest[1:]
+    return lax.dynamic_slice_in_dim(o.x_dot, start, size, 2).astype(st)
+  dx, dw, db = o.x_dot, o.w_dot, o.b_dot
   spec = "gnd,gvd->gnv" if p.transposed_weight else "gnd,gdv->gnv"
   axis = 1 if p.transposed_weight else 2
   dz = _dot(dx, _w_chunk(o, p, start, size), spec, st)
   dz = dz + _dot(o.x, lax.dynamic_slice_in_dim(dw, start, size, axis), spec, st)
-  if db:
-    dz = dz + lax.dynamic_slice_in_dim(db[0], start, size, 1)[:, None, :].astype(st)
+  if db is not None:
+    dz = dz + lax.dynamic_slice_in_dim(db, start, size, 1)[:, None, :].astype(st)
   return dz
 
 
 def jvp(*ops, **params):
-  o, p = Operands.of(ops, **params), _problem(ops, params)
-  lse = o.rest[0][..., None].astype(p.stat_dtype)
+  o, p = operands("jvp", ops, params), _problem(ops, params)
+  lse = o.lse[..., None].astype(p.stat_dtype)
 
   def body(start, size, acc):
     zc, c = common.capped(_logits(o, p, start, size), p.soft_cap)
@@ -144,9 +144,9 @@ def jvp(*ops, **params):
 
 
 def bwd(*ops, **params):
-  o, p = Operands.of(ops, **params), _problem(ops, params)
+  o, p = operands("bwd", ops, params), _problem(ops, params)
   st = p.stat_dtype
-  lse, a_lse, a_zy, a_sum = (r[..., None].astype(st) for r in o.rest)
+  lse, a_lse, a_zy, a_sum = (o[n][..., None].astype(st) for n in BWD_STATS)
 
   def g_of(start, size):
     zc, c = common.capped(_logits(o, p, start, size), p.soft_cap)
@@ -178,7 +178,8 @@ def bwd(*ops, **params):
 
   db0 = None if o.b is None else jnp.zeros(o.b.shape, o.b.dtype)
   dx, dw, db = _chunks(p, body, (jnp.zeros(o.x.shape, st), jnp.zeros(o.w.shape, o.w.dtype), db0))
-  return [dx.astype(o.x.dtype), dw, *([] if db is None else [db])]
+  grads = dict(dx=dx.astype(o.x.dtype), dw=dw, db=db)
+  return [grads[n] for n in SIGNATURE.stage("bwd", params).results]
 
 
 # Logits per token chunk of ``value_and_grad``: 32M float32 (128 MiB). Each
@@ -206,7 +207,7 @@ def value_and_grad(*ops, ignore_index, label_smoothing, z_loss, reduction, **par
   options = dict(
     vocab=p.vocab, ignore_index=ignore_index, label_smoothing=label_smoothing, z_loss=z_loss
   )
-  o = Operands.of(ops, **params)
+  o = operands("fwd", ops, params)
   tokens = o.labels.shape[1:]
   flat = lambda a: a.reshape(p.groups, p.tokens, *a.shape[1 + len(tokens) :])
   per_group = [
@@ -221,12 +222,13 @@ def value_and_grad(*ops, ignore_index, label_smoothing, z_loss, reduction, **par
     )
     for i in range(p.groups)
   ]
-  loss, dx, dw, *db = (jnp.stack(outs) for outs in zip(*per_group))
-  return [loss, dx.reshape(o.x.shape), dw, *db]
+  stacked = {n: jnp.stack([group[n] for group in per_group]) for n in per_group[0]}
+  stacked["dx"] = stacked["dx"].reshape(o.x.shape)
+  return [stacked["loss"], *(stacked[n] for n in SIGNATURE.stage("bwd", params).results)]
 
 
 def _value_and_grad_group(x, w, b, labels, p: Problem, options: dict, reduction: str):
-  """``value_and_grad`` of one group: ``x (N, D)``, ``labels (N,)``."""
+  """``value_and_grad`` of one group by name (``loss``, ``dx``, ``dw``[, ``db``]): ``x (N, D)``."""
   st = p.stat_dtype
   scale = common.mean_scale(labels[None], options["ignore_index"], reduction, st)[0]
   z_spec = "nd,vd->nv" if p.transposed_weight else "nd,dv->nv"
@@ -266,4 +268,7 @@ def _value_and_grad_group(x, w, b, labels, p: Problem, options: dict, reduction:
   db0 = None if b is None else jnp.zeros(b.shape, st)
   init = (jnp.zeros((), st), jnp.zeros(x.shape, x.dtype), jnp.zeros(w.shape, st), db0)
   total, dx, dw, db = _chunks(p, body, init, total=p.tokens, size=token_chunk_of(p))
-  return (total, dx, dw.astype(w.dtype)) + (() if db is None else (db.astype(b.dtype),))
+  out = dict(loss=total, dx=dx, dw=dw.astype(w.dtype))
+  if db is not None:
+    out["db"] = db.astype(b.dtype)
+  return out
