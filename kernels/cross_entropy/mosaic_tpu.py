@@ -38,13 +38,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from pallax.kernels.cross_entropy import common
-from pallax.kernels.cross_entropy.common import (
-  BWD_STATS,
-  SIGNATURE,
-  Problem,
-  kernel_refs,
-  returning,
-)
+from pallax.kernels.cross_entropy.common import Problem
 from pallax.kernels.cross_entropy.config import TPU_VMEM_LIMIT, CrossEntropyConfig
 from pallax.op.signature import Named, Signature
 from pallax.pallas_utils import in_bounds, masked
@@ -216,36 +210,39 @@ def _problem(stage: str, ops, params) -> tuple[Problem, Signature, Named]:
   p = Problem.of([jax.typeof(o) for o in ops], **params)
   if p.stat_dtype != _F32:
     raise NotImplementedError(f"the Mosaic TPU cross-entropy kernels take no {p.dtype} operands")
-  sig = SIGNATURE.stage(stage, params)
+  sig = common.SIGNATURE.stage(stage, params)
   return p, sig, sig.unpack(ops)
 
 
-def _call(kernel, lay, sig: Signature, o: Named, grid, semantics, out, name, *, interpret, **kw):
+def _call(
+  kernel, lay, sig: Signature, o: Named, grid, semantics, out: dict, name, *, interpret, **kw
+):
   """Runs ``kernel(r, scratch)`` (``r``: the refs of ``sig`` by name) on ``grid``.
 
   Its operands are ``o``'s, laid out by ``_inputs`` (``kw``: its
-  ``vocab_major`` and ``columns``); ``out``: its ``(out_specs, out_shape,
-  scratch_shapes)``.
+  ``vocab_major`` and ``columns``); ``out``: ``pallas_call``'s ``out_specs``,
+  ``out_shape`` and ``scratch_shapes``.
   """
   in_specs, args = _inputs(lay, sig, o, **kw)
-  out_specs, out_shape, scratch = out
   return pl.pallas_call(
-    lambda *refs: kernel(*kernel_refs(sig, refs)),
+    lambda *refs: kernel(*common.kernel_refs(sig, refs)),
     grid=grid,
     in_specs=in_specs,
-    out_specs=out_specs,
-    out_shape=out_shape,
-    scratch_shapes=scratch,
     compiler_params=_params(semantics),
     interpret=interpret,
     name=name,
+    **out,
   )(*args)
 
 
 def _stats_call(kernel, lay: _Layout, sig: Signature, o: Named, scratch, interpret, name: str):
   """The ``(G, N)`` results of a forward or tangent ``kernel`` on the reduction grid."""
   grid, semantics = _reduction_grid(lay)
-  out = ([lay.col_spec()] * len(sig.results), _stat_outputs(lay), scratch)
+  out = dict(
+    out_specs=[lay.col_spec()] * len(sig.results),
+    out_shape=_stat_outputs(lay),
+    scratch_shapes=scratch,
+  )
   stats = _call(kernel, lay, sig, o, grid, semantics, out, name, interpret=interpret)
   return [s[..., 0] for s in stats]
 
@@ -355,7 +352,7 @@ def bwd(*ops, config: CrossEntropyConfig, interpret: Any, **params) -> list[jax.
   """The cotangents of the floating primals: ``dlogits``, or ``dx, dw[, db]``."""
   p, sig, o = _problem("bwd", ops, params)
   # The statistics and their cotangents as float32 columns, shared by the kernels.
-  columns = {n: _col(o[n].astype(_F32)) for n in BWD_STATS}
+  columns = {n: _col(o[n].astype(_F32)) for n in common.BWD_STATS}
   if not p.linear:
     return [_bwd_logits(p, sig, o, columns, config, interpret)]
   lay = _Layout.of(p, config, full_hidden=True)
@@ -369,12 +366,12 @@ def _bwd_logits(p: Problem, sig: Signature, o: Named, columns, config, interpret
   lay = _Layout.of(p, config)
 
   def kernel(r, _):
-    stat_refs = [r[n] for n in BWD_STATS]
+    stat_refs = [r[n] for n in common.BWD_STATS]
     g = _cotangent_tile(lay, r.x[...].astype(_F32), pl.program_id(2), r.labels, stat_refs)
     r.dx[...] = g.astype(r.dx.dtype)
 
   grid = (p.groups, lay.nn, lay.nv)
-  out = (lay.x_spec(), jax.ShapeDtypeStruct(o.x.shape, o.x.dtype), ())
+  out = dict(out_specs=lay.x_spec(), out_shape=jax.ShapeDtypeStruct(o.x.shape, o.x.dtype))
   semantics = ("parallel",) * 3
   name = "cross_entropy_bwd"
   return _call(
@@ -420,12 +417,12 @@ def _bwd_dx(lay: _Layout, sig: Signature, o: Named, columns, interpret) -> jax.A
   """``dx = g @ w^T``: grid ``(G, N blocks, V blocks)``, V sequential."""
   p = lay.p
   t = p.transposed_weight
-  sig = returning(sig, "dx")
+  sig = common.returning(sig, "dx")
 
   def kernel(r, scratch):
     (acc_ref,) = scratch
     x_ref, w_ref, b_ref, labels_ref, out_ref = r.x, r.w, r.b, r.labels, r.dx
-    stat_refs = [r[n] for n in BWD_STATS]
+    stat_refs = [r[n] for n in common.BWD_STATS]
     j = pl.program_id(2)
 
     @pl.when(j == 0)
@@ -444,7 +441,8 @@ def _bwd_dx(lay: _Layout, sig: Signature, o: Named, columns, interpret) -> jax.A
 
   grid = (p.groups, lay.nn, lay.nv)
   out_shape = jax.ShapeDtypeStruct(o.x.shape, o.x.dtype)
-  out = (lay.x_spec(), out_shape, [pltpu.VMEM((lay.bn, p.hidden), _F32)])
+  scratch = [pltpu.VMEM((lay.bn, p.hidden), _F32)]
+  out = dict(out_specs=lay.x_spec(), out_shape=out_shape, scratch_shapes=scratch)
   name = "cross_entropy_bwd_dx"
   return _call(
     kernel, lay, sig, o, grid, _SEQUENTIAL_LAST, out, name, columns=columns, interpret=interpret
@@ -458,11 +456,11 @@ def _bwd_dw(lay: _Layout, sig: Signature, o: Named, columns, interpret) -> dict:
   """
   p = lay.p
   t = p.transposed_weight
-  sig = returning(sig, "dw", "db")
+  sig = common.returning(sig, "dw", "db")
 
   def kernel(r, scratch):
     x_ref, w_ref, b_ref, labels_ref = r.x, r.w, r.b, r.labels
-    stat_refs = [r[n] for n in BWD_STATS]
+    stat_refs = [r[n] for n in common.BWD_STATS]
     acc = dict(zip(sig.results, scratch))  # a float32 accumulator per result
     j, i = pl.program_id(1), pl.program_id(2)
 
@@ -492,11 +490,13 @@ def _bwd_dw(lay: _Layout, sig: Signature, o: Named, columns, interpret) -> dict:
     "dw": (lay.w_spec(vocab_major=True), o.w.shape, w_block),
     "db": (lay.b_spec(vocab_major=True), (p.groups, 1, p.vocab), (1, lay.bv)),
   }
-  out_specs = [outputs[n][0] for n in sig.results]
   dtypes = [o[sig.operand(n).name].dtype for n in sig.results]
-  out_shape = [jax.ShapeDtypeStruct(outputs[n][1], d) for n, d in zip(sig.results, dtypes)]
-  scratch = [pltpu.VMEM(outputs[n][2], _F32) for n in sig.results]
-  grid, out = (p.groups, lay.nv, lay.nn), (out_specs, out_shape, scratch)
+  out = dict(
+    out_specs=[outputs[n][0] for n in sig.results],
+    out_shape=[jax.ShapeDtypeStruct(outputs[n][1], d) for n, d in zip(sig.results, dtypes)],
+    scratch_shapes=[pltpu.VMEM(outputs[n][2], _F32) for n in sig.results],
+  )
+  grid = (p.groups, lay.nv, lay.nn)
   outs = _call(
     kernel,
     lay,

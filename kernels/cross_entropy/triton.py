@@ -35,13 +35,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 from pallax.kernels.cross_entropy import common
-from pallax.kernels.cross_entropy.common import (
-  BWD_STATS,
-  SIGNATURE,
-  Problem,
-  kernel_refs,
-  returning,
-)
+from pallax.kernels.cross_entropy.common import Problem
 from pallax.kernels.cross_entropy.config import CrossEntropyConfig
 from pallax.op.signature import Named, Signature
 from pallax.pallas_triton import tile_mask, triton_call
@@ -217,7 +211,7 @@ def _setup(stage: str, ops, config: CrossEntropyConfig, params):
   p = Problem.of([jax.typeof(o) for o in ops], **params)
   if p.stat_dtype != _F32:
     raise NotImplementedError("the Triton cross-entropy kernels compute in float32 only")
-  sig = SIGNATURE.stage(stage, params)
+  sig = common.SIGNATURE.stage(stage, params)
   return p, sig, sig.unpack(ops), _Layout.of(p, config)
 
 
@@ -256,7 +250,7 @@ def _call(kernel, lay: _Layout, sig: Signature, o: Named, per_token_block, out_s
   ``call``: ``(config, interpret, name)`` as ``triton_call`` takes them.
   """
   return triton_call(
-    lambda *refs: kernel(kernel_refs(sig, refs)[0]),
+    lambda *refs: kernel(common.kernel_refs(sig, refs)[0]),
     lay.grid(lay.nn if per_token_block else lay.nv),
     sig.pack(o),
     _specs(lay, sig, sig.operands, per_token_block),
@@ -364,7 +358,7 @@ def _bwd_logits(p, sig, o, lay, config, interpret):
     out_ref = r.dx
     rows_ok = lay.rows_ok(pl.program_id(0))
     labels = load(r.labels, rows_ok, other=-1)[:, None]
-    stats = [load(r[n], rows_ok)[:, None] for n in BWD_STATS]
+    stats = [load(r[n], rows_ok)[:, None] for n in common.BWD_STATS]
 
     def body(j, carry):
       t = _row_tile(lay, j, rows_ok)
@@ -381,14 +375,14 @@ def _bwd_logits(p, sig, o, lay, config, interpret):
 
 def _bwd_dx(p, sig, o, lay, config, interpret) -> jax.Array:
   """``dx`` in float32: per token block, ``sum_v g w^T`` accumulated in its own output block."""
-  sig = returning(sig, "dx")
+  sig = common.returning(sig, "dx")
   d_view = lambda ref, k: ref.at[:, pl.ds(k * lay.bd, lay.bd)]
 
   def kernel(r):
     dx_ref, w_ref = r.dx, r.w
     rows_ok = lay.rows_ok(pl.program_id(0))
     labels = load(r.labels, rows_ok, other=-1)[:, None]
-    stats = [load(r[n], rows_ok)[:, None] for n in BWD_STATS]
+    stats = [load(r[n], rows_ok)[:, None] for n in common.BWD_STATS]
     dx_mask = lambda k: tile_mask(rows_ok, lay.d_ok(k))
     _zero_out(dx_ref, lay.nd, d_view, dx_mask, (lay.bn, lay.bd))
     _sync(interpret)
@@ -409,7 +403,7 @@ def _bwd_dx(p, sig, o, lay, config, interpret) -> jax.Array:
 
 def _bwd_dw(p, sig, o, lay, config, interpret) -> Named:
   """``dw`` (and ``db``) in float32 by name: per vocabulary block, ``sum_n x^T g`` in its block."""
-  sig = returning(sig, "dw", "db")
+  sig = common.returning(sig, "dw", "db")
   if p.transposed_weight:
     d_view = lambda ref, k: ref.at[:, pl.ds(k * lay.bd, lay.bd)]
     shape = (lay.bv, lay.bd)
@@ -434,7 +428,7 @@ def _bwd_dw(p, sig, o, lay, config, interpret) -> Named:
       t = _Tile(n0, 0, j * lay.bv, rows_ok, cols_ok)
       rows = lambda ref: ref.at[pl.ds(n0, lay.bn)]
       labels = load(rows(r.labels), rows_ok, other=-1)[:, None]
-      stats = [load(rows(r[n]), rows_ok)[:, None] for n in BWD_STATS]
+      stats = [load(rows(r[n]), rows_ok)[:, None] for n in common.BWD_STATS]
       g = _g_tile(lay, t, r, labels, stats)
       db = db if db is None else db + jnp.sum(g, axis=0)  # before the D loop: g then dies
       gc = g.astype(lay.compute)
