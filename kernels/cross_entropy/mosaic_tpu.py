@@ -484,17 +484,14 @@ def _bwd_dw(lay: _Layout, sig: Signature, o: Named, columns, interpret) -> dict:
       for name in sig.results:
         r[name][...] = acc[name][...].astype(r[name].dtype)
 
-  w_block = (lay.bv, p.hidden) if t else (p.hidden, lay.bv)
-  # Each result's BlockSpec, shape (the bias as (G, 1, V) rows) and accumulator block.
-  outputs = {
-    "dw": (lay.w_spec(vocab_major=True), o.w.shape, w_block),
-    "db": (lay.b_spec(vocab_major=True), (p.groups, 1, p.vocab), (1, lay.bv)),
-  }
-  dtypes = [o[sig.operand(n).name].dtype for n in sig.results]
+  specs = {"dw": lay.w_spec(vocab_major=True), "db": lay.b_spec(vocab_major=True)}
+  shapes = {"dw": o.w.shape, "db": (p.groups, 1, p.vocab)}  # the bias as (G, 1, V) rows
+  blocks = {"dw": (lay.bv, p.hidden) if t else (p.hidden, lay.bv), "db": (1, lay.bv)}
+  dtype = lambda n: o[sig.operand(n).name].dtype
   out = dict(
-    out_specs=[outputs[n][0] for n in sig.results],
-    out_shape=[jax.ShapeDtypeStruct(outputs[n][1], d) for n, d in zip(sig.results, dtypes)],
-    scratch_shapes=[pltpu.VMEM(outputs[n][2], _F32) for n in sig.results],
+    out_specs=[specs[n] for n in sig.results],
+    out_shape=[jax.ShapeDtypeStruct(shapes[n], dtype(n)) for n in sig.results],
+    scratch_shapes=[pltpu.VMEM(blocks[n], _F32) for n in sig.results],  # float32 accumulators
   )
   grid = (p.groups, lay.nv, lay.nn)
   outs = _call(
