@@ -12,9 +12,10 @@ tracing, and each candidate is timed on random inputs of the kernel's shapes.
 the same device kind, or into a shipped-defaults directory
 (``pallax/executor/defaults``: configs that ship with the package).
 
-From the command line::
+From the command line (``MODULE:FUNCTION`` names your own function; the
+repository's example model, from a source checkout)::
 
-  python -m pallax.tune my_model:loss --args f32[8,1024] f32[1024,4096] --grad
+  python -m pallax.tune examples.train_step:loss --grad --args SHAPES...  # docs/tuning.md
   python -m pallax.tune --export tuned.json
   python -m pallax.tune --import tuned.json [--into pallax/executor/defaults]
 """
