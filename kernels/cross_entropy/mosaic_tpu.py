@@ -224,15 +224,9 @@ def _call(
   ``out_shape`` and ``scratch_shapes``.
   """
   in_specs, args = _inputs(lay, sig, o, **kw)
-  return pl.pallas_call(
-    lambda *refs: kernel(*common.kernel_refs(sig, refs)),
-    grid=grid,
-    in_specs=in_specs,
-    compiler_params=_params(semantics),
-    interpret=interpret,
-    name=name,
-    **out,
-  )(*args)
+  by_name = lambda *refs: kernel(*common.kernel_refs(sig, refs))
+  spec = dict(grid=grid, in_specs=in_specs, compiler_params=_params(semantics), **out)
+  return pl.pallas_call(by_name, interpret=interpret, name=name, **spec)(*args)
 
 
 def _stats_call(kernel, lay: _Layout, sig: Signature, o: Named, scratch, interpret, name: str):
