@@ -14,9 +14,12 @@ from collections.abc import Iterator
 from typing import Literal, Optional
 
 from pallax._jax_private import enum_flag
+from pallax.executor.implementation import interpreters
 
 Backend = Literal["triton", "mosaic_tpu"]
-BACKENDS: tuple[str, ...] = ("triton", "mosaic_tpu")
+# The Pallas implementations' interpreters (``pallax.executor.implementation``):
+# a backend registered with one is interpreted under the switch too.
+BACKENDS: tuple[str, ...] = interpreters()
 
 _ENV_ALIASES = {
   "": "off",

@@ -199,6 +199,13 @@ def implementation_names() -> tuple[str, ...]:
   return (PALLAS, *_IMPLEMENTATIONS)
 
 
+def interpreters() -> tuple[str, ...]:
+  """The interpret switch's backends: those of the registered Pallas implementations."""
+  return tuple(
+    dict.fromkeys(i.interpreter for i in _IMPLEMENTATIONS.values() if i.pallas and i.interpreter)
+  )
+
+
 def pallas_implementation(target: str, names: Optional[tuple[str, ...]] = None) -> Optional[str]:
   """The Pallas implementation ``"pallas"`` stands for on ``target``.
 

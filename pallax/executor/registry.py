@@ -19,6 +19,7 @@ from pallax.executor.implementation import (
   Target,
   implementation,
   interpreted,
+  interpreters,
   kernel_backend,
   platform_of,
   resolve,
@@ -47,7 +48,8 @@ __all__ = [
   "xla_allowed",
 ]
 
-TARGETS = PLATFORMS + ("interpret-triton", "interpret-mosaic_tpu")
+# The platforms, and the CPU under each backend of the interpret switch.
+TARGETS = PLATFORMS + tuple(f"interpret-{backend}" for backend in interpreters())
 
 
 @dataclasses.dataclass(frozen=True)

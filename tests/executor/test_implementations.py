@@ -136,3 +136,12 @@ def test_an_implementation_added_from_outside_is_selected_on_its_platform():
   )
   assert done.returncode == 0, done.stderr[-3000:]
   assert "selected" in done.stdout and "host_jnp" in done.stdout
+
+
+def test_the_interpret_switch_and_targets_follow_the_registered_interpreters():
+  from pallax.executor.implementation import interpreters
+  from pallax.executor.registry import TARGETS
+  from pallax.interpret import BACKENDS
+
+  assert BACKENDS == interpreters() == ("triton", "mosaic_tpu")
+  assert [t for t in TARGETS if t.startswith("interpret-")] == [f"interpret-{b}" for b in BACKENDS]
