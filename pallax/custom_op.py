@@ -410,7 +410,10 @@ def _residual_op(name: str, fwd: Declaration, spec: ResidualJVP) -> CustomOp:
     else:
       rule = fwd.dims.derived(signature.stage("fwd", {}), signature.stage(names, {}))
       if rule is None:
-        raise ValueError(f"jvp: ResidualJVP.{what}.dims is needed: the op's dims are not a string")
+        raise ValueError(
+          f"jvp: ResidualJVP.{what}.dims is needed: the op's dims are a callable, or a Dims "
+          "with per-shard programs (the stage gives its own)"
+        )
     return Declaration(
       f"{name}_{what}",
       s.reference,

@@ -17,8 +17,10 @@ from pallax._jax_private import enum_flag
 from pallax.executor.implementation import interpreters
 
 Backend = Literal["triton", "mosaic_tpu"]
-# The Pallas implementations' interpreters (``pallax.executor.implementation``):
-# a backend registered with one is interpreted under the switch too.
+# The Pallas implementations' interpreters, as ``pallax.executor.implementation``
+# registers the built-in ones: a built-in backend registered there with an
+# interpreter is interpreted under the switch too (the switch's choices are
+# fixed when this module is imported, so a user's later registration is not).
 BACKENDS: tuple[str, ...] = interpreters()
 
 _ENV_ALIASES = {

@@ -190,7 +190,7 @@ def unsupported_reason(
   """Why ``config`` cannot run this call, if it cannot: the XLA program always can."""
   if config.implementation == XLA:
     return None
-  if config.implementation not in spec.implementations:
+  if config.implementation not in spec.implementations and not _names_own_pallas(spec, config):
     return f"{spec.op} has no {config.implementation} kernel"
   name = resolved(spec.op, config.implementation, target)
   if name is None:
@@ -204,6 +204,12 @@ def unsupported_reason(
       return f"{config.implementation} takes a {space.config_cls.__name__}"
     return space.reason(avals, target, config, **params)
   return spec.supports(avals, target, config, **params)
+
+
+def _names_own_pallas(spec: KernelSpec, config: KernelConfig) -> bool:
+  """Whether ``config`` names one of the kernel's Pallas implementations explicitly."""
+  name = config.implementation
+  return PALLAS in spec.implementations and name in kernel_implementations(spec.op)
 
 
 def _runnable(spec: KernelSpec, target: str) -> list[str]:
@@ -434,8 +440,9 @@ class Executor:
     if entry is None:
       return None
     try:
-      return spec.config_cls.from_dict(entry["config"])
-    except (KeyError, TypeError, ValueError) as err:
+      implementation_name = entry["config"].get("implementation", PALLAS)
+      return spec.space(implementation_name).config_cls.from_dict(entry["config"])
+    except (AttributeError, KeyError, TypeError, ValueError) as err:
       log.warning("ignoring unreadable cached config for %s: %s (%s)", spec.op, entry, err)
       return None
 
@@ -490,15 +497,11 @@ class Executor:
   ) -> Selection:
     """Autotunes one kernel call now, whatever is cached, and stores the winner."""
     spec = kernel_spec(op)
+    kind = _device_kind(target)
+    target = device_target(target, kind)
     with self._lock:
       return self._tune(
-        spec,
-        avals,
-        target,
-        params,
-        cache_key(spec, avals, target, params),
-        _device_kind(target),
-        make_fn,
+        spec, avals, target, params, cache_key(spec, avals, target, params), kind, make_fn
       )
 
 

@@ -66,9 +66,10 @@ class ConfigSpace:
     config_cls: the config class, a frozen dataclass subclassing
       ``pallax.KernelConfig`` (block sizes, ``num_warps``, ...). Its
       ``implementation`` names the kernel a config runs: ``"pallas"`` (the
-      Pallas kernel of the target's backend) or ``"triton_raw"`` (the raw
-      Triton kernel); an op with only a raw kernel should default it to
-      ``"triton_raw"``.
+      Pallas kernel of the target's backend), ``"triton_raw"`` (the raw
+      Triton kernel) or another registered implementation
+      (``pallax.executor.implementation``); an op with only a raw kernel
+      should default it to ``"triton_raw"``.
     heuristic: ``(avals, target, **params) -> config``: cheap, always legal.
     candidates: ``(avals, target, **params) -> [config]``: the autotuning
       space; None: the heuristic's config alone.
@@ -188,13 +189,13 @@ def register_kernel_implementation(
   """Gives the registered kernel ``op`` a kernel of implementation ``name``, from anywhere.
 
   The executor then offers it where the implementation can run: by heuristic
-  on a platform where none of the kernel's own implementations runs compiled
-  (the CPU), to autotuning everywhere it runs compiled, and to ``config=``
-  pins naming it.
+  on the CPU (where the kernel's own Pallas implementations run only
+  interpreted; elsewhere the kernel's own heuristic decides), to autotuning
+  everywhere it runs compiled, and to ``config=`` pins naming it.
 
   Args:
     op: a registered kernel (a primitive's name, e.g. ``"rms_norm_fwd"``).
-    name: a registered implementation (``implementations.register_implementation``).
+    name: a registered implementation (``implementation.register_implementation``).
     kernel: ``(*arrays, config, interpret, **params) -> [array]``.
     space: the implementation's config space; None: the kernel's own, its
       configs naming ``name``.

@@ -211,7 +211,7 @@ def recording() -> Iterator[list[Choice]]:
   try:
     yield record
   finally:
-    _RECORDS.remove(record)
+    del _RECORDS[next(i for i, r in enumerate(_RECORDS) if r is record)]
 
 
 def explain_programs(fn: Callable, *args: Any, **kwargs: Any) -> list[Choice]:

@@ -181,12 +181,25 @@ class DimsRule:
     ``forward`` and ``stage`` are a ``ResidualSignature``'s stages
     (``pallax.op.signature``): each operand and result of ``stage`` (a
     residual, a tangent, a cotangent) has the dims of the forward's operand
-    or result it is or derives from. None where the dims are a callable.
+    or result it is or derives from; a fixed ``Dims``' replicated and refused
+    factors hold there too. None where the dims are a callable, or a fixed
+    ``Dims`` with per-shard programs (their tangent and backward programs
+    are the stage's own to give).
     """
-    if self.operands is None:
+    if self.operands is None or (self.fixed is not None and self.fixed.programs):
       return None
     labels = dict(zip(forward.operands, self.operands))
     labels.update(zip(forward.results, self.results))
+    if self.fixed is not None:
+      of = lambda names: tuple(labels[stage.operand(n).name].names for n in names)
+      return DimsRule(
+        Dims(
+          operands=of(stage.operands),
+          results=of(stage.results),
+          replicated=self.fixed.replicated,
+          refused=self.fixed.refused,
+        )
+      )
     of = lambda names: ", ".join(str(labels[stage.operand(n).name]) for n in names)
     return DimsRule(f"{of(stage.operands)} -> {of(stage.results)}", self.replicated)
 

@@ -143,7 +143,8 @@ def define_primitive(name: str, spec: PrimitiveSpec) -> KernelPrimitive:
       )
       if chosen.implementation == XLA:
         return xla_lowering(ctx, *args, **params)
-      impl = implementation(resolved(name, chosen.implementation, target))
+      # The selection's target carries the device kind the executor chose for.
+      impl = implementation(resolved(name, chosen.implementation, chosen.target))
       refused = impl.unpartitionable_interpreted
       if refused and impl.interpreted(target) and _jax_private.lowering_a_partition(ctx):
         raise NotImplementedError(f"{name}: {refused}")

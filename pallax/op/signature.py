@@ -124,14 +124,19 @@ class Signature:
     names = self.results if results else self.operands
     if len(values) != len(names):
       raise ValueError(f"expected {len(names)} values ({', '.join(names)}), got {len(values)}")
-    return Named(zip(names, values), optional=self.declared)
+    return Named(zip(names, values), optional=self.optional)
 
   def unpack_all(self, values: Sequence[Any]) -> Named:
     """``values``: the operands followed by the results (a kernel's refs), by name."""
     names = self.operands + self.results
     if len(values) != len(names):
       raise ValueError(f"expected {len(names)} values ({', '.join(names)}), got {len(values)}")
-    return Named(zip(names, values), optional=self.declared)
+    return Named(zip(names, values), optional=self.optional)
+
+  @property
+  def optional(self) -> tuple[str, ...]:
+    """The names (derived ones included) of operands a call may lack: ``Named`` gives None."""
+    return tuple(n for n, o in self.declared.items() if o.when is not None)
 
   def pack(self, named: Mapping[str, Any], *, results: bool = False) -> list:
     """The values of ``named`` in the order of the operands (or results)."""
@@ -166,6 +171,18 @@ class ResidualSignature:
     names = [o.name for o in self.inputs + self.outputs]
     if len(set(names)) != len(names):
       raise ValueError(f"operand names must be unique, got {names}")
+    derived = [
+      d
+      for o in self.inputs + self.outputs
+      if o.differentiable
+      for d in (tangent_name(o.name), cotangent_name(o.name))
+    ]
+    clash = sorted(set(derived) & set(names))
+    if clash:
+      raise ValueError(f"operand names {clash} are also tangent or cotangent names")
+    unknown = [n for n in self.residuals or () if n not in names]
+    if unknown:
+      raise ValueError(f"residuals {unknown} name no input or output (have {names})")
 
   def _declared(self) -> dict[str, Operand]:
     declared = {}
@@ -178,7 +195,7 @@ class ResidualSignature:
 
   def _residuals(self, params: Mapping[str, Any]) -> tuple[str, ...]:
     by_name = {o.name: o for o in self.inputs + self.outputs}
-    names = self.residuals or tuple(by_name)
+    names = self.residuals if self.residuals is not None else tuple(by_name)
     return tuple(n for n in names if by_name[n].present(params))
 
   def _differentiable(self, operands: Sequence[Operand], params) -> tuple[str, ...]:

@@ -1,10 +1,13 @@
 """The implementation registry: built-ins listed, device-aware targets, one added from outside."""
 
+import dataclasses
 import os
 import subprocess
 import sys
 import textwrap
 
+import jax
+import jax.numpy as jnp
 import pytest
 
 import pallax.executor as executor
@@ -145,3 +148,43 @@ def test_the_interpret_switch_and_targets_follow_the_registered_interpreters():
 
   assert BACKENDS == interpreters() == ("triton", "mosaic_tpu")
   assert [t for t in TARGETS if t.startswith("interpret-")] == [f"interpret-{b}" for b in BACKENDS]
+
+
+def test_a_config_may_name_the_pallas_implementation_it_means():
+  from pallax.executor.executor import unsupported_reason
+  from pallax.executor.registry import kernel_spec
+  from pallax.kernels.softmax import SoftmaxConfig
+
+  spec = kernel_spec("softmax_fwd")
+  avals = [jax.ShapeDtypeStruct((8, 128), jnp.float32)]
+  named = SoftmaxConfig(block_rows=8, block_cols=128, implementation="pallas_triton")
+  assert unsupported_reason(spec, avals, Target("cuda", "h100"), named, {}) is None
+  mosaic = dataclasses.replace(named, implementation="pallas_mosaic_gpu")
+  assert "no pallas_mosaic_gpu kernel" in unsupported_reason(spec, avals, "cuda", mosaic, {})
+
+
+def test_cached_configs_of_an_added_implementation_come_back_in_its_class(tmp_path):
+  from pallax.executor import Executor, KernelConfig, KernelSpec, register_kernel
+  from pallax.executor.registry import ConfigSpace
+
+  @dataclasses.dataclass(frozen=True)
+  class Native(KernelConfig):
+    block: int = 1
+
+  @dataclasses.dataclass(frozen=True)
+  class Own(KernelConfig):
+    chunk: int = 1
+
+  spec = KernelSpec(
+    "cache_class_op",
+    Native,
+    heuristic=lambda avals, target, **p: Native(),
+    candidates=lambda avals, target, **p: [Native()],
+    supports=lambda avals, target, config, **p: None,
+    implementations=("pallas", "triton_raw"),
+    spaces={"triton_raw": ConfigSpace(Own, heuristic=lambda a, t, **p: Own())},
+  )
+  register_kernel(spec)
+  entry = {"config": Own(chunk=4, implementation="triton_raw").to_dict()}
+  assert Executor._from_entry(spec, entry) == Own(chunk=4, implementation="triton_raw")
+  assert Executor._from_entry(spec, {"config": Native(block=2).to_dict()}) == Native(block=2)
