@@ -31,8 +31,10 @@ gathered.
 from __future__ import annotations
 
 import functools
+import inspect
 import numbers
-from typing import Optional, Union
+from collections.abc import Mapping
+from typing import Any, Optional, Union
 
 import jax
 import jax.numpy as jnp
@@ -353,18 +355,20 @@ def _labels(op: str, labels, shape: tuple[int, ...], vocab: int, ignore_index) -
   return labels.astype(jnp.int32)
 
 
-def _loss(op: str, floats: dict, labels, params, vocab, options: tuple, config, return_lse):
+def _loss(op: str, floats: dict, labels, params, vocab, options: Mapping[str, Any]):
   """The loss from the forward primitive's statistics, or ``linear_cross_entropy_loss_p``.
 
   ``floats``: the floating operands by name (``x``, ``w``, ``b``), checked,
   taken in their common dtype; ``labels`` of ``x``'s token dims; ``options``
-  the loss options as the public functions take them, checked here.
+  ``cross_entropy``'s keyword arguments by name, checked here.
 
   A scalar loss of ``linear_cross_entropy`` (without ``return_lse``) is
   ``linear_cross_entropy_loss_p``, whose derivative is the value-and-gradient
   primitive; the rest differentiates the statistics.
   """
-  options = _options(op, *options)
+  options = dict(options)
+  config, return_lse = options.pop("config"), options.pop("return_lse")
+  options = _options(op, **options)
   check_config(op, config, CrossEntropyConfig)
   ignore_index, smoothing, z_loss, cap, reduction = options
   labels = _labels(op, labels, floats["x"].shape[:-1], vocab, ignore_index)
@@ -437,14 +441,31 @@ def cross_entropy(
     The loss (a scalar, or of ``labels``' shape for ``"none"``), and with
     ``return_lse`` the pair ``(loss, lse)``.
   """
+  given = locals()  # the keyword arguments, taken by name below (``_OPTIONS``)
   op = "cross_entropy"
   logits = _floating(op, "logits", logits)
   if logits.ndim < 1 or logits.shape[-1] == 0:
     raise ValueError(f"{op}: logits must have a non-empty last (class) axis, got {logits.shape}")
   params = dict(linear=False, has_bias=False, transposed_weight=False)
-  options = (ignore_index, label_smoothing, z_loss, logit_soft_cap, reduction)
-  vocab = logits.shape[-1]
-  return _loss(op, dict(x=logits), labels, params, vocab, options, config, return_lse)
+  options = {name: given[name] for name in _OPTIONS}
+  return _loss(op, dict(x=logits), labels, params, logits.shape[-1], options)
+
+
+# ``cross_entropy``'s keyword arguments and their defaults: the loss options
+# ``linear_cross_entropy`` takes too.
+_OPTIONS = {
+  p.name: p.default
+  for p in inspect.signature(cross_entropy).parameters.values()
+  if p.kind is inspect.Parameter.KEYWORD_ONLY
+}
+
+
+def _loss_options(op: str, options: Mapping[str, Any]) -> dict[str, Any]:
+  """``options`` with ``cross_entropy``'s defaults; an unknown name raises as Python does."""
+  unknown = sorted(set(options) - set(_OPTIONS))
+  if unknown:
+    raise TypeError(f"{op}() got an unexpected keyword argument {unknown[0]!r}")
+  return {**_OPTIONS, **options}
 
 
 def linear_cross_entropy(
@@ -454,13 +475,7 @@ def linear_cross_entropy(
   *,
   bias: Optional[jax.Array] = None,
   transposed_weight: bool = False,
-  ignore_index: Optional[int] = -100,
-  label_smoothing: float = 0.0,
-  z_loss: float = 0.0,
-  logit_soft_cap: Optional[float] = None,
-  reduction: str = "mean",
-  return_lse: bool = False,
-  config: Config = None,
+  **options: Any,
 ) -> Union[jax.Array, tuple[jax.Array, jax.Array]]:
   """``cross_entropy(x @ weight + bias, labels)`` without materialising the logits.
 
@@ -482,13 +497,9 @@ def linear_cross_entropy(
       transpose's operand (``_read_table_in_place``). One made inside a
       nested ``jit`` is a copy on GPU and TPU, where kernels read their
       operands as laid out in memory; the flag never is.
-    ignore_index: as for ``cross_entropy``.
-    label_smoothing: as for ``cross_entropy``.
-    z_loss: as for ``cross_entropy``.
-    logit_soft_cap: as for ``cross_entropy``.
-    reduction: as for ``cross_entropy``.
-    return_lse: as for ``cross_entropy``.
-    config: as for ``cross_entropy``.
+    **options: ``cross_entropy``'s keyword arguments, with its defaults:
+      ``ignore_index``, ``label_smoothing``, ``z_loss``, ``logit_soft_cap``,
+      ``reduction``, ``return_lse`` and ``config`` (the signature lists them).
 
   Returns:
     As ``cross_entropy``.
@@ -523,8 +534,15 @@ def linear_cross_entropy(
       raise ValueError(f"{op}: bias must have shape ({vocab},), got {bias.shape}")
     floats["b"] = bias
   params = dict(linear=True, has_bias=bias is not None, transposed_weight=bool(transposed_weight))
-  options = (ignore_index, label_smoothing, z_loss, logit_soft_cap, reduction)
-  return _loss(op, floats, labels, params, vocab, options, config, return_lse)
+  return _loss(op, floats, labels, params, vocab, _loss_options(op, options))
+
+
+# ``help`` and ``inspect`` show every keyword argument, as cross_entropy's do.
+_own = list(inspect.signature(linear_cross_entropy).parameters.values())[:-1]
+linear_cross_entropy.__signature__ = inspect.signature(linear_cross_entropy).replace(
+  parameters=_own
+  + [p for p in inspect.signature(cross_entropy).parameters.values() if p.name in _OPTIONS]
+)
 
 
 def linear_softmax_cross_entropy_loss(
