@@ -235,7 +235,9 @@ class Declaration:
       return space.reason(self._kernel_avals(avals, batched), target, config, **params)
 
     impls = {b: self._impl(b) for b in self.kernels}
-    return Kernel(impls, space.config_cls, heuristic, candidates, supports, space.version)
+    return Kernel(
+      impls, ConfigSpace(space.config_cls, heuristic, candidates, supports, space.version)
+    )
 
   def spec(self) -> PrimitiveSpec:
     """The ``PrimitiveSpec`` that ``define_primitive`` builds the primitive from."""

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 
 import jax
 
-from pallax.executor import KernelConfig, Scope, Selection
+from pallax.executor import Scope, Selection
 from pallax.executor.implementation import PALLAS, implementation
 from pallax.executor.registry import ConfigSpace
 
@@ -26,31 +26,20 @@ class Kernel:
     ``"triton_raw"``, ...: ``pallax.executor.implementation``), the kernel
     ``(*arrays, config, interpret, **params) -> [array]`` (``interpret`` goes
     to ``pallas_call`` as is).
-  config_cls, heuristic, candidates, supports, version: the kernel's
-    ``KernelSpec`` without its name, which is the primitive's (see
-    ``registry.KernelSpec``). They describe the kernel only: the executor adds
-    the XLA program as a choice of its own.
+  space: the kernels' config space (``ConfigSpace``), the ``KernelSpec``
+    without its name, which is the primitive's (see ``registry.KernelSpec``).
+    It describes the kernels only: the executor adds the XLA program as a
+    choice of its own.
   """
 
   impls: Mapping[str, Callable[..., Sequence[jax.Array]]]
-  config_cls: type[KernelConfig]
-  heuristic: Callable[..., KernelConfig]
-  candidates: Callable[..., Sequence[KernelConfig]]
-  supports: Callable[..., str | None]
-  version: int = 1
+  space: ConfigSpace
 
   @property
   def implementations(self) -> tuple[str, ...]:
     """The implementations as configs name them: ``"pallas"`` for every Pallas one, the others."""
     names = [PALLAS if implementation(name).pallas else name for name in self.impls]
     return tuple(dict.fromkeys(names))
-
-  @property
-  def space(self) -> ConfigSpace:
-    """Its config space, as ``pallax.custom_op`` takes it (``config=``)."""
-    return ConfigSpace(
-      self.config_cls, self.heuristic, self.candidates, self.supports, self.version
-    )
 
   @classmethod
   def of_family(cls, name: str, *, config: Any, backends: Mapping[str, Any], **bound) -> Kernel:
@@ -70,14 +59,14 @@ class Kernel:
       for b, m in backends.items()
       if hasattr(m, name)
     }
-    return cls(
-      impls,
+    space = ConfigSpace(
       config.CONFIG_CLS,
       config.heuristic,
       config.candidates,
       config.supports,
       getattr(config, "VERSION", 1),
     )
+    return cls(impls, space)
 
   @classmethod
   def of_stage(cls, stage: str, *, config: Any, backends: Mapping[str, Any]) -> Kernel:

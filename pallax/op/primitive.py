@@ -120,7 +120,13 @@ def define_primitive(name: str, spec: PrimitiveSpec) -> KernelPrimitive:
     k = spec.kernel
     register_kernel(
       KernelSpec(
-        name, k.config_cls, k.heuristic, k.candidates, k.supports, k.version, k.implementations
+        name,
+        k.space.config_cls,
+        k.space.heuristic,
+        k.space.candidates,
+        k.space.supports,
+        k.space.version,
+        k.implementations,
       ),
       k.impls,
     )
