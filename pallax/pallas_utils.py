@@ -162,6 +162,15 @@ def triton_smem_bytes(tiles: Iterable[tuple[int, int]], itemsize: int, num_stage
   return num_stages * sum(rows * cols for rows, cols in tiles) * itemsize
 
 
+def triton_elements_per_thread(block_elements: int, num_warps: int) -> int:
+  """The elements of a Triton program's block each thread holds (32 threads a warp).
+
+  The register model of the row-wise kernels (norms, softmax): a thread keeps
+  its share of the block, and its float32 temporaries, in registers.
+  """
+  return block_elements // (32 * num_warps)
+
+
 def config_space(text: str) -> tuple[tuple[int, ...], ...]:
   """A space of Triton configs written as ``"128x64x8x2 64x64x4x2 ..."``: their fields' values."""
   return tuple(tuple(int(n) for n in config.split("x")) for config in text.split())

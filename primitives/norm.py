@@ -84,7 +84,7 @@ def _norm_dims(operands, results, *avals, **params) -> Dims:
 _XLA = {"fwd": norm_xla.norm_fwd, "jvp": norm_xla.norm_jvp, "bwd": norm_xla.norm_bwd}
 
 
-def _stage(kind: NormKind, stage: str) -> PrimitiveSpec:
+def _stage(name: str, kind: NormKind, stage: str) -> PrimitiveSpec:
   operands, results = kind.names(stage)
   index = lambda names, category: tuple(i for i, n in enumerate(names) if CATEGORY[n] == category)
   return PrimitiveSpec(
@@ -92,7 +92,7 @@ def _stage(kind: NormKind, stage: str) -> PrimitiveSpec:
     xla=functools.partial(_XLA[stage], kind=kind),
     # The tangent runs as its XLA program on every platform (forward-mode AD
     # only; under grad it is transposed into the backward kernel, never run).
-    kernel=None if stage == "jvp" else kernels.kernel(stage, kind),
+    kernel=None if stage == "jvp" else kernels.kernel(f"{name}_{stage}", stage, kind),
     dims=functools.partial(_norm_dims, operands, results),
     batching=norm_batching.rowwise(
       row_operands=index(operands, ROW) + index(operands, STAT),
@@ -133,9 +133,9 @@ def _stat_tangents(kind, primals, outs, operands, **params):
 def _define_op(name: str, kind: NormKind) -> ResidualOp:
   return define_residual_op(
     name,
-    fwd=_stage(kind, "fwd"),
-    tangent=_stage(kind, "jvp"),
-    bwd=_stage(kind, "bwd"),
+    fwd=_stage(name, kind, "fwd"),
+    tangent=_stage(name, kind, "jvp"),
+    bwd=_stage(name, kind, "bwd"),
     linear=slice(len(kind.residuals()), None),
     tangent_operands=functools.partial(_tangent_operands, kind),
     residual_tangents=functools.partial(_stat_tangents, kind),

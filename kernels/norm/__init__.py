@@ -39,8 +39,11 @@ __all__ = [
 _RAW_KERNELS = LazyKernels("pallax.kernels.norm.triton_raw", ("norm_fwd", "norm_bwd"))
 
 
-def kernel(stage: str, kind: NormKind) -> Kernel:
-  """The kernels of ``stage`` (``"fwd"`` or ``"bwd"``) for ``kind``.
+def kernel(name: str, stage: str, kind: NormKind) -> Kernel:
+  """The kernels ``name`` (``rms_norm_fwd``, ...) of ``stage`` (``fwd`` or ``bwd``) for ``kind``.
+
+  Its config space is told ``name`` (the compiler verdicts on its configs are
+  that kernel's, ``config.py``).
 
   Pallas on Triton and Mosaic TPU for every kind; raw Triton for rms_norm
   only, so the executor neither times nor accepts ``"triton_raw"`` configs
@@ -49,4 +52,6 @@ def kernel(stage: str, kind: NormKind) -> Kernel:
   backends = {"pallas_triton": triton, "pallas_mosaic_tpu": mosaic_tpu}
   if kind == RMS:
     backends[RAW] = _RAW_KERNELS
-  return Kernel.of_family(f"norm_{stage}", config=config, kind=kind, backends=backends)
+  return Kernel.of_family(
+    f"norm_{stage}", config=config, backends=backends, space_params={"kernel": name}, kind=kind
+  )

@@ -14,6 +14,7 @@ from typing import Any, Optional
 import jax.numpy as jnp
 
 from pallax import pallas_utils as pu
+from pallax.executor import facts
 from pallax.executor.config import KernelConfig
 from pallax.executor.registry import interpreted, kernel_backend
 from pallax.triton_raw import IMPLEMENTATION as RAW
@@ -40,28 +41,54 @@ def _rows_hidden(avals) -> tuple[int, int]:
   return max(1, math.prod(x.shape[:-1])), x.shape[-1]
 
 
-# The widest row (a power of two) the Triton kernels hold in registers: the
-# backward kernel spills at every num_warps beyond it (788-14378 bytes at 32K,
-# float32 and bfloat16, H100 and A100; the raw kernel 260-2584 bytes at 16 and
-# 32 warps). Wider rows run the XLA program.
-_TRITON_MAX_HIDDEN = 16384
+# The Triton space: block rows and warps, in order of preference, whose
+# threads each hold at most 32 elements of the block
+# (``pu.triton_elements_per_thread``), with 16 warps (128 registers a thread)
+# for single rows only. This register model is what ptxas measured
+# (``pallax.verify``: --warn-on-spills, sm_90a and sm_80, the kernels of all
+# three norms, float32 and bfloat16): 32 elements a thread use 128-137
+# registers in the backward kernels at (8 rows of 1024, 8 warps), while 64
+# spilled there (fused_add_rms_norm float32, one row of 16K on 8 warps, A100:
+# 6468 bytes) and in the forward (rms_norm bfloat16, one row of 4096 on 2
+# warps, A100: 8 bytes); at 16 warps one row of 16K uses 118-128 registers,
+# while (8, 1024) and (2, 4096) blocks, 16 elements a thread, spilled in
+# bfloat16 backward kernels on A100 and H100. So a row wider than 16 warps
+# of 32 elements a thread (16384) has no config and runs the XLA program.
+# What the compilers find about configs of the space is data: the verdicts
+# of ``defaults/<device>/<kernel>.json`` (``facts``, ``call_facts``).
+_TRITON_ROWS = (1, 2, 4, 8, 16, 32, 64)
+_TRITON_WARPS = (2, 4, 8, 16)
+_THREAD_ELEMENTS = 32
+_TRITON_MAX_HIDDEN = _THREAD_ELEMENTS * 32 * max(_TRITON_WARPS)
 
 
-def _spills(block_rows: int, block_hidden: int, num_warps: int) -> bool:
-  """Whether a Triton norm kernel with this block and warps spills registers.
+def call_facts(avals: Sequence[Any], **params) -> dict[str, Any]:
+  """What the compiler verdicts on a call's configs depend on (``pallax.executor.facts``).
 
-  Measured with ptxas (``pallax.verify``: --warn-on-spills, sm_90a and sm_80)
-  on the kernels of all three norms, float32 and bfloat16. A thread holds at
-  most 32 elements of the block: (8 rows of 1024, 8 warps) uses 128-137
-  registers in the backward kernels, while 64 per thread spilled there
-  (fused_add_rms_norm float32, one row of 16K on 8 warps, A100: 6468 bytes)
-  and in the forward (rms_norm bfloat16, one row of 4096 on 2 warps, A100: 8
-  bytes). With 16 warps (128 registers a thread) only a single-row block
-  fits: one row of 16K uses 118-128 registers, while (8, 1024) and (2, 4096),
-  16 per thread, spilled in bfloat16 backward kernels on A100 and H100.
+  width: the rows' bytes an element; hidden: the row's width padded to a
+  power of two (a Triton block's).
   """
-  per_thread = block_rows * block_hidden // (32 * num_warps)
-  return per_thread > 32 or (num_warps >= 16 and block_rows > 1)
+  return {"width": jnp.dtype(avals[0].dtype).itemsize, "hidden": pu.next_pow2(avals[0].shape[-1])}
+
+
+def _in_space(block_rows: int, block_hidden: int, num_warps: int) -> bool:
+  """Whether a Triton block and warps are in the space (its register model)."""
+  per_thread = pu.triton_elements_per_thread(block_rows * block_hidden, num_warps)
+  return 0 < per_thread <= _THREAD_ELEMENTS and (num_warps < 16 or block_rows == 1)
+
+
+def _triton_configs(avals, target: str, kernel: str) -> list[NormConfig]:
+  """The configs of the space for this call that no verdict rejects (may be empty)."""
+  rows, hidden = _rows_hidden(avals)
+  block_hidden, call = pu.next_pow2(hidden), call_facts(avals)
+  space = [
+    NormConfig(block_rows=b, num_warps=w)
+    for b in _TRITON_ROWS
+    if b <= pu.next_pow2(rows)
+    for w in _TRITON_WARPS
+    if _in_space(b, block_hidden, w)
+  ]
+  return [c for c in space if facts.rejection(target, kernel, c, call) is None]
 
 
 def tpu_vmem(block_rows: int, hidden: int, itemsize: int) -> int:
@@ -83,54 +110,52 @@ def tpu_vmem(block_rows: int, hidden: int, itemsize: int) -> int:
   )
 
 
-def _backend_heuristic(avals, backend: str) -> NormConfig:
-  """Rows per block: about 8K elements (Triton), or what fits in VMEM (TPU).
+def _triton_heuristic(avals, target: str, kernel: str) -> NormConfig:
+  """About 8K elements a block, 32 a thread: 8 warps on several rows, up to 16 on one.
 
-  On TPU, as many rows as fit ``TPU_VMEM_BUDGET`` (``tpu_vmem``), at most
-  1024. On Triton, a warp per 1K elements of the block: 32 elements per
-  thread, which the backward kernel holds without spilling (``_spills``); 8
-  warps for multi-row blocks, 16 for a row of 16K elements or more (one row
-  per block).
+  A warp per 1K elements of the block; where a verdict rejects that config,
+  the first config of the space left (where none is, ``supports`` refuses it).
   """
   rows, hidden = _rows_hidden(avals)
-  if backend == "triton":
-    block_hidden = pu.next_pow2(hidden)
-    block_rows = max(1, min(pu.next_pow2(rows), 8192 // block_hidden, 64))
-    num_warps = max(1, min(8 if block_rows > 1 else 16, block_hidden * block_rows // 1024))
-    return NormConfig(block_rows=block_rows, num_warps=pu.next_pow2(num_warps))
+  block_hidden = pu.next_pow2(hidden)
+  block_rows = max(1, min(pu.next_pow2(rows), 8192 // block_hidden, 64))
+  num_warps = max(1, min(8 if block_rows > 1 else 16, block_hidden * block_rows // 1024))
+  config = NormConfig(block_rows=block_rows, num_warps=pu.next_pow2(num_warps))
+  if facts.rejection(target, kernel, config, call_facts(avals)) is None:
+    return config
+  return next(iter(_triton_configs(avals, target, kernel)), config)
+
+
+def _tpu_heuristic(avals) -> NormConfig:
+  """As many rows as fit ``TPU_VMEM_BUDGET`` (``tpu_vmem``), at most 1024."""
+  hidden = _rows_hidden(avals)[1]
   dtype = avals[0].dtype
   sub = pu.sublanes(dtype)
   fit = pu.TPU_VMEM_BUDGET // tpu_vmem(1, hidden, jnp.dtype(dtype).itemsize)
   return NormConfig(block_rows=min(max(sub, fit // sub * sub), 1024))
 
 
-def heuristic(avals: Sequence[Any], target: str, **params) -> NormConfig:
-  """The kernel's config for this call: see ``_backend_heuristic``.
+def heuristic(avals: Sequence[Any], target: str, *, kernel: str, **params) -> NormConfig:
+  """The kernel's config for this call: Triton's or TPU's heuristic.
 
   Always a Pallas config: whether rms_norm's raw Triton kernels beat the
   Pallas ones is decided by autotuning on a GPU, where the executor times a
   raw twin of every Pallas candidate.
   """
-  return _backend_heuristic(avals, kernel_backend(target))
+  if kernel_backend(target) == "triton":
+    return _triton_heuristic(avals, target, kernel)
+  return _tpu_heuristic(avals)
 
 
-def candidates(avals: Sequence[Any], target: str, **params) -> list[NormConfig]:
+def candidates(avals: Sequence[Any], target: str, *, kernel: str, **params) -> list[NormConfig]:
   """The autotuning space: block rows (and warps on Triton)."""
-  rows, hidden = _rows_hidden(avals)
-  backend = kernel_backend(target)
+  hidden = _rows_hidden(avals)[1]
+  base = heuristic(avals, target, kernel=kernel)
   if interpreted(target):  # interpreted kernels are slow: a few block sizes
-    base = _backend_heuristic(avals, backend)
     blocks = sorted({base.block_rows, max(1, base.block_rows // 4)})
     return [dataclasses.replace(base, block_rows=b) for b in blocks]
-  if backend == "triton":
-    block_hidden = pu.next_pow2(hidden)
-    out = [
-      NormConfig(block_rows=b, num_warps=w)
-      for b in (1, 2, 4, 8, 16, 32, 64)
-      if b <= pu.next_pow2(rows) and b * block_hidden <= 65536
-      for w in (2, 4, 8, 16)
-      if w * 32 <= b * block_hidden and not _spills(b, block_hidden, w)
-    ]
+  if kernel_backend(target) == "triton":
+    out = _triton_configs(avals, target, kernel)
   else:
     sub, itemsize = pu.sublanes(avals[0].dtype), jnp.dtype(avals[0].dtype).itemsize
     out = [
@@ -138,19 +163,23 @@ def candidates(avals: Sequence[Any], target: str, **params) -> list[NormConfig]:
       for b in (sub, 2 * sub, 4 * sub, 8 * sub, 256, 512, 1024)
       if b % sub == 0 and tpu_vmem(b, hidden, itemsize) <= pu.TPU_VMEM_BUDGET
     ]
-  return out or [_backend_heuristic(avals, backend)]
+  return out or [base]
 
 
-def _triton_reason(avals, target: str, config: NormConfig) -> Optional[str]:
+def _triton_reason(avals, target: str, config: NormConfig, kernel: str) -> Optional[str]:
   """Why a Triton kernel (Pallas or raw) cannot run this call with ``config``, if it cannot."""
   block_rows = config.block_rows
   if block_rows & (block_rows - 1):
     return f"block_rows={block_rows} must be a power of two on Triton"
-  if not interpreted(target) and _rows_hidden(avals)[1] > _TRITON_MAX_HIDDEN:
-    return (
-      f"rows wider than {_TRITON_MAX_HIDDEN} elements spill registers in the Triton "
-      "kernels at every num_warps"
-    )
+  if not interpreted(target):
+    if _rows_hidden(avals)[1] > _TRITON_MAX_HIDDEN:
+      return (
+        f"rows wider than {_TRITON_MAX_HIDDEN} elements spill registers in the Triton "
+        "kernels at every num_warps"
+      )
+    reason = facts.rejection(target, kernel, config, call_facts(avals))
+    if reason:
+      return reason
   return pu.triton_warps_reason(config)
 
 
@@ -165,7 +194,9 @@ def _raw_reason(avals) -> Optional[str]:
   return None
 
 
-def supports(avals: Sequence[Any], target: str, config: NormConfig, **params) -> Optional[str]:
+def supports(
+  avals: Sequence[Any], target: str, config: NormConfig, *, kernel: str, **params
+) -> Optional[str]:
   """Why the kernel cannot run this call on ``target`` with ``config``, if it cannot.
 
   A ``"triton_raw"`` config follows the Triton rules wherever it runs
@@ -173,9 +204,9 @@ def supports(avals: Sequence[Any], target: str, config: NormConfig, **params) ->
   (``_raw_reason``).
   """
   if config.implementation == RAW:
-    return _raw_reason(avals) or _triton_reason(avals, target, config)
+    return _raw_reason(avals) or _triton_reason(avals, target, config, kernel)
   if kernel_backend(target) == "triton":
-    return _triton_reason(avals, target, config)
+    return _triton_reason(avals, target, config, kernel)
   block_rows = config.block_rows
   if avals[0].dtype == jnp.float64:
     return "float64 has no Mosaic TPU kernel"

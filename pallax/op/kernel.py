@@ -42,7 +42,15 @@ class Kernel:
     return tuple(dict.fromkeys(names))
 
   @classmethod
-  def of_family(cls, name: str, *, config: Any, backends: Mapping[str, Any], **bound) -> Kernel:
+  def of_family(
+    cls,
+    name: str,
+    *,
+    config: Any,
+    backends: Mapping[str, Any],
+    space_params: Mapping[str, Any] = types.MappingProxyType({}),
+    **bound,
+  ) -> Kernel:
     """The kernel ``name`` of a ``kernels/<family>/`` package.
 
     Args:
@@ -52,6 +60,9 @@ class Kernel:
       backends: implementation name -> the family's module for it; an
         implementation whose module lacks ``name`` has no kernel for it (a raw
         Triton module, ``triton_raw.LazyKernels``, may have some stages only).
+      space_params: keyword arguments bound to ``heuristic``, ``candidates``
+        and ``supports`` (a family whose config module serves several kernels
+        is told which one: its stage, its kernel's name).
       **bound: static arguments bound to every backend's kernel function.
     """
     impls = {
@@ -59,11 +70,15 @@ class Kernel:
       for b, m in backends.items()
       if hasattr(m, name)
     }
+
+    def given(f):
+      return functools.wraps(f)(lambda *args, **kw: f(*args, **space_params, **kw))
+
     space = ConfigSpace(
       config.CONFIG_CLS,
-      config.heuristic,
-      config.candidates,
-      config.supports,
+      given(config.heuristic),
+      given(config.candidates),
+      given(config.supports),
       getattr(config, "VERSION", 1),
     )
     return cls(impls, space)
@@ -76,18 +91,7 @@ class Kernel:
     module whose ``heuristic``, ``candidates`` and ``supports`` take a
     ``stage`` keyword.
     """
-
-    def bound(f):
-      return functools.wraps(f)(lambda *args, **kw: f(*args, stage=stage, **kw))
-
-    space = types.SimpleNamespace(
-      CONFIG_CLS=config.CONFIG_CLS,
-      heuristic=bound(config.heuristic),
-      candidates=bound(config.candidates),
-      supports=bound(config.supports),
-      VERSION=getattr(config, "VERSION", 1),
-    )
-    return cls.of_family(stage, config=space, backends=backends)
+    return cls.of_family(stage, config=config, backends=backends, space_params={"stage": stage})
 
 
 def select_config(

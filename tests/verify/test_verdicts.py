@@ -132,6 +132,7 @@ def test_the_command_line_takes_write_facts(monkeypatch, tmp_path, capsys):
   assert "facts: 0 verdicts added" in capsys.readouterr().out
 
 
+@pytest.mark.compilers
 @pytest.mark.lowering
 def test_a_compiled_shared_memory_overflow_becomes_a_verdict(tmp_path):
   # 4 stages of (128x128 + 128x256) bfloat16 tiles: 384 KiB, over H100's 227 KiB.
@@ -152,3 +153,28 @@ def test_a_compiled_shared_memory_overflow_becomes_a_verdict(tmp_path):
     assert verdict["config"] == config.to_dict()
     assert verdict["when"] == {"itemsize": 2, "transpose_a": False, "transpose_b": False}
     assert "shared memory" in verdict["reason"].lower()
+
+
+def test_a_norm_verdict_moves_the_heuristic_and_leaves_the_candidates(shipped):
+  """The norm family reads the verdicts too (before issue 27 it had a spill rule in code)."""
+  from pallax.executor import Target
+  from pallax.kernels.norm import NormConfig
+  from tests.helpers import executor_view
+
+  case = Case("rms_norm", "bwd", (64, 1024), "bfloat16")
+  (eqn,) = [e for e in sweep.kernel_calls_of(case.id) if e.primitive.name == "rms_norm_bwd"]
+  avals, params = _call(eqn)
+  heuristic, candidates, supports = executor_view("rms_norm_bwd")
+  chosen = heuristic(avals, "cuda", **params)
+  assert chosen == NormConfig(block_rows=8, num_warps=8)
+  record = {**_record(eqn, "h100", chosen, "spills"), "cases": [case.id]}
+  record["kernels"] = [{"name": "norm_bwd_kernel", "registers": 255, "spill_bytes": 40}]
+  written = write_facts([record], shipped)
+  assert written.added == 1
+  facts.verdicts.cache_clear()
+  assert heuristic(avals, "cuda", **params) != chosen
+  assert chosen not in candidates(avals, "cuda", **params)
+  assert "h100: ptxas: 40 bytes spilled" in supports(avals, "cuda", chosen, **params)
+  assert heuristic(avals, Target("cuda", "a100"), **params) == chosen  # the verdict is H100's
+  assert heuristic(avals, Target("cuda", "h100"), **params) != chosen
+  assert supports(avals, "interpret-triton", chosen, **params) is None
