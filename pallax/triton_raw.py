@@ -105,8 +105,16 @@ def import_triton(module: str) -> tuple[Any, Any]:
   try:
     triton = _modules()[0]
   except ImportError as e:
+    first = str(e).splitlines()[0]
+    if e.name is None:  # raised by jax-triton itself: jaxlib has no CUDA plugin
+      raise ImportError(
+        f"{module}: jax-triton imports only where jaxlib has its CUDA plugin: pip install "
+        f"'pallax[cuda12]' on an NVIDIA GPU machine, or 'pallax[verify]' (the CUDA plugin "
+        f"the compilers use) on another ({first})"
+      ) from e
     raise ImportError(
-      f"{module} needs triton and jax-triton, which come with the triton extra: {_INSTALL} ({e})"
+      f"{module} needs triton and jax-triton, which come with the triton extra: {_INSTALL} "
+      f"({first})"
     ) from e
   return triton, importlib.import_module("triton.language")
 
@@ -130,8 +138,9 @@ def _modules() -> tuple[Any, Any]:
     for name in ("TRITON_PTXAS_PATH", "TRITON_PTXAS_BLACKWELL_PATH"):
       os.environ.setdefault(name, tool)
   cache = os.environ.get("TRITON_CACHE_DIR")
-  import jax_triton
-  import triton
+  # triton first, so that its absence is what a missing triton reports.
+  triton = importlib.import_module("triton")
+  jax_triton = importlib.import_module("jax_triton")
 
   if cache is None:
     os.environ.pop("TRITON_CACHE_DIR", None)

@@ -14,6 +14,10 @@
   Run it with ``-n 0`` (one process owns the device); with fewer than 8
   devices the sharding tests run on the 8 fake host CPUs
   (``tests.helpers.sharding_devices``).
+
+Tests marked ``compilers`` compile for H100, A100 and TPU without the
+hardware; they are skipped, with the reason, where the ``verify`` extra's
+compilers are not installed (``missing_compilers``).
 """
 
 import os
@@ -60,12 +64,31 @@ def pytest_configure(config):
 def pytest_collection_modifyitems(config, items):
   for item in items_beyond_each_value(items):
     item.add_marker(pytest.mark.slow)
+  missing = missing_compilers()
+  if missing:
+    skip = pytest.mark.skip(reason=f"needs the verify compilers: {missing}")
+    for item in items:
+      if "compilers" in item.keywords:
+        item.add_marker(skip)
   if PLATFORM == "cpu":
     return
   skip = pytest.mark.skip(reason=f"lowering/compile check: redundant on a real {PLATFORM}")
   for item in items:
     if "lowering" in item.keywords:
       item.add_marker(skip)
+
+
+def missing_compilers() -> str:
+  """Why the tests marked ``compilers`` cannot run here ("" when they can).
+
+  They compile for H100 and A100 (the CUDA plugin and ptxas) and TPU v5e and
+  v6e (libtpu) without the hardware: the ``verify`` extra, which the ``test``
+  extra leaves out (installed, every ``import jax`` logs CUDA driver lines).
+  """
+  from pallax.verify.targets import TARGETS
+
+  reasons = (target.unavailable_reason() for target in TARGETS.values())
+  return "; ".join(dict.fromkeys(r for r in reasons if r))
 
 
 def items_beyond_each_value(items):

@@ -173,6 +173,7 @@ def test_example_sharded_jit_has_no_all_gather(spec, axis_type):
     assert_close(dy, dy64, jnp.float32, "dy")
 
 
+@pytest.mark.compilers
 @pytest.mark.lowering
 @pytest.mark.parametrize("cc", [90, 80])
 def test_example_lowers_for_cuda_as_raw_triton(cc):
@@ -681,6 +682,7 @@ def test_bad_calls():
     wrong(jnp.ones(3))
 
 
+@pytest.mark.compilers
 @pytest.mark.lowering
 def test_verify_command_line_compiles_the_example(tmp_path):
   """``python -m pallax.verify --module examples.swiglu``: the workers import it too."""

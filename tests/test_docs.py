@@ -21,6 +21,8 @@ A fenced block's language says what it is:
   must exit 0 within ``COMMAND_TIMEOUT`` seconds. Exceptions:
 
   - ``pip install ...`` lines are not run (the test extra is installed).
+    A block that installs the ``verify`` extra needs its compilers: it runs
+    in ``test_shell_blocks_with_the_compilers`` (marker ``compilers``).
   - The README's test command is what CI runs: the test asserts that
     ``.ci/run`` runs it verbatim, and does not start the suite from inside it.
   - A command too long for a test carries a trailing ``# slow: <why>``
@@ -312,9 +314,14 @@ def _run_block(block: Block, commands: list[str], base: Path) -> str:
   return ""
 
 
-def test_shell_blocks(tmp_path):
-  """Every shell block's commands, the blocks side by side (one a core)."""
-  plans = [(block, *plan(block)) for block in SHELL_BLOCKS]
+def needs_compilers(block: Block) -> bool:
+  """Whether a shell block installs the ``verify`` extra (its commands compile for GPUs, TPUs)."""
+  return any(c.startswith("pip install") and "verify" in c for c, _ in commands(block))
+
+
+def _check_blocks(blocks: list[Block], tmp_path: Path) -> None:
+  """Runs ``blocks`` side by side (one a core) and checks their slow commands' options."""
+  plans = [(block, *plan(block)) for block in blocks]
   programs = sorted({program(c) for _, _, slow in plans for c in slow})
   help_dir = tmp_path / "help"
   help_dir.mkdir()
@@ -333,3 +340,16 @@ def test_shell_blocks(tmp_path):
       if missing:
         errors.append(f"{block.where}: `{command}` uses options its --help lacks: {missing}")
   assert not any(errors), "\n\n".join(e for e in errors if e)
+
+
+def test_shell_blocks(tmp_path):
+  """Every shell block's commands but those that need the verify compilers."""
+  _check_blocks([b for b in SHELL_BLOCKS if not needs_compilers(b)], tmp_path)
+
+
+@pytest.mark.compilers
+def test_shell_blocks_with_the_compilers(tmp_path):
+  """The shell blocks that install the ``verify`` extra: they compile for H100 and TPUs."""
+  blocks = [b for b in SHELL_BLOCKS if needs_compilers(b)]
+  assert len(blocks) >= 2, "docs/verify.md and docs/custom_ops.md compile kernels"
+  _check_blocks(blocks, tmp_path)

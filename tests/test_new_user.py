@@ -131,6 +131,29 @@ def _requirements(extra: str = "") -> dict:
   return {r.name: r for r in map(Requirement, lines)}
 
 
+def _installed_by(extra: str) -> set[str]:
+  """The distributions ``pip install 'pallax[extra]'`` asks for, following ``pallax[...]`` in it."""
+  names, extras, seen = set(), [extra], set()
+  while extras:
+    current = extras.pop()
+    seen.add(current)
+    for name, requirement in _requirements(current).items():
+      if name == "pallax":
+        extras += [e for e in requirement.extras if e not in seen]
+      else:
+        names.add(name)
+  return names
+
+
+def test_the_test_extra_leaves_the_compilers_out():
+  """A development install imports quietly: installed, the CUDA plugin's kernel modules
+  log at every ``import jax`` that there is no CUDA driver (docs/verify.md)."""
+  compilers = set(_requirements("verify")) - {"jaxlib"}
+  assert compilers == {"jax-cuda12-plugin", "nvidia-cuda-nvcc-cu12", "libtpu"}
+  assert _installed_by("test") & compilers == set()
+  assert "triton" in _installed_by("test")
+
+
 def test_jax_pin_admits_0_10_2_through_0_11():
   for name, requirement in _requirements().items():
     if name in ("jax", "jaxlib"):

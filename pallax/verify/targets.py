@@ -91,14 +91,22 @@ class Target:
   def unavailable_reason(self) -> Optional[str]:
     """Why this machine cannot compile for the target, if it cannot: a missing package."""
     if self.platform == "tpu":
-      if importlib.util.find_spec("libtpu") is None:
+      if not _installed("libtpu"):
         return "libtpu is not installed (pip install 'pallax[verify]')"
       return None
-    if importlib.util.find_spec("jax_plugins.xla_cuda12") is None:
+    if not _installed("jax_plugins.xla_cuda12"):
       return "the CUDA plugin is not installed (pip install 'pallax[verify]')"
     if ptxas() is None:
       return "no ptxas (pip install 'pallax[verify]')"
     return None
+
+
+def _installed(module: str) -> bool:
+  """Whether ``module`` can be imported (its parent package missing: it cannot)."""
+  try:
+    return importlib.util.find_spec(module) is not None
+  except ModuleNotFoundError:  # ``jax_plugins`` exists only where some JAX plugin is installed
+    return False
 
 
 def _gpu(name: str, description: str, arch: str) -> Target:

@@ -371,6 +371,7 @@ def _table_sized(hlo: str, v: int, d: int) -> list[str]:
   ]
 
 
+@pytest.mark.compilers
 @pytest.mark.lowering
 def test_embedding_transpose_is_not_copied_on_tpu():
   """Compiled for TPU v5e: ``embedding.T`` costs no copy of the table, forward or backward."""

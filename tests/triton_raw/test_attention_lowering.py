@@ -99,6 +99,7 @@ def _calls(fn, cc: int, *args) -> tuple[int, int]:
   return text.count(RAW_CALL), text.count(CALL_TARGET["cuda"])
 
 
+@pytest.mark.compilers
 @pytest.mark.parametrize("h", [64, 80, 128])
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: jnp.dtype(d).name)
 @pytest.mark.parametrize("cc", [90, 80])
@@ -171,6 +172,7 @@ def test_refuses_configs_not_verified_spill_free():
     _calls(lambda *a: _attention(*a, config=config), 90, *_shapes(jnp.float32, 128))
 
 
+@pytest.mark.compilers
 def test_pinned_raw_config_names_the_tangent_it_lacks():
   """``config=`` pins every stage; the tangent has no raw kernel, and says so."""
 

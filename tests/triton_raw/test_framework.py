@@ -148,6 +148,7 @@ def test_interpreting_outside_interpreter_mode_is_refused():
     jax.jit(lambda x: _launch(x, True))(jnp.ones(10))
 
 
+@pytest.mark.compilers
 @pytest.mark.lowering
 @pytest.mark.parametrize("target", ["h100", "a100"])
 def test_launch_lowers_for_the_target_and_verify_reads_the_dump(tmp_path, target):

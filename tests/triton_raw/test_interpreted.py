@@ -20,6 +20,7 @@ HERE = Path(__file__).resolve().parent
 SUITES = sorted(p.name for p in HERE.glob("interpreted_*.py"))
 
 
+@pytest.mark.compilers  # jax-triton imports only with the CUDA plugin
 @pytest.mark.parametrize("suite", SUITES)
 def test_interpreted_suite(suite, request):
   markers = request.config.getoption("markexpr") or "not slow"

@@ -42,6 +42,7 @@ def _calls(fn, cc, *args) -> int:
   return text.count(RAW_CALL)
 
 
+@pytest.mark.compilers
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: jnp.dtype(d).name)
 @pytest.mark.parametrize("cc", [90, 80])
 def test_forward_and_grad_lower_to_raw_launches(cc, dtype):
@@ -51,6 +52,7 @@ def test_forward_and_grad_lower_to_raw_launches(cc, dtype):
   assert _calls(raw_grad, cc, x, w) == 2  # forward and backward
 
 
+@pytest.mark.compilers
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: jnp.dtype(d).name)
 def test_vmap_lowers_to_one_launch_per_stage(dtype):
   """A mapped weight (one weight group per example): still one launch per stage."""

@@ -29,6 +29,7 @@ def _check(report, status: str):
   assert {r["status"] for r in report.results} == {status}, str(report)
 
 
+@pytest.mark.compilers
 @pytest.mark.parametrize("target", list(TARGETS))
 def test_every_kernel_compiles_on_every_target(target):
   report = verify(
@@ -57,6 +58,7 @@ def test_every_kernel_compiles_on_every_target(target):
 RAW_OPS = ["rms_norm", "attention", "attention_causal"]
 
 
+@pytest.mark.compilers
 @pytest.mark.slow  # CI runs the same sweep through the command line (.ci/run)
 @pytest.mark.parametrize("target", CUDA)
 def test_every_raw_triton_config_compiles(target):
@@ -122,6 +124,7 @@ def _pinned(targets, case: Case, kernel: str, config):
   )
 
 
+@pytest.mark.compilers
 def test_spilling_config_is_reported():
   # 32 rows of 1024 float32 on 4 warps: 256 elements per thread in the backward kernel.
   config = pallax.NormConfig(block_rows=32, num_warps=4)
@@ -134,6 +137,7 @@ def test_spilling_config_is_reported():
   assert "SPILLS rms_norm_bwd on h100" in str(report)
 
 
+@pytest.mark.compilers
 def test_spilling_raw_triton_config_is_reported():
   # The raw backward kernel with the same 256 elements per thread spills too.
   config = pallax.NormConfig(block_rows=32, num_warps=4, implementation="triton_raw")
@@ -143,6 +147,7 @@ def test_spilling_raw_triton_config_is_reported():
   assert "| rms_norm_bwd (triton_raw) | h100 | 0/1 | 1 |" in report.table()
 
 
+@pytest.mark.compilers
 def test_oversized_shared_memory_is_reported():
   # 4 stages of (128x128 + 128x256) bfloat16 tiles: 384 KiB, over H100's 227 KiB.
   config = pallax.MatmulConfig(block_m=128, block_n=256, block_k=128, num_warps=8, num_stages=4)
@@ -152,6 +157,7 @@ def test_oversized_shared_memory_is_reported():
     assert "shared memory" in r["error"].lower(), r["error"]
 
 
+@pytest.mark.compilers
 def test_oversized_vmem_is_reported():
   # 4096 rows of 4096 float32: 64 MiB a buffer, double-buffered in and out.
   config = pallax.NormConfig(block_rows=4096)
@@ -161,6 +167,7 @@ def test_oversized_vmem_is_reported():
     assert "vmem" in r["error"].lower(), r["error"]
 
 
+@pytest.mark.compilers
 def test_crash_and_timeout_are_results_and_the_pool_recovers():
   case = Case("softmax", "fwd", (1024, 1024), "float32")
   (job,) = sweep.jobs_for([case], [TARGETS["v5e"]], heuristic_only=True)
@@ -173,6 +180,7 @@ def test_crash_and_timeout_are_results_and_the_pool_recovers():
   assert late["status"] == "timeout"
 
 
+@pytest.mark.compilers
 def test_command_line_json(tmp_path):
   out = tmp_path / "verify.json"
   done = subprocess.run(
@@ -207,6 +215,7 @@ def test_command_line_json(tmp_path):
   assert bad.returncode != 0 and "unknown target 'h200'" in bad.stderr
 
 
+@pytest.mark.compilers
 @pytest.mark.slow
 def test_full_sweep():
   report = verify(progress=False)
