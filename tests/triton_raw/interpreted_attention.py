@@ -38,6 +38,9 @@ from tests.helpers import (
 )
 from tests.primitives.attention_reference import assert_lse_close, reference, visible_rows
 
+# jax-triton imports only where jaxlib has its CUDA plugin (the verify extra's).
+pytestmark = pytest.mark.compilers
+
 RAW = pallax.AttentionConfig(block_q=16, block_k=16, implementation="triton_raw")
 FWD, BWD, JVP = (f"dot_product_attention_{s}" for s in ("fwd", "bwd", "jvp"))
 

@@ -29,6 +29,9 @@ from tests.helpers import (
   x64,
 )
 
+# jax-triton imports only where jaxlib has its CUDA plugin (the verify extra's).
+pytestmark = pytest.mark.compilers
+
 DTYPES = (jnp.float32, jnp.bfloat16)
 RAW = NormConfig(block_rows=4, num_warps=2, implementation="triton_raw")
 # (rows..., hidden): 13 and 10 rows leave the last block of 4 partial; 40 and
