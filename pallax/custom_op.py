@@ -65,6 +65,7 @@ from pallax.op import (
 from pallax.op.declaration import BatchingArg
 from pallax.op.dims_rule import DimsArg
 from pallax.op.fold import BATCHED, split_params
+from pallax.op.signature import STAGES
 
 __all__ = ["custom_op", "CustomOp", "ConfigSpace", "KernelStage", "ResidualJVP"]
 
@@ -374,7 +375,7 @@ def _residual_op(name: str, fwd: Declaration, spec: ResidualJVP) -> CustomOp:
     raise ValueError(
       f"jvp: ResidualJVP.residuals={spec.residuals} leaves no output of dims {fwd.dims}"
     )
-  for suffix in ("fwd", "jvp", "bwd"):
+  for suffix in STAGES:
     _check_name(f"{name}_{suffix}", "name")
   signature = _signature(n, outputs, spec.residuals)
 

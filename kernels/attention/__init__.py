@@ -19,8 +19,9 @@ import dataclasses
 
 from pallax.kernels.attention import config, mosaic_tpu, triton
 from pallax.kernels.attention.common import with_sinks
-from pallax.kernels.attention.config import STAGES, AttentionConfig
+from pallax.kernels.attention.config import AttentionConfig
 from pallax.op import Kernel
+from pallax.op.signature import STAGES
 from pallax.triton_raw import LazyKernels
 
 __all__ = ["AttentionConfig", "STAGES", "kernel"]

@@ -27,8 +27,6 @@ from pallax.executor.config import KernelConfig
 from pallax.executor.registry import interpreted, kernel_backend
 from pallax.kernels.attention.common import Problem
 
-STAGES = ("fwd", "jvp", "bwd")
-
 
 @dataclasses.dataclass(frozen=True)
 class AttentionConfig(KernelConfig):

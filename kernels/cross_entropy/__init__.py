@@ -20,10 +20,9 @@ from pallax.kernels.cross_entropy import config, mosaic_tpu, triton
 from pallax.kernels.cross_entropy.common import flat_tokens
 from pallax.kernels.cross_entropy.config import CrossEntropyConfig
 from pallax.op import Kernel
+from pallax.op.signature import STAGES
 
 __all__ = ["CrossEntropyConfig", "STAGES", "kernel"]
-
-STAGES = ("fwd", "jvp", "bwd")
 
 
 def kernel(stage: str) -> Kernel:
