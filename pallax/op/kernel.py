@@ -56,7 +56,8 @@ class Kernel:
     Args:
       name: the kernel function's name in each backend module.
       config: the family's ``config`` module: ``CONFIG_CLS``, ``heuristic``,
-        ``candidates``, ``supports`` (and optionally ``VERSION``).
+        ``candidates``, ``supports`` (and optionally ``VERSION`` and
+        ``call_facts``, the facts its compiler verdicts are about).
       backends: implementation name -> the family's module for it; an
         implementation whose module lacks ``name`` has no kernel for it (a raw
         Triton module, ``triton_raw.LazyKernels``, may have some stages only).
@@ -80,6 +81,7 @@ class Kernel:
       given(config.candidates),
       given(config.supports),
       getattr(config, "VERSION", 1),
+      getattr(config, "call_facts", None),
     )
     return cls(impls, space)
 
