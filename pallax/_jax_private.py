@@ -106,3 +106,17 @@ def quiet_cuda_plugin_without_gpu() -> None:
   if "JAX_SKIP_CUDA_CONSTRAINTS_CHECK" in os.environ or _hardware_utils.has_visible_nvidia_gpu():
     return
   os.environ["JAX_SKIP_CUDA_CONSTRAINTS_CHECK"] = "1"
+
+
+def mosaic_gpu_interpret_params() -> Any:
+  """Parameters that run a Pallas Mosaic GPU kernel in JAX's GPU interpreter on the CPU.
+
+  ``InterpretGPUParams()`` (``jax._src.pallas.mosaic_gpu.interpret.params``,
+  no public path in jax 0.10.2) passed as ``interpret=`` to ``plgpu.kernel``
+  or ``pallas_call`` simulates the GPU's memories, warpgroups and barriers;
+  ``interpret=True`` fails on Mosaic GPU primitives. What it runs:
+  docs/mosaic_gpu.md. Imported on use: it loads Pallas' Mosaic GPU modules.
+  """
+  from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
+
+  return InterpretGPUParams()
