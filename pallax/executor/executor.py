@@ -154,12 +154,8 @@ def heuristic_config(
     if _verdict(spec, avals, target, config, params) is None:
       return config
     # The compilers rejected it on this target's devices: the first candidate they left.
-    left = (
-      c
-      for c in candidate_configs(spec, avals, target, params)
-      if c.implementation != XLA and unsupported_reason(spec, avals, target, c, params) is None
-    )
-    return next(left, config)
+    left = [c for c in candidate_configs(spec, avals, target, params) if c.implementation != XLA]
+    return next(iter(left), config)
   for name in _runnable(spec, target):
     if not implementation(name).tuning_only:
       return _named(spec.space(name).heuristic(avals, target, **params), name)
@@ -185,7 +181,10 @@ def candidate_configs(
       kernels += [_named(c, name) for c in spec.spaces[name].configs(avals, target, **params)]
     else:
       kernels += [_named(c, name) for c in own if c.implementation == PALLAS]
-  kernels = list(dict.fromkeys(kernels))
+  call = _call_facts(spec, avals, params)
+  kernels = [
+    c for c in dict.fromkeys(kernels) if _verdict(spec, avals, target, c, params, call) is None
+  ]
   if not xla_allowed(target):
     return kernels
   xla = next((c for c in configs if c.implementation == XLA), None)
@@ -230,12 +229,17 @@ def unsupported_reason(
   return reason
 
 
+def _call_facts(spec: KernelSpec, avals: Sequence[Any], params: Mapping) -> Optional[Mapping]:
+  return None if spec.call_facts is None else spec.call_facts(avals, **params)
+
+
 def _verdict(
   spec: KernelSpec,
   avals: Sequence[Any],
   target: str,
   config: KernelConfig,
   params: Mapping,
+  call: Optional[Mapping] = None,
 ) -> Optional[str]:
   """What the compilers reported against ``config`` for this call on ``target``'s devices.
 
@@ -249,7 +253,8 @@ def _verdict(
   name = resolved(spec.op, config.implementation, target)
   if name is None or implementation(name).interpreted(target):
     return None
-  return facts.rejection(target, spec.op, config, spec.call_facts(avals, **params))
+  call = _call_facts(spec, avals, params) if call is None else call
+  return facts.rejection(target, spec.op, config, call)
 
 
 def _names_own_pallas(spec: KernelSpec, config: KernelConfig) -> bool:
