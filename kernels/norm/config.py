@@ -166,16 +166,20 @@ def candidates(avals: Sequence[Any], target: str, *, kernel: str, **params) -> l
   return out or [base]
 
 
-def _triton_reason(avals, target: str, config: NormConfig) -> Optional[str]:
+def _triton_reason(avals, target: str, config: NormConfig, kernel: str) -> Optional[str]:
   """Why a Triton kernel (Pallas or raw) cannot run this call with ``config``, if it cannot."""
   block_rows = config.block_rows
   if block_rows & (block_rows - 1):
     return f"block_rows={block_rows} must be a power of two on Triton"
-  if not interpreted(target) and _rows_hidden(avals)[1] > _TRITON_MAX_HIDDEN:
-    return (
-      f"rows wider than {_TRITON_MAX_HIDDEN} elements spill registers in the Triton "
-      "kernels at every num_warps"
-    )
+  if not interpreted(target):
+    if _rows_hidden(avals)[1] > _TRITON_MAX_HIDDEN:
+      return (
+        f"rows wider than {_TRITON_MAX_HIDDEN} elements spill registers in the Triton "
+        "kernels at every num_warps"
+      )
+    reason = facts.rejection(target, kernel, config, call_facts(avals))
+    if reason:
+      return reason
   return pu.triton_warps_reason(config)
 
 
@@ -190,7 +194,9 @@ def _raw_reason(avals) -> Optional[str]:
   return None
 
 
-def supports(avals: Sequence[Any], target: str, config: NormConfig, **params) -> Optional[str]:
+def supports(
+  avals: Sequence[Any], target: str, config: NormConfig, *, kernel: str, **params
+) -> Optional[str]:
   """Why the kernel cannot run this call on ``target`` with ``config``, if it cannot.
 
   A ``"triton_raw"`` config follows the Triton rules wherever it runs
@@ -198,9 +204,9 @@ def supports(avals: Sequence[Any], target: str, config: NormConfig, **params) ->
   (``_raw_reason``).
   """
   if config.implementation == RAW:
-    return _raw_reason(avals) or _triton_reason(avals, target, config)
+    return _raw_reason(avals) or _triton_reason(avals, target, config, kernel)
   if kernel_backend(target) == "triton":
-    return _triton_reason(avals, target, config)
+    return _triton_reason(avals, target, config, kernel)
   block_rows = config.block_rows
   if avals[0].dtype == jnp.float64:
     return "float64 has no Mosaic TPU kernel"

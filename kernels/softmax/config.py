@@ -66,15 +66,6 @@ def tpu_vmem(block_rows: int, block_cols: int, itemsize: int, masked: bool) -> i
   )
 
 
-def call_facts(avals: Sequence[Any], **params) -> dict[str, Any]:
-  """What the compiler verdicts on a call's configs depend on (``pallax.executor.facts``).
-
-  width: the operand's bytes an element; masked: whether a ``where=`` mask
-  (an int8 block of its own) is read. A config's blocks and warps say the rest.
-  """
-  return {"width": jnp.dtype(avals[0].dtype).itemsize, "masked": _masked(avals)}
-
-
 def _rows_cols(avals) -> tuple[int, int]:
   """Rows and columns of a call, at least 1 each (empty calls run no kernel)."""
   x = avals[0]

@@ -44,7 +44,6 @@ import jax
 
 from pallax import _jax_private
 from pallax.executor import autotune as autotune_lib
-from pallax.executor import facts
 from pallax.executor.cache import DiskCache, shipped_defaults
 from pallax.executor.config import KernelConfig
 from pallax.executor.implementation import (
@@ -150,12 +149,7 @@ def heuristic_config(
   with the heuristic's blocks.
   """
   if target != "cpu":
-    config = spec.heuristic(avals, target, **params)
-    if _verdict(spec, avals, target, config, params) is None:
-      return config
-    # The compilers rejected it on this target's devices: the first candidate they left.
-    left = [c for c in candidate_configs(spec, avals, target, params) if c.implementation != XLA]
-    return next(iter(left), config)
+    return spec.heuristic(avals, target, **params)
   for name in _runnable(spec, target):
     if not implementation(name).tuning_only:
       return _named(spec.space(name).heuristic(avals, target, **params), name)
@@ -181,10 +175,7 @@ def candidate_configs(
       kernels += [_named(c, name) for c in spec.spaces[name].configs(avals, target, **params)]
     else:
       kernels += [_named(c, name) for c in own if c.implementation == PALLAS]
-  call = _call_facts(spec, avals, params)
-  kernels = [
-    c for c in dict.fromkeys(kernels) if _verdict(spec, avals, target, c, params, call) is None
-  ]
+  kernels = list(dict.fromkeys(kernels))
   if not xla_allowed(target):
     return kernels
   xla = next((c for c in configs if c.implementation == XLA), None)
@@ -194,19 +185,9 @@ def candidate_configs(
 
 
 def unsupported_reason(
-  spec: KernelSpec,
-  avals: Sequence[Any],
-  target: str,
-  config: KernelConfig,
-  params: Mapping,
-  verdicts: bool = True,
+  spec: KernelSpec, avals: Sequence[Any], target: str, config: KernelConfig, params: Mapping
 ) -> Optional[str]:
-  """Why ``config`` cannot run this call, if it cannot: the XLA program always can.
-
-  With ``verdicts``, a config the compilers rejected for this call on the
-  target's devices (``_verdict``) is refused too: the executor does not choose
-  it. A config the user pins is checked without them (it compiles, if slowly).
-  """
+  """Why ``config`` cannot run this call, if it cannot: the XLA program always can."""
   if config.implementation == XLA:
     return None
   if config.implementation not in spec.implementations and not _names_own_pallas(spec, config):
@@ -221,40 +202,8 @@ def unsupported_reason(
     space = spec.spaces[config.implementation]
     if not isinstance(config, space.config_cls):
       return f"{config.implementation} takes a {space.config_cls.__name__}"
-    reason = space.reason(avals, target, config, **params)
-  else:
-    reason = spec.supports(avals, target, config, **params)
-  if reason is None and verdicts:
-    reason = _verdict(spec, avals, target, config, params)
-  return reason
-
-
-def _call_facts(spec: KernelSpec, avals: Sequence[Any], params: Mapping) -> Optional[Mapping]:
-  return None if spec.call_facts is None else spec.call_facts(avals, **params)
-
-
-def _verdict(
-  spec: KernelSpec,
-  avals: Sequence[Any],
-  target: str,
-  config: KernelConfig,
-  params: Mapping,
-  call: Optional[Mapping] = None,
-) -> Optional[str]:
-  """What the compilers reported against ``config`` for this call on ``target``'s devices.
-
-  The shipped verdicts (``facts``) of a kernel with ``call_facts``: a config
-  that spilled registers or overflowed on-chip memory when ``pallax.verify``
-  compiled it for a call with the same facts. Interpreted kernels and the XLA
-  program compile no kernel: no verdict holds for them.
-  """
-  if spec.call_facts is None or config.implementation == XLA:
-    return None
-  name = resolved(spec.op, config.implementation, target)
-  if name is None or implementation(name).interpreted(target):
-    return None
-  call = _call_facts(spec, avals, params) if call is None else call
-  return facts.rejection(target, spec.op, config, call)
+    return space.reason(avals, target, config, **params)
+  return spec.supports(avals, target, config, **params)
 
 
 def _names_own_pallas(spec: KernelSpec, config: KernelConfig) -> bool:
@@ -464,7 +413,7 @@ class Executor:
 
   def _validated(self, spec, avals, target, params, chosen: Selection, strict=False) -> Selection:
     """``chosen``, or the XLA program if its kernel cannot run this call."""
-    reason = unsupported_reason(spec, avals, target, chosen.config, params, verdicts=not strict)
+    reason = unsupported_reason(spec, avals, target, chosen.config, params)
     if reason is None:
       return chosen
     if strict:

@@ -77,12 +77,6 @@ class ConfigSpace:
       ``config`` cannot run this call, if it cannot; None: every config can.
     version: bump when a config's meaning changes (stale cached configs are
       then ignored).
-    call_facts: ``(avals, **params) -> {fact: value}``: what the compiler
-      verdicts on a call's configs depend on (operand width, padded sizes,
-      features; ``pallax.executor.facts``). With it, ``pallax.verify
-      --write-facts`` records the configs that spilled or overflowed on-chip
-      memory as data, and the executor leaves them out (``unsupported_reason``);
-      None: no verdicts.
 
   It is a custom op's config space (``pallax.custom_op``) and the space of an
   implementation added to a registered kernel (``register_kernel_implementation``).
@@ -93,7 +87,6 @@ class ConfigSpace:
   candidates: Optional[Callable[..., Sequence[KernelConfig]]] = None
   supports: Optional[Callable[..., Optional[str]]] = None
   version: int = 1
-  call_facts: Optional[Callable[..., Mapping[str, Any]]] = None
 
   def __post_init__(self):
     if not (isinstance(self.config_cls, type) and issubclass(self.config_cls, KernelConfig)):
@@ -101,7 +94,7 @@ class ConfigSpace:
         "ConfigSpace: config_cls must be a subclass of pallax.KernelConfig, "
         f"got {self.config_cls!r}"
       )
-    for name in ("heuristic", "candidates", "supports", "call_facts"):
+    for name in ("heuristic", "candidates", "supports"):
       value = getattr(self, name)
       if (value is not None or name == "heuristic") and not callable(value):
         raise TypeError(f"ConfigSpace: {name} must be callable, got {type(value).__name__}")
@@ -140,8 +133,6 @@ class KernelSpec:
     more of the Pallas implementations), ``"triton_raw"`` where it has a raw
     Triton kernel, and any added with ``register_kernel_implementation``.
   spaces: implementation name -> its own ``ConfigSpace``, where it has one.
-  call_facts: ``(avals, **params) -> facts`` of the kernel's calls, which its
-    compiler verdicts are about (``ConfigSpace.call_facts``); None: it has none.
   """
 
   op: str
@@ -152,7 +143,6 @@ class KernelSpec:
   version: int = 1
   implementations: tuple[str, ...] = (PALLAS,)
   spaces: Mapping[str, ConfigSpace] = dataclasses.field(default_factory=dict)
-  call_facts: Optional[Callable[..., Mapping[str, Any]]] = None
 
   def space(self, name: str) -> Any:
     """The config space of implementation ``name``: its own, or the kernel's."""

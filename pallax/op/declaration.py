@@ -234,19 +234,10 @@ class Declaration:
         )
       return space.reason(self._kernel_avals(avals, batched), target, config, **params)
 
-    call_facts = None
-    if space.call_facts is not None:
-
-      @functools.wraps(space.call_facts)
-      def call_facts(avals, **params):
-        batched = params.pop(BATCHED, False)
-        return space.call_facts(self._kernel_avals(avals, batched), **params)
-
     impls = {b: self._impl(b) for b in self.kernels}
-    wrapped = ConfigSpace(
-      space.config_cls, heuristic, candidates, supports, space.version, call_facts
+    return Kernel(
+      impls, ConfigSpace(space.config_cls, heuristic, candidates, supports, space.version)
     )
-    return Kernel(impls, wrapped)
 
   def spec(self) -> PrimitiveSpec:
     """The ``PrimitiveSpec`` that ``define_primitive`` builds the primitive from."""

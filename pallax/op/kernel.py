@@ -56,8 +56,7 @@ class Kernel:
     Args:
       name: the kernel function's name in each backend module.
       config: the family's ``config`` module: ``CONFIG_CLS``, ``heuristic``,
-        ``candidates``, ``supports`` (and optionally ``VERSION`` and
-        ``call_facts``, the facts its compiler verdicts are about).
+        ``candidates``, ``supports`` (and optionally ``VERSION``).
       backends: implementation name -> the family's module for it; an
         implementation whose module lacks ``name`` has no kernel for it (a raw
         Triton module, ``triton_raw.LazyKernels``, may have some stages only).
@@ -81,7 +80,6 @@ class Kernel:
       given(config.candidates),
       given(config.supports),
       getattr(config, "VERSION", 1),
-      getattr(config, "call_facts", None),
     )
     return cls(impls, space)
 

@@ -127,7 +127,6 @@ def define_primitive(name: str, spec: PrimitiveSpec) -> KernelPrimitive:
         k.space.supports,
         k.space.version,
         k.implementations,
-        call_facts=k.space.call_facts,
       ),
       k.impls,
     )

@@ -14,8 +14,10 @@ failures stay failures of the report).
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import os
 import re
+import sys
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Optional
@@ -70,7 +72,9 @@ def verdict_reason(record: dict) -> Optional[str]:
 
 def call_facts(record: dict) -> Optional[dict[str, Any]]:
   """The facts of a result's kernel call, by its family's ``call_facts`` (None: it has none)."""
-  facts_of = kernel_spec(record["kernel"]).call_facts
+  spec = kernel_spec(record["kernel"])
+  family = sys.modules[inspect.unwrap(spec.heuristic).__module__]
+  facts_of = getattr(family, "call_facts", None)
   if facts_of is None:
     return None
   target = TARGETS[record["target"]]

@@ -5,7 +5,6 @@ is checked is the merge and that the configs read back from the written files
 are left out of the candidates. One real compile checks the whole path.
 """
 
-import dataclasses
 import functools
 import json
 import shutil
@@ -100,18 +99,12 @@ def test_verdicts_are_added_refuted_and_read_back(shipped):
   assert (again.added, again.refuted) == (0, 0)
 
 
-def test_write_facts_needs_a_family_with_call_facts(shipped, monkeypatch):
+def test_write_facts_needs_a_family_with_call_facts(shipped):
   """Families that describe no call facts get no verdicts: their failures stay failures."""
-  from pallax.executor import registry
-
-  # Every built-in family has call facts now: a kernel like softmax's without them.
   eqn = sweep.kernel_calls_of(Case("softmax", "fwd", (64, 256), "float32").id)[0]
-  softmax = registry.kernel_spec(eqn.primitive.name)
-  bare = dataclasses.replace(softmax, op="softmax_fwd_without_facts", call_facts=None)
-  monkeypatch.setitem(registry._SPECS, bare.op, bare)
   record = {
     "target": "a100",
-    "kernel": "softmax_fwd_without_facts",
+    "kernel": eqn.primitive.name,
     "call": sweep.call_key(eqn, TARGETS["a100"]),
     "config": {"block_rows": 8, "block_cols": 256},
     "cases": [Case("softmax", "fwd", (64, 256), "float32").id],
@@ -185,41 +178,3 @@ def test_a_norm_verdict_moves_the_heuristic_and_leaves_the_candidates(shipped):
   assert heuristic(avals, Target("cuda", "a100"), **params) == chosen  # the verdict is H100's
   assert heuristic(avals, Target("cuda", "h100"), **params) != chosen
   assert supports(avals, "interpret-triton", chosen, **params) is None
-
-
-def _reject(directory, device: str, kernel: str, config, when: dict, reason: str) -> None:
-  """Writes one verdict into a shipped file of ``directory``, as ``--write-facts`` would."""
-  from pallax.executor.cache import update_shipped
-  from pallax.executor.registry import kernel_spec
-
-  record = {"config": config.to_dict(), "when": when, "reason": reason}
-  change = lambda data: data.setdefault("rejected", []).append(record)
-  update_shipped(directory, device, kernel, kernel_spec(kernel).version, change)
-  facts.verdicts.cache_clear()
-
-
-@pytest.mark.parametrize(
-  "op, kernel, target, device",
-  [
-    ("attention", "dot_product_attention_fwd", "tpu", "v5e"),
-    ("softmax", "softmax_fwd", "cuda", "a100"),
-  ],
-)
-def test_the_executor_applies_every_kernels_verdicts(shipped, op, kernel, target, device):
-  """A verdict holds in the executor for any kernel with call_facts, whatever its family's
-  config code reads: before, attention's TPU blocks and softmax ignored the shipped files."""
-  from pallax.executor.registry import kernel_spec
-  from tests.helpers import executor_view
-
-  case = Case(op, "fwd", sweep.OPS[op].sizes[0], "float32")
-  eqn = next(e for e in sweep.kernel_calls_of(case.id) if e.primitive.name == kernel)
-  avals, params = _call(eqn)
-  heuristic, candidates, supports = executor_view(kernel)
-  chosen = heuristic(avals, target, **params)
-  when = kernel_spec(kernel).call_facts(avals, **params)
-  _reject(shipped, device, kernel, chosen, when, "scoped VMEM or registers overflowed")
-  assert heuristic(avals, target, **params) != chosen
-  assert chosen not in candidates(avals, target, **params)
-  assert f"{device}: scoped VMEM" in supports(avals, target, chosen, **params)
-  interpreter = "interpret-mosaic_tpu" if target == "tpu" else "interpret-triton"
-  assert supports(avals, interpreter, chosen, **params) is None  # interpreted: nothing compiled
