@@ -97,6 +97,7 @@ _FIRST_OP = (
 )
 
 
+@pytest.mark.compilers  # the CUDA plugin's traceback: only where the plugin is installed
 def test_first_op_logs_no_cuda_plugin_error():
   """JAX_PLATFORMS unset, as a new user runs: JAX initialises every installed plugin."""
   # Without the variable pallax sets (this process inherited it from its own import of pallax).

@@ -37,9 +37,6 @@ if str(ROOT) not in sys.path:  # examples/ sits at the repository root, not inst
 
 from examples.swiglu import SwigluConfig, swiglu  # noqa: E402
 
-# jax-triton imports only where jaxlib has its CUDA plugin (the verify extra's).
-pytestmark = pytest.mark.compilers
-
 DTYPES = (jnp.float32, jnp.bfloat16)
 RAW = SwigluConfig(block_rows=4, block_cols=16, num_warps=2)
 SHAPES = [(13, 40), (2, 5, 24), (1, 7)]
