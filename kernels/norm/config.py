@@ -79,14 +79,13 @@ def _in_space(block_rows: int, block_hidden: int, num_warps: int) -> bool:
 
 def _triton_configs(avals, target: str, kernel: str) -> list[NormConfig]:
   """The configs of the space for this call that no verdict rejects (may be empty)."""
-  rows, hidden = _rows_hidden(avals)
-  block_hidden, call = pu.next_pow2(hidden), call_facts(avals)
+  rows, call = _rows_hidden(avals)[0], call_facts(avals)
   space = [
     NormConfig(block_rows=b, num_warps=w)
     for b in _TRITON_ROWS
     if b <= pu.next_pow2(rows)
     for w in _TRITON_WARPS
-    if _in_space(b, block_hidden, w)
+    if _in_space(b, call["hidden"], w)
   ]
   return [c for c in space if facts.rejection(target, kernel, c, call) is None]
 

@@ -138,6 +138,16 @@ def multiply_and_store(a_smem, b_smem, o_smem, o_gmem, barriers):
   plgpu.wait_smem_to_gmem(0)
 
 
+def barrier_matmul_scratch(m: int, k: int, n: int) -> list:
+  """SMEM for an (m, k) x (k, n) bf16 product loaded on two barriers, and its f32 result."""
+  return [
+    plgpu.SMEM((m, k), BF16, transforms=swizzled()),
+    plgpu.SMEM((k, n), BF16, transforms=swizzled()),
+    plgpu.SMEM((m, n), jnp.float32),
+    plgpu.Barrier(num_barriers=2),
+  ]
+
+
 def barrier_matmul(a, b, interpret=None):
   """``copy_gmem_to_smem`` on explicit barriers, ``barrier_wait``, ``wgmma`` + ``wgmma_wait``."""
   (m, k), n = a.shape, b.shape[1]
@@ -150,12 +160,7 @@ def barrier_matmul(a, b, interpret=None):
   return plgpu.kernel(
     body,
     out_type=jax.ShapeDtypeStruct((m, n), jnp.float32),
-    scratch_types=[
-      plgpu.SMEM((m, k), BF16, transforms=swizzled()),
-      plgpu.SMEM((k, n), BF16, transforms=swizzled()),
-      plgpu.SMEM((m, n), jnp.float32),
-      plgpu.Barrier(num_barriers=2),
-    ],
+    scratch_types=barrier_matmul_scratch(m, k, n),
     interpret=interpret,
   )(a, b)
 
@@ -337,12 +342,7 @@ def multicast_matmul(a, b, interpret=None):
   return plgpu.kernel(
     body,
     out_type=jax.ShapeDtypeStruct((m, n), jnp.float32),
-    scratch_types=[
-      plgpu.SMEM((rows, k), BF16, transforms=swizzled()),
-      plgpu.SMEM((k, n), BF16, transforms=swizzled()),
-      plgpu.SMEM((rows, n), jnp.float32),
-      plgpu.Barrier(num_barriers=2),
-    ],
+    scratch_types=barrier_matmul_scratch(rows, k, n),
     cluster=(2,),
     cluster_names=("c",),
     grid=(2,),
