@@ -120,3 +120,17 @@ def mosaic_gpu_interpret_params() -> Any:
   from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
 
   return InterpretGPUParams()
+
+
+def reset_mosaic_gpu_interpreter() -> None:
+  """Resets JAX's GPU interpreter after a kernel raised in it.
+
+  Its global state is left half-initialised, and the next interpreted kernel
+  in the process fails in ``_initialize_shared_memory`` unless it is reset
+  (``reset_gpu_interpret_mode_state``, no public path in jax 0.10.2).
+  """
+  from jax._src.pallas.mosaic_gpu.interpret.interpret_pallas_call import (
+    reset_gpu_interpret_mode_state,
+  )
+
+  reset_gpu_interpret_mode_state()

@@ -16,7 +16,7 @@ from typing import Literal, Optional
 from pallax._jax_private import enum_flag
 from pallax.executor.implementation import interpreters
 
-Backend = Literal["triton", "mosaic_tpu"]
+Backend = Literal["triton", "mosaic_tpu", "mosaic_gpu"]
 # The Pallas implementations' interpreters, as ``pallax.executor.implementation``
 # registers the built-in ones: a built-in backend registered there with an
 # interpreter is interpreted under the switch too (the switch's choices are
@@ -34,13 +34,17 @@ _ENV_ALIASES = {
   "triton": "triton",
   "tpu": "mosaic_tpu",
   "mosaic_tpu": "mosaic_tpu",
+  "hopper": "mosaic_gpu",
+  "mosaic_gpu": "mosaic_gpu",
 }
 
 
 def _default_from_env() -> str:
   raw = os.environ.get("PALLAX_INTERPRET", "").strip().lower()
   if raw not in _ENV_ALIASES:
-    raise ValueError(f"PALLAX_INTERPRET={raw!r} is not understood; use 0, 1, triton or tpu")
+    raise ValueError(
+      f"PALLAX_INTERPRET={raw!r} is not understood; use 0, 1, triton, tpu or mosaic_gpu"
+    )
   return _ENV_ALIASES[raw]
 
 
@@ -48,7 +52,7 @@ _MODE = enum_flag(
   "pallax_interpret_mode",
   ("off",) + BACKENDS,
   _default_from_env(),
-  help="Run pallax ops as interpreted Pallas kernels (off, triton, mosaic_tpu).",
+  help="Run pallax ops as interpreted Pallas kernels (off, triton, mosaic_tpu, mosaic_gpu).",
 )
 
 
@@ -58,8 +62,10 @@ def interpret(backend: Backend = "triton") -> Iterator[None]:
 
   Args:
     backend: which kernel flavour to interpret: ``"triton"`` (the GPU kernel,
-      power-of-two blocks with masking) or ``"mosaic_tpu"`` (the TPU kernel,
-      (8, 128)-aligned blocks).
+      power-of-two blocks with masking), ``"mosaic_tpu"`` (the TPU kernel,
+      (8, 128)-aligned blocks) or ``"mosaic_gpu"`` (what an H100 runs: the
+      Mosaic GPU kernels where an op has one that takes the call, in JAX's
+      GPU interpreter, and the Triton kernels elsewhere).
   """
   if backend not in BACKENDS:
     raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")

@@ -14,16 +14,18 @@ accumulates scoped accumulators by value.
 from __future__ import annotations
 
 import dataclasses
+import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallax._jax_private import mosaic_gpu_interpret_params
+from pallax._jax_private import mosaic_gpu_interpret_params, reset_mosaic_gpu_interpreter
 
 # Shared memory a block may use on sm_90a with opt-in (H100, H200): 227 KiB.
 SMEM_LIMIT = 232448
@@ -92,6 +94,31 @@ class Form:
       return acc_ref[...]
 
     return acc + pl.run_scoped(fresh, plgpu.ACC(acc.shape, jnp.float32))
+
+
+# The GPU interpreter keeps global state: one interpreted kernel at a time.
+_INTERPRETER = threading.Lock()
+
+
+def on_host(kernel: Callable[..., Any], out_types: Sequence[Any], *operands: jax.Array) -> list:
+  """Runs ``kernel``'s interpreted form on ``operands`` in a host callback.
+
+  The GPU interpreter orders its simulation with an ordered IO callback,
+  whose token a primitive's lowering has no way to thread through; a jitted
+  call of its own, on the host, has. A kernel that raises leaves the
+  interpreter's state poisoned: it is reset before the error goes on.
+  """
+  run = jax.jit(kernel)
+
+  def host(*arrays):
+    with _INTERPRETER:
+      try:
+        return [np.asarray(x) for x in run(*arrays)]
+      except Exception:
+        reset_mosaic_gpu_interpreter()
+        raise
+
+  return list(jax.pure_callback(host, tuple(out_types), *operands))
 
 
 def smem_bytes(*buffers: tuple[Sequence[int], Any]) -> int:

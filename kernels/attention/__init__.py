@@ -9,6 +9,8 @@ backward (its transpose).
 * ``config.py``: ``AttentionConfig``, heuristics, autotuning space, legality;
 * ``xla.py``: the blockwise XLA programs (the CPU path);
 * ``triton.py``, ``mosaic_tpu.py``: the Pallas kernels;
+* ``mosaic_gpu.py``: the Hopper forward kernel (FlashAttention-3's
+  structure), with a config class of its own;
 * ``triton_raw.py``: the forward and backward as raw Triton kernels
   (imported when one first runs: it imports triton).
 """
@@ -17,7 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from pallax.kernels.attention import config, mosaic_tpu, triton
+from pallax.kernels.attention import config, mosaic_gpu, mosaic_tpu, triton
 from pallax.kernels.attention.common import with_sinks
 from pallax.kernels.attention.config import AttentionConfig
 from pallax.op import Kernel
@@ -33,10 +35,16 @@ _RAW = LazyKernels("pallax.kernels.attention.triton_raw", ("fwd", "bwd"))
 def kernel(stage: str) -> Kernel:
   """The kernels of ``stage`` (``"fwd"``, ``"jvp"`` or ``"bwd"``), sinks applied around them.
 
-  The Pallas kernels of every stage, and the raw Triton ones of the forward
-  and backward (the tangent has none).
+  The Pallas kernels of every stage, the raw Triton ones of the forward and
+  backward (the tangent has none), and the Mosaic GPU one of the forward.
   """
-  backends = {"pallas_triton": triton, "pallas_mosaic_tpu": mosaic_tpu, "triton_raw": _RAW}
-  family = Kernel.of_stage(stage, config=config, backends=backends)
+  backends = {
+    "pallas_triton": triton,
+    "pallas_mosaic_tpu": mosaic_tpu,
+    mosaic_gpu.IMPLEMENTATION: mosaic_gpu,
+    "triton_raw": _RAW,
+  }
+  own = {mosaic_gpu.IMPLEMENTATION: mosaic_gpu}
+  family = Kernel.of_stage(stage, config=config, backends=backends, own_configs=own)
   impls = {name: with_sinks(stage, fn) for name, fn in family.impls.items()}
   return dataclasses.replace(family, impls=impls)

@@ -81,8 +81,8 @@ def feature_reason(p: Problem) -> Optional[str]:
   """Why the kernel cannot run a call's features, if it cannot (the Triton kernel then does)."""
   features = (
     (p.has_lengths, "lengths"),
-    (p.has_bias, "a bias"),
-    (p.has_mask, "a mask"),
+    (p.has_bias, "bias"),
+    (p.has_mask, "mask"),
     (p.has_segments, "segment ids"),
   )
   for present, name in features:
@@ -381,14 +381,16 @@ def fwd(*operands, config: MosaicGpuAttentionConfig, interpret: Any, **params) -
     )
 
   lead = (p.batch, p.kv_heads, p.groups, tp)
-  out, lse = plgpu.kernel(
+  out_types = (jax.ShapeDtypeStruct((*lead, h), p.dtype), jax.ShapeDtypeStruct(lead, jnp.float32))
+  kernel = plgpu.kernel(
     entry,
-    out_type=(jax.ShapeDtypeStruct((*lead, h), p.dtype), jax.ShapeDtypeStruct(lead, jnp.float32)),
+    out_type=out_types,
     grid=(p.kv_heads * p.groups, tp // rows, p.batch),
     grid_names=("heads", "q", "batch"),
     num_threads=_CONSUMERS + 1,
     thread_name="wg",
     compiler_params=plgpu.CompilerParams(approx_math=True),
     interpret=form.interpret,
-  )(q, k, v)
+  )
+  out, lse = kernel(q, k, v) if form.hopper else mgpu.on_host(kernel, out_types, q, k, v)
   return c.results({"out": out[..., : p.t, : p.value_dim], "lse": lse[..., : p.t]})

@@ -109,6 +109,8 @@ def current_scope() -> Scope:
 
 
 def _device_kind(target: str) -> str:
+  if isinstance(target, Target) and target.device_kind:
+    return target.device_kind  # a device named by the caller (``explain(..., target=)``)
   platform = platform_of(target)
   kind = _local_device_kind(platform)
   if kind is not None:
@@ -142,18 +144,37 @@ def _target_runs_here(target: str) -> bool:
 def heuristic_config(
   spec: KernelSpec, avals: Sequence[Any], target: str, params: Mapping
 ) -> KernelConfig:
-  """The kernel's heuristic config.
+  """The kernel's heuristic config (``heuristic_choice`` without its note)."""
+  return heuristic_choice(spec, avals, target, params)[0]
 
-  On ``cpu``, where the kernel's own implementations run interpreted: an
-  implementation added to it that runs compiled there, else the XLA program
-  with the heuristic's blocks.
+
+def heuristic_choice(
+  spec: KernelSpec, avals: Sequence[Any], target: str, params: Mapping
+) -> tuple[KernelConfig, str]:
+  """The kernel's heuristic config, and a note on which implementation and why.
+
+  Where a preferred implementation with a space of its own runs (Mosaic GPU
+  on Hopper: ``Implementation.preferred``), its heuristic's config if that
+  space supports the call, else (saying why) the kernel's own. On ``cpu``,
+  where the kernel's own implementations run interpreted: an implementation
+  added to it that runs compiled there, else the XLA program with the
+  heuristic's blocks.
   """
-  if target != "cpu":
-    return spec.heuristic(avals, target, **params)
-  for name in _runnable(spec, target):
-    if not implementation(name).tuning_only:
-      return _named(spec.space(name).heuristic(avals, target, **params), name)
-  return _named(spec.heuristic(avals, target, **params), XLA)
+  if target == "cpu":
+    for name in _runnable(spec, target):
+      if not implementation(name).tuning_only:
+        return _named(spec.space(name).heuristic(avals, target, **params), name), ""
+    return _named(spec.heuristic(avals, target, **params), XLA), ""
+  refusals = []
+  where = target if Target(target).interpreter else getattr(target, "device_kind", "") or target
+  for name in _preferred(spec, target):
+    space = spec.spaces[name]
+    config = _named(space.heuristic(avals, target, **params), name)
+    reason = space.reason(avals, target, config, **params)
+    if reason is None:
+      return config, f"{name} preferred on {where}"
+    refusals.append(f"{name} (preferred on {where}) refuses this call: {reason}")
+  return spec.heuristic(avals, target, **params), "; ".join(refusals)
 
 
 def candidate_configs(
@@ -170,7 +191,7 @@ def candidate_configs(
   configs = list(dict.fromkeys(spec.candidates(avals, target, **params)))
   own = [c for c in configs if c.implementation != XLA]
   kernels = list(own)
-  for name in _runnable(spec, target):
+  for name in dict.fromkeys([*_preferred(spec, target), *_runnable(spec, target)]):
     if name in spec.spaces:
       kernels += [_named(c, name) for c in spec.spaces[name].configs(avals, target, **params)]
     else:
@@ -220,6 +241,15 @@ def _runnable(spec: KernelSpec, target: str) -> list[str]:
     if name != PALLAS
     and not implementation(name).interpreted(target)
     and implementation(name).unavailable_reason(target) is None
+  ]
+
+
+def _preferred(spec: KernelSpec, target: str) -> list[str]:
+  """The kernel's implementations with spaces of their own preferred on ``target``."""
+  return [
+    name
+    for name in spec.spaces
+    if name in spec.implementations and implementation(name).prefers(target)
   ]
 
 
@@ -408,7 +438,8 @@ class Executor:
         note = f"autotune needs a {target} device here; used the heuristic"
       else:
         note = ""
-      heuristic = heuristic_config(spec, avals, target, params)
+      heuristic, why = heuristic_choice(spec, avals, target, params)
+      note = "; ".join(n for n in (note, why) if n)
       return self._validated(spec, avals, target, params, make(heuristic, "heuristic", note))
 
   def _validated(self, spec, avals, target, params, chosen: Selection, strict=False) -> Selection:
@@ -422,7 +453,8 @@ class Executor:
       )
     if not xla_allowed(target):
       raise NotImplementedError(f"pallax: {spec.op} has no {target} kernel for this call: {reason}")
-    note = f"{chosen.config.implementation} skipped: {reason}; running the XLA program"
+    skipped = f"{chosen.config.implementation} skipped: {reason}; running the XLA program"
+    note = "; ".join(n for n in (chosen.note, skipped) if n)
     log.info("%s (%s): %s", spec.op, chosen.key, note)
     config = _named(chosen.config, XLA)
     return dataclasses.replace(chosen, config=config, note=note)

@@ -128,6 +128,12 @@ class Implementation:
     unpartitionable_interpreted: why the interpreted kernel cannot run in a
       call JAX partitions across devices, where it cannot (a host callback
       that JAX drops); None: it can.
+    preferred: where it runs (a device of ``device_kinds``, or its
+      interpreter's switch), the executor's heuristic tries a kernel's config
+      space of this implementation before the kernel's own (``Kernel``'s
+      ``spaces``), and takes it for the calls that space supports.
+    fallback: under its interpreter's switch, the Pallas implementation that
+      ``"pallas"`` stands for (what the device runs where this one refuses).
   """
 
   name: str
@@ -139,6 +145,23 @@ class Implementation:
   tuning_only: bool = False
   check: Optional[Callable[[Target], Optional[str]]] = None
   unpartitionable_interpreted: Optional[str] = None
+  preferred: bool = False
+  fallback: Optional[str] = None
+
+  def prefers(self, target: str) -> bool:
+    """Whether its own config spaces come before a kernel's on ``target`` (``preferred``).
+
+    Under the interpret switch: its own interpreter's. Elsewhere: a known
+    device of its kinds where it is available.
+    """
+    if not self.preferred:
+      return False
+    interpreter = Target(target).interpreter
+    if interpreter is not None:
+      return interpreter == self.interpreter
+    kind = getattr(target, "device_kind", "")
+    known = bool(kind) and (self.device_kinds is None or kind in self.device_kinds)
+    return known and not self.interpreted(target) and self.unavailable_reason(target) is None
 
   def interpreted(self, target: str) -> bool:
     """Whether this implementation runs interpreted on ``target``."""
@@ -200,21 +223,35 @@ def implementation_names() -> tuple[str, ...]:
 
 
 def interpreters() -> tuple[str, ...]:
-  """The interpret switch's backends: those of the registered Pallas implementations."""
+  """The interpret switch's backends: those of the Pallas and the preferred implementations."""
   return tuple(
-    dict.fromkeys(i.interpreter for i in _IMPLEMENTATIONS.values() if i.pallas and i.interpreter)
+    dict.fromkeys(
+      i.interpreter
+      for i in _IMPLEMENTATIONS.values()
+      if (i.pallas or i.preferred) and i.interpreter
+    )
   )
+
+
+def preferred_interpreters() -> dict[str, str]:
+  """Interpret-switch backend -> the preferred implementation it interprets (``mosaic_gpu``)."""
+  return {i.interpreter: i.name for i in _IMPLEMENTATIONS.values() if i.preferred and i.interpreter}
 
 
 def pallas_implementation(target: str, names: Optional[tuple[str, ...]] = None) -> Optional[str]:
   """The Pallas implementation ``"pallas"`` stands for on ``target``.
 
   Under the interpret switch, the Pallas implementation that backend
-  interprets; elsewhere the first registered Pallas implementation that can
-  run on ``target`` (on the CPU: the first with an interpreter). ``names``
+  interprets (under a preferred implementation's: its ``fallback``);
+  elsewhere the first registered Pallas implementation that can run on
+  ``target`` (on the CPU: the first with an interpreter). ``names``
   restricts the choice to the implementations an op has kernels for.
   """
   interpreter = target[len("interpret-") :] if target.startswith("interpret-") else None
+  for impl in _IMPLEMENTATIONS.values():
+    if impl.preferred and impl.interpreter == interpreter and impl.fallback is not None:
+      # The switch of an implementation with spaces of its own: "pallas" is its fallback.
+      return impl.fallback if names is None or impl.fallback in names else None
   for impl in _IMPLEMENTATIONS.values():
     if not impl.pallas or (names is not None and impl.name not in names):
       continue
@@ -266,15 +303,20 @@ register_implementation(
 register_implementation(
   Implementation("pallas_mosaic_tpu", ("tpu",), "mosaic_tpu", interpreter="mosaic_tpu", pallas=True)
 )
-# Hopper and Blackwell only (wgmma, TMA): A100s keep the Triton kernels. No op
-# has Mosaic GPU kernels yet; "pallas" stands for it only for ops that do.
+# Hopper and Blackwell only (wgmma, TMA): A100s keep the Triton kernels. Its
+# kernels have config classes of their own, so "pallas" never stands for it:
+# on those devices the executor tries its spaces first, and the Triton kernels
+# run what it refuses. Interpreted (``pallax.interpret("mosaic_gpu")``) the
+# same choice is made, the Triton kernels interpreted where it refuses.
 register_implementation(
   Implementation(
     "pallas_mosaic_gpu",
     ("cuda",),
     "mosaic_gpu",
+    interpreter="mosaic_gpu",
     device_kinds=("h100", "h200", "b200"),
-    pallas=True,
+    preferred=True,
+    fallback="pallas_triton",
   )
 )
 register_implementation(

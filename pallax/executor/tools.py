@@ -85,14 +85,23 @@ class Report(list):
     return "\n".join(lines)
 
 
-def explain(fn: Callable, *args, **kwargs) -> Report:
+def explain(fn: Callable, *args, target: Optional[str] = None, **kwargs) -> Report:
   """Per kernel call in ``fn(*args, **kwargs)``: key, implementation, config, source.
 
   Sources: pinned / overlay / memory / disk / default / heuristic / autotune.
   Nothing is tuned or run; with the ``"autotune"`` policy a miss shows the
   heuristic pick with a note.
+
+  Args:
+    fn: the function whose kernel calls are explained.
+    *args: its arguments.
+    target: where the calls would run: this process's platform (or interpret
+      target) by default; a platform name (``"cuda"``, ``"tpu"``); or a
+      ``pallax.executor.Target`` with a device kind, for a device this
+      machine lacks (``Target("cuda", "h100")``).
+    **kwargs: its keyword arguments.
   """
-  target = local_target()
+  target = local_target() if target is None else target
   return Report(_select(eqn, target, dry_run=True) for eqn in _trace(fn, args, kwargs))
 
 

@@ -30,10 +30,14 @@ class Kernel:
     without its name, which is the primitive's (see ``registry.KernelSpec``).
     It describes the kernels only: the executor adds the XLA program as a
     choice of its own.
+  spaces: implementation name -> the config space of its own that kernel
+    has (a config class, heuristic, candidates and legality of its own:
+    the Mosaic GPU kernels'), instead of ``space``.
   """
 
   impls: Mapping[str, Callable[..., Sequence[jax.Array]]]
   space: ConfigSpace
+  spaces: Mapping[str, ConfigSpace] = dataclasses.field(default_factory=dict)
 
   @property
   def implementations(self) -> tuple[str, ...]:
@@ -49,6 +53,7 @@ class Kernel:
     config: Any,
     backends: Mapping[str, Any],
     space_params: Mapping[str, Any] = types.MappingProxyType({}),
+    own_configs: Mapping[str, Any] = types.MappingProxyType({}),
     **bound,
   ) -> Kernel:
     """The kernel ``name`` of a ``kernels/<family>/`` package.
@@ -63,6 +68,9 @@ class Kernel:
       space_params: keyword arguments bound to ``heuristic``, ``candidates``
         and ``supports`` (a family whose config module serves several kernels
         is told which one: its stage, its kernel's name).
+      own_configs: implementation name -> the module of its own config space
+        (the same four names), for a backend whose configs are not the
+        family's (``Kernel.spaces``); given where that backend has the kernel.
       **bound: static arguments bound to every backend's kernel function.
     """
     impls = {
@@ -74,24 +82,28 @@ class Kernel:
     def given(f):
       return functools.wraps(f)(lambda *args, **kw: f(*args, **space_params, **kw))
 
-    space = ConfigSpace(
-      config.CONFIG_CLS,
-      given(config.heuristic),
-      given(config.candidates),
-      given(config.supports),
-      getattr(config, "VERSION", 1),
-    )
-    return cls(impls, space)
+    def space(module) -> ConfigSpace:
+      return ConfigSpace(
+        module.CONFIG_CLS,
+        given(module.heuristic),
+        given(module.candidates),
+        given(module.supports),
+        getattr(module, "VERSION", 1),
+      )
+
+    spaces = {b: space(m) for b, m in own_configs.items() if b in impls}
+    return cls(impls, space(config), spaces)
 
   @classmethod
-  def of_stage(cls, stage: str, *, config: Any, backends: Mapping[str, Any]) -> Kernel:
+  def of_stage(cls, stage: str, **family: Any) -> Kernel:
     """The kernel function ``stage`` of a family whose config space takes ``stage=``.
 
     For ops with several stages (forward, tangent, backward) sharing one config
     module whose ``heuristic``, ``candidates`` and ``supports`` take a
-    ``stage`` keyword.
+    ``stage`` keyword (``own_configs``' modules too). ``family``: the other
+    arguments of ``of_family`` (``config``, ``backends``, ``own_configs``).
     """
-    return cls.of_family(stage, config=config, backends=backends, space_params={"stage": stage})
+    return cls.of_family(stage, space_params={"stage": stage}, **family)
 
 
 def select_config(

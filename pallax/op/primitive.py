@@ -127,6 +127,7 @@ def define_primitive(name: str, spec: PrimitiveSpec) -> KernelPrimitive:
         k.space.supports,
         k.space.version,
         k.implementations,
+        dict(k.spaces),
       ),
       k.impls,
     )

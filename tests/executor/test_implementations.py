@@ -62,10 +62,15 @@ def test_availability_depends_on_the_device_kind():
   assert "not tpu" in mosaic_gpu.unavailable_reason(Target("tpu", "v5e"))
   # "pallas" stands for the first Pallas implementation an op has that can run there.
   assert pallas_implementation(Target("cuda", "h100")) == "pallas_triton"
-  assert (
-    pallas_implementation(Target("cuda", "h100"), ("pallas_mosaic_gpu",)) == "pallas_mosaic_gpu"
-  )
-  assert pallas_implementation(Target("cuda", "a100"), ("pallas_mosaic_gpu",)) is None
+  # Mosaic GPU kernels have config classes of their own: "pallas" never stands
+  # for them; the executor prefers them where they run (their device kinds,
+  # their interpret switch) and "pallas" is the Triton kernel they fall back to.
+  assert pallas_implementation(Target("cuda", "h100"), ("pallas_mosaic_gpu",)) is None
+  assert mosaic_gpu.prefers(Target("cuda", "h100")) and mosaic_gpu.prefers("interpret-mosaic_gpu")
+  assert not mosaic_gpu.prefers(Target("cuda", "a100")) and not mosaic_gpu.prefers("cuda")
+  assert not mosaic_gpu.prefers("interpret-triton")
+  assert pallas_implementation("interpret-mosaic_gpu") == "pallas_triton"
+  assert kernel_backend("interpret-mosaic_gpu") == "triton"
   assert pallas_implementation("tpu") == "pallas_mosaic_tpu"
   assert pallas_implementation("cpu") == "pallas_triton"  # interpreted
   assert pallas_implementation("interpret-mosaic_tpu") == "pallas_mosaic_tpu"
@@ -146,7 +151,7 @@ def test_the_interpret_switch_and_targets_follow_the_registered_interpreters():
   from pallax.executor.registry import TARGETS
   from pallax.interpret import BACKENDS
 
-  assert BACKENDS == interpreters() == ("triton", "mosaic_tpu")
+  assert BACKENDS == interpreters() == ("triton", "mosaic_tpu", "mosaic_gpu")
   assert [t for t in TARGETS if t.startswith("interpret-")] == [f"interpret-{b}" for b in BACKENDS]
 
 

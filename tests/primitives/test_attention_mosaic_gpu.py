@@ -1,0 +1,176 @@
+"""dot_product_attention's Mosaic GPU (Hopper) forward kernel, interpreted, and when it is chosen.
+
+Under ``pallax.interpret("mosaic_gpu")`` the executor makes an H100's choice:
+the Mosaic GPU forward kernel (run by JAX's GPU interpreter, in its
+interpreted form: docs/mosaic_gpu.md) for the calls it takes, and the Triton
+kernels, interpreted, for the backward, the tangent and what it refuses.
+Everything is compared with the float64 reference of attention_reference.py
+at the 16-bit tolerances; the sizes give two query tiles (the last padded),
+several key blocks (the last ragged), blocks skipped and masked under causal
+and window masks, and rows without keys. On deviceless H100 and A100 targets,
+``explain`` shows which kernel each call gets and why.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import pallax
+from pallax.executor import Target
+from pallax.kernels.attention import mosaic_gpu
+from pallax.kernels.attention.common import Problem
+from tests.helpers import assert_close, rand, to64, x64
+from tests.primitives.attention_reference import reference
+from tests.primitives.test_attention_features import (
+  Case,
+  _as64,
+  _call,
+  _diff_names,
+  _pallax,
+  _rows,
+  _run_case,
+  inputs,
+)
+
+PATH = "mosaic_gpu"
+FWD = "dot_product_attention_fwd"
+MOSAIC = mosaic_gpu.IMPLEMENTATION
+
+CASES = {
+  "causal-gqa": Case(b=1, t=150, s=200, n=4, k=2, h=64, is_causal=True),
+  # Rows t >= 238 see no key; head dim 80 padded to 128; large capped logits.
+  "window-mqa-h80-cap": Case(
+    b=1, t=260, s=200, n=2, k=1, h=80, window=(40, 30), soft_cap=20.0, logit_scale=4.0
+  ),
+  "sinks-hv-T<S": Case(b=2, t=64, s=130, n=2, k=2, h=64, hv=32, sinks=True),
+}
+
+
+def _forward_implementation(case: Case, dtype) -> str:
+  ops, statics = inputs(case, dtype)
+  with pallax.interpret(PATH):
+    report = pallax.explain(lambda ops: _call(_pallax(), statics, ops), ops)
+  (row,) = [r for r in report if r.op == FWD]
+  return row.implementation
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_forward_lse_and_grad(name):
+  assert _forward_implementation(CASES[name], jnp.bfloat16) == MOSAIC
+  _run_case(CASES[name], jnp.bfloat16, PATH, seed=1)
+
+
+def test_float16_causal_head_dim_128():
+  case = Case(b=1, t=128, s=192, n=2, k=1, h=128, is_causal=True)
+  assert _forward_implementation(case, jnp.float16) == MOSAIC
+  _run_case(case, jnp.float16, PATH, seed=2)
+
+
+@pytest.mark.slow
+def test_head_dim_256():
+  case = Case(b=1, t=128, s=130, n=2, k=2, h=256, window=(60, 0))
+  assert _forward_implementation(case, jnp.bfloat16) == MOSAIC
+  _run_case(case, jnp.bfloat16, PATH, seed=3)
+
+
+def _jvp(fn, statics, ops, tangents):
+  names = tuple(tangents)
+  f = lambda *d: _call(fn, statics, {**ops, **dict(zip(names, d))})
+  return jax.jvp(f, tuple(ops[n] for n in names), tuple(tangents.values()))
+
+
+def test_jvp():
+  """The forward on Mosaic GPU, the tangent kernel (Triton) from its ``out`` and ``lse``."""
+  ops, statics = inputs(CASES["sinks-hv-T<S"], jnp.bfloat16, seed=4)
+  rng = np.random.default_rng(5)
+  tangents = {n: rand(rng, ops[n].shape, jnp.bfloat16) for n in _diff_names(ops)}
+  with pallax.interpret(PATH):
+    y, y_dot = jax.jit(functools.partial(_jvp, _pallax(), statics))(ops, tangents)
+  with x64():
+    tangents64 = {n: to64(a) for n, a in tangents.items()}
+    y_ref, y_dot_ref = jax.jit(functools.partial(_jvp, reference, statics))(_as64(ops), tangents64)
+  assert_close(y, y_ref, jnp.bfloat16, "primal")
+  assert_close(y_dot, y_dot_ref, jnp.bfloat16, "tangent")
+  np.testing.assert_array_equal(np.asarray(y_dot, np.float32)[~_rows(ops, statics)], 0.0)
+
+
+def test_vmap_is_one_kernel_and_matches_a_loop():
+  ops, statics = inputs(Case(b=None, t=70, s=130, n=2, k=1, h=64, is_causal=True), jnp.bfloat16)
+  rng = np.random.default_rng(6)
+  qs = rand(rng, (3, *ops["query"].shape), jnp.bfloat16)
+  f = lambda q: _call(_pallax(), statics, {**ops, "query": q})
+  with pallax.interpret(PATH):
+    batched = jax.jit(jax.vmap(f))(qs)
+    looped = [jax.jit(f)(q) for q in qs]
+    report = pallax.explain(jax.vmap(f), qs)
+  assert [r.implementation for r in report] == [MOSAIC]
+  np.testing.assert_array_equal(np.asarray(batched, np.float32), np.asarray(looped, np.float32))
+
+
+def _selection(target, dtype=jnp.bfloat16, grad: bool = False, **features):
+  q = jnp.zeros((2, 256, 4, 128), dtype)
+  kv = jnp.zeros((2, 256, 2, 128), dtype)
+  f = lambda q: pallax.dot_product_attention(q, kv, kv, is_causal=True, **features)
+  if grad:
+    f = jax.grad(lambda q: jnp.sum(pallax.dot_product_attention(q, kv, kv).astype(jnp.float32)))
+  return {r.op: r for r in pallax.explain(f, q, target=target)}
+
+
+def test_the_executor_prefers_mosaic_gpu_on_hopper_only():
+  h100, a100 = Target("cuda", "h100"), Target("cuda", "a100")
+  chosen = _selection(h100)[FWD]
+  assert chosen.implementation == MOSAIC and "preferred on h100" in chosen.note
+  assert isinstance(chosen.config, mosaic_gpu.MosaicGpuAttentionConfig)
+  assert _selection(Target("cuda", "h200"))[FWD].implementation == MOSAIC
+  assert _selection(a100)[FWD].implementation == "pallas" and not _selection(a100)[FWD].note
+  assert _selection("cuda")[FWD].implementation == "pallas"  # no device known: Triton
+  grad = _selection(h100, grad=True)
+  assert grad[FWD].implementation == MOSAIC
+  assert grad["dot_product_attention_bwd"].implementation == "pallas"
+  # What it refuses goes to the Triton kernel, and explain says why.
+  refused = _selection(h100, jnp.float32)[FWD]
+  assert refused.implementation == "pallas" and "not float32" in refused.note
+  bias = jnp.zeros((2, 4, 256, 256), jnp.bfloat16)
+  refused = _selection(h100, bias=bias)[FWD]
+  assert refused.implementation == "pallas" and "takes no bias" in refused.note
+
+
+def _avals(t=256, s=256, h=128, dtype=jnp.bfloat16):
+  q = jax.ShapeDtypeStruct((1, 2, 2, t, h), dtype)
+  k = jax.ShapeDtypeStruct((1, 2, s, h), dtype)
+  lens = jax.ShapeDtypeStruct((1,), jnp.int32)
+  return [q, k, k, lens, lens]
+
+
+PARAMS = dict(
+  scale=0.1,
+  window_left=None,
+  window_right=None,
+  has_lengths=False,
+  has_bias=False,
+  has_mask=False,
+  has_segments=False,
+  has_sinks=False,
+  logits_soft_cap=None,
+)
+
+
+def test_supports_and_the_ring_in_shared_memory():
+  h100 = Target("cuda", "h100")
+  config = mosaic_gpu.MosaicGpuAttentionConfig
+  supports = functools.partial(mosaic_gpu.supports, _avals(), h100)
+  assert supports(config(), stage="fwd", **PARAMS) is None
+  assert "no bwd stage" in supports(config(), stage="bwd", **PARAMS)
+  assert "SMEM" in supports(config(block_k=256, num_stages=4), stage="fwd", **PARAMS)
+  assert "multiples of 64" in supports(config(block_k=96), stage="fwd", **PARAMS)
+  assert "takes no lengths" in supports(config(), stage="fwd", **{**PARAMS, "has_lengths": True})
+  p = Problem.of(_avals(), **PARAMS)
+  # Q/O (2 x 64 x 128), K and V (2 slots x 128 x 128), lse (2 x 64) floats.
+  assert mosaic_gpu.smem_bytes(p, config()) == 2 * 64 * 128 * 2 + 4 * 128 * 128 * 2 + 2 * 64 * 4
+  for candidate in mosaic_gpu.candidates(_avals(h=256), h100, stage="fwd", **PARAMS):
+    assert mosaic_gpu.supports(_avals(h=256), h100, candidate, stage="fwd", **PARAMS) is None
