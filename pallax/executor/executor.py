@@ -472,8 +472,7 @@ class Executor:
     if entry is None:
       return None
     try:
-      implementation_name = entry["config"].get("implementation", PALLAS)
-      return spec.space(implementation_name).config_cls.from_dict(entry["config"])
+      return spec.config_from_dict(entry["config"])
     except (AttributeError, KeyError, TypeError, ValueError) as err:
       log.warning("ignoring unreadable cached config for %s: %s (%s)", spec.op, entry, err)
       return None

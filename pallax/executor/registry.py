@@ -148,6 +148,10 @@ class KernelSpec:
     """The config space of implementation ``name``: its own, or the kernel's."""
     return self.spaces.get(name, self)
 
+  def config_from_dict(self, data: Mapping[str, Any]) -> KernelConfig:
+    """A config of this kernel from its ``to_dict()``, in its implementation's class."""
+    return self.space(data.get("implementation", PALLAS)).config_cls.from_dict(dict(data))
+
   def config_classes(self) -> tuple[type[KernelConfig], ...]:
     """Every config class a config of this kernel may have."""
     return tuple(dict.fromkeys([self.config_cls, *(s.config_cls for s in self.spaces.values())]))

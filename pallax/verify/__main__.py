@@ -71,7 +71,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
   parser.add_argument(
     "--implementation",
     action="append",
-    choices=("pallas", "triton_raw"),
+    choices=("pallas", "triton_raw", "pallas_mosaic_gpu"),
     help="only the configs of this kernel implementation (repeatable; default: all)",
   )
   parser.add_argument("--timeout", type=float, default=300.0, help="seconds per compile")

@@ -68,7 +68,7 @@ def compile_job(message: dict) -> dict:
   """Compiles one job (``sweep.Job.message()``); returns its result record."""
   target = TARGETS[message["target"]]
   eqn = kernel_calls_of(message["case"])[message["call"]]
-  config = kernel_spec(eqn.primitive.name).config_cls.from_dict(message["config"])
+  config = kernel_spec(eqn.primitive.name).config_from_dict(message["config"])
   params = {**eqn.params, "config": config}
   fn = lambda *args: eqn.primitive.bind(*args, **params)
   record = {"id": message["id"], "kernels": []}

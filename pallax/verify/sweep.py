@@ -36,9 +36,11 @@ from pallax.executor.config import KernelConfig
 from pallax.executor.executor import (
   cache_key,
   candidate_configs,
+  device_target,
   heuristic_config,
   unsupported_reason,
 )
+from pallax.executor.implementation import implementation
 from pallax.executor.registry import kernel_spec, registered_ops
 from pallax.executor.tools import kernel_calls
 from pallax.op import op_params
@@ -199,29 +201,42 @@ class Job:
 
 
 def configs_for(
-  eqn: JaxprEqn, target: Target, heuristic_only: bool = False
+  eqn: JaxprEqn, target: Target, heuristic_only: bool = False, preferred: bool = False
 ) -> list[tuple[str, KernelConfig]]:
-  """The ``"pallas"`` configs the executor can choose for ``eqn`` on ``target``, with sources.
+  """The kernel configs the executor can choose for ``eqn`` on ``target``, with sources.
 
-  Configs ``supports`` rejects are left out: the executor never runs them.
+  As the executor chooses on a device of the target's kind (Mosaic GPU
+  preferred on an H100). ``preferred``: with ``heuristic_only``, the
+  candidates of the preferred implementations (``Implementation.preferred``)
+  still. Configs ``supports`` rejects are left out: the executor never runs
+  them.
   """
   spec = kernel_spec(eqn.primitive.name)
   avals = [v.aval for v in eqn.invars]
   params = op_params(eqn.params)
-  found = [("heuristic", heuristic_config(spec, avals, target.platform, params))]
+  where = device_target(target.platform, target.device_kind)
+  found = [("heuristic", heuristic_config(spec, avals, where, params))]
+  if not heuristic_only or preferred:
+    candidates = candidate_configs(spec, avals, where, params)
+    if heuristic_only:
+      candidates = [c for c in candidates if _preferred(c.implementation)]
+    found += [("candidate", c) for c in candidates]
   if not heuristic_only:
-    found += [("candidate", c) for c in candidate_configs(spec, avals, target.platform, params)]
     entry = shipped_defaults(target.device_kind, spec.op, spec.version).get(
       cache_key(spec, avals, target.platform, params)
     )
     if entry is not None:
-      found.append(("default", spec.config_cls.from_dict(entry["config"])))
+      found.append(("default", spec.config_from_dict(entry["config"])))
   return [
     (source, config)
     for source, config in found
     if config.implementation != "xla"
-    and unsupported_reason(spec, avals, target.platform, config, params) is None
+    and unsupported_reason(spec, avals, where, config, params) is None
   ]
+
+
+def _preferred(name: str) -> bool:
+  return name not in ("pallas", "xla") and implementation(name).preferred
 
 
 def call_key(eqn: JaxprEqn, target: Target) -> str:
@@ -243,23 +258,30 @@ def jobs_for(
   ``pinned`` maps kernel names to a config to compile instead of the
   executor's choices (for checking a config by hand). ``candidates_at``: the
   ids of the cases whose calls get the candidates too (default: every case).
-  ``implementations``: only configs of these (``"pallas"``, ``"triton_raw"``).
+  ``implementations``: only configs of these (``"pallas"``, ``"triton_raw"``,
+  ``"pallas_mosaic_gpu"``). The preferred implementations' candidates (Mosaic
+  GPU's, which take no float32) are compiled at an op's first size in every
+  dtype.
   """
   jobs: dict[str, Job] = {}
   configs: dict[tuple, list] = {}  # per call and target: the forward is in every stage
   for case in case_list:
     only = heuristic_only or (candidates_at is not None and case.id not in candidates_at)
+    op = OPS[case.op]
+    preferred = not heuristic_only and op.candidates and case.size == op.sizes[0]
     for index, eqn in enumerate(kernel_calls_of(case.id)):
       name = eqn.primitive.name
       if pinned is not None and name not in pinned:
         continue
       for target in targets:
         key = call_key(eqn, target)
-        if (target.name, key, only) not in configs:
-          configs[target.name, key, only] = (
-            [("pinned", pinned[name])] if pinned is not None else configs_for(eqn, target, only)
+        if (target.name, key, only, preferred) not in configs:
+          configs[target.name, key, only, preferred] = (
+            [("pinned", pinned[name])]
+            if pinned is not None
+            else configs_for(eqn, target, only, preferred)
           )
-        for source, config in configs[target.name, key, only]:
+        for source, config in configs[target.name, key, only, preferred]:
           if implementations is not None and config.implementation not in implementations:
             continue
           job = Job(target.name, name, key, config.to_dict(), case.id, index)

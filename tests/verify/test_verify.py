@@ -83,6 +83,37 @@ def test_every_raw_triton_config_compiles(target):
       assert k["smem_bytes"] <= TARGETS[target].shared_memory_limit, r
 
 
+MOSAIC_GPU_OPS = ["attention", "attention_causal", "attention_features"]
+
+
+@pytest.mark.compilers
+def test_every_mosaic_gpu_config_compiles_for_h100():
+  """The Mosaic GPU configs the executor can choose on an H100: no spills, fits SMEM.
+
+  The heuristic's at every size and 16-bit dtype (head dims 64, 80, 128,
+  256), every candidate at each op's first size; three warpgroups a block.
+  """
+  report = verify(
+    MOSAIC_GPU_OPS,
+    ["h100"],
+    implementations=["pallas_mosaic_gpu"],
+    workers=1,
+    cache=False,
+    progress=False,
+  )
+  _check(report, "ok")
+  assert {r["kernel"] for r in report.results} == {"dot_product_attention_fwd"}
+  assert {"heuristic", "candidate"} <= set().union(*(r["sources"] for r in report.results))
+  configs = {(r["config"]["block_k"], r["config"]["num_stages"]) for r in report.results}
+  assert len(configs) >= 6, configs
+  for r in report.results:
+    assert r["config"]["implementation"] == "pallas_mosaic_gpu"
+    (k,) = r["kernels"]
+    assert k["spill_bytes"] == 0 and 0 < k["registers"] <= 255, r
+    assert 0 < k["smem_bytes"] <= TARGETS["h100"].shared_memory_limit, r
+    assert k["threads"] == 3 * 128, r
+
+
 def test_every_registered_kernel_is_in_the_sweep():
   assert len(sweep.library_kernels()) == 19
   assert sweep.unswept_kernels(sweep.cases()) == []
