@@ -155,7 +155,9 @@ def heuristic_choice(
 
   Where a preferred implementation with a space of its own runs (Mosaic GPU
   on Hopper: ``Implementation.preferred``), its heuristic's config if that
-  space supports the call, else (saying why) the kernel's own. On ``cpu``,
+  space supports the call, else (saying why) the kernel's own; a preferred
+  space's heuristic returning None leaves the call to the kernel's own
+  heuristic, its configs candidates for autotuning only. On ``cpu``,
   where the kernel's own implementations run interpreted: an implementation
   added to it that runs compiled there, else the XLA program with the
   heuristic's blocks.
@@ -169,7 +171,10 @@ def heuristic_choice(
   where = target if Target(target).interpreter else getattr(target, "device_kind", "") or target
   for name in _preferred(spec, target):
     space = spec.spaces[name]
-    config = _named(space.heuristic(avals, target, **params), name)
+    config = space.heuristic(avals, target, **params)
+    if config is None:  # the space leaves this call to timing (autotuning) alone
+      continue
+    config = _named(config, name)
     reason = space.reason(avals, target, config, **params)
     if reason is None:
       return config, f"{name} preferred on {where}"
