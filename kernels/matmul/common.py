@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, Optional
 
 import jax
 import jax.numpy as jnp
@@ -155,6 +155,66 @@ class KernelArgs:
     )
 
 
+@dataclasses.dataclass(frozen=True)
+class Folded:
+  """A call's operands as the kernels take them: batch dims folded into M and K.
+
+  a, b: the operands, a's trailing batch dims that only it has folded into M
+    and the contracted batch dims into K.
+  bias: 0 or 1 bias, ``(*bias_dims, 1, N)``.
+  masks: the batch masks of ``a``, ``b`` and ``bias`` over ``prob.grid_batch``.
+  args: what the kernel body knows of the call.
+  """
+
+  prob: Problem
+  a: jax.Array
+  b: jax.Array
+  bias: list[jax.Array]
+  masks: tuple[tuple[bool, ...], tuple[bool, ...], tuple[bool, ...]]
+  args: KernelArgs
+
+  def unfold(self, outs: Sequence[jax.Array]) -> list[jax.Array]:
+    """The kernel's ``(*grid_batch, M, N)`` results in the call's ``(*batch, rows, N)``."""
+    prob = self.prob
+    return [o.reshape(prob.batch + (prob.rows, prob.n)) for o in outs]
+
+
+def trivial(a, b, *bias, out_dtype, **params) -> Optional[list[jax.Array]]:
+  """The results of a call with nothing to multiply (an empty result or K = 0), else None."""
+  prob = Problem.of([x.shape for x in (a, b, *bias)], **params)
+  out_shape = prob.batch + (prob.rows, prob.n)
+  if math.prod(out_shape) == 0:
+    return [jnp.zeros(out_shape, out_dtype)] * (1 + params["save_preactivation"])
+  if prob.k == 0:
+    acc = acc_dtype(a.dtype, b.dtype)
+    epilogue_params = split_params(params)[1]
+    return epilogue(jnp.zeros(out_shape, acc), *bias, out_dtype=out_dtype, **epilogue_params)
+  return None
+
+
+def fold(a, b, *bias, **params) -> Folded:
+  """The operands of a call reshaped so that folded batch dims join M (contracted ones K)."""
+  prob = Problem.of([x.shape for x in (a, b, *bias)], **params)
+  nb = len(prob.grid_batch)
+  a_batch, b_batch, bias_batch = params["a_batch"], params["b_batch"], params["bias_batch"]
+  if params["contract_batch"]:  # contiguous with K (transpose_a, not transpose_b): fold into K
+    a = a.reshape(a.shape[: sum(a_batch)] + (prob.k, prob.m))
+    b = b.reshape(b.shape[: sum(b_batch)] + (prob.k, prob.n))
+  if prob.fold:
+    a = a.reshape(a.shape[: sum(a_batch) - prob.fold] + (prob.m, prob.k))
+  masks = tuple(tuple(m[:nb]) for m in (a_batch, b_batch, bias_batch))
+  args = KernelArgs(
+    prob,
+    bool(bias),
+    params["transpose_a"],
+    params["transpose_b"],
+    params["precision"],
+    params["activation"],
+    params["save_preactivation"],
+  )
+  return Folded(prob, a, b, [x.reshape(x.shape[:-1] + (1, prob.n)) for x in bias], masks, args)
+
+
 def matmul(
   a, b, *bias, out_dtype, config: MatmulConfig, interpret, plan: Callable[..., Plan], **params
 ):
@@ -164,47 +224,25 @@ def matmul(
   ones K); ``plan(prob, config, kernel_args, acc_dtype)`` gives the backend's
   blocks, grid, kernel and ``pallas_call`` arguments.
   """
-  prob = Problem.of([x.shape for x in (a, b, *bias)], **params)
-  epilogue_params = split_params(params)[1]
-  out_shape = prob.batch + (prob.rows, prob.n)
-  outputs = 1 + params["save_preactivation"]
-  if math.prod(out_shape) == 0:
-    return [jnp.zeros(out_shape, out_dtype)] * outputs
-  acc = acc_dtype(a.dtype, b.dtype)
-  if prob.k == 0:
-    return epilogue(jnp.zeros(out_shape, acc), *bias, out_dtype=out_dtype, **epilogue_params)
-  nb = len(prob.grid_batch)
-  a_batch, b_batch, bias_batch = params["a_batch"], params["b_batch"], params["bias_batch"]
-  if params["contract_batch"]:  # contiguous with K (transpose_a, not transpose_b): fold into K
-    a = a.reshape(a.shape[: sum(a_batch)] + (prob.k, prob.m))
-    b = b.reshape(b.shape[: sum(b_batch)] + (prob.k, prob.n))
-  if prob.fold:
-    a = a.reshape(a.shape[: sum(a_batch) - prob.fold] + (prob.m, prob.k))
-  a_batch, b_batch, bias_batch = (m[:nb] for m in (a_batch, b_batch, bias_batch))
-  bias = [x.reshape(x.shape[:-1] + (1, prob.n)) for x in bias]
-  transpose_a, transpose_b = params["transpose_a"], params["transpose_b"]
-  kernel_args = KernelArgs(
-    prob,
-    bool(bias),
-    transpose_a,
-    transpose_b,
-    params["precision"],
-    params["activation"],
-    params["save_preactivation"],
-  )
+  done = trivial(a, b, *bias, out_dtype=out_dtype, **params)
+  if done is not None:
+    return done
+  f = fold(a, b, *bias, **params)
+  prob, args = f.prob, f.args
+  outputs = 1 + args.save_preactivation
   result = jax.ShapeDtypeStruct(prob.grid_batch + (prob.m, prob.n), out_dtype)
-  p = plan(prob, config, kernel_args, acc)
+  p = plan(prob, config, args, acc_dtype(a.dtype, b.dtype))
   in_specs, out_spec = _block_specs(
-    a_batch, b_batch, bias_batch, p.blocks, transpose_a, transpose_b, k_steps=p.k_steps
+    *f.masks, p.blocks, args.transpose_a, args.transpose_b, k_steps=p.k_steps
   )
   outs = pl.pallas_call(
     p.kernel,
     grid=prob.grid_batch + p.grid,
-    in_specs=in_specs[: 2 + len(bias)],
+    in_specs=in_specs[: 2 + len(f.bias)],
     out_specs=[out_spec] * outputs,
     out_shape=[result] * outputs,
     interpret=interpret,
     name="matmul",
     **p.call_args,
-  )(a, b, *bias)
-  return [o.reshape(out_shape) for o in outs]
+  )(f.a, f.b, *f.bias)
+  return f.unfold(outs)
