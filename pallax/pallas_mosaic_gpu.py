@@ -69,6 +69,64 @@ class Form:
       return plgpu.broadcasted_iota(jnp.int32, shape, dim, layout=plgpu.Layout.WGMMA)
     return lax.broadcasted_iota(jnp.int32, shape, dim)
 
+  def vector(self, ref: Any, dim: int) -> jax.Array:
+    """A 1-D SMEM ref's value indexing ``dim`` of a ``wgmma`` accumulator's tile.
+
+    A row statistic (``dim`` 0: one value a row, ``broadcast_in_dim`` to
+    ``[0]``) or a column one (``dim`` 1), in the matching register layout on
+    a GPU.
+    """
+    if self.hopper:
+      return plgpu.load(ref, (), layout=plgpu.Layout.WGMMA.reduce(1 - dim))
+    return ref[...]
+
+  def launch(
+    self,
+    body: Callable[..., None],
+    operands: Sequence[jax.Array],
+    out_types: Sequence[jax.ShapeDtypeStruct],
+    *,
+    grid: tuple[int, ...],
+    grid_names: tuple[str, ...],
+    scratch: Sequence[Any],
+    consumers: int = 2,
+  ) -> list:
+    """Runs a warp-specialised kernel: ``consumers`` warpgroups and a producer, named ``"wg"``.
+
+    ``body(*operand_refs, *out_refs, scoped)`` runs in every warpgroup of a
+    block of threads over ``grid`` (axes ``grid_names``); ``scoped`` holds
+    ``scratch`` (SMEM buffers, barriers), allocated once for the block.
+    Interpreted, the kernel runs in a host callback (``on_host``).
+    """
+
+    def entry(*refs):
+      pl.run_scoped(lambda *scoped: body(*refs, scoped), *scratch, collective_axes="wg")
+
+    kernel = plgpu.kernel(
+      entry,
+      out_type=tuple(out_types),
+      grid=grid,
+      grid_names=grid_names,
+      num_threads=consumers + 1,
+      thread_name="wg",
+      compiler_params=plgpu.CompilerParams(approx_math=True),
+      interpret=self.interpret,
+    )
+    return list(kernel(*operands)) if self.hopper else on_host(kernel, out_types, *operands)
+
+  def staging(self, shape: Sequence[int], dtype: Any) -> Any:
+    """SMEM for the interpreted form's register ``wgmma`` operands (None on a GPU)."""
+    return None if self.hopper else plgpu.SMEM(shape, dtype, transforms=swizzle_transforms(dtype))
+
+  def operand(self, x: jax.Array, staging: Any, *index: Any) -> Any:
+    """``x`` as a ``wgmma`` left operand: itself on a GPU; interpreted, stored to ``staging``."""
+    if self.hopper:
+      return x
+    ref = staging.at[index] if index else staging
+    ref[...] = x
+    plgpu.commit_smem()
+    return ref
+
   def registers(self, count: int, action: str) -> None:
     """Raises (``"increase"``) or gives up (``"decrease"``) a warpgroup's registers on a GPU."""
     if self.hopper:
@@ -119,6 +177,75 @@ def on_host(kernel: Callable[..., Any], out_types: Sequence[Any], *operands: jax
         raise
 
   return list(jax.pure_callback(host, tuple(out_types), *operands))
+
+
+@dataclasses.dataclass(frozen=True)
+class Ring:
+  """A producer warpgroup's ring of ``stages`` SMEM slots over a loop's steps ``[lo, hi)``.
+
+  Each step fills one slot with groups of TMA copies (``produce``); every
+  copy of a group lands on the group's "full" barrier of the slot, and every
+  consumer releases a group of a slot on its "consumed" barrier when done
+  with it, so the producer may refill it ``stages`` steps later. Each thread
+  observes every phase of the barriers it waits on (JAX's GPU interpreter
+  checks it): the producer waits for the last releases before it exits.
+
+  Attributes:
+    stages: slots of the ring.
+    lo, hi: the steps (traced int32 scalars); step ``j`` uses slot
+      ``(j - lo) % stages``.
+    full, consumed: per group, its barriers (``barriers`` allocates them).
+  """
+
+  stages: int
+  lo: Any
+  hi: Any
+  full: Sequence[Any]
+  consumed: Sequence[Any]
+
+  @staticmethod
+  def barriers(copies: Sequence[int], stages: int, consumers: int) -> tuple[tuple, tuple]:
+    """``(full, consumed)`` scratch: per group of ``copies[i]`` copies, ``stages`` barriers."""
+    full = tuple(plgpu.Barrier(num_arrivals=n, num_barriers=stages) for n in copies)
+    consumed = tuple(plgpu.Barrier(num_arrivals=consumers, num_barriers=stages) for _ in copies)
+    return full, consumed
+
+  def slot(self, j) -> jax.Array:
+    return lax.rem(j - self.lo, jnp.int32(self.stages))
+
+  def wait(self, group: int, j) -> None:
+    """Waits until group ``group`` of step ``j`` is in its slot."""
+    plgpu.barrier_wait(self.full[group].at[self.slot(j)])
+
+  def release(self, group: int, j) -> None:
+    """This consumer is done with group ``group`` of step ``j``'s slot."""
+    plgpu.barrier_arrive(self.consumed[group].at[self.slot(j)])
+
+  def skip(self, j) -> None:
+    """A step this consumer does not compute: waits for each group and releases it."""
+    for group in range(len(self.full)):
+      self.wait(group, j)
+      self.release(group, j)
+
+  def produce(self, copies: Callable[[Any, Any], Sequence[Sequence[tuple[Any, Any]]]]) -> None:
+    """The producer's loop: ``copies(j, slot)`` gives step ``j``'s groups of ``(src, dst)``."""
+
+    def load(j, refill: bool):
+      s = self.slot(j)
+      for group, pairs in enumerate(copies(j, s)):
+        if refill:
+          plgpu.barrier_wait(self.consumed[group].at[s])
+        for src, dst in pairs:
+          plgpu.copy_gmem_to_smem(src, dst, self.full[group].at[s])
+
+    for i in range(self.stages):
+      pl.when(self.lo + i < self.hi)(lambda i=i: load(self.lo + i, False))
+    pl.loop(self.lo + self.stages, self.hi)(lambda j: load(j, True))
+
+    @pl.loop(jnp.maximum(self.hi - self.stages, self.lo), self.hi)
+    def _(j):
+      for barrier in self.consumed:
+        plgpu.barrier_wait(barrier.at[self.slot(j)])
 
 
 def smem_bytes(*buffers: tuple[Sequence[int], Any]) -> int:

@@ -1,9 +1,9 @@
-"""dot_product_attention's Mosaic GPU (Hopper) forward kernel, interpreted, and when it is chosen.
+"""dot_product_attention's Mosaic GPU (Hopper) kernels, interpreted, and when they are chosen.
 
 Under ``pallax.interpret("mosaic_gpu")`` the executor makes an H100's choice:
-the Mosaic GPU forward kernel (run by JAX's GPU interpreter, in its
-interpreted form: docs/mosaic_gpu.md) for the calls it takes, and the Triton
-kernels, interpreted, for the backward, the tangent and what it refuses.
+the Mosaic GPU forward and backward kernels (run by JAX's GPU interpreter, in
+their interpreted form: docs/mosaic_gpu.md) for the calls they take, and the
+Triton kernels, interpreted, for the tangent and what they refuse.
 Everything is compared with the float64 reference of attention_reference.py
 at the 16-bit tolerances; the sizes give two query tiles (the last padded),
 several key blocks (the last ragged), blocks skipped and masked under causal
@@ -38,7 +38,7 @@ from tests.primitives.test_attention_features import (
 )
 
 PATH = "mosaic_gpu"
-FWD = "dot_product_attention_fwd"
+FWD, BWD = "dot_product_attention_fwd", "dot_product_attention_bwd"
 MOSAIC = mosaic_gpu.IMPLEMENTATION
 
 CASES = {
@@ -51,30 +51,32 @@ CASES = {
 }
 
 
-def _forward_implementation(case: Case, dtype) -> str:
+def _chosen(case: Case, dtype) -> dict[str, str]:
+  """Kernel -> implementation of the gradient of ``case`` under the Mosaic GPU switch."""
   ops, statics = inputs(case, dtype)
+  loss = lambda q: jnp.sum(_call(_pallax(), statics, {**ops, "query": q}).astype(jnp.float32))
   with pallax.interpret(PATH):
-    report = pallax.explain(lambda ops: _call(_pallax(), statics, ops), ops)
-  (row,) = [r for r in report if r.op == FWD]
-  return row.implementation
+    report = pallax.explain(jax.grad(loss), ops["query"])
+  return {r.op: r.implementation for r in report}
 
 
 @pytest.mark.parametrize("name", CASES)
 def test_forward_lse_and_grad(name):
-  assert _forward_implementation(CASES[name], jnp.bfloat16) == MOSAIC
+  assert _chosen(CASES[name], jnp.bfloat16) == {FWD: MOSAIC, BWD: MOSAIC}
   _run_case(CASES[name], jnp.bfloat16, PATH, seed=1)
 
 
 def test_float16_causal_head_dim_128():
+  """T < S under a causal mask: the last key tile sees no query at all."""
   case = Case(b=1, t=128, s=192, n=2, k=1, h=128, is_causal=True)
-  assert _forward_implementation(case, jnp.float16) == MOSAIC
+  assert _chosen(case, jnp.float16) == {FWD: MOSAIC, BWD: MOSAIC}
   _run_case(case, jnp.float16, PATH, seed=2)
 
 
 @pytest.mark.slow
-def test_head_dim_256():
+def test_head_dim_256_backward_on_triton():
   case = Case(b=1, t=128, s=130, n=2, k=2, h=256, window=(60, 0))
-  assert _forward_implementation(case, jnp.bfloat16) == MOSAIC
+  assert _chosen(case, jnp.bfloat16) == {FWD: MOSAIC, BWD: "pallas"}
   _run_case(case, jnp.bfloat16, PATH, seed=3)
 
 
@@ -130,14 +132,14 @@ def test_the_executor_prefers_mosaic_gpu_on_hopper_only():
   assert _selection(a100)[FWD].implementation == "pallas" and not _selection(a100)[FWD].note
   assert _selection("cuda")[FWD].implementation == "pallas"  # no device known: Triton
   grad = _selection(h100, grad=True)
-  assert grad[FWD].implementation == MOSAIC
-  assert grad["dot_product_attention_bwd"].implementation == "pallas"
+  assert grad[FWD].implementation == grad[BWD].implementation == MOSAIC
+  assert _selection(a100, grad=True)[BWD].implementation == "pallas"
   # What it refuses goes to the Triton kernel, and explain says why.
   refused = _selection(h100, jnp.float32)[FWD]
   assert refused.implementation == "pallas" and "not float32" in refused.note
   bias = jnp.zeros((2, 4, 256, 256), jnp.bfloat16)
   refused = _selection(h100, bias=bias)[FWD]
-  assert refused.implementation == "pallas" and "takes no bias" in refused.note
+  assert refused.implementation == "pallas" and "take no bias" in refused.note
 
 
 def _avals(t=256, s=256, h=128, dtype=jnp.bfloat16):
@@ -165,12 +167,14 @@ def test_supports_and_the_ring_in_shared_memory():
   config = mosaic_gpu.MosaicGpuAttentionConfig
   supports = functools.partial(mosaic_gpu.supports, _avals(), h100)
   assert supports(config(), stage="fwd", **PARAMS) is None
-  assert "no bwd stage" in supports(config(), stage="bwd", **PARAMS)
+  assert supports(config(block_q=64, block_k=64), stage="bwd", **PARAMS) is None
+  assert "no jvp stage" in supports(config(), stage="jvp", **PARAMS)
   assert "SMEM" in supports(config(block_k=256, num_stages=4), stage="fwd", **PARAMS)
   assert "multiples of 64" in supports(config(block_k=96), stage="fwd", **PARAMS)
   assert "takes no lengths" in supports(config(), stage="fwd", **{**PARAMS, "has_lengths": True})
   p = Problem.of(_avals(), **PARAMS)
   # Q/O (2 x 64 x 128), K and V (2 slots x 128 x 128), lse (2 x 64) floats.
-  assert mosaic_gpu.smem_bytes(p, config()) == 2 * 64 * 128 * 2 + 4 * 128 * 128 * 2 + 2 * 64 * 4
+  want = 2 * 64 * 128 * 2 + 4 * 128 * 128 * 2 + 2 * 64 * 4
+  assert mosaic_gpu.smem_bytes(p, config(), "fwd") == want
   for candidate in mosaic_gpu.candidates(_avals(h=256), h100, stage="fwd", **PARAMS):
     assert mosaic_gpu.supports(_avals(h=256), h100, candidate, stage="fwd", **PARAMS) is None

@@ -1,0 +1,41 @@
+"""The attention kernels on Pallas Mosaic GPU (Hopper): FlashAttention-3's structure.
+
+* ``config.py``: ``MosaicGpuAttentionConfig`` (a config class of its own),
+  heuristic, candidates, legality, the SMEM model;
+* ``tiles.py``: block ranges, masks, logits and the step loops the kernels share;
+* ``fwd.py``: the forward (``out``, ``lse``): a TMA producer warpgroup and two
+  ping-pong ``wgmma`` consumer warpgroups;
+* ``bwd.py``: the backward from the saved ``lse``: a dq kernel and a dk/dv
+  kernel of the same structure, no atomics.
+
+The tangent stage runs on the Triton kernel. Each kernel has an interpreted
+form for the CPU check (``pallax.pallas_mosaic_gpu.Form``).
+"""
+
+from __future__ import annotations
+
+from pallax.kernels.attention.mosaic_gpu.bwd import bwd
+from pallax.kernels.attention.mosaic_gpu.config import (
+  CONFIG_CLS,
+  IMPLEMENTATION,
+  MosaicGpuAttentionConfig,
+  candidates,
+  feature_reason,
+  heuristic,
+  smem_bytes,
+  supports,
+)
+from pallax.kernels.attention.mosaic_gpu.fwd import fwd
+
+__all__ = [
+  "CONFIG_CLS",
+  "IMPLEMENTATION",
+  "MosaicGpuAttentionConfig",
+  "bwd",
+  "candidates",
+  "feature_reason",
+  "fwd",
+  "heuristic",
+  "smem_bytes",
+  "supports",
+]

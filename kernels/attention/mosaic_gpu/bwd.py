@@ -1,0 +1,325 @@
+"""The attention backward on Pallas Mosaic GPU (Hopper): dq, dk and dv from the saved ``lse``.
+
+Two kernels of the forward's structure (a TMA producer warpgroup filling an
+SMEM ring, two ``wgmma`` consumer warpgroups), neither recomputing the
+forward's softmax statistics nor using atomics:
+
+* the dq kernel: one block of threads per (query head, ``2 * block_q``
+  queries, batch); each consumer keeps its queries' Q, dO, lse and
+  ``delta = rowsum(dO O) - dlse`` in SMEM and streams K and V blocks:
+  ``P = exp2(S - lse)``, ``dP = dO V^T``, ``dS = P (dP - delta)``,
+  ``dQ += dS K``;
+* the dk/dv kernel: one block of threads per (kv head, ``2 * block_k`` keys,
+  batch); each consumer keeps its keys' K and V and streams, for every query
+  head of the kv head (GQA sums in the accumulators, never a partial per
+  query head), the blocks of Q, dO, lse and delta that see its keys:
+  ``P^T``, ``dV += P^T dO``, ``dP^T = V dO^T``, ``dK += dS^T Q``.
+
+Blocks hidden entirely (causal, window) are not loaded; partly hidden ones
+are masked. The soft cap's slope scales ``dS``. Padded queries carry an lse
+of +inf (probability 0); padded keys give gradients that are cut off.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from pallax import pallas_mosaic_gpu as mgpu
+from pallax.kernels.attention import common
+from pallax.kernels.attention.common import Call, Problem
+from pallax.kernels.attention.mosaic_gpu import tiles
+from pallax.kernels.attention.mosaic_gpu.config import (
+  CONSUMERS,
+  MosaicGpuAttentionConfig,
+  feature_reason,
+  head,
+  round_up,
+)
+from pallax.kernels.attention.mosaic_gpu.tiles import broadcast
+
+
+def bwd(*operands, config: MosaicGpuAttentionConfig, interpret: Any, **params) -> list[jax.Array]:
+  """``(dq, dk, dv)``."""
+  c = Call.of("bwd", operands, params)
+  p, ops = c.p, c.ops
+  reason = feature_reason(p, "bwd")
+  if reason is not None:
+    raise NotImplementedError(f"dot_product_attention: {reason}")
+  form = mgpu.Form.of(interpret)
+  h = head(p)
+  tp, sp = round_up(p.t, CONSUMERS * config.block_q), round_up(p.s, CONSUMERS * config.block_k)
+  delta = common.bwd_delta(p.stat, ops.out, ops.dout, ops.dlse).astype(jnp.float32)
+  queries = {
+    "q": tiles.pad(ops.q, {3: tp, 4: h}),
+    "do": tiles.pad(ops.dout.astype(p.dtype), {3: tp, 4: h}),
+    "lse": tiles.pad(tiles.lse2(ops.lse.astype(jnp.float32)), {3: tp}, jnp.inf),
+    "delta": tiles.pad(delta, {3: tp}),
+  }
+  keys = {"k": tiles.pad(ops.k, {2: sp, 3: h}), "v": tiles.pad(ops.v, {2: sp, 3: h})}
+  kernels = _Kernels(p, form, tiles.Tiles(p, config.block_q, config.block_k), config.num_stages)
+  dq = kernels.dq(queries, keys, tp)
+  dk, dv = kernels.dkdv(queries, keys, sp)
+  cut = lambda x, n, d: x[..., :n, :d]
+  named = {"dq": cut(dq, p.t, p.head_dim), "dk": cut(dk, p.s, p.head_dim)}
+  return c.results({**named, "dv": cut(dv, p.s, p.value_dim), "dbias": None})
+
+
+class _Kernels:
+  """The two backward kernels of one call."""
+
+  def __init__(self, p: Problem, form: mgpu.Form, blocks: tiles.Tiles, stages: int):
+    self.p, self.form, self.blocks, self.stages = p, form, blocks, stages
+    self.h = head(p)
+
+  def _tile(self, lead: int, rows: int, cols: int):
+    return plgpu.SMEM(
+      (lead, rows, cols), self.p.dtype, transforms=mgpu.swizzle_transforms(self.p.dtype)
+    )
+
+  def _transposed(self, x: jax.Array, rows_axis: int):
+    """``x`` with its rows and head dim swapped, for the interpreted form (None on a GPU)."""
+    return None if self.form.hopper else jnp.swapaxes(x, rows_axis, rows_axis + 1)
+
+  def _scores(self, a, b_t, shape):
+    """``a b^T`` into a fresh accumulator: ``b_t`` is ``b`` transposed (a ref view or a tile)."""
+
+    def product(acc_ref):
+      plgpu.wgmma(acc_ref, a, b_t)
+      plgpu.wgmma_wait(0)
+      return acc_ref[...]
+
+    return pl.run_scoped(product, plgpu.ACC(shape, jnp.float32))
+
+  def _t(self, tiles_ref, transposed_ref, slot):
+    """Ring slot ``slot``'s tile transposed for ``wgmma``: a view on a GPU, else its copy."""
+    if self.form.hopper:
+      return plgpu.transpose_ref(tiles_ref.at[slot], (1, 0))
+    return transposed_ref.at[slot]
+
+  def dq(self, queries: dict, keys: dict, tp: int) -> jax.Array:
+    """``dq (B, K, G, Tp, h)``: per query tile, the key blocks it sees."""
+    p, form, blocks, h = self.p, self.form, self.blocks, self.h
+    bq, bk, stages = blocks.bq, blocks.bk, self.stages
+    rows = CONSUMERS * bq
+    k_t, v_t = self._transposed(keys["k"], 2), self._transposed(keys["v"], 2)
+    operands = [queries[n] for n in ("q", "do", "lse", "delta")] + [keys["k"], keys["v"]]
+    operands += [] if form.hopper else [k_t, v_t]
+
+    def body(q_ref, do_ref, lse_ref, delta_ref, k_ref, v_ref, *rest):
+      *transposed, dq_ref, scoped = rest
+      smem, own_full, (full, consumed) = scoped
+      q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem, kt_smem, vt_smem, ds_smem = smem
+      n, b, wg = lax.axis_index("heads"), lax.axis_index("batch"), lax.axis_index("wg")
+      kh, g = lax.div(n, jnp.int32(p.groups)), lax.rem(n, jnp.int32(p.groups))
+      t_tile = lax.axis_index("q") * rows
+      lo, hi = blocks.key_blocks(t_tile, rows)
+      ring = mgpu.Ring(stages, lo, hi, full, consumed)
+
+      @pl.when(wg < CONSUMERS)
+      def _consumer():
+        form.registers(mgpu.CONSUMER_REGISTERS, "increase")
+        t0 = t_tile + wg * bq
+        mine = pl.ds(t0, bq)
+        refs = (q_ref, do_ref, lse_ref, delta_ref)
+        for ref, buf in zip(refs, (q_smem, do_smem, lse_smem, delta_smem)):
+          plgpu.copy_gmem_to_smem(ref.at[b, kh, g, mine], buf.at[wg], own_full.at[wg])
+        plgpu.barrier_wait(own_full.at[wg])
+        lse, delta = form.vector(lse_smem.at[wg], 0), form.vector(delta_smem.at[wg], 0)
+        own = tiles.own_range(lo, hi, blocks.key_blocks(t0, bq))
+
+        def skip(j, carry):
+          ring.skip(j)
+          return carry
+
+        def step(j, dq, masked: bool):
+          s = ring.slot(j)
+          ring.wait(0, j)
+          x = self._scores(q_smem.at[wg], self._t(k_smem, kt_smem, s), (bq, bk))
+          z, slope = tiles.logits2(p, x, cap_grad=True)
+          z = tiles.masked(z, blocks.keep_keys(form, t0, j) if masked else None)
+          probs = jnp.exp2(z - broadcast(lse, z.shape, 0))
+          ring.wait(1, j)
+          dp = self._scores(do_smem.at[wg], self._t(v_smem, vt_smem, s), (bq, bk))
+          ring.release(1, j)
+          ds = probs * (dp - broadcast(delta, dp.shape, 0))
+          ds = ds if slope is None else ds * slope
+          ds = form.operand(ds.astype(p.dtype), ds_smem, wg)
+          dq = form.accumulate(dq, lambda acc_ref: plgpu.wgmma(acc_ref, ds, k_smem.at[s]))
+          ring.release(0, j)
+          return dq
+
+        init = form.layout(jnp.zeros((bq, h), jnp.float32), plgpu.Layout.WGMMA)
+        unmasked = blocks.unmasked_keys(t0, *own)
+        dq = tiles.over_steps(lo, own, unmasked, hi, skip, step, init)
+        q_smem.at[wg][...] = (dq * p.scale).astype(p.dtype)
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(q_smem.at[wg], dq_ref.at[b, kh, g, mine])
+        plgpu.wait_smem_to_gmem(0)
+
+      @pl.when(wg == CONSUMERS)
+      def _producer():
+        form.registers(mgpu.PRODUCER_REGISTERS, "decrease")
+
+        def copies(j, s):
+          block = pl.ds(j * bk, bk)
+          groups = [
+            [(k_ref.at[b, kh, block], k_smem.at[s])],
+            [(v_ref.at[b, kh, block], v_smem.at[s])],
+          ]
+          for group, ref, buf in zip(groups, transposed, (kt_smem, vt_smem)):
+            group.append((ref.at[b, kh, :, block], buf.at[s]))
+          return groups
+
+        ring.produce(copies)
+
+    copies = 1 if form.hopper else 2
+    scratch = [
+      [
+        self._tile(CONSUMERS, bq, h),
+        self._tile(CONSUMERS, bq, h),
+        plgpu.SMEM((CONSUMERS, bq), jnp.float32),
+        plgpu.SMEM((CONSUMERS, bq), jnp.float32),
+        self._tile(stages, bk, h),
+        self._tile(stages, bk, h),
+        None if form.hopper else self._tile(stages, h, bk),
+        None if form.hopper else self._tile(stages, h, bk),
+        form.staging((CONSUMERS, bq, bk), p.dtype),
+      ],
+      plgpu.Barrier(num_arrivals=4, num_barriers=CONSUMERS),
+      mgpu.Ring.barriers((copies, copies), stages, CONSUMERS),
+    ]
+    (dq,) = form.launch(
+      body,
+      operands,
+      (jax.ShapeDtypeStruct((p.batch, p.kv_heads, p.groups, tp, h), p.dtype),),
+      grid=(p.kv_heads * p.groups, tp // rows, p.batch),
+      grid_names=("heads", "q", "batch"),
+      scratch=scratch,
+    )
+    return dq
+
+  def dkdv(self, queries: dict, keys: dict, sp: int) -> tuple[jax.Array, jax.Array]:
+    """``dk, dv (B, K, Sp, h)``: per key tile, every query head's query blocks that see it."""
+    p, form, blocks, h = self.p, self.form, self.blocks, self.h
+    bq, bk, stages = blocks.bq, blocks.bk, self.stages
+    rows = CONSUMERS * bk
+    q_t, do_t = self._transposed(queries["q"], 3), self._transposed(queries["do"], 3)
+    operands = [keys["k"], keys["v"]] + [queries[n] for n in ("q", "do", "lse", "delta")]
+    operands += [] if form.hopper else [q_t, do_t]
+
+    def body(k_ref, v_ref, q_ref, do_ref, lse_ref, delta_ref, *rest):
+      *transposed, dk_ref, dv_ref, scoped = rest
+      smem, own_full, (full, consumed) = scoped
+      k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, qt_smem, dot_smem, st_smem = smem
+      kh, b, wg = lax.axis_index("heads"), lax.axis_index("batch"), lax.axis_index("wg")
+      s_tile = lax.axis_index("k") * rows
+      lo, hi = blocks.query_blocks(s_tile, rows)
+      count = hi - lo
+      # Step u = g * count + (i - lo): query block i of query head g of the kv head.
+      ring = mgpu.Ring(stages, jnp.int32(0), p.groups * count, full, consumed)
+
+      @pl.when(wg < CONSUMERS)
+      def _consumer():
+        form.registers(mgpu.CONSUMER_REGISTERS, "increase")
+        s0 = s_tile + wg * bk
+        mine = pl.ds(s0, bk)
+        plgpu.copy_gmem_to_smem(k_ref.at[b, kh, mine], k_smem.at[wg], own_full.at[wg])
+        plgpu.copy_gmem_to_smem(v_ref.at[b, kh, mine], v_smem.at[wg], own_full.at[wg])
+        plgpu.barrier_wait(own_full.at[wg])
+        own = tiles.own_range(lo, hi, blocks.query_blocks(s0, bk))
+        unmasked = blocks.unmasked_queries(s0, *own)
+
+        def per_group(g, carry):
+          base = g * count - lo
+
+          def skip(i, carry):
+            ring.skip(base + i)
+            return carry
+
+          def step(i, carry, masked: bool):
+            dk, dv = carry
+            u = base + i
+            s = ring.slot(u)
+            ring.wait(0, u)
+            q_tile_t = self._t(q_smem, qt_smem, s)
+            x = self._scores(k_smem.at[wg], q_tile_t, (bk, bq))
+            z, slope = tiles.logits2(p, x, cap_grad=True)
+            z = tiles.masked(z, blocks.keep_queries(form, s0, i) if masked else None)
+            ring.wait(2, u)
+            lse, delta = form.vector(lse_smem.at[s], 1), form.vector(delta_smem.at[s], 1)
+            probs = jnp.exp2(z - broadcast(lse, z.shape, 1))
+            ring.wait(1, u)
+            weights = form.operand(probs.astype(p.dtype), st_smem, wg)
+            dv = form.accumulate(dv, lambda acc_ref: plgpu.wgmma(acc_ref, weights, do_smem.at[s]))
+            do_tile_t = self._t(do_smem, dot_smem, s)
+            dp = self._scores(v_smem.at[wg], do_tile_t, (bk, bq))
+            ring.release(1, u)
+            ds = probs * (dp - broadcast(delta, dp.shape, 1))
+            ring.release(2, u)
+            ds = ds if slope is None else ds * slope
+            ds = form.operand(ds.astype(p.dtype), st_smem, wg)
+            dk = form.accumulate(dk, lambda acc_ref: plgpu.wgmma(acc_ref, ds, q_smem.at[s]))
+            ring.release(0, u)
+            return dk, dv
+
+          return tiles.over_steps(lo, own, unmasked, hi, skip, step, carry)
+
+        zeros = lambda: form.layout(jnp.zeros((bk, h), jnp.float32), plgpu.Layout.WGMMA)
+        dk, dv = lax.fori_loop(0, p.groups, per_group, (zeros(), zeros()))
+        k_smem.at[wg][...] = (dk * p.scale).astype(p.dtype)
+        v_smem.at[wg][...] = dv.astype(p.dtype)
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(k_smem.at[wg], dk_ref.at[b, kh, mine])
+        plgpu.copy_smem_to_gmem(v_smem.at[wg], dv_ref.at[b, kh, mine])
+        plgpu.wait_smem_to_gmem(0)
+
+      @pl.when(wg == CONSUMERS)
+      def _producer():
+        form.registers(mgpu.PRODUCER_REGISTERS, "decrease")
+
+        def copies(u, s):
+          g = lax.div(u, count)
+          block = pl.ds((lo + lax.rem(u, count)) * bq, bq)
+          groups = [
+            [(q_ref.at[b, kh, g, block], q_smem.at[s])],
+            [(do_ref.at[b, kh, g, block], do_smem.at[s])],
+            [(lse_ref.at[b, kh, g, block], lse_smem.at[s])],
+          ]
+          groups[2].append((delta_ref.at[b, kh, g, block], delta_smem.at[s]))
+          for group, ref, buf in zip(groups, transposed, (qt_smem, dot_smem)):
+            group.append((ref.at[b, kh, g, :, block], buf.at[s]))
+          return groups
+
+        ring.produce(copies)
+
+    copies = 1 if form.hopper else 2
+    scratch = [
+      [
+        self._tile(CONSUMERS, bk, h),
+        self._tile(CONSUMERS, bk, h),
+        self._tile(stages, bq, h),
+        self._tile(stages, bq, h),
+        plgpu.SMEM((stages, bq), jnp.float32),
+        plgpu.SMEM((stages, bq), jnp.float32),
+        None if form.hopper else self._tile(stages, h, bq),
+        None if form.hopper else self._tile(stages, h, bq),
+        form.staging((CONSUMERS, bk, bq), p.dtype),
+      ],
+      plgpu.Barrier(num_arrivals=2, num_barriers=CONSUMERS),
+      mgpu.Ring.barriers((copies, copies, 2), stages, CONSUMERS),
+    ]
+    shape = jax.ShapeDtypeStruct((p.batch, p.kv_heads, sp, h), p.dtype)
+    return form.launch(
+      body,
+      operands,
+      (shape, shape),
+      grid=(p.kv_heads, sp // rows, p.batch),
+      grid_names=("heads", "k", "batch"),
+      scratch=scratch,
+    )

@@ -1,0 +1,165 @@
+"""The Mosaic GPU attention kernels' config: ``MosaicGpuAttentionConfig``, heuristic, legality.
+
+A config class of its own (``Kernel.spaces``): the executor prefers these
+kernels on Hopper (``Implementation.preferred``) for the calls ``supports``
+accepts, and runs the Triton kernels for the rest, saying why in ``explain``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from typing import Any, NamedTuple, Optional
+
+import jax.numpy as jnp
+
+from pallax import pallas_mosaic_gpu as mgpu
+from pallax.executor.config import KernelConfig
+from pallax.kernels.attention.common import Problem
+
+IMPLEMENTATION = "pallas_mosaic_gpu"
+CONSUMERS = 2  # consumer warpgroups a block of threads; a producer warpgroup besides
+
+
+@dataclasses.dataclass(frozen=True)
+class MosaicGpuAttentionConfig(KernelConfig):
+  """Blocks of the Mosaic GPU attention kernels.
+
+  The forward and the dq kernel give each consumer warpgroup ``block_q``
+  queries and stream ``block_k`` keys a step; the dk/dv kernel gives each
+  ``block_k`` keys and streams ``block_q`` queries a step.
+
+  block_q, block_k: multiples of 64 (``wgmma``'s rows; 128-byte swizzled rows).
+  num_stages: slots of the producer's SMEM ring (at least 2).
+  """
+
+  block_q: int = 64
+  block_k: int = 128
+  num_stages: int = 2
+  implementation: str = dataclasses.field(default=IMPLEMENTATION, kw_only=True)
+
+
+CONFIG_CLS = MosaicGpuAttentionConfig
+STAGES = ("fwd", "bwd")  # the tangent runs on Triton
+
+
+def round_up(n: int, m: int) -> int:
+  return -(-n // m) * m
+
+
+def head(p: Problem) -> int:
+  """The head dim the kernels run: both head dims padded to one multiple of 64."""
+  return round_up(max(p.head_dim, p.value_dim), 64)
+
+
+# The largest padded head dim a stage's accumulators fit in registers: the
+# backward's dk and dv (or dq, dS and dP) take twice the forward's.
+_MAX_HEAD = {"fwd": 256, "bwd": 128}
+
+
+def feature_reason(p: Problem, stage: str = "fwd") -> Optional[str]:
+  """Why the kernels cannot run a call's features, if they cannot (the Triton kernels then do)."""
+  if stage not in STAGES:
+    return f"the Mosaic GPU attention kernels have no {stage} stage (it runs on Triton)"
+  features = (
+    (p.has_lengths, "lengths"),
+    (p.has_bias, "bias"),
+    (p.has_mask, "mask"),
+    (p.has_segments, "segment ids"),
+  )
+  for present, name in features:
+    if present:
+      return f"the Mosaic GPU attention kernels take no {name} yet"
+  if jnp.dtype(p.dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
+    return f"the Mosaic GPU attention kernels take bfloat16 and float16, not {jnp.dtype(p.dtype)}"
+  if head(p) > _MAX_HEAD[stage]:
+    return f"head dims up to {_MAX_HEAD[stage]} in the Mosaic GPU {stage} kernel, got {head(p)}"
+  if p.t == 0 or p.s == 0:
+    return "no queries or no keys"
+  return None
+
+
+class _Smem(NamedTuple):
+  """What one kernel keeps in SMEM, in tiles of ``rows x head dim`` and float32 row vectors.
+
+  own: the side whose rows each consumer owns (``"q"`` or ``"k"``); the ring
+  streams the other. ``transposed``: ring tiles the interpreted form adds
+  (transposed copies); it also stages a consumer's ``own x ring`` operand.
+  """
+
+  own: str
+  own_tiles: int
+  ring_tiles: int
+  own_stats: int
+  ring_stats: int
+  transposed: int
+
+
+_SMEM = {
+  "fwd": [_Smem("q", 1, 2, 1, 0, 0)],  # Q (then O), lse; K, V (K^T interpreted)
+  # dq kernel: Q (then dQ), dO, lse, delta; K, V. dk/dv kernel: K, V (then dK,
+  # dV); Q, dO, lse, delta.
+  "bwd": [_Smem("q", 2, 2, 2, 0, 2), _Smem("k", 2, 2, 0, 2, 2)],
+}
+
+
+def smem_bytes(
+  p: Problem, config: MosaicGpuAttentionConfig, stage: str, hopper: bool = True
+) -> int:
+  """SMEM of one block of threads of the stage's largest kernel, in the given form."""
+  h, item, c = head(p), jnp.dtype(p.dtype).itemsize, config
+  sizes = []
+  for k in _SMEM[stage]:
+    own, ring = (c.block_q, c.block_k) if k.own == "q" else (c.block_k, c.block_q)
+    elements = CONSUMERS * k.own_tiles * own * h + c.num_stages * k.ring_tiles * ring * h
+    if not hopper:
+      elements += c.num_stages * k.transposed * ring * h + CONSUMERS * own * ring
+    stats = CONSUMERS * k.own_stats * own + c.num_stages * k.ring_stats * ring
+    sizes.append(elements * item + 4 * stats)
+  return max(sizes)
+
+
+def _space(p: Problem, stage: str) -> list[MosaicGpuAttentionConfig]:
+  """Ring shapes in order of preference: long blocks, then more stages, within SMEM."""
+  blocks = (128, 64, 256) if stage == "fwd" else (64, 128)
+  configs = [
+    MosaicGpuAttentionConfig(block_q=64, block_k=b, num_stages=st)
+    if stage == "fwd"
+    else MosaicGpuAttentionConfig(block_q=b, block_k=64, num_stages=st)
+    for b in blocks
+    for st in (2, 3, 4)
+  ]
+  return [c for c in configs if smem_bytes(p, c, stage) <= mgpu.SMEM_LIMIT]
+
+
+def heuristic(avals: Sequence[Any], target: str, *, stage: str, **params):
+  """Forward: 128-key blocks in a 2-slot ring up to head dim 128, 64 at 256; backward: 64 x 64."""
+  p = Problem.of(avals, **params)
+  if stage == "fwd":
+    return MosaicGpuAttentionConfig(block_k=128 if head(p) <= 128 else 64)
+  return MosaicGpuAttentionConfig(block_q=64, block_k=64)
+
+
+def candidates(avals: Sequence[Any], target: str, *, stage: str, **params):
+  """The heuristic's config and every ring shape that fits SMEM."""
+  p = Problem.of(avals, **params)
+  base = heuristic(avals, target, stage=stage, **params)
+  return list(dict.fromkeys([base, *(_space(p, stage) if stage in STAGES else [])]))
+
+
+def supports(
+  avals: Sequence[Any], target: str, config: MosaicGpuAttentionConfig, *, stage: str, **params
+) -> Optional[str]:
+  """Why the Mosaic GPU kernels cannot run this call with ``config``, if they cannot."""
+  p = Problem.of(avals, **params)
+  reason = feature_reason(p, stage)
+  if reason is not None:
+    return reason
+  if config.block_q % mgpu.WGMMA_ROWS or config.block_k % mgpu.WGMMA_ROWS:
+    return f"blocks ({config.block_q}, {config.block_k}) must be multiples of 64 on Mosaic GPU"
+  if config.num_stages < 2:
+    return f"num_stages={config.num_stages}: the ring needs at least 2 slots"
+  smem = smem_bytes(p, config, stage)
+  if smem > mgpu.SMEM_LIMIT:
+    return f"{config} needs {smem} bytes of SMEM in the {stage} kernels, over {mgpu.SMEM_LIMIT}"
+  return None

@@ -1,0 +1,192 @@
+"""The attention forward on Pallas Mosaic GPU (Hopper), with FlashAttention-3's structure.
+
+One block of threads per (query head, tile of ``2 * block_q`` queries,
+batch), three warpgroups:
+
+* a producer warpgroup gives up most of its registers and issues TMA loads
+  of the K and V blocks the tile can see into a ``num_stages``-deep SMEM
+  ring (``pallax.pallas_mosaic_gpu.Ring``);
+* two consumer warpgroups, ``block_q`` queries each, issue ``S = Q K^T`` and
+  ``O += P V`` on the tensor cores with asynchronous ``wgmma`` and run the
+  online softmax (in base 2) in between. A schedule barrier makes them take
+  turns (ping-pong): one's softmax overlaps the other's matmuls. Each waits
+  for the next block's K while its ``P V`` runs.
+
+Blocks that causality or a window hide entirely are never loaded; those that
+are partly hidden, and the block overhanging the keys' end, are masked; the
+rest run without a mask (``tiles.over_steps``). GQA reads the kv head of the
+query head (never repeated). Head dims are padded to a multiple of 64 and
+the query and key lengths to whole tiles, by XLA, where they are not.
+
+Interpreted (the CPU check), the kernel takes K transposed in GMEM and stages
+``P`` through SMEM (``pallax.pallas_mosaic_gpu.Form``); the tile maths, the
+warpgroups, the ring and the barriers are the same.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from pallax import pallas_mosaic_gpu as mgpu
+from pallax.kernels.attention.common import NEG_INF, Call
+from pallax.kernels.attention.mosaic_gpu import tiles
+from pallax.kernels.attention.mosaic_gpu.config import (
+  CONSUMERS,
+  MosaicGpuAttentionConfig,
+  feature_reason,
+  head,
+  round_up,
+)
+from pallax.kernels.attention.mosaic_gpu.tiles import LN2, broadcast
+
+
+def fwd(*operands, config: MosaicGpuAttentionConfig, interpret: Any, **params) -> list[jax.Array]:
+  """``(out, lse)``."""
+  c = Call.of("fwd", operands, params)
+  p = c.p
+  reason = feature_reason(p)
+  if reason is not None:
+    raise NotImplementedError(f"dot_product_attention: {reason}")
+  form = mgpu.Form.of(interpret)
+  bq, bk, stages = config.block_q, config.block_k, config.num_stages
+  h, rows = head(p), CONSUMERS * bq
+  tp, sp = round_up(p.t, rows), round_up(p.s, bk)
+  q = tiles.pad(c.ops.q, {3: tp, 4: h})
+  k = tiles.pad(c.ops.k, {2: sp, 3: h})
+  v = tiles.pad(c.ops.v, {2: sp, 3: h})
+  if not form.hopper:
+    k = jnp.swapaxes(k, 2, 3)  # the interpreter's wgmma takes no transposed operand
+  blocks = tiles.Tiles(p, bq, bk)
+
+  def body(q_ref, k_ref, v_ref, out_ref, lse_ref, scoped):
+    (qo_smem, k_smem, v_smem, lse_smem, p_smem), q_full, (full, consumed), schedule = scoped
+    n, b, wg = lax.axis_index("heads"), lax.axis_index("batch"), lax.axis_index("wg")
+    kh, g = lax.div(n, jnp.int32(p.groups)), lax.rem(n, jnp.int32(p.groups))
+    t_tile = lax.axis_index("q") * rows
+    lo, hi = blocks.key_blocks(t_tile, rows)
+    ring = mgpu.Ring(stages, lo, hi, full, consumed)
+
+    def take_turn():
+      plgpu.barrier_arrive(schedule)
+      plgpu.barrier_wait(schedule)
+
+    def wait_keys(j):
+      pl.when(j < hi)(lambda: ring.wait(0, j))
+
+    @pl.when(wg < CONSUMERS)
+    def _consumer():
+      form.registers(mgpu.CONSUMER_REGISTERS, "increase")
+      t0 = t_tile + wg * bq
+      q_smem = qo_smem.at[wg]
+      plgpu.copy_gmem_to_smem(q_ref.at[b, kh, g, pl.ds(t0, bq)], q_smem, q_full.at[wg])
+      plgpu.barrier_wait(q_full.at[wg])
+      own = tiles.own_range(lo, hi, blocks.key_blocks(t0, bq))
+
+      def skip(j, carry):  # its K already waited for
+        ring.wait(1, j)
+        ring.release(0, j)
+        ring.release(1, j)
+        take_turn()
+        take_turn()
+        wait_keys(j + 1)
+        return carry
+
+      def step(j, carry, masked: bool):
+        acc, m, denom = carry
+        s = ring.slot(j)
+        keys = plgpu.transpose_ref(k_smem.at[s], (1, 0)) if form.hopper else k_smem.at[s]
+
+        def scores(acc_ref):
+          plgpu.wgmma(acc_ref, q_smem, keys)
+          take_turn()
+          plgpu.wgmma_wait(0)
+          return acc_ref[...]
+
+        qk = pl.run_scoped(scores, plgpu.ACC((bq, bk), jnp.float32))
+        ring.release(0, j)
+        keep = blocks.keep_keys(form, t0, j) if masked else None
+        z = tiles.masked(tiles.logits2(p, qk), keep)
+        m_new = jnp.maximum(m, z.max(axis=1))
+        m_use = jnp.where(m_new == NEG_INF, 0.0, m_new) if keep is not None else m_new
+        alpha = jnp.exp2(m - m_use)
+        e = jnp.exp2(z - broadcast(m_use, z.shape, 0))
+        acc = acc * broadcast(alpha, acc.shape, 0)
+        denom = denom * alpha + e.sum(axis=1)
+        e16 = e.astype(p.dtype)
+        acc, denom, m_new, e16 = form.barrier((acc, denom, m_new, e16))
+        plgpu.barrier_arrive(schedule)  # done with the softmax
+        ring.wait(1, j)
+        plgpu.barrier_wait(schedule)  # the tensor cores are ours
+        weights = form.operand(e16, p_smem, wg)
+
+        def values(acc_ref):
+          plgpu.wgmma(acc_ref, weights, v_smem.at[s])
+          wait_keys(j + 1)
+
+        acc = form.accumulate(acc, values)
+        ring.release(1, j)
+        return acc, m_new, denom
+
+      wgmma = plgpu.Layout.WGMMA
+      init = (
+        form.layout(jnp.zeros((bq, h), jnp.float32), wgmma),
+        form.layout(jnp.full((bq,), NEG_INF, jnp.float32), wgmma.reduce(1)),
+        form.layout(jnp.zeros((bq,), jnp.float32), wgmma.reduce(1)),
+      )
+      wait_keys(lo)
+      pl.when(wg == 1)(take_turn)
+      unmasked = blocks.unmasked_keys(t0, *own)
+      acc, m, denom = tiles.over_steps(lo, own, unmasked, hi, skip, step, init)
+      pl.when(wg == 0)(take_turn)
+
+      empty = denom == 0.0
+      denom = jnp.where(empty, 1.0, denom)
+      acc = acc * broadcast(1.0 / denom, acc.shape, 0)
+      q_smem[...] = acc.astype(p.dtype)
+      lse_smem.at[wg][...] = jnp.where(empty, NEG_INF, m * LN2 + jnp.log(denom))
+      plgpu.commit_smem()
+      plgpu.copy_smem_to_gmem(q_smem, out_ref.at[b, kh, g, pl.ds(t0, bq)])
+      plgpu.copy_smem_to_gmem(lse_smem.at[wg], lse_ref.at[b, kh, g, pl.ds(t0, bq)])
+      plgpu.wait_smem_to_gmem(0)
+
+    @pl.when(wg == CONSUMERS)
+    def _producer():
+      form.registers(mgpu.PRODUCER_REGISTERS, "decrease")
+
+      def copies(j, s):
+        keys = pl.ds(j * bk, bk)
+        k_block = k_ref.at[b, kh, keys] if form.hopper else k_ref.at[b, kh, :, keys]
+        return [[(k_block, k_smem.at[s])], [(v_ref.at[b, kh, keys], v_smem.at[s])]]
+
+      ring.produce(copies)
+
+  swizzled = mgpu.swizzle_transforms(p.dtype)
+  k_tile = (bk, h) if form.hopper else (h, bk)
+  scratch = [
+    [
+      plgpu.SMEM((CONSUMERS, bq, h), p.dtype, transforms=swizzled),
+      plgpu.SMEM((stages, *k_tile), p.dtype, transforms=swizzled),
+      plgpu.SMEM((stages, bk, h), p.dtype, transforms=swizzled),
+      plgpu.SMEM((CONSUMERS, bq), jnp.float32),
+      form.staging((CONSUMERS, bq, bk), p.dtype),
+    ],
+    plgpu.Barrier(num_barriers=CONSUMERS),
+    mgpu.Ring.barriers((1, 1), stages, CONSUMERS),
+    plgpu.Barrier(num_arrivals=CONSUMERS),
+  ]
+  lead = (p.batch, p.kv_heads, p.groups, tp)
+  out, lse = form.launch(
+    body,
+    (q, k, v),
+    (jax.ShapeDtypeStruct((*lead, h), p.dtype), jax.ShapeDtypeStruct(lead, jnp.float32)),
+    grid=(p.kv_heads * p.groups, tp // rows, p.batch),
+    grid_names=("heads", "q", "batch"),
+    scratch=scratch,
+  )
+  return c.results({"out": out[..., : p.t, : p.value_dim], "lse": lse[..., : p.t]})
