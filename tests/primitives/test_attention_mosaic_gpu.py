@@ -171,7 +171,7 @@ def test_supports_and_the_ring_in_shared_memory():
   assert "no jvp stage" in supports(config(), stage="jvp", **PARAMS)
   assert "SMEM" in supports(config(block_k=256, num_stages=4), stage="fwd", **PARAMS)
   assert "multiples of 64" in supports(config(block_k=96), stage="fwd", **PARAMS)
-  assert "takes no lengths" in supports(config(), stage="fwd", **{**PARAMS, "has_lengths": True})
+  assert "take no lengths" in supports(config(), stage="fwd", **{**PARAMS, "has_lengths": True})
   p = Problem.of(_avals(), **PARAMS)
   # Q/O (2 x 64 x 128), K and V (2 slots x 128 x 128), lse (2 x 64) floats.
   want = 2 * 64 * 128 * 2 + 4 * 128 * 128 * 2 + 2 * 64 * 4
