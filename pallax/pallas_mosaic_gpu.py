@@ -31,13 +31,20 @@ from pallax._jax_private import mosaic_gpu_interpret_params, reset_mosaic_gpu_in
 SMEM_LIMIT = 232448
 # Rows of one warpgroup's ``wgmma`` (its M): a consumer warpgroup's tile height.
 WGMMA_ROWS = 64
-# A consumer warpgroup's register budget after the producer gives its own up
-# (``setmaxnreg``): 3 warpgroups share the 64K registers of an SM.
-CONSUMER_REGISTERS, PRODUCER_REGISTERS = 232, 40
+# A consumer warpgroup's and the producer's registers a thread after the
+# producer gives its own up (``setmaxnreg``), by the number of consumers: the
+# warpgroups of a block share 64K registers.
+_REGISTERS = {1: (256, 24), 2: (232, 40)}
 
 
-def swizzle_transforms(dtype, swizzle: int = 128) -> tuple[Any, ...]:
-  """SMEM transforms for rows of ``swizzle`` bytes, swizzled: what TMA and ``wgmma`` want."""
+def swizzle_transforms(dtype, cols: int = 0) -> tuple[Any, ...]:
+  """SMEM transforms for swizzled rows of ``cols`` elements: what TMA and ``wgmma`` want.
+
+  128-byte rows (64 16-bit elements) where they fit, else 64 or 32 bytes;
+  ``cols`` 0: 128.
+  """
+  row = cols * jnp.dtype(dtype).itemsize if cols else 128
+  swizzle = next(b for b in (128, 64, 32) if row % b == 0)
   return (
     plgpu.TilingTransform((8, swizzle // jnp.dtype(dtype).itemsize)),
     plgpu.SwizzleTransform(swizzle),
@@ -89,6 +96,7 @@ class Form:
     grid: tuple[int, ...],
     grid_names: tuple[str, ...],
     scratch: Sequence[Any],
+    name: str,
     consumers: int = 2,
   ) -> list:
     """Runs a warp-specialised kernel: ``consumers`` warpgroups and a producer, named ``"wg"``.
@@ -96,11 +104,15 @@ class Form:
     ``body(*operand_refs, *out_refs, scoped)`` runs in every warpgroup of a
     block of threads over ``grid`` (axes ``grid_names``); ``scoped`` holds
     ``scratch`` (SMEM buffers, barriers), allocated once for the block.
-    Interpreted, the kernel runs in a host callback (``on_host``).
+    ``name`` names the kernel (its PTX entry is ``<name>_kernel``: the
+    compiler's reports tell kernels apart by it). Interpreted, the kernel
+    runs in a host callback (``on_host``).
     """
 
     def entry(*refs):
       pl.run_scoped(lambda *scoped: body(*refs, scoped), *scratch, collective_axes="wg")
+
+    entry.__name__ = entry.__qualname__ = name
 
     kernel = plgpu.kernel(
       entry,
@@ -116,7 +128,8 @@ class Form:
 
   def staging(self, shape: Sequence[int], dtype: Any) -> Any:
     """SMEM for the interpreted form's register ``wgmma`` operands (None on a GPU)."""
-    return None if self.hopper else plgpu.SMEM(shape, dtype, transforms=swizzle_transforms(dtype))
+    transforms = swizzle_transforms(dtype, shape[-1])
+    return None if self.hopper else plgpu.SMEM(shape, dtype, transforms=transforms)
 
   def operand(self, x: jax.Array, staging: Any, *index: Any) -> Any:
     """``x`` as a ``wgmma`` left operand: itself on a GPU; interpreted, stored to ``staging``."""
@@ -127,10 +140,15 @@ class Form:
     plgpu.commit_smem()
     return ref
 
-  def registers(self, count: int, action: str) -> None:
-    """Raises (``"increase"``) or gives up (``"decrease"``) a warpgroup's registers on a GPU."""
+  def consumer_registers(self, consumers: int) -> None:
+    """A consumer warpgroup takes the registers the producer gave up (on a GPU)."""
     if self.hopper:
-      plgpu.set_max_registers(count, action=action)
+      plgpu.set_max_registers(_REGISTERS[consumers][0], action="increase")
+
+  def producer_registers(self, consumers: int) -> None:
+    """The producer warpgroup gives up most of its registers (on a GPU)."""
+    if self.hopper:
+      plgpu.set_max_registers(_REGISTERS[consumers][1], action="decrease")
 
   def barrier(self, values):
     """An optimization barrier on a GPU (it orders the softmax against the ``wgmma``)."""

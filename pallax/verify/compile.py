@@ -305,12 +305,22 @@ def _mosaic_gpu_reports(text: str, target: Target) -> list[dict]:
 def _with_reports(launches: list[dict], reports: list[dict]) -> list[dict]:
   """Each launch's kernel record, its ptxas report found by entry name.
 
-  Calls of one kernel share its report; distinct kernels with one name take
-  that name's reports in program order.
+  Calls of one kernel share its report; distinct kernels with one name are
+  refused (ptxas reports them in no known order).
   """
   by_name: dict[str, list[dict]] = {}
   for report in reports:
     by_name.setdefault(report["name"], []).append(report)
+  fresh: dict[str, set] = {}
+  for launch in launches:
+    if launch["hash"] not in _MOSAIC_GPU_REPORTS:
+      fresh.setdefault(launch["name"], set()).add(launch["hash"])
+  for name, hashes in fresh.items():
+    if len(hashes) > 1:  # ptxas's reports do not come in program order
+      raise ReportMissing(
+        f"{len(hashes)} distinct Mosaic GPU kernels are named {name} in one program: "
+        "their reports cannot be told apart (name each kernel)"
+      )
   kernels = []
   for launch in launches:
     if launch["hash"] not in _MOSAIC_GPU_REPORTS:

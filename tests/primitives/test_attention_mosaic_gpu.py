@@ -41,13 +41,18 @@ PATH = "mosaic_gpu"
 FWD, BWD = "dot_product_attention_fwd", "dot_product_attention_bwd"
 MOSAIC = mosaic_gpu.IMPLEMENTATION
 
+# name -> (case, the backward's implementation): Mosaic GPU's takes causal and
+# window masks up to head dim 64 (config.feature_reason), Triton's the rest.
 CASES = {
-  "causal-gqa": Case(b=1, t=150, s=200, n=4, k=2, h=64, is_causal=True),
+  "causal-gqa": (Case(b=1, t=150, s=200, n=4, k=2, h=64, is_causal=True), MOSAIC),
   # Rows t >= 238 see no key; head dim 80 padded to 128; large capped logits.
-  "window-mqa-h80-cap": Case(
-    b=1, t=260, s=200, n=2, k=1, h=80, window=(40, 30), soft_cap=20.0, logit_scale=4.0
+  "window-mqa-h80-cap": (
+    Case(b=1, t=260, s=200, n=2, k=1, h=80, window=(40, 30), soft_cap=20.0, logit_scale=4.0),
+    "pallas",
   ),
-  "sinks-hv-T<S": Case(b=2, t=64, s=130, n=2, k=2, h=64, hv=32, sinks=True),
+  "sinks-hv-T<S": (Case(b=2, t=64, s=130, n=2, k=2, h=64, hv=32, sinks=True), MOSAIC),
+  # Head dim 128: the dk/dv kernel with one consumer warpgroup.
+  "h128-mqa-cap": (Case(b=1, t=100, s=130, n=2, k=1, h=128, soft_cap=5.0), MOSAIC),
 }
 
 
@@ -62,13 +67,14 @@ def _chosen(case: Case, dtype) -> dict[str, str]:
 
 @pytest.mark.parametrize("name", CASES)
 def test_forward_lse_and_grad(name):
-  assert _chosen(CASES[name], jnp.bfloat16) == {FWD: MOSAIC, BWD: MOSAIC}
-  _run_case(CASES[name], jnp.bfloat16, PATH, seed=1)
+  case, backward = CASES[name]
+  assert _chosen(case, jnp.bfloat16) == {FWD: MOSAIC, BWD: backward}
+  _run_case(case, jnp.bfloat16, PATH, seed=1)
 
 
-def test_float16_causal_head_dim_128():
+def test_float16_causal_t_below_s():
   """T < S under a causal mask: the last key tile sees no query at all."""
-  case = Case(b=1, t=128, s=192, n=2, k=1, h=128, is_causal=True)
+  case = Case(b=1, t=128, s=192, n=2, k=1, h=64, is_causal=True)
   assert _chosen(case, jnp.float16) == {FWD: MOSAIC, BWD: MOSAIC}
   _run_case(case, jnp.float16, PATH, seed=2)
 
@@ -88,7 +94,7 @@ def _jvp(fn, statics, ops, tangents):
 
 def test_jvp():
   """The forward on Mosaic GPU, the tangent kernel (Triton) from its ``out`` and ``lse``."""
-  ops, statics = inputs(CASES["sinks-hv-T<S"], jnp.bfloat16, seed=4)
+  ops, statics = inputs(CASES["sinks-hv-T<S"][0], jnp.bfloat16, seed=4)
   rng = np.random.default_rng(5)
   tangents = {n: rand(rng, ops[n].shape, jnp.bfloat16) for n in _diff_names(ops)}
   with pallax.interpret(PATH):
@@ -117,9 +123,10 @@ def test_vmap_is_one_kernel_and_matches_a_loop():
 def _selection(target, dtype=jnp.bfloat16, grad: bool = False, **features):
   q = jnp.zeros((2, 256, 4, 128), dtype)
   kv = jnp.zeros((2, 256, 2, 128), dtype)
-  f = lambda q: pallax.dot_product_attention(q, kv, kv, is_causal=True, **features)
+  f = lambda q: pallax.dot_product_attention(q, kv, kv, **{"is_causal": True, **features})
   if grad:
-    f = jax.grad(lambda q: jnp.sum(pallax.dot_product_attention(q, kv, kv).astype(jnp.float32)))
+    g = lambda q: jnp.sum(pallax.dot_product_attention(q, kv, kv, **features).astype(jnp.float32))
+    f = jax.grad(g)
   return {r.op: r for r in pallax.explain(f, q, target=target)}
 
 
@@ -133,6 +140,8 @@ def test_the_executor_prefers_mosaic_gpu_on_hopper_only():
   assert _selection("cuda")[FWD].implementation == "pallas"  # no device known: Triton
   grad = _selection(h100, grad=True)
   assert grad[FWD].implementation == grad[BWD].implementation == MOSAIC
+  causal = _selection(h100, grad=True, is_causal=True)[BWD]
+  assert causal.implementation == "pallas" and "masks up to head dim 64" in causal.note
   assert _selection(a100, grad=True)[BWD].implementation == "pallas"
   # What it refuses goes to the Triton kernel, and explain says why.
   refused = _selection(h100, jnp.float32)[FWD]
@@ -168,6 +177,10 @@ def test_supports_and_the_ring_in_shared_memory():
   supports = functools.partial(mosaic_gpu.supports, _avals(), h100)
   assert supports(config(), stage="fwd", **PARAMS) is None
   assert supports(config(block_q=64, block_k=64), stage="bwd", **PARAMS) is None
+  assert "(64, 64) blocks" in supports(config(), stage="bwd", **PARAMS)
+  causal = {**PARAMS, "window_right": 0}
+  assert "masks up to head dim 64" in supports(config(64, 64), stage="bwd", **causal)
+  assert supports(config(), stage="fwd", **causal) is None
   assert "no jvp stage" in supports(config(), stage="jvp", **PARAMS)
   assert "SMEM" in supports(config(block_k=256, num_stages=4), stage="fwd", **PARAMS)
   assert "multiples of 64" in supports(config(block_k=96), stage="fwd", **PARAMS)

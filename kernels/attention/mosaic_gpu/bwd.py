@@ -4,13 +4,15 @@ Two kernels of the forward's structure (a TMA producer warpgroup filling an
 SMEM ring, two ``wgmma`` consumer warpgroups), neither recomputing the
 forward's softmax statistics nor using atomics:
 
-* the dq kernel: one block of threads per (query head, ``2 * block_q``
-  queries, batch); each consumer keeps its queries' Q, dO, lse and
+* the dq kernel: one block of threads per (query head, 64 queries, batch),
+  one consumer warpgroup (its dQ, S, P and dP tiles take the registers of
+  two); it keeps its queries' Q, dO, lse and
   ``delta = rowsum(dO O) - dlse`` in SMEM and streams K and V blocks:
   ``P = exp2(S - lse)``, ``dP = dO V^T``, ``dS = P (dP - delta)``,
   ``dQ += dS K``;
-* the dk/dv kernel: one block of threads per (kv head, ``2 * block_k`` keys,
-  batch); each consumer keeps its keys' K and V and streams, for every query
+* the dk/dv kernel: one block of threads per (kv head, ``block_k`` keys a
+  consumer, batch), two consumers up to head dim 64, one above
+  (``config.dkdv_consumers``); each keeps its keys' K and V and streams, for every query
   head of the kv head (GQA sums in the accumulators, never a partial per
   query head), the blocks of Q, dO, lse and delta that see its keys:
   ``P^T``, ``dV += P^T dO``, ``dP^T = V dO^T``, ``dK += dS^T Q``.
@@ -22,6 +24,7 @@ of +inf (probability 0); padded keys give gradients that are cut off.
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import jax
@@ -35,8 +38,10 @@ from pallax.kernels.attention import common
 from pallax.kernels.attention.common import Call, Problem
 from pallax.kernels.attention.mosaic_gpu import tiles
 from pallax.kernels.attention.mosaic_gpu.config import (
-  CONSUMERS,
+  DQ_CONSUMERS,
+  DQ_ROWS,
   MosaicGpuAttentionConfig,
+  dkdv_consumers,
   feature_reason,
   head,
   round_up,
@@ -53,7 +58,8 @@ def bwd(*operands, config: MosaicGpuAttentionConfig, interpret: Any, **params) -
     raise NotImplementedError(f"dot_product_attention: {reason}")
   form = mgpu.Form.of(interpret)
   h = head(p)
-  tp, sp = round_up(p.t, CONSUMERS * config.block_q), round_up(p.s, CONSUMERS * config.block_k)
+  tp = round_up(p.t, math.lcm(DQ_ROWS, config.block_q))
+  sp = round_up(p.s, dkdv_consumers(p) * config.block_k)
   delta = common.bwd_delta(p.stat, ops.out, ops.dout, ops.dlse).astype(jnp.float32)
   queries = {
     "q": tiles.pad(ops.q, {3: tp, 4: h}),
@@ -79,7 +85,7 @@ class _Kernels:
 
   def _tile(self, lead: int, rows: int, cols: int):
     return plgpu.SMEM(
-      (lead, rows, cols), self.p.dtype, transforms=mgpu.swizzle_transforms(self.p.dtype)
+      (lead, rows, cols), self.p.dtype, transforms=mgpu.swizzle_transforms(self.p.dtype, cols)
     )
 
   def _transposed(self, x: jax.Array, rows_axis: int):
@@ -104,9 +110,9 @@ class _Kernels:
 
   def dq(self, queries: dict, keys: dict, tp: int) -> jax.Array:
     """``dq (B, K, G, Tp, h)``: per query tile, the key blocks it sees."""
-    p, form, blocks, h = self.p, self.form, self.blocks, self.h
-    bq, bk, stages = blocks.bq, blocks.bk, self.stages
-    rows = CONSUMERS * bq
+    p, form, h, stages = self.p, self.form, self.h, self.stages
+    blocks = tiles.Tiles(p, DQ_ROWS, self.blocks.bk)
+    bq, bk, rows = blocks.bq, blocks.bk, DQ_CONSUMERS * DQ_ROWS
     k_t, v_t = self._transposed(keys["k"], 2), self._transposed(keys["v"], 2)
     operands = [queries[n] for n in ("q", "do", "lse", "delta")] + [keys["k"], keys["v"]]
     operands += [] if form.hopper else [k_t, v_t]
@@ -121,9 +127,9 @@ class _Kernels:
       lo, hi = blocks.key_blocks(t_tile, rows)
       ring = mgpu.Ring(stages, lo, hi, full, consumed)
 
-      @pl.when(wg < CONSUMERS)
+      @pl.when(wg < DQ_CONSUMERS)
       def _consumer():
-        form.registers(mgpu.CONSUMER_REGISTERS, "increase")
+        form.consumer_registers(DQ_CONSUMERS)
         t0 = t_tile + wg * bq
         mine = pl.ds(t0, bq)
         refs = (q_ref, do_ref, lse_ref, delta_ref)
@@ -162,9 +168,9 @@ class _Kernels:
         plgpu.copy_smem_to_gmem(q_smem.at[wg], dq_ref.at[b, kh, g, mine])
         plgpu.wait_smem_to_gmem(0)
 
-      @pl.when(wg == CONSUMERS)
+      @pl.when(wg == DQ_CONSUMERS)
       def _producer():
-        form.registers(mgpu.PRODUCER_REGISTERS, "decrease")
+        form.producer_registers(DQ_CONSUMERS)
 
         def copies(j, s):
           block = pl.ds(j * bk, bk)
@@ -181,18 +187,18 @@ class _Kernels:
     copies = 1 if form.hopper else 2
     scratch = [
       [
-        self._tile(CONSUMERS, bq, h),
-        self._tile(CONSUMERS, bq, h),
-        plgpu.SMEM((CONSUMERS, bq), jnp.float32),
-        plgpu.SMEM((CONSUMERS, bq), jnp.float32),
+        self._tile(DQ_CONSUMERS, bq, h),
+        self._tile(DQ_CONSUMERS, bq, h),
+        plgpu.SMEM((DQ_CONSUMERS, bq), jnp.float32),
+        plgpu.SMEM((DQ_CONSUMERS, bq), jnp.float32),
         self._tile(stages, bk, h),
         self._tile(stages, bk, h),
         None if form.hopper else self._tile(stages, h, bk),
         None if form.hopper else self._tile(stages, h, bk),
-        form.staging((CONSUMERS, bq, bk), p.dtype),
+        form.staging((DQ_CONSUMERS, bq, bk), p.dtype),
       ],
-      plgpu.Barrier(num_arrivals=4, num_barriers=CONSUMERS),
-      mgpu.Ring.barriers((copies, copies), stages, CONSUMERS),
+      plgpu.Barrier(num_arrivals=4, num_barriers=DQ_CONSUMERS),
+      mgpu.Ring.barriers((copies, copies), stages, DQ_CONSUMERS),
     ]
     (dq,) = form.launch(
       body,
@@ -201,6 +207,8 @@ class _Kernels:
       grid=(p.kv_heads * p.groups, tp // rows, p.batch),
       grid_names=("heads", "q", "batch"),
       scratch=scratch,
+      name="dot_product_attention_dq",
+      consumers=DQ_CONSUMERS,
     )
     return dq
 
@@ -208,7 +216,8 @@ class _Kernels:
     """``dk, dv (B, K, Sp, h)``: per key tile, every query head's query blocks that see it."""
     p, form, blocks, h = self.p, self.form, self.blocks, self.h
     bq, bk, stages = blocks.bq, blocks.bk, self.stages
-    rows = CONSUMERS * bk
+    consumers = dkdv_consumers(p)
+    rows = consumers * bk
     q_t, do_t = self._transposed(queries["q"], 3), self._transposed(queries["do"], 3)
     operands = [keys["k"], keys["v"]] + [queries[n] for n in ("q", "do", "lse", "delta")]
     operands += [] if form.hopper else [q_t, do_t]
@@ -224,9 +233,9 @@ class _Kernels:
       # Step u = g * count + (i - lo): query block i of query head g of the kv head.
       ring = mgpu.Ring(stages, jnp.int32(0), p.groups * count, full, consumed)
 
-      @pl.when(wg < CONSUMERS)
+      @pl.when(wg < consumers)
       def _consumer():
-        form.registers(mgpu.CONSUMER_REGISTERS, "increase")
+        form.consumer_registers(consumers)
         s0 = s_tile + wg * bk
         mine = pl.ds(s0, bk)
         plgpu.copy_gmem_to_smem(k_ref.at[b, kh, mine], k_smem.at[wg], own_full.at[wg])
@@ -247,22 +256,22 @@ class _Kernels:
             u = base + i
             s = ring.slot(u)
             ring.wait(0, u)
-            q_tile_t = self._t(q_smem, qt_smem, s)
-            x = self._scores(k_smem.at[wg], q_tile_t, (bk, bq))
+            x = self._scores(k_smem.at[wg], self._t(q_smem, qt_smem, s), (bk, bq))
             z, slope = tiles.logits2(p, x, cap_grad=True)
             z = tiles.masked(z, blocks.keep_queries(form, s0, i) if masked else None)
+            # dP^T before the probabilities: S^T, dP^T and the accumulators are
+            # all that is live (the mask is gone), which keeps head dim 128 in registers.
+            ring.wait(1, u)
+            dp = self._scores(v_smem.at[wg], self._t(do_smem, dot_smem, s), (bk, bq))
             ring.wait(2, u)
             lse, delta = form.vector(lse_smem.at[s], 1), form.vector(delta_smem.at[s], 1)
             probs = jnp.exp2(z - broadcast(lse, z.shape, 1))
-            ring.wait(1, u)
-            weights = form.operand(probs.astype(p.dtype), st_smem, wg)
-            dv = form.accumulate(dv, lambda acc_ref: plgpu.wgmma(acc_ref, weights, do_smem.at[s]))
-            do_tile_t = self._t(do_smem, dot_smem, s)
-            dp = self._scores(v_smem.at[wg], do_tile_t, (bk, bq))
-            ring.release(1, u)
             ds = probs * (dp - broadcast(delta, dp.shape, 1))
             ring.release(2, u)
             ds = ds if slope is None else ds * slope
+            weights = form.operand(probs.astype(p.dtype), st_smem, wg)
+            dv = form.accumulate(dv, lambda acc_ref: plgpu.wgmma(acc_ref, weights, do_smem.at[s]))
+            ring.release(1, u)
             ds = form.operand(ds.astype(p.dtype), st_smem, wg)
             dk = form.accumulate(dk, lambda acc_ref: plgpu.wgmma(acc_ref, ds, q_smem.at[s]))
             ring.release(0, u)
@@ -279,9 +288,9 @@ class _Kernels:
         plgpu.copy_smem_to_gmem(v_smem.at[wg], dv_ref.at[b, kh, mine])
         plgpu.wait_smem_to_gmem(0)
 
-      @pl.when(wg == CONSUMERS)
+      @pl.when(wg == consumers)
       def _producer():
-        form.registers(mgpu.PRODUCER_REGISTERS, "decrease")
+        form.producer_registers(consumers)
 
         def copies(u, s):
           g = lax.div(u, count)
@@ -301,18 +310,18 @@ class _Kernels:
     copies = 1 if form.hopper else 2
     scratch = [
       [
-        self._tile(CONSUMERS, bk, h),
-        self._tile(CONSUMERS, bk, h),
+        self._tile(consumers, bk, h),
+        self._tile(consumers, bk, h),
         self._tile(stages, bq, h),
         self._tile(stages, bq, h),
         plgpu.SMEM((stages, bq), jnp.float32),
         plgpu.SMEM((stages, bq), jnp.float32),
         None if form.hopper else self._tile(stages, h, bq),
         None if form.hopper else self._tile(stages, h, bq),
-        form.staging((CONSUMERS, bk, bq), p.dtype),
+        form.staging((consumers, bk, bq), p.dtype),
       ],
-      plgpu.Barrier(num_arrivals=2, num_barriers=CONSUMERS),
-      mgpu.Ring.barriers((copies, copies, 2), stages, CONSUMERS),
+      plgpu.Barrier(num_arrivals=2, num_barriers=consumers),
+      mgpu.Ring.barriers((copies, copies, 2), stages, consumers),
     ]
     shape = jax.ShapeDtypeStruct((p.batch, p.kv_heads, sp, h), p.dtype)
     return form.launch(
@@ -322,4 +331,6 @@ class _Kernels:
       grid=(p.kv_heads, sp // rows, p.batch),
       grid_names=("heads", "k", "batch"),
       scratch=scratch,
+      name="dot_product_attention_dkdv",
+      consumers=consumers,
     )

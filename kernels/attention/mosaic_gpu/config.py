@@ -19,17 +19,25 @@ from pallax.kernels.attention.common import Problem
 
 IMPLEMENTATION = "pallas_mosaic_gpu"
 CONSUMERS = 2  # consumer warpgroups a block of threads; a producer warpgroup besides
+# ptxas compiles a kernel of three warpgroups within 168 registers a thread
+# (65536 / 384), ``setmaxnreg`` notwithstanding (checked with pallax.verify);
+# two warpgroups get 255. The backward's accumulators need more than 168 at
+# head dim 128: its dq kernel has one consumer of 64 queries, its dk/dv
+# kernel two consumers up to head dim 64 and one above.
+DQ_CONSUMERS, DQ_ROWS = 1, 64
 
 
 @dataclasses.dataclass(frozen=True)
 class MosaicGpuAttentionConfig(KernelConfig):
   """Blocks of the Mosaic GPU attention kernels.
 
-  The forward and the dq kernel give each consumer warpgroup ``block_q``
-  queries and stream ``block_k`` keys a step; the dk/dv kernel gives each
-  ``block_k`` keys and streams ``block_q`` queries a step.
+  The forward gives each consumer warpgroup ``block_q`` queries and streams
+  ``block_k`` keys a step; the backward's dk/dv kernel gives each ``block_k``
+  keys and streams ``block_q`` queries a step, its dq kernel 64 queries and
+  ``block_k`` keys a step.
 
-  block_q, block_k: multiples of 64 (``wgmma``'s rows; 128-byte swizzled rows).
+  block_q, block_k: multiples of 64 in the forward (``wgmma``'s rows;
+    128-byte swizzled rows); the backward's are ``bwd_blocks``.
   num_stages: slots of the producer's SMEM ring (at least 2).
   """
 
@@ -74,6 +82,11 @@ def feature_reason(p: Problem, stage: str = "fwd") -> Optional[str]:
     return f"the Mosaic GPU attention kernels take bfloat16 and float16, not {jnp.dtype(p.dtype)}"
   if head(p) > _MAX_HEAD[stage]:
     return f"head dims up to {_MAX_HEAD[stage]} in the Mosaic GPU {stage} kernel, got {head(p)}"
+  if stage == "bwd" and head(p) > 64 and (p.left is not None or p.right is not None):
+    # Compiled for H100 (pallax.verify), the dk/dv kernel's masked blocks spill
+    # 24 bytes at head dim 128: its dK, dV, S^T and dP^T tiles and the mask's
+    # positions do not fit in 255 registers a thread.
+    return "the Mosaic GPU backward takes causal and window masks up to head dim 64"
   if p.t == 0 or p.s == 0:
     return "no queries or no keys"
   return None
@@ -82,9 +95,10 @@ def feature_reason(p: Problem, stage: str = "fwd") -> Optional[str]:
 class _Smem(NamedTuple):
   """What one kernel keeps in SMEM, in tiles of ``rows x head dim`` and float32 row vectors.
 
-  own: the side whose rows each consumer owns (``"q"`` or ``"k"``); the ring
-  streams the other. ``transposed``: ring tiles the interpreted form adds
-  (transposed copies); it also stages a consumer's ``own x ring`` operand.
+  own: the side whose rows each of its ``consumers`` owns (``"q"``, ``"k"``,
+  or ``"dq"``: 64 queries); the ring streams the other. ``transposed``: ring
+  tiles the interpreted form adds (transposed copies); it also stages a
+  consumer's ``own x ring`` operand.
   """
 
   own: str
@@ -99,8 +113,23 @@ _SMEM = {
   "fwd": [_Smem("q", 1, 2, 1, 0, 0)],  # Q (then O), lse; K, V (K^T interpreted)
   # dq kernel: Q (then dQ), dO, lse, delta; K, V. dk/dv kernel: K, V (then dK,
   # dV); Q, dO, lse, delta.
-  "bwd": [_Smem("q", 2, 2, 2, 0, 2), _Smem("k", 2, 2, 0, 2, 2)],
+  "bwd": [_Smem("dq", 2, 2, 2, 0, 2), _Smem("k", 2, 2, 0, 2, 2)],
 }
+
+
+def bwd_blocks(p: Problem) -> tuple[int, int]:
+  """The backward's ``(block_q, block_k)``: 64 x 64.
+
+  Each accumulator tile is 64 rows of one warpgroup, and ``wgmma`` contracts
+  64 at least (the dk/dv kernel contracts over its query block).
+  """
+  del p
+  return (64, 64)
+
+
+def dkdv_consumers(p: Problem) -> int:
+  """Consumer warpgroups of the dk/dv kernel: two up to head dim 64, else one."""
+  return CONSUMERS if head(p) <= 64 else 1
 
 
 def smem_bytes(
@@ -108,25 +137,25 @@ def smem_bytes(
 ) -> int:
   """SMEM of one block of threads of the stage's largest kernel, in the given form."""
   h, item, c = head(p), jnp.dtype(p.dtype).itemsize, config
+  shapes = {"q": (c.block_q, c.block_k), "dq": (DQ_ROWS, c.block_k), "k": (c.block_k, c.block_q)}
+  consumers = {"q": CONSUMERS, "dq": DQ_CONSUMERS, "k": dkdv_consumers(p)}
   sizes = []
   for k in _SMEM[stage]:
-    own, ring = (c.block_q, c.block_k) if k.own == "q" else (c.block_k, c.block_q)
-    elements = CONSUMERS * k.own_tiles * own * h + c.num_stages * k.ring_tiles * ring * h
+    (own, ring), n = shapes[k.own], consumers[k.own]
+    elements = n * k.own_tiles * own * h + c.num_stages * k.ring_tiles * ring * h
     if not hopper:
-      elements += c.num_stages * k.transposed * ring * h + CONSUMERS * own * ring
-    stats = CONSUMERS * k.own_stats * own + c.num_stages * k.ring_stats * ring
+      elements += c.num_stages * k.transposed * ring * h + n * own * ring
+    stats = n * k.own_stats * own + c.num_stages * k.ring_stats * ring
     sizes.append(elements * item + 4 * stats)
   return max(sizes)
 
 
 def _space(p: Problem, stage: str) -> list[MosaicGpuAttentionConfig]:
   """Ring shapes in order of preference: long blocks, then more stages, within SMEM."""
-  blocks = (128, 64, 256) if stage == "fwd" else (64, 128)
+  blocks = [(64, b) for b in (128, 64, 256)] if stage == "fwd" else [bwd_blocks(p)]
   configs = [
-    MosaicGpuAttentionConfig(block_q=64, block_k=b, num_stages=st)
-    if stage == "fwd"
-    else MosaicGpuAttentionConfig(block_q=b, block_k=64, num_stages=st)
-    for b in blocks
+    MosaicGpuAttentionConfig(block_q=bq, block_k=bk, num_stages=st)
+    for bq, bk in blocks
     for st in (2, 3, 4)
   ]
   return [c for c in configs if smem_bytes(p, c, stage) <= mgpu.SMEM_LIMIT]
@@ -137,7 +166,7 @@ def heuristic(avals: Sequence[Any], target: str, *, stage: str, **params):
   p = Problem.of(avals, **params)
   if stage == "fwd":
     return MosaicGpuAttentionConfig(block_k=128 if head(p) <= 128 else 64)
-  return MosaicGpuAttentionConfig(block_q=64, block_k=64)
+  return MosaicGpuAttentionConfig(*bwd_blocks(p))
 
 
 def candidates(avals: Sequence[Any], target: str, *, stage: str, **params):
@@ -155,8 +184,14 @@ def supports(
   reason = feature_reason(p, stage)
   if reason is not None:
     return reason
-  if config.block_q % mgpu.WGMMA_ROWS or config.block_k % mgpu.WGMMA_ROWS:
-    return f"blocks ({config.block_q}, {config.block_k}) must be multiples of 64 on Mosaic GPU"
+  blocks = (config.block_q, config.block_k)
+  if stage == "bwd" and blocks != bwd_blocks(p):
+    return (
+      f"the backward kernels take {bwd_blocks(p)} blocks at head dim {head(p)} "
+      "(their accumulators fill the registers)"
+    )
+  if stage == "fwd" and (config.block_q % mgpu.WGMMA_ROWS or config.block_k % mgpu.WGMMA_ROWS):
+    return f"blocks {blocks} must be multiples of 64 on Mosaic GPU"
   if config.num_stages < 2:
     return f"num_stages={config.num_stages}: the ring needs at least 2 slots"
   smem = smem_bytes(p, config, stage)

@@ -81,7 +81,7 @@ def fwd(*operands, config: MosaicGpuAttentionConfig, interpret: Any, **params) -
 
     @pl.when(wg < CONSUMERS)
     def _consumer():
-      form.registers(mgpu.CONSUMER_REGISTERS, "increase")
+      form.consumer_registers(CONSUMERS)
       t0 = t_tile + wg * bq
       q_smem = qo_smem.at[wg]
       plgpu.copy_gmem_to_smem(q_ref.at[b, kh, g, pl.ds(t0, bq)], q_smem, q_full.at[wg])
@@ -157,7 +157,7 @@ def fwd(*operands, config: MosaicGpuAttentionConfig, interpret: Any, **params) -
 
     @pl.when(wg == CONSUMERS)
     def _producer():
-      form.registers(mgpu.PRODUCER_REGISTERS, "decrease")
+      form.producer_registers(CONSUMERS)
 
       def copies(j, s):
         keys = pl.ds(j * bk, bk)
@@ -188,5 +188,6 @@ def fwd(*operands, config: MosaicGpuAttentionConfig, interpret: Any, **params) -
     grid=(p.kv_heads * p.groups, tp // rows, p.batch),
     grid_names=("heads", "q", "batch"),
     scratch=scratch,
+    name="dot_product_attention_fwd",
   )
   return c.results({"out": out[..., : p.t, : p.value_dim], "lse": lse[..., : p.t]})
