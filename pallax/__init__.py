@@ -11,14 +11,18 @@ from pallax.custom_op import ConfigSpace, CustomOp, KernelStage, ResidualJVP, cu
 from pallax.executor import Executor, KernelConfig, default_executor, set_default_executor
 from pallax.executor.tools import autotune, explain, pmap_with_config, vmap_with_config
 from pallax.interpret import interpret
-from pallax.primitives.attention import AttentionConfig, dot_product_attention
+from pallax.primitives.attention import (
+  AttentionConfig,
+  MosaicGpuAttentionConfig,
+  dot_product_attention,
+)
 from pallax.primitives.cross_entropy import (
   CrossEntropyConfig,
   cross_entropy,
   linear_cross_entropy,
   linear_softmax_cross_entropy_loss,
 )
-from pallax.primitives.matmul import MatmulConfig, matmul
+from pallax.primitives.matmul import MatmulConfig, MosaicGpuMatmulConfig, matmul
 from pallax.primitives.norm import NormConfig, fused_add_rms_norm, layer_norm, rms_norm
 from pallax.primitives.paged_attention import PagedAttentionConfig, paged_attention
 from pallax.primitives.softmax import SoftmaxConfig, log_softmax, softmax
@@ -38,8 +42,10 @@ __all__ = [
   "SoftmaxConfig",
   "matmul",
   "MatmulConfig",
+  "MosaicGpuMatmulConfig",
   "dot_product_attention",
   "AttentionConfig",
+  "MosaicGpuAttentionConfig",
   "paged_attention",
   "PagedAttentionConfig",
   "cross_entropy",

@@ -30,10 +30,11 @@ def check_array(op: str, name: str, x) -> jax.Array:
   return x
 
 
-def check_config(op: str, config, cls: type) -> None:
-  """TypeError unless ``config`` is None or a ``cls`` (the op's KernelConfig)."""
+def check_config(op: str, config, cls: type | tuple[type, ...]) -> None:
+  """TypeError unless ``config`` is None or a ``cls`` (the op's KernelConfig classes)."""
   if config is not None and not isinstance(config, cls):
-    raise TypeError(f"{op}: config must be a {cls.__name__}, got {type(config).__name__}")
+    names = " or ".join(c.__name__ for c in (cls if isinstance(cls, tuple) else (cls,)))
+    raise TypeError(f"{op}: config must be a {names}, got {type(config).__name__}")
 
 
 def check_static_float(op: str, name: str, value, *, minimum: float | None = None) -> float:

@@ -35,6 +35,7 @@ from pallax.kernels import attention as kernels
 from pallax.kernels.attention import AttentionConfig
 from pallax.kernels.attention import xla as attention_xla
 from pallax.kernels.attention.common import SIGNATURE, inputs, varies_over_heads, with_sinks
+from pallax.kernels.attention.mosaic_gpu import MosaicGpuAttentionConfig
 from pallax.op import (
   Dims,
   PrimitiveSpec,
@@ -52,7 +53,7 @@ from pallax.validation import (
   check_static_float,
 )
 
-__all__ = ["dot_product_attention", "AttentionConfig"]
+__all__ = ["dot_product_attention", "AttentionConfig", "MosaicGpuAttentionConfig"]
 
 _OP = "dot_product_attention"
 _SEQUENCE_SHARDED = (
@@ -286,7 +287,7 @@ def dot_product_attention(
   sinks: Optional[jax.Array] = None,
   implementation: Optional[str] = None,
   return_residual: bool = False,
-  config: Optional[AttentionConfig] = None,
+  config: Optional[Union[AttentionConfig, MosaicGpuAttentionConfig]] = None,
 ) -> Union[jax.Array, tuple[jax.Array, jax.Array]]:
   """Scaled dot-product attention, with ``jax.nn.dot_product_attention``'s semantics.
 
@@ -337,7 +338,9 @@ def dot_product_attention(
       program, ``"pallas"`` the kernel (Triton on GPU, Mosaic on TPU).
     return_residual: also return the forward's ``lse``.
     config: pin the kernels' ``AttentionConfig`` (the forward's, tangent's
-      and backward's blocks).
+      and backward's blocks), or a ``MosaicGpuAttentionConfig`` (the Hopper
+      kernels: their forward and backward; a ``jvp`` then fails, as the
+      tangent has no Mosaic GPU kernel).
 
   Returns:
     The output, shaped like ``query`` with the value's head dim; with
@@ -376,7 +379,7 @@ def dot_product_attention(
     raise ValueError(
       f"{_OP}: implementation must be one of {_IMPLEMENTATIONS}, got {implementation!r}"
     )
-  check_config(_OP, config, AttentionConfig)
+  check_config(_OP, config, (AttentionConfig, MosaicGpuAttentionConfig))
   if config is not None and implementation is not None:
     config = AttentionConfig(**{**config.to_dict(), "implementation": implementation})
   pinned = implementation if config is None else config

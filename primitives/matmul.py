@@ -28,7 +28,7 @@ devices (an all-reduce) before the epilogue.
 from __future__ import annotations
 
 import functools
-from typing import Optional
+from typing import Optional, Union
 
 import jax
 import jax.numpy as jnp
@@ -40,6 +40,7 @@ from pallax.activations import activate, activation_derivative
 from pallax.batching_rules import matmul as matmul_batching
 from pallax.kernels import matmul as kernels
 from pallax.kernels.matmul import ACTIVATIONS, MatmulConfig
+from pallax.kernels.matmul.mosaic_gpu import MosaicGpuMatmulConfig
 from pallax.op import (
   Dims,
   PrimitiveSpec,
@@ -52,7 +53,7 @@ from pallax.op import (
 )
 from pallax.validation import check_array, check_config, check_floating
 
-__all__ = ["matmul", "matmul_reference", "MatmulConfig", "ACTIVATIONS"]
+__all__ = ["matmul", "matmul_reference", "MatmulConfig", "MosaicGpuMatmulConfig", "ACTIVATIONS"]
 
 
 # ----------------------------------------------------------------------------
@@ -343,7 +344,7 @@ def matmul(
   activation: Optional[str] = None,
   preferred_element_type=None,
   precision=None,
-  config: Optional[MatmulConfig] = None,
+  config: Optional[Union[MatmulConfig, MosaicGpuMatmulConfig]] = None,
 ) -> jax.Array:
   """``activation(a @ b + bias)`` as one kernel, like ``jnp.matmul`` plus an epilogue.
 
@@ -362,8 +363,8 @@ def matmul(
       promoted input dtype).
     precision: as in ``jnp.matmul``: None (the backend's default; TF32 for
       float32 on GPU), a ``lax.Precision`` or its name, or a pair of them.
-    config: pin the kernel's ``MatmulConfig`` instead of letting the executor
-      choose.
+    config: pin the kernel's ``MatmulConfig`` (or, on Hopper, a
+      ``MosaicGpuMatmulConfig``) instead of letting the executor choose.
 
   Returns:
     ``(*batch, M, N)`` (the M or N dim dropped for a vector ``a`` or ``b``).
@@ -378,7 +379,7 @@ def matmul(
       f"matmul: activation must be one of {(None,) + ACTIVATIONS}, got {activation!r}"
     )
   precision = _check_precision(precision)
-  check_config("matmul", config, MatmulConfig)
+  check_config("matmul", config, (MatmulConfig, MosaicGpuMatmulConfig))
   a2 = a[None] if a.ndim == 1 else a
   b2 = b[:, None] if b.ndim == 1 else b
   if a2.shape[-1] != b2.shape[-2]:

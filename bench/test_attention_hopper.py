@@ -1,0 +1,152 @@
+"""dot_product_attention on Hopper: the Mosaic GPU kernels against Pallas-Triton and cuDNN.
+
+Run on an H100 or H200 (issue 28's table)::
+
+  XLA_PYTHON_CLIENT_PREALLOCATE=false pytest -n 0 bench/test_attention_hopper.py \\
+      --benchmark-json hopper.json
+
+Cases: bfloat16, N = 16 query and key/value heads, H = 128, B = 4 at S = 4096
+and B = 2 at S = 8192, causal or not, ``fwd`` and ``fwd+bwd`` (``bench/modes.py``).
+Each case times, in one process and one test, three implementations:
+
+* ``pallax``: the executor's choice, on Hopper the Mosaic GPU kernels
+  (``pallax.explain``'s picks are recorded in ``pallax_kernels``);
+* ``pallax-triton``: the same call with the Pallas-Triton kernels' own
+  heuristic configs pinned (an executor overlay);
+* ``cudnn``: ``jax.nn.dot_product_attention(implementation="cudnn")``.
+
+The benchmark itself is pallax's; the other two are timed the same way (median
+of ``ROUNDS`` calls after a warm-up). ``extra_info``: ``tflop_per_s`` of each
+(``pallax.roofline.attention_work``'s FLOPs, causal counting the visible half),
+``fraction_of_peak_flops`` (989 TFLOP/s dense bf16 on an H100 SXM) and
+``ratio_to_cudnn`` (cuDNN's time over the implementation's: above 1 is faster).
+Each implementation's first call is checked against a float64 reference on
+the first 128 query rows. Without an NVIDIA GPU the cases are not collected:
+nothing here runs on a CPU.
+"""
+
+import statistics
+import time
+
+import jax
+import jax.numpy as jnp
+import modes
+import numpy as np
+import pytest
+from test_attention import CHECK_ROWS, Case, attention_work, reference_rows
+
+import pallax
+from pallax import roofline
+from pallax.executor.executor import device_target
+from pallax.executor.registry import kernel_spec
+from pallax.executor.tools import kernel_calls, local_target
+from pallax.op import op_params
+
+ROUNDS = 20
+TOLERANCE = 5e-2  # bfloat16 against float64, max error over max value
+CASES = [
+  Case(seq, causal=causal, heads=16, kv_heads=16, batch=batch, head_dim=128, dtype="bfloat16")
+  for batch, seq in ((4, 4096), (2, 8192))
+  for causal in (False, True)
+]
+IMPLS = ("pallax", "pallax-triton", "cudnn")
+
+
+def _on_nvidia_gpu() -> bool:
+  try:
+    return jax.devices()[0].platform == "gpu" and "nvidia" in jax.devices()[0].device_kind.lower()
+  except RuntimeError:
+    return False
+
+
+pytestmark = pytest.mark.skipif(not _on_nvidia_gpu(), reason="needs an NVIDIA GPU")
+
+
+def _inputs(case):
+  keys = jax.random.split(jax.random.key(0), 4)
+  b, t, n, h = case.batch, case.seq, case.heads, case.head_dim
+  shape = (b, t, n, h)
+  q, k, v = (jax.random.normal(key, shape, jnp.float32).astype(jnp.bfloat16) for key in keys[:3])
+  return q, k, v, jax.random.normal(keys[3], shape, jnp.float32)
+
+
+def _function(impl, case, mode):
+  if impl == "cudnn":
+    f = lambda q, k, v: jax.nn.dot_product_attention(
+      q, k, v, is_causal=case.causal, implementation="cudnn"
+    )
+  else:
+    f = lambda q, k, v: pallax.dot_product_attention(q, k, v, is_causal=case.causal)
+  return f if mode == "fwd" else modes.fwd_bwd(f, 3)
+
+
+def _triton_pins(fn, inputs) -> dict:
+  """Per kernel call of ``fn``, the Pallas-Triton kernel's own heuristic config on this device."""
+  target = device_target(local_target())
+  pins = {}
+  for eqn in kernel_calls(jax.make_jaxpr(fn)(*inputs).jaxpr):
+    spec = kernel_spec(eqn.primitive.name)
+    pins[spec.op] = spec.heuristic([v.aval for v in eqn.invars], target, **op_params(eqn.params))
+  return pins
+
+
+def _compiled(impl, case, mode, inputs):
+  fn = _function(impl, case, mode)
+  args = inputs[:3] if mode == "fwd" else inputs
+  if impl == "pallax-triton":
+    with pallax.default_executor().overlay(_triton_pins(fn, args)):
+      return jax.jit(fn).lower(*args).compile(), args
+  return jax.jit(fn).lower(*args).compile(), args
+
+
+def _checked(mode, result):
+  out = result if mode == "fwd" else result[1][0]
+  return np.asarray(out[:, :CHECK_ROWS].astype(jnp.float32), np.float64)
+
+
+def _median_s(call) -> float:
+  jax.block_until_ready(call())
+  times = []
+  for _ in range(ROUNDS):
+    start = time.perf_counter()
+    jax.block_until_ready(call())
+    times.append(time.perf_counter() - start)
+  return statistics.median(times)
+
+
+@pytest.mark.parametrize("mode", ["fwd", "fwd+bwd"])
+@pytest.mark.parametrize("case", CASES, ids=lambda c: f"B{c.batch}-{c.id}")
+def test_hopper_attention(benchmark, request, case, mode):
+  benchmark.group = f"hopper-B{case.batch}-{case.id}-{mode}"
+  inputs = jax.block_until_ready(_inputs(case))
+  work = attention_work(case, mode)
+  kind = jax.devices()[0].device_kind
+  info = benchmark.extra_info
+  seconds, compiled = {}, {}
+  for impl in IMPLS:
+    compiled[impl] = _compiled(impl, case, mode, inputs)
+    exe, args = compiled[impl]
+    got = _checked(mode, exe(*args))
+    want = reference_rows(case, mode, inputs)
+    error = float(np.max(np.abs(got - want)) / np.max(np.abs(want)))
+    info[f"{impl}_max_rel_err"] = error
+    assert error < TOLERANCE, f"{impl} is wrong: max rel err {error:.2e}"
+    if impl != "pallax":
+      seconds[impl] = _median_s(lambda exe=exe, args=args: exe(*args))
+  fn = _function("pallax", case, mode)
+  picks = pallax.explain(fn, *compiled["pallax"][1])
+  info["pallax_kernels"] = [f"{s.op}: {s.implementation} ({s.source})" for s in picks]
+  exe, args = compiled["pallax"]
+  benchmark.pedantic(lambda: jax.block_until_ready(exe(*args)), rounds=ROUNDS, warmup_rounds=1)
+  seconds["pallax"] = benchmark.stats.stats.median
+  for impl, s in seconds.items():
+    rates = roofline.throughput(work, s, kind, case.dtype)
+    info[f"{impl}_tflop_per_s"] = rates["tflop_per_s"]
+    info[f"{impl}_fraction_of_peak_flops"] = rates.get("fraction_of_peak_flops")
+    info[f"{impl}_ratio_to_cudnn"] = seconds["cudnn"] / s
+  cells = [
+    f"{i} {info[f'{i}_tflop_per_s']:.0f} TFLOP/s ({info[f'{i}_ratio_to_cudnn']:.2f}x cuDNN)"
+    for i in IMPLS
+  ]
+  line = f"{benchmark.group}: " + ", ".join(cells)
+  request.node.user_properties.append(("summary", line))
