@@ -317,6 +317,11 @@ register_implementation(
     device_kinds=("h100", "h200", "b200"),
     preferred=True,
     fallback="pallas_triton",
+    unpartitionable_interpreted=(
+      "an interpreted Mosaic GPU kernel runs as a host callback (JAX's GPU interpreter), which "
+      "JAX drops when it partitions the call across devices (jax-ml/jax#23620): shard it with "
+      "shard_map instead, or run it on one device"
+    ),
   )
 )
 register_implementation(
