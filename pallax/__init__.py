@@ -9,7 +9,13 @@ from pallax import _jax_private
 from pallax.autobatch import autobatch
 from pallax.custom_op import ConfigSpace, CustomOp, KernelStage, ResidualJVP, custom_op
 from pallax.executor import Executor, KernelConfig, default_executor, set_default_executor
-from pallax.executor.tools import autotune, explain, pmap_with_config, vmap_with_config
+from pallax.executor.tools import (
+  autotune,
+  explain,
+  explain_on,
+  pmap_with_config,
+  vmap_with_config,
+)
 from pallax.interpret import interpret
 from pallax.primitives.attention import (
   AttentionConfig,
@@ -65,6 +71,7 @@ __all__ = [
   "set_default_executor",
   "autotune",
   "explain",
+  "explain_on",
   "vmap_with_config",
   "pmap_with_config",
 ]

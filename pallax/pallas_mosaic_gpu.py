@@ -29,6 +29,10 @@ from pallax._jax_private import mosaic_gpu_interpret_params, reset_mosaic_gpu_in
 
 # Shared memory a block may use on sm_90a with opt-in (H100, H200): 227 KiB.
 SMEM_LIMIT = 232448
+# What a kernel's own buffers may take: Mosaic GPU adds its barriers and
+# alignment (an attention kernel whose buffers take 229888 bytes needs
+# 232568 compiled for H100, over the limit).
+SMEM_BUDGET = SMEM_LIMIT - 4096
 # Rows of one warpgroup's ``wgmma`` (its M): a consumer warpgroup's tile height.
 WGMMA_ROWS = 64
 # A consumer warpgroup's and the producer's registers a thread after the
@@ -98,6 +102,7 @@ class Form:
     scratch: Sequence[Any],
     name: str,
     consumers: int = 2,
+    approx_math: bool = True,
   ) -> list:
     """Runs a warp-specialised kernel: ``consumers`` warpgroups and a producer, named ``"wg"``.
 
@@ -105,8 +110,9 @@ class Form:
     block of threads over ``grid`` (axes ``grid_names``); ``scoped`` holds
     ``scratch`` (SMEM buffers, barriers), allocated once for the block.
     ``name`` names the kernel (its PTX entry is ``<name>_kernel``: the
-    compiler's reports tell kernels apart by it). Interpreted, the kernel
-    runs in a host callback (``on_host``).
+    compiler's reports tell kernels apart by it). ``approx_math``: fast
+    approximate ``exp2``, ``tanh``, ... on a GPU (the interpreter computes them
+    exactly). Interpreted, the kernel runs in a host callback (``on_host``).
     """
 
     def entry(*refs):
@@ -121,7 +127,7 @@ class Form:
       grid_names=grid_names,
       num_threads=consumers + 1,
       thread_name="wg",
-      compiler_params=plgpu.CompilerParams(approx_math=True),
+      compiler_params=plgpu.CompilerParams(approx_math=approx_math),
       interpret=self.interpret,
     )
     return list(kernel(*operands)) if self.hopper else on_host(kernel, out_types, *operands)

@@ -380,6 +380,11 @@ def dot_product_attention(
       f"{_OP}: implementation must be one of {_IMPLEMENTATIONS}, got {implementation!r}"
     )
   check_config(_OP, config, (AttentionConfig, MosaicGpuAttentionConfig))
+  if isinstance(config, MosaicGpuAttentionConfig) and implementation is not None:
+    raise TypeError(
+      f"{_OP}: a MosaicGpuAttentionConfig names its implementation; "
+      f"drop implementation={implementation!r}"
+    )
   if config is not None and implementation is not None:
     config = AttentionConfig(**{**config.to_dict(), "implementation": implementation})
   pinned = implementation if config is None else config

@@ -9,8 +9,8 @@ backward (its transpose).
 * ``config.py``: ``AttentionConfig``, heuristics, autotuning space, legality;
 * ``xla.py``: the blockwise XLA programs (the CPU path);
 * ``triton.py``, ``mosaic_tpu.py``: the Pallas kernels;
-* ``mosaic_gpu.py``: the Hopper forward kernel (FlashAttention-3's
-  structure), with a config class of its own;
+* ``mosaic_gpu/``: the Hopper forward and backward kernels
+  (FlashAttention-3's structure), with a config class of its own;
 * ``triton_raw.py``: the forward and backward as raw Triton kernels
   (imported when one first runs: it imports triton).
 """

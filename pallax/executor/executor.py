@@ -224,10 +224,10 @@ def unsupported_reason(
   reason = implementation(name).unavailable_reason(target)
   if reason is not None:
     return reason
+  space = spec.space(config.implementation)
+  if not isinstance(config, space.config_cls):
+    return f"{config.implementation} takes a {space.config_cls.__name__}"
   if config.implementation in spec.spaces:
-    space = spec.spaces[config.implementation]
-    if not isinstance(config, space.config_cls):
-      return f"{config.implementation} takes a {space.config_cls.__name__}"
     return space.reason(avals, target, config, **params)
   return spec.supports(avals, target, config, **params)
 

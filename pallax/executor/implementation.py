@@ -249,7 +249,8 @@ def pallas_implementation(target: str, names: Optional[tuple[str, ...]] = None) 
   """
   interpreter = target[len("interpret-") :] if target.startswith("interpret-") else None
   for impl in _IMPLEMENTATIONS.values():
-    if impl.preferred and impl.interpreter == interpreter and impl.fallback is not None:
+    preferred = impl.preferred and impl.fallback is not None
+    if preferred and interpreter is not None and impl.interpreter == interpreter:
       # The switch of an implementation with spaces of its own: "pallas" is its fallback.
       return impl.fallback if names is None or impl.fallback in names else None
   for impl in _IMPLEMENTATIONS.values():
@@ -303,7 +304,7 @@ register_implementation(
 register_implementation(
   Implementation("pallas_mosaic_tpu", ("tpu",), "mosaic_tpu", interpreter="mosaic_tpu", pallas=True)
 )
-# Hopper and Blackwell only (wgmma, TMA): A100s keep the Triton kernels. Its
+# Hopper only (wgmma, TMA): A100s and B200s keep the Triton kernels. Its
 # kernels have config classes of their own, so "pallas" never stands for it:
 # on those devices the executor tries its spaces first, and the Triton kernels
 # run what it refuses. Interpreted (``pallax.interpret("mosaic_gpu")``) the
@@ -314,7 +315,7 @@ register_implementation(
     ("cuda",),
     "mosaic_gpu",
     interpreter="mosaic_gpu",
-    device_kinds=("h100", "h200", "b200"),
+    device_kinds=("h100", "h200"),  # wgmma: sm_90a only (sm_100a has tcgen05 instead)
     preferred=True,
     fallback="pallas_triton",
     unpartitionable_interpreted=(

@@ -85,23 +85,27 @@ class Report(list):
     return "\n".join(lines)
 
 
-def explain(fn: Callable, *args, target: Optional[str] = None, **kwargs) -> Report:
+def explain(fn: Callable, *args, **kwargs) -> Report:
   """Per kernel call in ``fn(*args, **kwargs)``: key, implementation, config, source.
 
   Sources: pinned / overlay / memory / disk / default / heuristic / autotune.
   Nothing is tuned or run; with the ``"autotune"`` policy a miss shows the
-  heuristic pick with a note.
+  heuristic pick with a note. For another device: ``explain_on``.
+  """
+  return explain_on(local_target(), fn, *args, **kwargs)
+
+
+def explain_on(target: str, fn: Callable, *args, **kwargs) -> Report:
+  """``explain`` for the calls as they would run on ``target``, a device this machine may lack.
 
   Args:
+    target: a platform name (``"cuda"``, ``"tpu"``: no device kind known),
+      or a ``pallax.executor.Target`` with its device kind
+      (``Target("cuda", "h100")``: the choice on an H100).
     fn: the function whose kernel calls are explained.
     *args: its arguments.
-    target: where the calls would run: this process's platform (or interpret
-      target) by default; a platform name (``"cuda"``, ``"tpu"``); or a
-      ``pallax.executor.Target`` with a device kind, for a device this
-      machine lacks (``Target("cuda", "h100")``).
     **kwargs: its keyword arguments.
   """
-  target = local_target() if target is None else target
   return Report(_select(eqn, target, dry_run=True) for eqn in _trace(fn, args, kwargs))
 
 

@@ -53,8 +53,10 @@ def _framework_hash() -> str:
 
 @functools.cache
 def _family_hash(kernel: str) -> str:
-  family = pathlib.Path(inspect.getfile(kernel_spec(kernel).heuristic)).parent
-  return _hash_files(family.glob("*.py"))
+  # The family's config module (unwrapped from Kernel.of_family's binding) and
+  # every module beside and below it (the Mosaic GPU subpackage).
+  family = pathlib.Path(inspect.getfile(inspect.unwrap(kernel_spec(kernel).heuristic))).parent
+  return _hash_files(family.rglob("*.py"))
 
 
 @functools.cache

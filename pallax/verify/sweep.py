@@ -260,15 +260,14 @@ def jobs_for(
   ids of the cases whose calls get the candidates too (default: every case).
   ``implementations``: only configs of these (``"pallas"``, ``"triton_raw"``,
   ``"pallas_mosaic_gpu"``). The preferred implementations' candidates (Mosaic
-  GPU's, which take no float32) are compiled at an op's first size in every
-  dtype.
+  GPU's, which take no float32 and whose SMEM and registers vary with the head
+  dim) are compiled at every case.
   """
   jobs: dict[str, Job] = {}
   configs: dict[tuple, list] = {}  # per call and target: the forward is in every stage
   for case in case_list:
     only = heuristic_only or (candidates_at is not None and case.id not in candidates_at)
-    op = OPS[case.op]
-    preferred = not heuristic_only and op.candidates and case.size == op.sizes[0]
+    preferred = not heuristic_only
     for index, eqn in enumerate(kernel_calls_of(case.id)):
       name = eqn.primitive.name
       if pinned is not None and name not in pinned:

@@ -68,6 +68,9 @@ def test_availability_depends_on_the_device_kind():
   assert pallas_implementation(Target("cuda", "h100"), ("pallas_mosaic_gpu",)) is None
   assert mosaic_gpu.prefers(Target("cuda", "h100")) and mosaic_gpu.prefers("interpret-mosaic_gpu")
   assert not mosaic_gpu.prefers(Target("cuda", "a100")) and not mosaic_gpu.prefers("cuda")
+  # sm_100a has no wgmma: a B200 keeps the Triton kernels.
+  assert "not b200" in mosaic_gpu.unavailable_reason(Target("cuda", "b200"))
+  assert not mosaic_gpu.prefers(Target("cuda", "b200"))
   assert not mosaic_gpu.prefers("interpret-triton")
   assert pallas_implementation("interpret-mosaic_gpu") == "pallas_triton"
   assert kernel_backend("interpret-mosaic_gpu") == "triton"

@@ -211,7 +211,7 @@ def test_supports_refuses_what_the_kernel_cannot_take():
 def test_h100_keeps_triton_and_tunes_mosaic_gpu():
   """The heuristic leaves H100 to the Triton kernel; autotuning times Mosaic GPU, Triton, XLA."""
   a, b = jnp.zeros((512, 256), jnp.bfloat16), jnp.zeros((256, 384), jnp.bfloat16)
-  (row,) = pallax.explain(lambda a, b: pallax.matmul(a, b), a, b, target=H100)
+  (row,) = pallax.explain_on(H100, lambda a, b: pallax.matmul(a, b), a, b)
   assert row.implementation == "pallas" and not isinstance(row.config, MosaicGpuMatmulConfig)
   params = _params(out_dtype=jnp.bfloat16)
   avals = [S(a.shape, a.dtype), S(b.shape, b.dtype)]

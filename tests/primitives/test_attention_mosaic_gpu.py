@@ -127,7 +127,7 @@ def _selection(target, dtype=jnp.bfloat16, grad: bool = False, **features):
   if grad:
     g = lambda q: jnp.sum(pallax.dot_product_attention(q, kv, kv, **features).astype(jnp.float32))
     f = jax.grad(g)
-  return {r.op: r for r in pallax.explain(f, q, target=target)}
+  return {r.op: r for r in pallax.explain_on(target, f, q)}
 
 
 def test_the_executor_prefers_mosaic_gpu_on_hopper_only():
@@ -136,6 +136,7 @@ def test_the_executor_prefers_mosaic_gpu_on_hopper_only():
   assert chosen.implementation == MOSAIC and "preferred on h100" in chosen.note
   assert isinstance(chosen.config, mosaic_gpu.MosaicGpuAttentionConfig)
   assert _selection(Target("cuda", "h200"))[FWD].implementation == MOSAIC
+  assert _selection(Target("cuda", "b200"))[FWD].implementation == "pallas"  # no wgmma
   assert _selection(a100)[FWD].implementation == "pallas" and not _selection(a100)[FWD].note
   assert _selection("cuda")[FWD].implementation == "pallas"  # no device known: Triton
   grad = _selection(h100, grad=True)
@@ -177,13 +178,16 @@ def test_supports_and_the_ring_in_shared_memory():
   supports = functools.partial(mosaic_gpu.supports, _avals(), h100)
   assert supports(config(), stage="fwd", **PARAMS) is None
   assert supports(config(block_q=64, block_k=64), stage="bwd", **PARAMS) is None
-  assert "(64, 64) blocks" in supports(config(), stage="bwd", **PARAMS)
+  assert supports(config(), stage="bwd", **PARAMS) is None  # the backward's blocks are fixed
+  assert "128 spills" in supports(config(block_q=128), stage="fwd", **PARAMS)
+  # 229888 bytes of buffers: Mosaic GPU's barriers and alignment take it over 227 KiB.
+  assert "SMEM" in supports(config(block_k=128, num_stages=3), stage="fwd", **PARAMS)
   causal = {**PARAMS, "window_right": 0}
   assert "masks up to head dim 64" in supports(config(64, 64), stage="bwd", **causal)
   assert supports(config(), stage="fwd", **causal) is None
   assert "no jvp stage" in supports(config(), stage="jvp", **PARAMS)
   assert "SMEM" in supports(config(block_k=256, num_stages=4), stage="fwd", **PARAMS)
-  assert "multiples of 64" in supports(config(block_k=96), stage="fwd", **PARAMS)
+  assert "multiple of 64" in supports(config(block_k=96), stage="fwd", **PARAMS)
   assert "take no lengths" in supports(config(), stage="fwd", **{**PARAMS, "has_lengths": True})
   p = Problem.of(_avals(), **PARAMS)
   # Q/O (2 x 64 x 128), K and V (2 slots x 128 x 128), lse (2 x 64) floats.
@@ -191,3 +195,23 @@ def test_supports_and_the_ring_in_shared_memory():
   assert mosaic_gpu.smem_bytes(p, config(), "fwd") == want
   for candidate in mosaic_gpu.candidates(_avals(h=256), h100, stage="fwd", **PARAMS):
     assert mosaic_gpu.supports(_avals(h=256), h100, candidate, stage="fwd", **PARAMS) is None
+
+
+def test_a_pinned_mosaic_gpu_config_reaches_forward_and_backward():
+  q = jnp.zeros((2, 256, 4, 64), jnp.bfloat16)
+  kv = jnp.zeros((2, 256, 2, 64), jnp.bfloat16)
+  pin = mosaic_gpu.MosaicGpuAttentionConfig(block_k=64, num_stages=3)
+  loss = lambda q: jnp.sum(pallax.dot_product_attention(q, kv, kv, config=pin).astype(jnp.float32))
+  report = pallax.explain_on(Target("cuda", "h100"), jax.grad(loss), q)
+  assert {(r.op, r.source, r.config) for r in report} == {
+    (FWD, "pinned", pin),
+    (BWD, "pinned", pin),
+  }
+  with pytest.raises(TypeError, match="names its implementation"):
+    pallax.dot_product_attention(q, kv, kv, config=pin, implementation="pallas")
+  # A config of one implementation's class naming another is refused, clearly.
+  wrong = mosaic_gpu.MosaicGpuAttentionConfig(implementation="pallas")
+  with pytest.raises(ValueError, match="pallas takes a AttentionConfig"):
+    pallax.explain_on(
+      Target("cuda", "h100"), lambda q: pallax.dot_product_attention(q, kv, kv, config=wrong), q
+    )

@@ -255,3 +255,18 @@ def test_command_line_json(tmp_path):
 def test_full_sweep():
   report = verify(progress=False)
   assert report.ok, str(report)
+
+
+def test_the_result_cache_covers_every_source_of_a_kernel(monkeypatch):
+  """A cached verify result is keyed by the kernel family's files, its subpackages included."""
+  from pallax.verify import cache
+
+  hashed = []
+  monkeypatch.setattr(cache, "_hash_files", lambda paths: hashed.extend(paths) or "h")
+  cache._family_hash.cache_clear()
+  try:
+    cache._family_hash("dot_product_attention_fwd")
+  finally:
+    cache._family_hash.cache_clear()
+  names = {(p.parent.name, p.name) for p in hashed}
+  assert {("attention", "triton.py"), ("mosaic_gpu", "fwd.py"), ("mosaic_gpu", "bwd.py")} <= names

@@ -38,6 +38,7 @@ from pallax.kernels.attention import common
 from pallax.kernels.attention.common import Call, Problem
 from pallax.kernels.attention.mosaic_gpu import tiles
 from pallax.kernels.attention.mosaic_gpu.config import (
+  BWD_BLOCKS,
   DQ_CONSUMERS,
   DQ_ROWS,
   MosaicGpuAttentionConfig,
@@ -58,8 +59,9 @@ def bwd(*operands, config: MosaicGpuAttentionConfig, interpret: Any, **params) -
     raise NotImplementedError(f"dot_product_attention: {reason}")
   form = mgpu.Form.of(interpret)
   h = head(p)
-  tp = round_up(p.t, math.lcm(DQ_ROWS, config.block_q))
-  sp = round_up(p.s, dkdv_consumers(p) * config.block_k)
+  bq, bk = BWD_BLOCKS
+  tp = round_up(p.t, math.lcm(DQ_ROWS, bq))
+  sp = round_up(p.s, dkdv_consumers(p) * bk)
   delta = common.bwd_delta(p.stat, ops.out, ops.dout, ops.dlse).astype(jnp.float32)
   queries = {
     "q": tiles.pad(ops.q, {3: tp, 4: h}),
@@ -68,7 +70,7 @@ def bwd(*operands, config: MosaicGpuAttentionConfig, interpret: Any, **params) -
     "delta": tiles.pad(delta, {3: tp}),
   }
   keys = {"k": tiles.pad(ops.k, {2: sp, 3: h}), "v": tiles.pad(ops.v, {2: sp, 3: h})}
-  kernels = _Kernels(p, form, tiles.Tiles(p, config.block_q, config.block_k), config.num_stages)
+  kernels = _Kernels(p, form, tiles.Tiles(p, bq, bk), config.num_stages)
   dq = kernels.dq(queries, keys, tp)
   dk, dv = kernels.dkdv(queries, keys, sp)
   cut = lambda x, n, d: x[..., :n, :d]
@@ -208,6 +210,7 @@ class _Kernels:
       grid_names=("heads", "q", "batch"),
       scratch=scratch,
       name="dot_product_attention_dq",
+      approx_math=p.soft_cap is None,
       consumers=DQ_CONSUMERS,
     )
     return dq
@@ -332,5 +335,6 @@ class _Kernels:
       grid_names=("heads", "k", "batch"),
       scratch=scratch,
       name="dot_product_attention_dkdv",
+      approx_math=p.soft_cap is None,
       consumers=consumers,
     )

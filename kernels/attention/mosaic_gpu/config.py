@@ -36,8 +36,8 @@ class MosaicGpuAttentionConfig(KernelConfig):
   keys and streams ``block_q`` queries a step, its dq kernel 64 queries and
   ``block_k`` keys a step.
 
-  block_q, block_k: multiples of 64 in the forward (``wgmma``'s rows;
-    128-byte swizzled rows); the backward's are ``bwd_blocks``.
+  block_q, block_k: the forward's: 64 (``wgmma``'s rows) and a multiple of
+    64; the backward's are ``BWD_BLOCKS`` whatever a config says.
   num_stages: slots of the producer's SMEM ring (at least 2).
   """
 
@@ -117,14 +117,10 @@ _SMEM = {
 }
 
 
-def bwd_blocks(p: Problem) -> tuple[int, int]:
-  """The backward's ``(block_q, block_k)``: 64 x 64.
-
-  Each accumulator tile is 64 rows of one warpgroup, and ``wgmma`` contracts
-  64 at least (the dk/dv kernel contracts over its query block).
-  """
-  del p
-  return (64, 64)
+# The backward's (block_q, block_k), whatever a config says: each accumulator
+# tile is 64 rows of one warpgroup, and wgmma contracts 64 at least (the dk/dv
+# kernel contracts over its query block). A config gives it ``num_stages``.
+BWD_BLOCKS = (64, 64)
 
 
 def dkdv_consumers(p: Problem) -> int:
@@ -136,7 +132,8 @@ def smem_bytes(
   p: Problem, config: MosaicGpuAttentionConfig, stage: str, hopper: bool = True
 ) -> int:
   """SMEM of one block of threads of the stage's largest kernel, in the given form."""
-  h, item, c = head(p), jnp.dtype(p.dtype).itemsize, config
+  h, item = head(p), jnp.dtype(p.dtype).itemsize
+  c = config if stage == "fwd" else dataclasses.replace(config, block_q=64, block_k=64)
   shapes = {"q": (c.block_q, c.block_k), "dq": (DQ_ROWS, c.block_k), "k": (c.block_k, c.block_q)}
   consumers = {"q": CONSUMERS, "dq": DQ_CONSUMERS, "k": dkdv_consumers(p)}
   sizes = []
@@ -152,13 +149,13 @@ def smem_bytes(
 
 def _space(p: Problem, stage: str) -> list[MosaicGpuAttentionConfig]:
   """Ring shapes in order of preference: long blocks, then more stages, within SMEM."""
-  blocks = [(64, b) for b in (128, 64, 256)] if stage == "fwd" else [bwd_blocks(p)]
+  blocks = [(64, b) for b in (128, 64, 256)] if stage == "fwd" else [BWD_BLOCKS]
   configs = [
     MosaicGpuAttentionConfig(block_q=bq, block_k=bk, num_stages=st)
     for bq, bk in blocks
     for st in (2, 3, 4)
   ]
-  return [c for c in configs if smem_bytes(p, c, stage) <= mgpu.SMEM_LIMIT]
+  return [c for c in configs if smem_bytes(p, c, stage) <= mgpu.SMEM_BUDGET]
 
 
 def heuristic(avals: Sequence[Any], target: str, *, stage: str, **params):
@@ -166,7 +163,7 @@ def heuristic(avals: Sequence[Any], target: str, *, stage: str, **params):
   p = Problem.of(avals, **params)
   if stage == "fwd":
     return MosaicGpuAttentionConfig(block_k=128 if head(p) <= 128 else 64)
-  return MosaicGpuAttentionConfig(*bwd_blocks(p))
+  return MosaicGpuAttentionConfig(*BWD_BLOCKS)
 
 
 def candidates(avals: Sequence[Any], target: str, *, stage: str, **params):
@@ -184,17 +181,13 @@ def supports(
   reason = feature_reason(p, stage)
   if reason is not None:
     return reason
-  blocks = (config.block_q, config.block_k)
-  if stage == "bwd" and blocks != bwd_blocks(p):
-    return (
-      f"the backward kernels take {bwd_blocks(p)} blocks at head dim {head(p)} "
-      "(their accumulators fill the registers)"
-    )
-  if stage == "fwd" and (config.block_q % mgpu.WGMMA_ROWS or config.block_k % mgpu.WGMMA_ROWS):
-    return f"blocks {blocks} must be multiples of 64 on Mosaic GPU"
+  if stage == "fwd" and config.block_q != mgpu.WGMMA_ROWS:
+    return f"block_q={config.block_q}: the forward takes 64 (a consumer's wgmma rows; 128 spills)"
+  if stage == "fwd" and config.block_k % 64:
+    return f"block_k={config.block_k} must be a multiple of 64 on Mosaic GPU"
   if config.num_stages < 2:
     return f"num_stages={config.num_stages}: the ring needs at least 2 slots"
   smem = smem_bytes(p, config, stage)
-  if smem > mgpu.SMEM_LIMIT:
-    return f"{config} needs {smem} bytes of SMEM in the {stage} kernels, over {mgpu.SMEM_LIMIT}"
+  if smem > mgpu.SMEM_BUDGET:
+    return f"{config} needs {smem} bytes of SMEM in the {stage} kernels, over {mgpu.SMEM_BUDGET}"
   return None
