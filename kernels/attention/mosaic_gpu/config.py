@@ -147,6 +147,17 @@ def smem_bytes(
   return max(sizes)
 
 
+def _stages_reason(p: Problem, stage: str, stages: int) -> Optional[str]:
+  """Why a ring of ``stages`` slots cannot serve the stage's kernels, if it cannot."""
+  if stages < 2:
+    return f"num_stages={stages}: the ring needs at least 2 slots"
+  if stage == "bwd" and head(p) > 64 and stages & (stages - 1):
+    # Compiled for H100: 3 slots spill 112 bytes in the dk/dv kernel at head
+    # dim 128, where 2 and 4 do not (a slot index mod 3 takes registers).
+    return f"num_stages={stages}: the backward takes a power of two above head dim 64"
+  return None
+
+
 def _space(p: Problem, stage: str) -> list[MosaicGpuAttentionConfig]:
   """Ring shapes in order of preference: long blocks, then more stages, within SMEM."""
   blocks = [(64, b) for b in (128, 64, 256)] if stage == "fwd" else [BWD_BLOCKS]
@@ -154,6 +165,7 @@ def _space(p: Problem, stage: str) -> list[MosaicGpuAttentionConfig]:
     MosaicGpuAttentionConfig(block_q=bq, block_k=bk, num_stages=st)
     for bq, bk in blocks
     for st in (2, 3, 4)
+    if _stages_reason(p, stage, st) is None
   ]
   return [c for c in configs if smem_bytes(p, c, stage) <= mgpu.SMEM_BUDGET]
 
@@ -185,8 +197,9 @@ def supports(
     return f"block_q={config.block_q}: the forward takes 64 (a consumer's wgmma rows; 128 spills)"
   if stage == "fwd" and config.block_k % 64:
     return f"block_k={config.block_k} must be a multiple of 64 on Mosaic GPU"
-  if config.num_stages < 2:
-    return f"num_stages={config.num_stages}: the ring needs at least 2 slots"
+  reason = _stages_reason(p, stage, config.num_stages)
+  if reason is not None:
+    return reason
   smem = smem_bytes(p, config, stage)
   if smem > mgpu.SMEM_BUDGET:
     return f"{config} needs {smem} bytes of SMEM in the {stage} kernels, over {mgpu.SMEM_BUDGET}"
