@@ -339,8 +339,7 @@ def dot_product_attention(
     return_residual: also return the forward's ``lse``.
     config: pin the kernels' ``AttentionConfig`` (the forward's, tangent's
       and backward's blocks), or a ``MosaicGpuAttentionConfig`` (the Hopper
-      kernels: their forward and backward; a ``jvp`` then fails, as the
-      tangent has no Mosaic GPU kernel).
+      kernels: their forward, tangent and backward, for the calls they take).
 
   Returns:
     The output, shaped like ``query`` with the value's head dim; with

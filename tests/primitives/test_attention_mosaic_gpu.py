@@ -38,7 +38,7 @@ from tests.primitives.test_attention_features import (
 )
 
 PATH = "mosaic_gpu"
-FWD, BWD = "dot_product_attention_fwd", "dot_product_attention_bwd"
+FWD, BWD, JVP = (f"dot_product_attention_{s}" for s in ("fwd", "bwd", "jvp"))
 MOSAIC = mosaic_gpu.IMPLEMENTATION
 
 # name -> (case, the backward's implementation): Mosaic GPU's takes causal and
@@ -92,13 +92,17 @@ def _jvp(fn, statics, ops, tangents):
   return jax.jvp(f, tuple(ops[n] for n in names), tuple(tangents.values()))
 
 
-def test_jvp():
-  """The forward on Mosaic GPU, the tangent kernel (Triton) from its ``out`` and ``lse``."""
-  ops, statics = inputs(CASES["sinks-hv-T<S"][0], jnp.bfloat16, seed=4)
+@pytest.mark.parametrize("case", [CASES["sinks-hv-T<S"][0], CASES["causal-gqa"][0]])
+def test_jvp(case):
+  """The forward and the tangent kernel on Mosaic GPU, the tangent from ``out`` and ``lse``."""
+  ops, statics = inputs(case, jnp.bfloat16, seed=4)
   rng = np.random.default_rng(5)
   tangents = {n: rand(rng, ops[n].shape, jnp.bfloat16) for n in _diff_names(ops)}
+  jvp = functools.partial(_jvp, _pallax(), statics)
   with pallax.interpret(PATH):
-    y, y_dot = jax.jit(functools.partial(_jvp, _pallax(), statics))(ops, tangents)
+    report = pallax.explain(jvp, ops, tangents)
+    y, y_dot = jax.jit(jvp)(ops, tangents)
+  assert {r.op: r.implementation for r in report} == {FWD: MOSAIC, JVP: MOSAIC}
   with x64():
     tangents64 = {n: to64(a) for n, a in tangents.items()}
     y_ref, y_dot_ref = jax.jit(functools.partial(_jvp, reference, statics))(_as64(ops), tangents64)
@@ -143,6 +147,11 @@ def test_the_executor_prefers_mosaic_gpu_on_hopper_only():
   assert grad[FWD].implementation == grad[BWD].implementation == MOSAIC
   causal = _selection(h100, grad=True, is_causal=True)[BWD]
   assert causal.implementation == "pallas" and "masks up to head dim 64" in causal.note
+  q, kv = jnp.zeros((2, 256, 4, 128), jnp.bfloat16), jnp.zeros((2, 256, 2, 128), jnp.bfloat16)
+  tangent = lambda q: jax.jvp(lambda q: pallax.dot_product_attention(q, kv, kv), (q,), (q,))
+  picks = {r.op: r for r in pallax.explain_on(h100, tangent, q)}
+  assert picks[FWD].implementation == MOSAIC and picks[JVP].implementation == "pallas"
+  assert "up to 64 in the Mosaic GPU jvp kernel" in picks[JVP].note
   assert _selection(a100, grad=True)[BWD].implementation == "pallas"
   # What it refuses goes to the Triton kernel, and explain says why.
   refused = _selection(h100, jnp.float32)[FWD]
@@ -185,7 +194,9 @@ def test_supports_and_the_ring_in_shared_memory():
   causal = {**PARAMS, "window_right": 0}
   assert "masks up to head dim 64" in supports(config(64, 64), stage="bwd", **causal)
   assert supports(config(), stage="fwd", **causal) is None
-  assert "no jvp stage" in supports(config(), stage="jvp", **PARAMS)
+  assert "up to 64 in the Mosaic GPU jvp kernel" in supports(config(), stage="jvp", **PARAMS)
+  small = functools.partial(mosaic_gpu.supports, _avals(h=64), h100)
+  assert small(config(), stage="jvp", **PARAMS) is None
   assert "SMEM" in supports(config(block_k=256, num_stages=4), stage="fwd", **PARAMS)
   assert "multiple of 64" in supports(config(block_k=96), stage="fwd", **PARAMS)
   assert "take no lengths" in supports(config(), stage="fwd", **{**PARAMS, "has_lengths": True})

@@ -6,10 +6,12 @@
 * ``fwd.py``: the forward (``out``, ``lse``): a TMA producer warpgroup and two
   ping-pong ``wgmma`` consumer warpgroups;
 * ``bwd.py``: the backward from the saved ``lse``: a dq kernel and a dk/dv
-  kernel of the same structure, no atomics.
+  kernel of the same structure, no atomics;
+* ``jvp.py``: the tangent, one pass from the saved ``lse``;
+* ``query_side.py``: the frame of the dq and tangent kernels.
 
-The tangent stage runs on the Triton kernel. Each kernel has an interpreted
-form for the CPU check (``pallax.pallas_mosaic_gpu.Form``).
+Each kernel has an interpreted form for the CPU check
+(``pallax.pallas_mosaic_gpu.Form``).
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from pallax.kernels.attention.mosaic_gpu.config import (
   supports,
 )
 from pallax.kernels.attention.mosaic_gpu.fwd import fwd
+from pallax.kernels.attention.mosaic_gpu.jvp import jvp
 
 __all__ = [
   "CONFIG_CLS",
@@ -36,6 +39,7 @@ __all__ = [
   "feature_reason",
   "fwd",
   "heuristic",
+  "jvp",
   "smem_bytes",
   "supports",
 ]

@@ -47,6 +47,7 @@ from pallax.kernels.attention.mosaic_gpu.config import (
   head,
   round_up,
 )
+from pallax.kernels.attention.mosaic_gpu.query_side import QueryKernel, scores
 from pallax.kernels.attention.mosaic_gpu.tiles import broadcast
 
 
@@ -94,16 +95,6 @@ class _Kernels:
     """``x`` with its rows and head dim swapped, for the interpreted form (None on a GPU)."""
     return None if self.form.hopper else jnp.swapaxes(x, rows_axis, rows_axis + 1)
 
-  def _scores(self, a, b_t, shape):
-    """``a b^T`` into a fresh accumulator: ``b_t`` is ``b`` transposed (a ref view or a tile)."""
-
-    def product(acc_ref):
-      plgpu.wgmma(acc_ref, a, b_t)
-      plgpu.wgmma_wait(0)
-      return acc_ref[...]
-
-    return pl.run_scoped(product, plgpu.ACC(shape, jnp.float32))
-
   def _t(self, tiles_ref, transposed_ref, slot):
     """Ring slot ``slot``'s tile transposed for ``wgmma``: a view on a GPU, else its copy."""
     if self.form.hopper:
@@ -112,107 +103,37 @@ class _Kernels:
 
   def dq(self, queries: dict, keys: dict, tp: int) -> jax.Array:
     """``dq (B, K, G, Tp, h)``: per query tile, the key blocks it sees."""
-    p, form, h, stages = self.p, self.form, self.h, self.stages
-    blocks = tiles.Tiles(p, DQ_ROWS, self.blocks.bk)
-    bq, bk, rows = blocks.bq, blocks.bk, DQ_CONSUMERS * DQ_ROWS
-    k_t, v_t = self._transposed(keys["k"], 2), self._transposed(keys["v"], 2)
-    operands = [queries[n] for n in ("q", "do", "lse", "delta")] + [keys["k"], keys["v"]]
-    operands += [] if form.hopper else [k_t, v_t]
-
-    def body(q_ref, do_ref, lse_ref, delta_ref, k_ref, v_ref, *rest):
-      *transposed, dq_ref, scoped = rest
-      smem, own_full, (full, consumed) = scoped
-      q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem, kt_smem, vt_smem, ds_smem = smem
-      n, b, wg = lax.axis_index("heads"), lax.axis_index("batch"), lax.axis_index("wg")
-      kh, g = lax.div(n, jnp.int32(p.groups)), lax.rem(n, jnp.int32(p.groups))
-      t_tile = lax.axis_index("q") * rows
-      lo, hi = blocks.key_blocks(t_tile, rows)
-      ring = mgpu.Ring(stages, lo, hi, full, consumed)
-
-      @pl.when(wg < DQ_CONSUMERS)
-      def _consumer():
-        form.consumer_registers(DQ_CONSUMERS)
-        t0 = t_tile + wg * bq
-        mine = pl.ds(t0, bq)
-        refs = (q_ref, do_ref, lse_ref, delta_ref)
-        for ref, buf in zip(refs, (q_smem, do_smem, lse_smem, delta_smem)):
-          plgpu.copy_gmem_to_smem(ref.at[b, kh, g, mine], buf.at[wg], own_full.at[wg])
-        plgpu.barrier_wait(own_full.at[wg])
-        lse, delta = form.vector(lse_smem.at[wg], 0), form.vector(delta_smem.at[wg], 0)
-        own = tiles.own_range(lo, hi, blocks.key_blocks(t0, bq))
-
-        def skip(j, carry):
-          ring.skip(j)
-          return carry
-
-        def step(j, dq, masked: bool):
-          s = ring.slot(j)
-          ring.wait(0, j)
-          x = self._scores(q_smem.at[wg], self._t(k_smem, kt_smem, s), (bq, bk))
-          z, slope = tiles.logits2(p, x, cap_grad=True)
-          z = tiles.masked(z, blocks.keep_keys(form, t0, j) if masked else None)
-          probs = jnp.exp2(z - broadcast(lse, z.shape, 0))
-          ring.wait(1, j)
-          dp = self._scores(do_smem.at[wg], self._t(v_smem, vt_smem, s), (bq, bk))
-          ring.release(1, j)
-          ds = probs * (dp - broadcast(delta, dp.shape, 0))
-          ds = ds if slope is None else ds * slope
-          ds = form.operand(ds.astype(p.dtype), ds_smem, wg)
-          dq = form.accumulate(dq, lambda acc_ref: plgpu.wgmma(acc_ref, ds, k_smem.at[s]))
-          ring.release(0, j)
-          return dq
-
-        init = form.layout(jnp.zeros((bq, h), jnp.float32), plgpu.Layout.WGMMA)
-        unmasked = blocks.unmasked_keys(t0, *own)
-        dq = tiles.over_steps(lo, own, unmasked, hi, skip, step, init)
-        q_smem.at[wg][...] = (dq * p.scale).astype(p.dtype)
-        plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(q_smem.at[wg], dq_ref.at[b, kh, g, mine])
-        plgpu.wait_smem_to_gmem(0)
-
-      @pl.when(wg == DQ_CONSUMERS)
-      def _producer():
-        form.producer_registers(DQ_CONSUMERS)
-
-        def copies(j, s):
-          block = pl.ds(j * bk, bk)
-          groups = [
-            [(k_ref.at[b, kh, block], k_smem.at[s])],
-            [(v_ref.at[b, kh, block], v_smem.at[s])],
-          ]
-          for group, ref, buf in zip(groups, transposed, (kt_smem, vt_smem)):
-            group.append((ref.at[b, kh, :, block], buf.at[s]))
-          return groups
-
-        ring.produce(copies)
-
-    copies = 1 if form.hopper else 2
-    scratch = [
-      [
-        self._tile(DQ_CONSUMERS, bq, h),
-        self._tile(DQ_CONSUMERS, bq, h),
-        plgpu.SMEM((DQ_CONSUMERS, bq), jnp.float32),
-        plgpu.SMEM((DQ_CONSUMERS, bq), jnp.float32),
-        self._tile(stages, bk, h),
-        self._tile(stages, bk, h),
-        None if form.hopper else self._tile(stages, h, bk),
-        None if form.hopper else self._tile(stages, h, bk),
-        form.staging((DQ_CONSUMERS, bq, bk), p.dtype),
-      ],
-      plgpu.Barrier(num_arrivals=4, num_barriers=DQ_CONSUMERS),
-      mgpu.Ring.barriers((copies, copies), stages, DQ_CONSUMERS),
-    ]
-    (dq,) = form.launch(
-      body,
-      operands,
-      (jax.ShapeDtypeStruct((p.batch, p.kv_heads, p.groups, tp, h), p.dtype),),
-      grid=(p.kv_heads * p.groups, tp // rows, p.batch),
-      grid_names=("heads", "q", "batch"),
-      scratch=scratch,
+    p, form, h, bk = self.p, self.form, self.h, self.blocks.bk
+    kernel = QueryKernel(
+      p,
+      form,
+      self.stages,
+      bk,
+      DQ_CONSUMERS,
+      own_tiles={"q": queries["q"], "do": queries["do"]},
+      own_stats={"lse": queries["lse"], "delta": queries["delta"]},
+      ring={"k": keys["k"], "v": keys["v"]},
+      transposed=("k", "v"),
+      outs={"dq": (p.dtype, True)},
       name="dot_product_attention_dq",
-      approx_math=p.soft_cap is None,
-      consumers=DQ_CONSUMERS,
     )
+
+    def step(ctx, j, dq, keep):
+      ctx.ring.wait(0, j)
+      x = scores(ctx.own["q"], ctx.tile_t("k"), (DQ_ROWS, bk))
+      z, slope = tiles.logits2(p, x, cap_grad=True)
+      probs = jnp.exp2(tiles.masked(z, keep) - broadcast(ctx.stats["lse"], z.shape, 0))
+      ctx.ring.wait(1, j)
+      dp = scores(ctx.own["do"], ctx.tile_t("v"), (DQ_ROWS, bk))
+      ctx.ring.release(1, j)
+      ds = probs * (dp - broadcast(ctx.stats["delta"], dp.shape, 0))
+      ds = ctx.operand((ds if slope is None else ds * slope).astype(p.dtype))
+      dq = form.accumulate(dq, lambda acc_ref: plgpu.wgmma(acc_ref, ds, ctx.tile("k")))
+      ctx.ring.release(0, j)
+      return dq
+
+    init = lambda ctx: form.layout(jnp.zeros((DQ_ROWS, h), jnp.float32), plgpu.Layout.WGMMA)
+    (dq,) = kernel(init, step, lambda ctx, dq: {"dq": dq * p.scale}, tp, h)
     return dq
 
   def dkdv(self, queries: dict, keys: dict, sp: int) -> tuple[jax.Array, jax.Array]:
@@ -259,13 +180,13 @@ class _Kernels:
             u = base + i
             s = ring.slot(u)
             ring.wait(0, u)
-            x = self._scores(k_smem.at[wg], self._t(q_smem, qt_smem, s), (bk, bq))
+            x = scores(k_smem.at[wg], self._t(q_smem, qt_smem, s), (bk, bq))
             z, slope = tiles.logits2(p, x, cap_grad=True)
             z = tiles.masked(z, blocks.keep_queries(form, s0, i) if masked else None)
             # dP^T before the probabilities: S^T, dP^T and the accumulators are
             # all that is live (the mask is gone), which keeps head dim 128 in registers.
             ring.wait(1, u)
-            dp = self._scores(v_smem.at[wg], self._t(do_smem, dot_smem, s), (bk, bq))
+            dp = scores(v_smem.at[wg], self._t(do_smem, dot_smem, s), (bk, bq))
             ring.wait(2, u)
             lse, delta = form.vector(lse_smem.at[s], 1), form.vector(delta_smem.at[s], 1)
             probs = jnp.exp2(z - broadcast(lse, z.shape, 1))

@@ -48,7 +48,7 @@ class MosaicGpuAttentionConfig(KernelConfig):
 
 
 CONFIG_CLS = MosaicGpuAttentionConfig
-STAGES = ("fwd", "bwd")  # the tangent runs on Triton
+STAGES = ("fwd", "bwd", "jvp")
 
 
 def round_up(n: int, m: int) -> int:
@@ -61,8 +61,9 @@ def head(p: Problem) -> int:
 
 
 # The largest padded head dim a stage's accumulators fit in registers: the
-# backward's dk and dv (or dq, dS and dP) take twice the forward's.
-_MAX_HEAD = {"fwd": 256, "bwd": 128}
+# backward's dk and dv (or dq, dS and dP) take twice the forward's; the
+# tangent's output, S, P and dS spilled 12 bytes at 128 with 255 registers.
+_MAX_HEAD = {"fwd": 256, "bwd": 128, "jvp": 64}
 
 
 def feature_reason(p: Problem, stage: str = "fwd") -> Optional[str]:
@@ -113,11 +114,14 @@ _SMEM = {
   "fwd": [_Smem("q", 1, 2, 1, 0, 0)],  # Q (then O), lse; K, V (K^T interpreted)
   # dq kernel: Q (then dQ), dO, lse, delta; K, V. dk/dv kernel: K, V (then dK,
   # dV); Q, dO, lse, delta.
-  "bwd": [_Smem("dq", 2, 2, 2, 0, 2), _Smem("k", 2, 2, 0, 2, 2)],
+  "bwd": [_Smem("dq", 3, 2, 2, 0, 2), _Smem("k", 2, 2, 0, 2, 2)],
+  # The tangent: Q, dQ and the float32 output tile (two 16-bit tiles' worth),
+  # lse and the row sums; K, V, dK, dV (K^T, dK^T interpreted).
+  "jvp": [_Smem("jvp", 4, 4, 2, 0, 2)],
 }
 
 
-# The backward's (block_q, block_k), whatever a config says: each accumulator
+# The backward's and the tangent's (block_q, block_k), whatever a config says: each accumulator
 # tile is 64 rows of one warpgroup, and wgmma contracts 64 at least (the dk/dv
 # kernel contracts over its query block). A config gives it ``num_stages``.
 BWD_BLOCKS = (64, 64)
@@ -134,8 +138,14 @@ def smem_bytes(
   """SMEM of one block of threads of the stage's largest kernel, in the given form."""
   h, item = head(p), jnp.dtype(p.dtype).itemsize
   c = config if stage == "fwd" else dataclasses.replace(config, block_q=64, block_k=64)
-  shapes = {"q": (c.block_q, c.block_k), "dq": (DQ_ROWS, c.block_k), "k": (c.block_k, c.block_q)}
-  consumers = {"q": CONSUMERS, "dq": DQ_CONSUMERS, "k": dkdv_consumers(p)}
+  shapes = {
+    "q": (c.block_q, c.block_k),
+    "dq": (DQ_ROWS, c.block_k),
+    "jvp": (DQ_ROWS, c.block_k),
+    "k": (c.block_k, c.block_q),
+  }
+  consumers = {"q": CONSUMERS, "dq": DQ_CONSUMERS, "jvp": CONSUMERS}
+  consumers["k"] = dkdv_consumers(p)
   sizes = []
   for k in _SMEM[stage]:
     (own, ring), n = shapes[k.own], consumers[k.own]
@@ -151,10 +161,10 @@ def _stages_reason(p: Problem, stage: str, stages: int) -> Optional[str]:
   """Why a ring of ``stages`` slots cannot serve the stage's kernels, if it cannot."""
   if stages < 2:
     return f"num_stages={stages}: the ring needs at least 2 slots"
-  if stage == "bwd" and head(p) > 64 and stages & (stages - 1):
+  if stage != "fwd" and head(p) > 64 and stages & (stages - 1):
     # Compiled for H100: 3 slots spill 112 bytes in the dk/dv kernel at head
     # dim 128, where 2 and 4 do not (a slot index mod 3 takes registers).
-    return f"num_stages={stages}: the backward takes a power of two above head dim 64"
+    return f"num_stages={stages}: the {stage} kernels take a power of two above head dim 64"
   return None
 
 
@@ -171,7 +181,7 @@ def _space(p: Problem, stage: str) -> list[MosaicGpuAttentionConfig]:
 
 
 def heuristic(avals: Sequence[Any], target: str, *, stage: str, **params):
-  """Forward: 128-key blocks in a 2-slot ring up to head dim 128, 64 at 256; backward: 64 x 64."""
+  """Forward: 128-key blocks in a 2-slot ring up to head dim 128, 64 at 256; else 64 x 64."""
   p = Problem.of(avals, **params)
   if stage == "fwd":
     return MosaicGpuAttentionConfig(block_k=128 if head(p) <= 128 else 64)

@@ -1,0 +1,110 @@
+"""The attention tangent (``jvp``) on Pallas Mosaic GPU (Hopper): one pass from the saved ``lse``.
+
+A query-side kernel (``query_side.QueryKernel``), head dims up to 64: each of
+two consumers keeps its 64 queries' Q, their tangent dQ and lse, and the
+producer streams K, V and their tangents dK, dV. Per key block:
+``P = exp2(S - lse)``, the logits' tangent ``dS = scale (dQ K^T + Q dK^T)``
+(two ``wgmma`` into one accumulator, times the soft cap's slope), and
+``A += (P dS) V + P dV``, ``r += rowsum(P dS)``. Then ``out_dot = A - r out``
+(by XLA, from the forward's ``out``) and ``lse_dot = r``: the tangent the
+Triton kernel computes (``common.tangent_block``), linear in (dq, dk, dv).
+Sinks are applied around it (``common.with_sinks``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from pallax import pallas_mosaic_gpu as mgpu
+from pallax.kernels.attention.common import Call
+from pallax.kernels.attention.mosaic_gpu import tiles
+from pallax.kernels.attention.mosaic_gpu.config import (
+  BWD_BLOCKS,
+  CONSUMERS,
+  DQ_ROWS,
+  MosaicGpuAttentionConfig,
+  feature_reason,
+  head,
+  round_up,
+)
+from pallax.kernels.attention.mosaic_gpu.query_side import QueryKernel, scores
+from pallax.kernels.attention.mosaic_gpu.tiles import broadcast
+
+
+def jvp(*operands, config: MosaicGpuAttentionConfig, interpret: Any, **params) -> list[jax.Array]:
+  """``(out_dot, lse_dot)``."""
+  c = Call.of("jvp", operands, params)
+  p, ops = c.p, c.ops
+  reason = feature_reason(p, "jvp")
+  if reason is not None:
+    raise NotImplementedError(f"dot_product_attention: {reason}")
+  form = mgpu.Form.of(interpret)
+  h, bk = head(p), BWD_BLOCKS[1]
+  tp, sp = round_up(p.t, CONSUMERS * DQ_ROWS), round_up(p.s, bk)
+  rows = lambda x: tiles.pad(x, {3: tp, 4: h})
+  keys = lambda x: tiles.pad(x, {2: sp, 3: h})
+  lse = tiles.pad(tiles.lse2(ops.lse.astype(jnp.float32)), {3: tp}, jnp.inf)
+  kernel = QueryKernel(
+    p,
+    form,
+    config.num_stages,
+    bk,
+    CONSUMERS,
+    own_tiles={"q": rows(ops.q), "dq": rows(ops.q_dot.astype(p.dtype))},
+    own_stats={"lse": lse},
+    ring={
+      "k": keys(ops.k),
+      "v": keys(ops.v),
+      "dk": keys(ops.k_dot.astype(p.dtype)),
+      "dv": keys(ops.v_dot.astype(p.dtype)),
+    },
+    transposed=("k", "dk"),
+    outs={"a": (jnp.float32, True), "r": (jnp.float32, False)},
+    name="dot_product_attention_jvp",
+  )
+  shape = (DQ_ROWS, bk)
+
+  def step(ctx, j, carry, keep):
+    a, r = carry
+    ctx.ring.wait(0, j)
+    z, slope = tiles.logits2(p, scores(ctx.own["q"], ctx.tile_t("k"), shape), cap_grad=True)
+    probs = jnp.exp2(tiles.masked(z, keep) - broadcast(ctx.stats["lse"], shape, 0))
+    ctx.ring.wait(2, j)
+
+    def tangent_logits(acc_ref):
+      plgpu.wgmma(acc_ref, ctx.own["dq"], ctx.tile_t("k"))
+      plgpu.wgmma(acc_ref, ctx.own["q"], ctx.tile_t("dk"))
+      plgpu.wgmma_wait(0)
+      return acc_ref[...]
+
+    ds = pl.run_scoped(tangent_logits, plgpu.ACC(shape, jnp.float32)) * p.scale
+    ctx.ring.release(0, j)
+    ctx.ring.release(2, j)
+    pds = probs * (ds if slope is None else ds * slope)
+    r = r + pds.sum(axis=1)
+    ctx.ring.wait(1, j)
+    weights = ctx.operand(pds.astype(p.dtype))
+    a = form.accumulate(a, lambda acc_ref: plgpu.wgmma(acc_ref, weights, ctx.tile("v")))
+    ctx.ring.release(1, j)
+    ctx.ring.wait(3, j)
+    weights = ctx.operand(probs.astype(p.dtype))
+    a = form.accumulate(a, lambda acc_ref: plgpu.wgmma(acc_ref, weights, ctx.tile("dv")))
+    ctx.ring.release(3, j)
+    return a, r
+
+  def init(ctx):
+    wgmma = plgpu.Layout.WGMMA
+    return (
+      form.layout(jnp.zeros((DQ_ROWS, h), jnp.float32), wgmma),
+      form.layout(jnp.zeros((DQ_ROWS,), jnp.float32), wgmma.reduce(1)),
+    )
+
+  a, r = kernel(init, step, lambda ctx, carry: dict(zip("ar", carry)), tp, h)
+  a, r = a[..., : p.t, : p.value_dim], r[..., : p.t]
+  out_dot = a - r[..., None] * ops.out.astype(jnp.float32)
+  return c.results({"out_dot": out_dot.astype(ops.out.dtype), "lse_dot": r})

@@ -1,0 +1,233 @@
+"""A query-side Mosaic GPU attention kernel: consumers own queries, the producer streams keys.
+
+The backward's dq kernel and the tangent kernel share this frame; they
+differ in what each consumer keeps of its queries (``own_tiles``,
+``own_stats``), which key-side operands the ring streams, the step, and what
+they write. One block of threads per (query head, ``consumers * 64``
+queries, batch); each consumer loads its 64 queries' tiles and statistics
+once, walks the key blocks its block of threads sees (``tiles.over_steps``:
+blocks its own rows do not see are released without computing) and writes
+its outputs through SMEM.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from pallax import pallas_mosaic_gpu as mgpu
+from pallax.kernels.attention.common import Problem
+from pallax.kernels.attention.mosaic_gpu import tiles
+from pallax.kernels.attention.mosaic_gpu.config import DQ_ROWS
+
+
+def scores(a, b_t, shape) -> jax.Array:
+  """``a b^T`` into a fresh float32 accumulator: ``b_t`` is ``b`` transposed (a view or a tile)."""
+
+  def product(acc_ref):
+    plgpu.wgmma(acc_ref, a, b_t)
+    plgpu.wgmma_wait(0)
+    return acc_ref[...]
+
+  return pl.run_scoped(product, plgpu.ACC(shape, jnp.float32))
+
+
+@dataclasses.dataclass
+class Step:
+  """What a consumer's step sees: its own queries' refs and values, the ring's slot.
+
+  own: name -> the consumer's SMEM tile of that own operand; stats: name ->
+  its row statistic's value (broadcast along dim 0). ``tile(name)`` is the
+  ring's slot of a streamed operand, ``tile_t(name)`` the same transposed
+  (a view on a GPU, the transposed copy interpreted).
+  """
+
+  kernel: QueryKernel
+  wg: Any
+  t0: Any
+  own: dict
+  stats: dict
+  ring_refs: dict
+  transposed_refs: dict
+  staging: Any
+  ring: mgpu.Ring = None
+  slot: Any = None
+
+  def tile(self, name: str):
+    return self.ring_refs[name].at[self.slot]
+
+  def tile_t(self, name: str):
+    if self.kernel.form.hopper:
+      return plgpu.transpose_ref(self.ring_refs[name].at[self.slot], (1, 0))
+    return self.transposed_refs[name].at[self.slot]
+
+  def operand(self, x: jax.Array):
+    """``x`` as a ``wgmma`` left operand (staged through SMEM interpreted)."""
+    return self.kernel.form.operand(x, self.staging, self.wg)
+
+
+@dataclasses.dataclass
+class QueryKernel:
+  """One query-side kernel of a call.
+
+  Attributes:
+    p, form, stages: the call, the kernel's form, the ring's slots.
+    bk: keys a ring step.
+    consumers: consumer warpgroups (of 64 queries each).
+    own_tiles: name -> ``(B, K, G, Tp, h)`` operand each consumer keeps.
+    own_stats: name -> ``(B, K, G, Tp)`` float32 statistic each keeps.
+    ring: name -> ``(B, K, Sp, h)`` operand streamed, one ring group each;
+      ``transposed``: those of them a step reads transposed.
+    outs: name -> (dtype, tile?): the outputs, a ``(Tp, h)`` tile or a
+      ``(Tp,)`` vector per query head, written through SMEM.
+    name: the kernel's name.
+  """
+
+  p: Problem
+  form: mgpu.Form
+  stages: int
+  bk: int
+  consumers: int
+  own_tiles: Mapping[str, jax.Array]
+  own_stats: Mapping[str, jax.Array]
+  ring: Mapping[str, jax.Array]
+  transposed: Sequence[str]
+  outs: Mapping[str, tuple[Any, bool]]
+  name: str
+
+  def _tile(self, lead: int, rows: int, cols: int, dtype=None):
+    dtype = self.p.dtype if dtype is None else dtype
+    return plgpu.SMEM((lead, rows, cols), dtype, transforms=mgpu.swizzle_transforms(dtype, cols))
+
+  def __call__(
+    self,
+    init: Callable[[Step], Any],
+    step: Callable[[Step, Any, Any, bool], Any],
+    finish: Callable[[Step, Any], dict],
+    tp: int,
+    h: int,
+  ) -> list[jax.Array]:
+    """Runs the kernel: ``step(ctx, j, carry, masked)`` a key block, ``finish`` its outputs.
+
+    ``finish(ctx, carry)`` returns the consumer's outputs by name (float32
+    values, cast to their dtypes here).
+    """
+    p, form, stages, bk = self.p, self.form, self.stages, self.bk
+    bq, rows = DQ_ROWS, self.consumers * DQ_ROWS
+    blocks = tiles.Tiles(p, bq, bk)
+    own_names, stat_names = list(self.own_tiles), list(self.own_stats)
+    ring_names, out_names = list(self.ring), list(self.outs)
+    operands = [*self.own_tiles.values(), *self.own_stats.values(), *self.ring.values()]
+    if not form.hopper:
+      operands += [jnp.swapaxes(self.ring[n], 2, 3) for n in self.transposed]
+    n_in = len(operands)
+
+    def body(*refs):
+      ins, outs, scoped = refs[:n_in], refs[n_in:-1], refs[-1]
+      (own_smem, stat_smem, ring_smem, t_smem, out_smem, staging), own_full, ring_bars = scoped
+      own_refs = dict(zip(own_names + stat_names, ins))
+      ring_gmem = dict(zip(ring_names, ins[len(own_refs) :]))
+      t_gmem = dict(zip(self.transposed, ins[len(own_refs) + len(ring_names) :]))
+      ring_refs, t_refs = dict(zip(ring_names, ring_smem)), dict(zip(self.transposed, t_smem))
+      n, b, wg = lax.axis_index("heads"), lax.axis_index("batch"), lax.axis_index("wg")
+      kh, g = lax.div(n, jnp.int32(p.groups)), lax.rem(n, jnp.int32(p.groups))
+      t_tile = lax.axis_index("q") * rows
+      lo, hi = blocks.key_blocks(t_tile, rows)
+      ring = mgpu.Ring(stages, lo, hi, *ring_bars)
+
+      @pl.when(wg < self.consumers)
+      def _consumer():
+        form.consumer_registers(self.consumers)
+        t0 = t_tile + wg * bq
+        mine = pl.ds(t0, bq)
+        bufs = dict(zip(own_names + stat_names, (*own_smem, *stat_smem)))
+        for name, ref in own_refs.items():
+          plgpu.copy_gmem_to_smem(ref.at[b, kh, g, mine], bufs[name].at[wg], own_full.at[wg])
+        plgpu.barrier_wait(own_full.at[wg])
+        ctx = Step(
+          self,
+          wg,
+          t0,
+          {name: bufs[name].at[wg] for name in own_names},
+          {name: form.vector(bufs[name].at[wg], 0) for name in stat_names},
+          ring_refs,
+          t_refs,
+          staging,
+          ring,
+        )
+        own = tiles.own_range(lo, hi, blocks.key_blocks(t0, bq))
+
+        def skip(j, carry):
+          ring.skip(j)
+          return carry
+
+        def run(j, carry, masked: bool):
+          keep = blocks.keep_keys(form, t0, j) if masked else None
+          return step(dataclasses.replace(ctx, slot=ring.slot(j)), j, carry, keep)
+
+        carry = tiles.over_steps(lo, own, blocks.unmasked_keys(t0, *own), hi, skip, run, init(ctx))
+        results = finish(ctx, carry)
+        for buf, name in zip(out_smem, out_names):
+          buf.at[wg][...] = results[name].astype(self.outs[name][0])
+        plgpu.commit_smem()
+        for buf, ref in zip(out_smem, outs):
+          plgpu.copy_smem_to_gmem(buf.at[wg], ref.at[b, kh, g, mine])
+        plgpu.wait_smem_to_gmem(0)
+
+      @pl.when(wg == self.consumers)
+      def _producer():
+        form.producer_registers(self.consumers)
+
+        def copies(j, s):
+          block = pl.ds(j * bk, bk)
+          groups = []
+          for name in ring_names:
+            group = [(ring_gmem[name].at[b, kh, block], ring_refs[name].at[s])]
+            if name in t_gmem:
+              group.append((t_gmem[name].at[b, kh, :, block], t_refs[name].at[s]))
+            groups.append(group)
+          return groups
+
+        ring.produce(copies)
+
+    c = self.consumers
+    scratch = [
+      [
+        [self._tile(c, bq, h) for _ in own_names],
+        [plgpu.SMEM((c, bq), jnp.float32) for _ in stat_names],
+        [self._tile(stages, bk, h) for _ in ring_names],
+        [] if form.hopper else [self._tile(stages, h, bk) for _ in self.transposed],
+        [
+          self._tile(c, bq, h, dtype) if is_tile else plgpu.SMEM((c, bq), dtype)
+          for dtype, is_tile in self.outs.values()
+        ],
+        form.staging((c, bq, bk), p.dtype),
+      ],
+      plgpu.Barrier(num_arrivals=len(own_names) + len(stat_names), num_barriers=c),
+      mgpu.Ring.barriers(
+        [1 + (not form.hopper and n in self.transposed) for n in ring_names], stages, c
+      ),
+    ]
+    lead = (p.batch, p.kv_heads, p.groups, tp)
+    out_types = [
+      jax.ShapeDtypeStruct((*lead, h) if is_tile else lead, dtype)
+      for dtype, is_tile in self.outs.values()
+    ]
+    return form.launch(
+      body,
+      operands,
+      out_types,
+      grid=(p.kv_heads * p.groups, tp // rows, p.batch),
+      grid_names=("heads", "q", "batch"),
+      scratch=scratch,
+      name=self.name,
+      approx_math=p.soft_cap is None,
+      consumers=self.consumers,
+    )
