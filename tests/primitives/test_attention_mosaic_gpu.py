@@ -44,7 +44,7 @@ MOSAIC = mosaic_gpu.IMPLEMENTATION
 # name -> (case, the backward's implementation): Mosaic GPU's takes causal and
 # window masks up to head dim 64 (config.feature_reason), Triton's the rest.
 CASES = {
-  "causal-gqa": (Case(b=1, t=150, s=200, n=4, k=2, h=64, is_causal=True), MOSAIC),
+  "causal-gqa": (Case(b=1, t=130, s=150, n=4, k=2, h=64, is_causal=True), MOSAIC),
   # Rows t >= 238 see no key; head dim 80 padded to 128; large capped logits.
   "window-mqa-h80-cap": (
     Case(b=1, t=260, s=200, n=2, k=1, h=80, window=(40, 30), soft_cap=20.0, logit_scale=4.0),
@@ -97,7 +97,7 @@ def _jvp(fn, statics, ops, tangents):
 # (P dS is rounded to bfloat16 for its product with V, its row sum is not).
 JVP_CASES = [
   CASES["sinks-hv-T<S"][0],
-  Case(b=1, t=150, s=200, n=4, k=2, h=64, window=(70, 10)),
+  Case(b=1, t=64, s=150, n=4, k=2, h=64, window=(70, 10)),
 ]
 
 
@@ -123,7 +123,7 @@ def test_jvp(case):
 def test_vmap_is_one_kernel_and_matches_a_loop():
   ops, statics = inputs(Case(b=None, t=70, s=130, n=2, k=1, h=64, is_causal=True), jnp.bfloat16)
   rng = np.random.default_rng(6)
-  qs = rand(rng, (3, *ops["query"].shape), jnp.bfloat16)
+  qs = rand(rng, (2, *ops["query"].shape), jnp.bfloat16)
   f = lambda q: _call(_pallax(), statics, {**ops, "query": q})
   with pallax.interpret(PATH):
     batched = jax.jit(jax.vmap(f))(qs)
