@@ -16,16 +16,34 @@ from __future__ import annotations
 import dataclasses
 import threading
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, Optional
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
-from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallax._jax_private import mosaic_gpu_interpret_params, reset_mosaic_gpu_interpreter
+
+try:
+  from jax.experimental.pallas import mosaic_gpu as plgpu
+except ImportError as _err:  # jax's Mosaic GPU imports absl-py, which jax does not require
+  _MISSING = f"Pallas Mosaic GPU does not import here ({_err}): pip install absl-py"
+
+  class _Missing:
+    def __getattr__(self, name):
+      raise ImportError(_MISSING)
+
+  plgpu = _Missing()
+else:
+  _MISSING = None
+
+
+def unavailable_reason() -> Optional[str]:
+  """Why Pallas Mosaic GPU cannot be used in this process, if it cannot."""
+  return _MISSING
+
 
 # Shared memory a block may use on sm_90a with opt-in (H100, H200): 227 KiB.
 SMEM_LIMIT = 232448

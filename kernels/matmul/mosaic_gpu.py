@@ -44,12 +44,12 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
-from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallax import pallas_mosaic_gpu as mgpu
 from pallax.executor.config import KernelConfig
 from pallax.kernels.matmul import common
 from pallax.kernels.matmul.layout import Problem, problem_of
+from pallax.pallas_mosaic_gpu import plgpu
 
 IMPLEMENTATION = "pallas_mosaic_gpu"
 _INPUTS = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))

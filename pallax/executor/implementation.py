@@ -291,6 +291,12 @@ def xla_allowed(target: str) -> bool:
   return not target.startswith("interpret-")
 
 
+def _mosaic_gpu_check(target: Target) -> Optional[str]:
+  from pallax import pallas_mosaic_gpu  # noqa: PLC0415 (imports jax; this module is imported by it)
+
+  return pallas_mosaic_gpu.unavailable_reason()
+
+
 def _raw_triton_check(target: Target) -> Optional[str]:
   from pallax import triton_raw  # noqa: PLC0415 (imports jax; this module is imported by it)
 
@@ -318,6 +324,7 @@ register_implementation(
     device_kinds=("h100", "h200"),  # wgmma: sm_90a only (sm_100a has tcgen05 instead)
     preferred=True,
     fallback="pallas_triton",
+    check=_mosaic_gpu_check,
     unpartitionable_interpreted=(
       "an interpreted Mosaic GPU kernel runs as a host callback (JAX's GPU interpreter), which "
       "JAX drops when it partitions the call across devices (jax-ml/jax#23620): shard it with "

@@ -31,7 +31,6 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
-from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallax import pallas_mosaic_gpu as mgpu
 from pallax.kernels.attention import common
@@ -49,6 +48,7 @@ from pallax.kernels.attention.mosaic_gpu.config import (
 )
 from pallax.kernels.attention.mosaic_gpu.query_side import QueryKernel, scores
 from pallax.kernels.attention.mosaic_gpu.tiles import broadcast
+from pallax.pallas_mosaic_gpu import plgpu
 
 
 def bwd(*operands, config: MosaicGpuAttentionConfig, interpret: Any, **params) -> list[jax.Array]:

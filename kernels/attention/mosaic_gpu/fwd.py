@@ -31,7 +31,6 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
-from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallax import pallas_mosaic_gpu as mgpu
 from pallax.kernels.attention.common import NEG_INF, Call
@@ -44,6 +43,7 @@ from pallax.kernels.attention.mosaic_gpu.config import (
   round_up,
 )
 from pallax.kernels.attention.mosaic_gpu.tiles import LN2, broadcast
+from pallax.pallas_mosaic_gpu import plgpu
 
 
 def fwd(*operands, config: MosaicGpuAttentionConfig, interpret: Any, **params) -> list[jax.Array]:

@@ -18,7 +18,6 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
-from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallax import pallas_mosaic_gpu as mgpu
 from pallax.kernels.attention.common import Call
@@ -34,6 +33,7 @@ from pallax.kernels.attention.mosaic_gpu.config import (
 )
 from pallax.kernels.attention.mosaic_gpu.query_side import QueryKernel, scores
 from pallax.kernels.attention.mosaic_gpu.tiles import broadcast
+from pallax.pallas_mosaic_gpu import plgpu
 
 
 def jvp(*operands, config: MosaicGpuAttentionConfig, interpret: Any, **params) -> list[jax.Array]:

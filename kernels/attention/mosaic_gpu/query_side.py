@@ -20,12 +20,12 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
-from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallax import pallas_mosaic_gpu as mgpu
 from pallax.kernels.attention.common import Problem
 from pallax.kernels.attention.mosaic_gpu import tiles
 from pallax.kernels.attention.mosaic_gpu.config import DQ_ROWS
+from pallax.pallas_mosaic_gpu import plgpu
 
 
 def scores(a, b_t, shape) -> jax.Array:
