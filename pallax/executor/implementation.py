@@ -158,7 +158,7 @@ class Implementation:
       return False
     interpreter = Target(target).interpreter
     if interpreter is not None:
-      return interpreter == self.interpreter
+      return interpreter == self.interpreter and self.unavailable_reason(target) is None
     kind = getattr(target, "device_kind", "")
     known = bool(kind) and (self.device_kinds is None or kind in self.device_kinds)
     return known and not self.interpreted(target) and self.unavailable_reason(target) is None
