@@ -34,15 +34,15 @@ from jax.experimental import pallas as pl
 
 from pallax import pallas_mosaic_gpu as mgpu
 from pallax.kernels.attention import common
-from pallax.kernels.attention.common import Call, Problem
+from pallax.kernels.attention.common import Problem
 from pallax.kernels.attention.mosaic_gpu import tiles
 from pallax.kernels.attention.mosaic_gpu.config import (
   BWD_BLOCKS,
   DQ_CONSUMERS,
   DQ_ROWS,
   MosaicGpuAttentionConfig,
+  call_of,
   dkdv_consumers,
-  feature_reason,
   head,
   round_up,
 )
@@ -53,12 +53,8 @@ from pallax.pallas_mosaic_gpu import plgpu
 
 def bwd(*operands, config: MosaicGpuAttentionConfig, interpret: Any, **params) -> list[jax.Array]:
   """``(dq, dk, dv)``."""
-  c = Call.of("bwd", operands, params)
-  p, ops = c.p, c.ops
-  reason = feature_reason(p, "bwd")
-  if reason is not None:
-    raise NotImplementedError(f"dot_product_attention: {reason}")
-  form = mgpu.Form.of(interpret)
+  c, p, form = call_of("bwd", operands, params, interpret)
+  ops = c.ops
   h = head(p)
   bq, bk = BWD_BLOCKS
   tp = round_up(p.t, math.lcm(DQ_ROWS, bq))

@@ -15,7 +15,7 @@ import jax.numpy as jnp
 
 from pallax import pallas_mosaic_gpu as mgpu
 from pallax.executor.config import KernelConfig
-from pallax.kernels.attention.common import Problem
+from pallax.kernels.attention.common import Call, Problem
 
 IMPLEMENTATION = "pallas_mosaic_gpu"
 CONSUMERS = 2  # consumer warpgroups a block of threads; a producer warpgroup besides
@@ -214,3 +214,12 @@ def supports(
   if smem > mgpu.SMEM_BUDGET:
     return f"{config} needs {smem} bytes of SMEM in the {stage} kernels, over {mgpu.SMEM_BUDGET}"
   return None
+
+
+def call_of(stage: str, operands, params, interpret) -> tuple[Call, Problem, mgpu.Form]:
+  """A stage's call, its facts and the kernel's form; NotImplementedError for a feature it lacks."""
+  c = Call.of(stage, operands, params)
+  reason = feature_reason(c.p, stage)
+  if reason is not None:
+    raise NotImplementedError(f"dot_product_attention: {reason}")
+  return c, c.p, mgpu.Form.of(interpret)

@@ -33,12 +33,12 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from pallax import pallas_mosaic_gpu as mgpu
-from pallax.kernels.attention.common import NEG_INF, Call
+from pallax.kernels.attention.common import NEG_INF
 from pallax.kernels.attention.mosaic_gpu import tiles
 from pallax.kernels.attention.mosaic_gpu.config import (
   CONSUMERS,
   MosaicGpuAttentionConfig,
-  feature_reason,
+  call_of,
   head,
   round_up,
 )
@@ -48,12 +48,7 @@ from pallax.pallas_mosaic_gpu import plgpu
 
 def fwd(*operands, config: MosaicGpuAttentionConfig, interpret: Any, **params) -> list[jax.Array]:
   """``(out, lse)``."""
-  c = Call.of("fwd", operands, params)
-  p = c.p
-  reason = feature_reason(p)
-  if reason is not None:
-    raise NotImplementedError(f"dot_product_attention: {reason}")
-  form = mgpu.Form.of(interpret)
+  c, p, form = call_of("fwd", operands, params, interpret)
   bq, bk, stages = config.block_q, config.block_k, config.num_stages
   h, rows = head(p), CONSUMERS * bq
   tp, sp = round_up(p.t, rows), round_up(p.s, bk)

@@ -19,15 +19,13 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from pallax import pallas_mosaic_gpu as mgpu
-from pallax.kernels.attention.common import Call
 from pallax.kernels.attention.mosaic_gpu import tiles
 from pallax.kernels.attention.mosaic_gpu.config import (
   BWD_BLOCKS,
   CONSUMERS,
   DQ_ROWS,
   MosaicGpuAttentionConfig,
-  feature_reason,
+  call_of,
   head,
   round_up,
 )
@@ -38,12 +36,8 @@ from pallax.pallas_mosaic_gpu import plgpu
 
 def jvp(*operands, config: MosaicGpuAttentionConfig, interpret: Any, **params) -> list[jax.Array]:
   """``(out_dot, lse_dot)``."""
-  c = Call.of("jvp", operands, params)
-  p, ops = c.p, c.ops
-  reason = feature_reason(p, "jvp")
-  if reason is not None:
-    raise NotImplementedError(f"dot_product_attention: {reason}")
-  form = mgpu.Form.of(interpret)
+  c, p, form = call_of("jvp", operands, params, interpret)
+  ops = c.ops
   h, bk = head(p), BWD_BLOCKS[1]
   tp, sp = round_up(p.t, CONSUMERS * DQ_ROWS), round_up(p.s, bk)
   rows = lambda x: tiles.pad(x, {3: tp, 4: h})
