@@ -88,6 +88,22 @@ def _packed_documents(q, k, v, sinks, q_segment_ids, kv_segment_ids) -> jax.Arra
   )
 
 
+def _padded_batch(q, k, v, query_seq_lengths, key_value_seq_lengths, q_seg, kv_seg) -> jax.Array:
+  """A padded batch of packed documents: lengths and segment ids, no causal mask.
+
+  Without a window the backward runs masked blocks at every head dim.
+  """
+  return dot_product_attention(
+    q,
+    k,
+    v,
+    query_seq_lengths=query_seq_lengths,
+    key_value_seq_lengths=key_value_seq_lengths,
+    q_segment_ids=q_seg,
+    kv_segment_ids=kv_seg,
+  )
+
+
 # Sweep sizes (B, T, N, K, H), self-attention: head dims 64, a padded 80 and
 # 128 with GQA and odd lengths, 256, 32; causal: all but head dim 32.
 _qkv = lambda b, t, n, kv, h: [(b, t, n, h), (b, t, kv, h), (b, t, kv, h)]
@@ -117,6 +133,15 @@ TOOLS = (
         QUICK + ((1, 2048, 4, 4, 256),),
         QUICK,
         ints=2,
+      ),
+      # The four trailing int32 arrays: the query and key lengths and segment ids.
+      "attention_lengths": SweepOp(
+        _padded_batch,
+        lambda b, t, n, kv, h: [*_qkv(b, t, n, kv, h), (b,), (b,), (b, t), (b, t)],
+        QUICK + ((1, 2048, 4, 4, 256),),
+        QUICK,
+        ints=4,
+        candidates=False,
       ),
     },
     bench=BenchSuite("test_attention.py", "test_attention_modes", "B x T x N x H"),

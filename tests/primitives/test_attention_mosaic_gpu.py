@@ -24,6 +24,7 @@ import pallax
 from pallax.executor import Target
 from pallax.kernels.attention import mosaic_gpu
 from pallax.kernels.attention.common import Problem
+from pallax.kernels.attention.mosaic_gpu import tiles
 from tests.helpers import assert_close, rand, to64, x64
 from tests.primitives.attention_reference import reference
 from tests.primitives.test_attention_features import (
@@ -53,6 +54,23 @@ CASES = {
   "sinks-hv-T<S": (Case(b=2, t=64, s=130, n=2, k=2, h=64, hv=32, sinks=True), MOSAIC),
   # Head dim 128: the dk/dv kernel with one consumer warpgroup.
   "h128-mqa-cap": (Case(b=1, t=100, s=130, n=2, k=1, h=128, soft_cap=5.0), MOSAIC),
+  # A padded batch of packed documents: per-example lengths (rows past q_len
+  # see nothing, keys past kv_len are hidden) and segment ids, causal, GQA.
+  "lengths-packed-causal": (
+    Case(
+      b=2,
+      t=100,
+      s=130,
+      n=2,
+      k=1,
+      h=64,
+      q_len=(100, 60),
+      kv_len=(130, 70),
+      segments="packed",
+      is_causal=True,
+    ),
+    MOSAIC,
+  ),
 }
 
 
@@ -98,6 +116,8 @@ def _jvp(fn, statics, ops, tangents):
 JVP_CASES = [
   CASES["sinks-hv-T<S"][0],
   Case(b=1, t=64, s=150, n=4, k=2, h=64, window=(70, 10)),
+  # Unsorted ids from {0, 1, 2}: blocks of the segments' run that need a mask.
+  Case(b=2, t=100, s=150, n=2, k=1, h=64, q_len=(100, 70), kv_len=(150, 90), segments="random"),
 ]
 
 
@@ -155,7 +175,7 @@ def test_the_executor_prefers_mosaic_gpu_on_hopper_only():
   grad = _selection(h100, grad=True)
   assert grad[FWD].implementation == grad[BWD].implementation == MOSAIC
   causal = _selection(h100, grad=True, is_causal=True)[BWD]
-  assert causal.implementation == "pallas" and "masks up to head dim 64" in causal.note
+  assert causal.implementation == "pallas" and "up to head dim 64" in causal.note
   q, kv = jnp.zeros((2, 256, 4, 128), jnp.bfloat16), jnp.zeros((2, 256, 2, 128), jnp.bfloat16)
   tangent = lambda q: jax.jvp(lambda q: pallax.dot_product_attention(q, kv, kv), (q,), (q,))
   picks = {r.op: r for r in pallax.explain_on(h100, tangent, q)}
@@ -170,11 +190,12 @@ def test_the_executor_prefers_mosaic_gpu_on_hopper_only():
   assert refused.implementation == "pallas" and "take no bias" in refused.note
 
 
-def _avals(t=256, s=256, h=128, dtype=jnp.bfloat16):
+def _avals(t=256, s=256, h=128, dtype=jnp.bfloat16, segments=False):
   q = jax.ShapeDtypeStruct((1, 2, 2, t, h), dtype)
   k = jax.ShapeDtypeStruct((1, 2, s, h), dtype)
   lens = jax.ShapeDtypeStruct((1,), jnp.int32)
-  return [q, k, k, lens, lens]
+  ids = [jax.ShapeDtypeStruct((1, n), jnp.int32) for n in (t, s)] if segments else []
+  return [q, k, k, lens, lens, *ids]
 
 
 PARAMS = dict(
@@ -201,14 +222,29 @@ def test_supports_and_the_ring_in_shared_memory():
   # 229888 bytes of buffers: Mosaic GPU's barriers and alignment take it over 227 KiB.
   assert "SMEM" in supports(config(block_k=128, num_stages=3), stage="fwd", **PARAMS)
   causal = {**PARAMS, "window_right": 0}
-  assert "masks up to head dim 64" in supports(config(64, 64), stage="bwd", **causal)
+  assert "masks (window, lengths, segments) up to head dim 64" in supports(
+    config(64, 64), stage="bwd", **causal
+  )
+  lengths = {**PARAMS, "has_lengths": True}
+  assert "up to head dim 64" in supports(config(), stage="bwd", **lengths)
+  assert supports(config(), stage="fwd", **lengths) is None
   assert supports(config(), stage="fwd", **causal) is None
   assert "up to 64 in the Mosaic GPU jvp kernel" in supports(config(), stage="jvp", **PARAMS)
   small = functools.partial(mosaic_gpu.supports, _avals(h=64), h100)
   assert small(config(), stage="jvp", **PARAMS) is None
   assert "SMEM" in supports(config(block_k=256, num_stages=4), stage="fwd", **PARAMS)
   assert "multiple of 64" in supports(config(block_k=96), stage="fwd", **PARAMS)
-  assert "take no lengths" in supports(config(), stage="fwd", **{**PARAMS, "has_lengths": True})
+  # With segment ids the forward holds a block's key ids in registers too.
+  segments = {**PARAMS, "has_segments": True}
+  with_ids = functools.partial(mosaic_gpu.supports, _avals(segments=True), h100)
+  assert "up to head dim 64" in with_ids(config(), stage="bwd", **segments)
+  assert "head dim + block_k <= 192" in with_ids(config(), stage="fwd", **segments)
+  assert with_ids(config(block_k=64), stage="fwd", **segments) is None
+  assert mosaic_gpu.heuristic(_avals(segments=True), h100, stage="fwd", **segments).block_k == 64
+  h256 = functools.partial(mosaic_gpu.supports, _avals(h=256, segments=True), h100)
+  assert "segment ids in the Mosaic GPU forward up to head dim 128" in h256(
+    config(block_k=64), stage="fwd", **segments
+  )
   p = Problem.of(_avals(), **PARAMS)
   # Q/O (2 x 64 x 128), K and V (2 slots x 128 x 128), lse (2 x 64) floats.
   want = 2 * 64 * 128 * 2 + 4 * 128 * 128 * 2 + 2 * 64 * 4
@@ -235,3 +271,40 @@ def test_a_pinned_mosaic_gpu_config_reaches_forward_and_backward():
     pallax.explain_on(
       Target("cuda", "h100"), lambda q: pallax.dot_product_attention(q, kv, kv, config=wrong), q
     )
+
+
+def _runs_by_brute_force(q_seg, kv_seg, bq: int, bk: int, queries_own: bool) -> np.ndarray:
+  """``segment_runs`` block by block in numpy, from its definition."""
+  own, other = (q_seg, kv_seg) if queries_own else (kv_seg, q_seg)
+  n_own, n_other = -(-own.shape[1] // (bq if queries_own else bk)), None
+  rows, cols = (bq, bk) if queries_own else (bk, bq)
+  n_other = -(-other.shape[1] // cols)
+  out = np.zeros((own.shape[0], n_own, 4), np.int32)
+  for b in range(own.shape[0]):
+    for i in range(n_own):
+      mine = set(own[b, i * rows : (i + 1) * rows])
+      meet = [j for j in range(n_other) if mine & set(other[b, j * cols : (j + 1) * cols])]
+      one = [
+        j
+        for j in range(n_other)
+        if len(mine) == 1 and set(other[b, j * cols : (j + 1) * cols]) == mine
+      ]
+      if meet:
+        out[b, i, :2] = meet[0], meet[-1] + 1
+      if one and one == list(range(one[0], one[-1] + 1)):
+        out[b, i, 2:] = one[0], one[-1] + 1
+  return out
+
+
+@pytest.mark.parametrize("queries_own", [True, False])
+def test_segment_runs_bound_the_blocks_and_the_unmasked_ones(queries_own):
+  """Sorted documents (long ones: blocks all in one segment) and unsorted ids."""
+  rng = np.random.default_rng(7)
+  docs = np.repeat([0, 1, 2, 3], [150, 40, 200, 10])[None]
+  q_seg = np.concatenate([docs, np.sort(rng.integers(0, 4, (1, 400)), axis=1)])
+  kv_seg = np.concatenate([docs[:, :390], rng.integers(0, 4, (1, 390))])
+  for bq, bk in ((64, 128), (64, 64), (128, 64)):
+    got = tiles.segment_runs(jnp.asarray(q_seg), jnp.asarray(kv_seg), bq, bk, queries_own)
+    want = _runs_by_brute_force(q_seg, kv_seg, bq, bk, queries_own)
+    np.testing.assert_array_equal(np.asarray(got), want, err_msg=f"{bq}x{bk}")
+  assert np.any(want[0, :, 3] > want[0, :, 2])  # some blocks need no segment mask

@@ -83,7 +83,7 @@ def test_every_raw_triton_config_compiles(target):
       assert k["smem_bytes"] <= TARGETS[target].shared_memory_limit, r
 
 
-MOSAIC_GPU_OPS = ["attention", "attention_causal", "attention_features"]
+MOSAIC_GPU_OPS = ["attention", "attention_causal", "attention_features", "attention_lengths"]
 
 
 @pytest.mark.compilers

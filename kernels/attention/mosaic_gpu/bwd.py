@@ -67,7 +67,7 @@ def bwd(*operands, config: MosaicGpuAttentionConfig, interpret: Any, **params) -
     "delta": tiles.pad(delta, {3: tp}),
   }
   keys = {"k": tiles.pad(ops.k, {2: sp, 3: h}), "v": tiles.pad(ops.v, {2: sp, 3: h})}
-  kernels = _Kernels(p, form, tiles.Tiles(p, bq, bk), config.num_stages)
+  kernels = _Kernels(p, ops, form, tiles.Tiles(p, bq, bk), config.num_stages)
   dq = kernels.dq(queries, keys, tp)
   dk, dv = kernels.dkdv(queries, keys, sp)
   cut = lambda x, n, d: x[..., :n, :d]
@@ -78,8 +78,8 @@ def bwd(*operands, config: MosaicGpuAttentionConfig, interpret: Any, **params) -
 class _Kernels:
   """The two backward kernels of one call."""
 
-  def __init__(self, p: Problem, form: mgpu.Form, blocks: tiles.Tiles, stages: int):
-    self.p, self.form, self.blocks, self.stages = p, form, blocks, stages
+  def __init__(self, p: Problem, ops, form: mgpu.Form, blocks: tiles.Tiles, stages: int):
+    self.p, self.ops, self.form, self.blocks, self.stages = p, ops, form, blocks, stages
     self.h = head(p)
 
   def _tile(self, lead: int, rows: int, cols: int):
@@ -102,6 +102,7 @@ class _Kernels:
     p, form, h, bk = self.p, self.form, self.h, self.blocks.bk
     kernel = QueryKernel(
       p,
+      self.ops,
       form,
       self.stages,
       bk,
@@ -115,7 +116,6 @@ class _Kernels:
     )
 
     def step(ctx, j, dq, keep):
-      ctx.ring.wait(0, j)
       x = scores(ctx.own["q"], ctx.tile_t("k"), (DQ_ROWS, bk))
       z, slope = tiles.logits2(p, x, cap_grad=True)
       probs = jnp.exp2(tiles.masked(z, keep) - broadcast(ctx.stats["lse"], z.shape, 0))
@@ -140,14 +140,22 @@ class _Kernels:
     rows = consumers * bk
     q_t, do_t = self._transposed(queries["q"], 3), self._transposed(queries["do"], 3)
     operands = [keys["k"], keys["v"]] + [queries[n] for n in ("q", "do", "lse", "delta")]
-    operands += [] if form.hopper else [q_t, do_t]
+    transposed = [] if form.hopper else [q_t, do_t]
+    segs = tiles.padded_segments(self.ops, queries["q"].shape[3], sp)
+    seg_ops = [] if segs is None else list(segs)
+    facts = blocks.inputs(self.ops, segs, (rows, bk), queries_own=False)
+    operands += transposed + seg_ops + facts
+    n_tr, n_seg = len(transposed), len(seg_ops)
 
     def body(k_ref, v_ref, q_ref, do_ref, lse_ref, delta_ref, *rest):
-      *transposed, dk_ref, dv_ref, scoped = rest
+      transposed, seg_refs = rest[:n_tr], rest[n_tr : n_tr + n_seg]
+      *fact_refs, dk_ref, dv_ref, scoped = rest[n_tr + n_seg :]
       smem, own_full, (full, consumed) = scoped
-      k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, qt_smem, dot_smem, st_smem = smem
+      k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, *transposed_smem = smem
+      qt_smem, dot_smem, st_smem, seg_smem = transposed_smem
       kh, b, wg = lax.axis_index("heads"), lax.axis_index("batch"), lax.axis_index("wg")
       s_tile = lax.axis_index("k") * rows
+      blocks = self.blocks.at(fact_refs, b, (rows, bk))
       lo, hi = blocks.query_blocks(s_tile, rows)
       count = hi - lo
       # Step u = g * count + (i - lo): query block i of query head g of the kv head.
@@ -160,7 +168,10 @@ class _Kernels:
         mine = pl.ds(s0, bk)
         plgpu.copy_gmem_to_smem(k_ref.at[b, kh, mine], k_smem.at[wg], own_full.at[wg])
         plgpu.copy_gmem_to_smem(v_ref.at[b, kh, mine], v_smem.at[wg], own_full.at[wg])
+        if seg_refs:  # the keys' segment ids
+          plgpu.copy_gmem_to_smem(seg_refs[1].at[b, mine], seg_smem[0].at[wg], own_full.at[wg])
         plgpu.barrier_wait(own_full.at[wg])
+        k_seg = form.vector(seg_smem[0].at[wg], 0) if seg_refs else None
         own = tiles.own_range(lo, hi, blocks.query_blocks(s0, bk))
         unmasked = blocks.unmasked_queries(s0, *own)
 
@@ -178,7 +189,9 @@ class _Kernels:
             ring.wait(0, u)
             x = scores(k_smem.at[wg], self._t(q_smem, qt_smem, s), (bk, bq))
             z, slope = tiles.logits2(p, x, cap_grad=True)
-            z = tiles.masked(z, blocks.keep_queries(form, s0, i) if masked else None)
+            if masked:
+              ids = None if k_seg is None else (k_seg, form.vector(seg_smem[1].at[s], 1))
+              z = tiles.masked(z, blocks.keep_queries(form, s0, i, ids))
             # dP^T before the probabilities: S^T, dP^T and the accumulators are
             # all that is live (the mask is gone), which keeps head dim 128 in registers.
             ring.wait(1, u)
@@ -221,6 +234,8 @@ class _Kernels:
             [(lse_ref.at[b, kh, g, block], lse_smem.at[s])],
           ]
           groups[2].append((delta_ref.at[b, kh, g, block], delta_smem.at[s]))
+          if seg_refs:  # the queries' segment ids, with the queries
+            groups[0].append((seg_refs[0].at[b, block], seg_smem[1].at[s]))
           for group, ref, buf in zip(groups, transposed, (qt_smem, dot_smem)):
             group.append((ref.at[b, kh, g, :, block], buf.at[s]))
           return groups
@@ -239,9 +254,10 @@ class _Kernels:
         None if form.hopper else self._tile(stages, h, bq),
         None if form.hopper else self._tile(stages, h, bq),
         form.staging((consumers, bk, bq), p.dtype),
+        tiles.segment_smem(segs, (consumers, bk), (stages, bq)),
       ],
-      plgpu.Barrier(num_arrivals=2, num_barriers=consumers),
-      mgpu.Ring.barriers((copies, copies, 2), stages, consumers),
+      plgpu.Barrier(num_arrivals=2 + bool(segs), num_barriers=consumers),
+      mgpu.Ring.barriers((copies + bool(segs), copies, 2), stages, consumers),
     ]
     shape = jax.ShapeDtypeStruct((p.batch, p.kv_heads, sp, h), p.dtype)
     return form.launch(

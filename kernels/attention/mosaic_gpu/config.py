@@ -70,24 +70,21 @@ def feature_reason(p: Problem, stage: str = "fwd") -> Optional[str]:
   """Why the kernels cannot run a call's features, if they cannot (the Triton kernels then do)."""
   if stage not in STAGES:
     return f"the Mosaic GPU attention kernels have no {stage} stage (it runs on Triton)"
-  features = (
-    (p.has_lengths, "lengths"),
-    (p.has_bias, "bias"),
-    (p.has_mask, "mask"),
-    (p.has_segments, "segment ids"),
-  )
-  for present, name in features:
-    if present:
+  for present, name in ((p.has_bias, "bias"), (p.has_mask, "mask")):
+    if present:  # a (T, S) tile a block: the Triton kernels stream it
       return f"the Mosaic GPU attention kernels take no {name} yet"
   if jnp.dtype(p.dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
     return f"the Mosaic GPU attention kernels take bfloat16 and float16, not {jnp.dtype(p.dtype)}"
   if head(p) > _MAX_HEAD[stage]:
     return f"head dims up to {_MAX_HEAD[stage]} in the Mosaic GPU {stage} kernel, got {head(p)}"
-  if stage == "bwd" and head(p) > 64 and (p.left is not None or p.right is not None):
+  if stage == "fwd" and p.has_segments and head(p) + 64 > _SEGMENT_REGISTERS:
+    return f"segment ids in the Mosaic GPU forward up to head dim {_SEGMENT_REGISTERS - 64}"
+  masks = p.left is not None or p.right is not None or p.has_lengths or p.has_segments
+  if stage == "bwd" and head(p) > 64 and masks:
     # Compiled for H100 (pallax.verify), the dk/dv kernel's masked blocks spill
-    # 24 bytes at head dim 128: its dK, dV, S^T and dP^T tiles and the mask's
-    # positions do not fit in 255 registers a thread.
-    return "the Mosaic GPU backward takes causal and window masks up to head dim 64"
+    # at head dim 128: its dK, dV, S^T and dP^T tiles and the mask's positions
+    # or ids do not fit in 255 registers a thread.
+    return "the Mosaic GPU backward takes masks (window, lengths, segments) up to head dim 64"
   if p.t == 0 or p.s == 0:
     return "no queries or no keys"
   return None
@@ -95,6 +92,8 @@ def feature_reason(p: Problem, stage: str = "fwd") -> Optional[str]:
 
 class _Smem(NamedTuple):
   """What one kernel keeps in SMEM, in tiles of ``rows x head dim`` and float32 row vectors.
+
+  With segment ids each side has one int32 row vector more (its ids).
 
   own: the side whose rows each of its ``consumers`` owns (``"q"``, ``"k"``,
   or ``"dq"``: 64 queries); the ring streams the other. ``transposed``: ring
@@ -120,6 +119,11 @@ _SMEM = {
   "jvp": [_Smem("jvp", 4, 4, 2, 0, 2)],
 }
 
+
+# With segment ids the forward holds a block's key ids in registers (a quarter
+# of a register a key, a thread): compiled for H100 (pallax.verify), head dim
+# plus block_k up to 192 fits its 168 registers, 256 spills.
+_SEGMENT_REGISTERS = 192
 
 # The backward's and the tangent's (block_q, block_k), whatever a config says: each accumulator
 # tile is 64 rows of one warpgroup, and wgmma contracts 64 at least (the dk/dv
@@ -152,7 +156,8 @@ def smem_bytes(
     elements = n * k.own_tiles * own * h + c.num_stages * k.ring_tiles * ring * h
     if not hopper:
       elements += c.num_stages * k.transposed * ring * h + n * own * ring
-    stats = n * k.own_stats * own + c.num_stages * k.ring_stats * ring
+    seg = int(p.has_segments)
+    stats = n * (k.own_stats + seg) * own + c.num_stages * (k.ring_stats + seg) * ring
     sizes.append(elements * item + 4 * stats)
   return max(sizes)
 
@@ -168,6 +173,24 @@ def _stages_reason(p: Problem, stage: str, stages: int) -> Optional[str]:
   return None
 
 
+def _config_reason(p: Problem, config: MosaicGpuAttentionConfig, stage: str) -> Optional[str]:
+  """Why ``config``'s blocks and ring cannot serve the stage on this call, if they cannot."""
+  bk = config.block_k
+  if stage == "fwd" and config.block_q != mgpu.WGMMA_ROWS:
+    return f"block_q={config.block_q}: the forward takes 64 (a consumer's wgmma rows; 128 spills)"
+  if stage == "fwd" and bk % 64:
+    return f"block_k={bk} must be a multiple of 64 on Mosaic GPU"
+  if stage == "fwd" and p.has_segments and head(p) + bk > _SEGMENT_REGISTERS:
+    return f"block_k={bk}: with segment ids the forward takes head dim + block_k <= 192"
+  reason = _stages_reason(p, stage, config.num_stages)
+  if reason is not None:
+    return reason
+  smem = smem_bytes(p, config, stage)
+  if smem > mgpu.SMEM_BUDGET:
+    return f"{config} needs {smem} bytes of SMEM in the {stage} kernels, over {mgpu.SMEM_BUDGET}"
+  return None
+
+
 def _space(p: Problem, stage: str) -> list[MosaicGpuAttentionConfig]:
   """Ring shapes in order of preference: long blocks, then more stages, within SMEM."""
   blocks = [(64, b) for b in (128, 64, 256)] if stage == "fwd" else [BWD_BLOCKS]
@@ -175,16 +198,19 @@ def _space(p: Problem, stage: str) -> list[MosaicGpuAttentionConfig]:
     MosaicGpuAttentionConfig(block_q=bq, block_k=bk, num_stages=st)
     for bq, bk in blocks
     for st in (2, 3, 4)
-    if _stages_reason(p, stage, st) is None
   ]
-  return [c for c in configs if smem_bytes(p, c, stage) <= mgpu.SMEM_BUDGET]
+  return [c for c in configs if _config_reason(p, c, stage) is None]
 
 
 def heuristic(avals: Sequence[Any], target: str, *, stage: str, **params):
-  """Forward: 128-key blocks in a 2-slot ring up to head dim 128, 64 at 256; else 64 x 64."""
+  """Forward: 128-key blocks in a 2-slot ring up to head dim 128, else 64; backward: 64 x 64.
+
+  With segment ids the forward takes 128-key blocks up to head dim 64.
+  """
   p = Problem.of(avals, **params)
   if stage == "fwd":
-    return MosaicGpuAttentionConfig(block_k=128 if head(p) <= 128 else 64)
+    long_keys = head(p) <= (64 if p.has_segments else 128)
+    return MosaicGpuAttentionConfig(block_k=128 if long_keys else 64)
   return MosaicGpuAttentionConfig(*BWD_BLOCKS)
 
 
@@ -201,19 +227,7 @@ def supports(
   """Why the Mosaic GPU kernels cannot run this call with ``config``, if they cannot."""
   p = Problem.of(avals, **params)
   reason = feature_reason(p, stage)
-  if reason is not None:
-    return reason
-  if stage == "fwd" and config.block_q != mgpu.WGMMA_ROWS:
-    return f"block_q={config.block_q}: the forward takes 64 (a consumer's wgmma rows; 128 spills)"
-  if stage == "fwd" and config.block_k % 64:
-    return f"block_k={config.block_k} must be a multiple of 64 on Mosaic GPU"
-  reason = _stages_reason(p, stage, config.num_stages)
-  if reason is not None:
-    return reason
-  smem = smem_bytes(p, config, stage)
-  if smem > mgpu.SMEM_BUDGET:
-    return f"{config} needs {smem} bytes of SMEM in the {stage} kernels, over {mgpu.SMEM_BUDGET}"
-  return None
+  return reason if reason is not None else _config_reason(p, config, stage)
 
 
 def call_of(stage: str, operands, params, interpret) -> tuple[Call, Problem, mgpu.Form]:

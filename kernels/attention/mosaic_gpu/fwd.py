@@ -57,13 +57,19 @@ def fwd(*operands, config: MosaicGpuAttentionConfig, interpret: Any, **params) -
   v = tiles.pad(c.ops.v, {2: sp, 3: h})
   if not form.hopper:
     k = jnp.swapaxes(k, 2, 3)  # the interpreter's wgmma takes no transposed operand
-  blocks = tiles.Tiles(p, bq, bk)
+  segs = tiles.padded_segments(c.ops, tp, sp)
+  seg_ops = [] if segs is None else list(segs)
+  facts = tiles.Tiles(p, bq, bk).inputs(c.ops, segs, (rows, bq), queries_own=True)
 
-  def body(q_ref, k_ref, v_ref, out_ref, lse_ref, scoped):
-    (qo_smem, k_smem, v_smem, lse_smem, p_smem), q_full, (full, consumed), schedule = scoped
+  def body(q_ref, k_ref, v_ref, *refs):
+    seg_refs = refs[: len(seg_ops)]
+    *fact_refs, out_ref, lse_ref, scoped = refs[len(seg_ops) :]
+    smem, q_full, (full, consumed), schedule = scoped
+    qo_smem, k_smem, v_smem, lse_smem, p_smem, seg_smem = smem
     n, b, wg = lax.axis_index("heads"), lax.axis_index("batch"), lax.axis_index("wg")
     kh, g = lax.div(n, jnp.int32(p.groups)), lax.rem(n, jnp.int32(p.groups))
     t_tile = lax.axis_index("q") * rows
+    blocks = tiles.Tiles(p, bq, bk).at(fact_refs, b, (rows, bq))
     lo, hi = blocks.key_blocks(t_tile, rows)
     ring = mgpu.Ring(stages, lo, hi, full, consumed)
 
@@ -79,8 +85,12 @@ def fwd(*operands, config: MosaicGpuAttentionConfig, interpret: Any, **params) -
       form.consumer_registers(CONSUMERS)
       t0 = t_tile + wg * bq
       q_smem = qo_smem.at[wg]
-      plgpu.copy_gmem_to_smem(q_ref.at[b, kh, g, pl.ds(t0, bq)], q_smem, q_full.at[wg])
+      mine = pl.ds(t0, bq)
+      plgpu.copy_gmem_to_smem(q_ref.at[b, kh, g, mine], q_smem, q_full.at[wg])
+      if seg_refs:  # the queries' segment ids
+        plgpu.copy_gmem_to_smem(seg_refs[0].at[b, mine], seg_smem[0].at[wg], q_full.at[wg])
       plgpu.barrier_wait(q_full.at[wg])
+      q_seg = form.vector(seg_smem[0].at[wg], 0) if seg_refs else None
       own = tiles.own_range(lo, hi, blocks.key_blocks(t0, bq))
 
       def skip(j, carry):  # its K already waited for
@@ -105,7 +115,10 @@ def fwd(*operands, config: MosaicGpuAttentionConfig, interpret: Any, **params) -
 
         qk = pl.run_scoped(scores, plgpu.ACC((bq, bk), jnp.float32))
         ring.release(0, j)
-        keep = blocks.keep_keys(form, t0, j) if masked else None
+        keep = None
+        if masked:
+          ids = None if q_seg is None else (q_seg, form.vector(seg_smem[1].at[s], 1))
+          keep = blocks.keep_keys(form, t0, j, ids)
         z = tiles.masked(tiles.logits2(p, qk), keep)
         m_new = jnp.maximum(m, z.max(axis=1))
         m_use = jnp.where(m_new == NEG_INF, 0.0, m_new) if keep is not None else m_new
@@ -157,7 +170,10 @@ def fwd(*operands, config: MosaicGpuAttentionConfig, interpret: Any, **params) -
       def copies(j, s):
         keys = pl.ds(j * bk, bk)
         k_block = k_ref.at[b, kh, keys] if form.hopper else k_ref.at[b, kh, :, keys]
-        return [[(k_block, k_smem.at[s])], [(v_ref.at[b, kh, keys], v_smem.at[s])]]
+        key_copies = [(k_block, k_smem.at[s])]
+        if seg_refs:  # and their segment ids
+          key_copies.append((seg_refs[1].at[b, keys], seg_smem[1].at[s]))
+        return [key_copies, [(v_ref.at[b, kh, keys], v_smem.at[s])]]
 
       ring.produce(copies)
 
@@ -170,15 +186,16 @@ def fwd(*operands, config: MosaicGpuAttentionConfig, interpret: Any, **params) -
       plgpu.SMEM((stages, bk, h), p.dtype, transforms=swizzled),
       plgpu.SMEM((CONSUMERS, bq), jnp.float32),
       form.staging((CONSUMERS, bq, bk), p.dtype),
+      tiles.segment_smem(segs, (CONSUMERS, bq), (stages, bk)),
     ],
-    plgpu.Barrier(num_barriers=CONSUMERS),
-    mgpu.Ring.barriers((1, 1), stages, CONSUMERS),
+    plgpu.Barrier(num_arrivals=1 + bool(seg_ops), num_barriers=CONSUMERS),
+    mgpu.Ring.barriers((1 + bool(seg_ops), 1), stages, CONSUMERS),
     plgpu.Barrier(num_arrivals=CONSUMERS),
   ]
   lead = (p.batch, p.kv_heads, p.groups, tp)
   out, lse = form.launch(
     body,
-    (q, k, v),
+    (q, k, v, *seg_ops, *facts),
     (jax.ShapeDtypeStruct((*lead, h), p.dtype), jax.ShapeDtypeStruct(lead, jnp.float32)),
     grid=(p.kv_heads * p.groups, tp // rows, p.batch),
     grid_names=("heads", "q", "batch"),

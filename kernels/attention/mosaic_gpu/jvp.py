@@ -45,6 +45,7 @@ def jvp(*operands, config: MosaicGpuAttentionConfig, interpret: Any, **params) -
   lse = tiles.pad(tiles.lse2(ops.lse.astype(jnp.float32)), {3: tp}, jnp.inf)
   kernel = QueryKernel(
     p,
+    ops,
     form,
     config.num_stages,
     bk,
@@ -65,7 +66,6 @@ def jvp(*operands, config: MosaicGpuAttentionConfig, interpret: Any, **params) -
 
   def step(ctx, j, carry, keep):
     a, r = carry
-    ctx.ring.wait(0, j)
     z, slope = tiles.logits2(p, scores(ctx.own["q"], ctx.tile_t("k"), shape), cap_grad=True)
     probs = jnp.exp2(tiles.masked(z, keep) - broadcast(ctx.stats["lse"], shape, 0))
     ctx.ring.wait(2, j)

@@ -79,6 +79,7 @@ class QueryKernel:
 
   Attributes:
     p, form, stages: the call, the kernel's form, the ring's slots.
+    ops: the call's operands by name (its lengths and segment ids).
     bk: keys a ring step.
     consumers: consumer warpgroups (of 64 queries each).
     own_tiles: name -> ``(B, K, G, Tp, h)`` operand each consumer keeps.
@@ -91,6 +92,7 @@ class QueryKernel:
   """
 
   p: Problem
+  ops: Any
   form: mgpu.Form
   stages: int
   bk: int
@@ -114,24 +116,31 @@ class QueryKernel:
     tp: int,
     h: int,
   ) -> list[jax.Array]:
-    """Runs the kernel: ``step(ctx, j, carry, masked)`` a key block, ``finish`` its outputs.
+    """Runs the kernel: ``step(ctx, j, carry, keep)`` a key block, ``finish`` its outputs.
 
-    ``finish(ctx, carry)`` returns the consumer's outputs by name (float32
-    values, cast to their dtypes here).
+    The first ring group (the keys) is in its slot when ``step`` runs;
+    ``keep`` is the block's mask (None: every pair visible). ``finish(ctx,
+    carry)`` returns the consumer's outputs by name (float32 values, cast to
+    their dtypes here).
     """
     p, form, stages, bk = self.p, self.form, self.stages, self.bk
     bq, rows = DQ_ROWS, self.consumers * DQ_ROWS
-    blocks = tiles.Tiles(p, bq, bk)
     own_names, stat_names = list(self.own_tiles), list(self.own_stats)
     ring_names, out_names = list(self.ring), list(self.outs)
     operands = [*self.own_tiles.values(), *self.own_stats.values(), *self.ring.values()]
     if not form.hopper:
       operands += [jnp.swapaxes(self.ring[n], 2, 3) for n in self.transposed]
+    n_t = len(operands)
+    segs = tiles.padded_segments(self.ops, tp, next(iter(self.ring.values())).shape[2])
+    seg_ops = [] if segs is None else list(segs)
+    operands += seg_ops + tiles.Tiles(p, bq, bk).inputs(self.ops, segs, (rows, bq), True)
     n_in = len(operands)
 
     def body(*refs):
-      ins, outs, scoped = refs[:n_in], refs[n_in:-1], refs[-1]
-      (own_smem, stat_smem, ring_smem, t_smem, out_smem, staging), own_full, ring_bars = scoped
+      ins, outs, scoped = refs[:n_t], refs[n_in:-1], refs[-1]
+      seg_refs, fact_refs = refs[n_t : n_t + len(seg_ops)], refs[n_t + len(seg_ops) : n_in]
+      smem, own_full, ring_bars = scoped
+      own_smem, stat_smem, ring_smem, t_smem, out_smem, staging, seg_smem = smem
       own_refs = dict(zip(own_names + stat_names, ins))
       ring_gmem = dict(zip(ring_names, ins[len(own_refs) :]))
       t_gmem = dict(zip(self.transposed, ins[len(own_refs) + len(ring_names) :]))
@@ -139,6 +148,7 @@ class QueryKernel:
       n, b, wg = lax.axis_index("heads"), lax.axis_index("batch"), lax.axis_index("wg")
       kh, g = lax.div(n, jnp.int32(p.groups)), lax.rem(n, jnp.int32(p.groups))
       t_tile = lax.axis_index("q") * rows
+      blocks = tiles.Tiles(p, bq, bk).at(fact_refs, b, (rows, bq))
       lo, hi = blocks.key_blocks(t_tile, rows)
       ring = mgpu.Ring(stages, lo, hi, *ring_bars)
 
@@ -150,7 +160,10 @@ class QueryKernel:
         bufs = dict(zip(own_names + stat_names, (*own_smem, *stat_smem)))
         for name, ref in own_refs.items():
           plgpu.copy_gmem_to_smem(ref.at[b, kh, g, mine], bufs[name].at[wg], own_full.at[wg])
+        if seg_refs:  # the queries' segment ids
+          plgpu.copy_gmem_to_smem(seg_refs[0].at[b, mine], seg_smem[0].at[wg], own_full.at[wg])
         plgpu.barrier_wait(own_full.at[wg])
+        q_seg = form.vector(seg_smem[0].at[wg], 0) if seg_refs else None
         ctx = Step(
           self,
           wg,
@@ -169,7 +182,11 @@ class QueryKernel:
           return carry
 
         def run(j, carry, masked: bool):
-          keep = blocks.keep_keys(form, t0, j) if masked else None
+          ring.wait(0, j)
+          keep = None
+          if masked:
+            ids = None if q_seg is None else (q_seg, form.vector(seg_smem[1].at[ring.slot(j)], 1))
+            keep = blocks.keep_keys(form, t0, j, ids)
           return step(dataclasses.replace(ctx, slot=ring.slot(j)), j, carry, keep)
 
         carry = tiles.over_steps(lo, own, blocks.unmasked_keys(t0, *own), hi, skip, run, init(ctx))
@@ -193,6 +210,8 @@ class QueryKernel:
             if name in t_gmem:
               group.append((t_gmem[name].at[b, kh, :, block], t_refs[name].at[s]))
             groups.append(group)
+          if seg_refs:  # the keys' segment ids, with the keys
+            groups[0].append((seg_refs[1].at[b, block], seg_smem[1].at[s]))
           return groups
 
         ring.produce(copies)
@@ -209,10 +228,16 @@ class QueryKernel:
           for dtype, is_tile in self.outs.values()
         ],
         form.staging((c, bq, bk), p.dtype),
+        tiles.segment_smem(segs, (c, bq), (stages, bk)),
       ],
-      plgpu.Barrier(num_arrivals=len(own_names) + len(stat_names), num_barriers=c),
+      plgpu.Barrier(num_arrivals=len(own_names) + len(stat_names) + bool(segs), num_barriers=c),
       mgpu.Ring.barriers(
-        [1 + (not form.hopper and n in self.transposed) for n in ring_names], stages, c
+        [
+          1 + (not form.hopper and n in self.transposed) + (i == 0 and bool(segs))
+          for i, n in enumerate(ring_names)
+        ],
+        stages,
+        c,
       ),
     ]
     lead = (p.batch, p.kv_heads, p.groups, tp)

@@ -6,6 +6,13 @@ side that its block of threads sees (``[lo, hi)``). Of those, it computes
 the ones its own rows see (``own``), without a mask where every pair of the
 block is visible (``unmasked``), and releases the others without computing,
 so that every consumer observes every step of the ring.
+
+What bounds those ranges besides the window: the example's lengths (read
+from GMEM as scalars) and, with segment ids, the runs of blocks a tile's
+segments meet and of blocks all in its one segment (``segment_runs``, by
+XLA once a call). The mask of a block needs the segment ids of its rows and
+columns: the kernels bring those to SMEM with TMA (``Layout`` loads from
+GMEM do not compile), the own side's once, the streamed side's in the ring.
 """
 
 from __future__ import annotations
@@ -23,6 +30,7 @@ from jax import lax
 from pallax import pallas_mosaic_gpu as mgpu
 from pallax.kernels.attention import common
 from pallax.kernels.attention.common import NEG_INF, Problem
+from pallax.pallas_mosaic_gpu import plgpu
 
 LOG2E, LN2 = math.log2(math.e), math.log(2.0)
 
@@ -41,19 +49,92 @@ def _clamp(u_lo, u_hi, lo, hi):
   return jnp.minimum(jnp.maximum(u_lo, lo), u_hi), u_hi
 
 
+# Columns of a ``segment_runs`` row: the blocks a tile's segments meet, and
+# those all in one segment with it.
+MEET_LO, MEET_HI, ONE_LO, ONE_HI = range(4)
+
+
+def segment_runs(q_seg, kv_seg, bq: int, bk: int, queries_own: bool) -> jax.Array:
+  """``(B, n, 4)`` int32: per own tile, the runs of the other side's blocks that bound its steps.
+
+  Own tiles are query blocks of ``bq`` rows (``queries_own``) or key blocks of
+  ``bk``. Per tile: ``[MEET_LO, MEET_HI)``, the other side's blocks whose
+  segment ranges meet its own (sorted ids meet in one run), and
+  ``[ONE_LO, ONE_HI)``, those all in the one segment of all its rows (empty
+  unless they form one run): the blocks that need no segment mask.
+  """
+  meets, one = common.segment_blocks(q_seg, kv_seg, bq, bk)
+  side = 0 if queries_own else 1
+  meet_lo, meet_hi = common.meeting_runs(meets)[side]
+  one_lo, one_hi = common.meeting_runs(one)[side]
+  whole = jnp.sum(one, axis=one.ndim - 1 - side) == one_hi - one_lo
+  runs = (meet_lo, meet_hi, jnp.where(whole, one_lo, 0), jnp.where(whole, one_hi, 0))
+  return jnp.stack(runs, axis=-1).astype(jnp.int32)
+
+
 @dataclasses.dataclass(frozen=True)
 class Tiles:
-  """A call's query blocks of ``bq`` rows and key blocks of ``bk`` rows (traced int32 starts)."""
+  """A call's query blocks of ``bq`` rows and key blocks of ``bk`` rows (traced int32 starts).
+
+  Inside a kernel, ``at`` gives the tiles of one example: its lengths
+  (``q_len``, ``kv_len``, traced, with lengths) and its rows of the segment
+  runs (``runs``: tile height -> ``(n, 4)`` ref, with segment ids).
+  """
 
   p: Problem
   bq: int
   bk: int
+  q_len: Any = None
+  kv_len: Any = None
+  runs: Optional[dict] = None
+
+  def inputs(self, ops, segs, heights: tuple[int, ...], queries_own: bool) -> list:
+    """What ``at`` reads, as kernel operands: the lengths, then per own tile height its runs.
+
+    ``ops``: the call's operands by name; ``segs``: its segment ids padded to
+    the kernel's tiles (``padded_segments``); ``heights``: the own tile
+    heights whose ranges the kernel asks for (a block of threads' and a
+    consumer's).
+    """
+    out = [ops.q_len, ops.kv_len] if self.p.has_lengths else []
+    if self.p.has_segments:
+      for rows in dict.fromkeys(heights):
+        bq, bk = (rows, self.bk) if queries_own else (self.bq, rows)
+        out.append(segment_runs(*segs, bq, bk, queries_own))
+    return out
+
+  def at(self, refs, b, heights: tuple[int, ...]) -> Tiles:
+    """These tiles for example ``b``, from the refs of ``inputs``' operands."""
+    refs = list(refs)
+    lens = {}
+    if self.p.has_lengths:
+      lens = {"q_len": refs.pop(0)[b], "kv_len": refs.pop(0)[b]}
+    runs = None
+    if self.p.has_segments:
+      runs = {rows: ref.at[b] for rows, ref in zip(dict.fromkeys(heights), refs)}
+    return dataclasses.replace(self, **lens, runs=runs)
+
+  def _lens(self, *order: str) -> tuple:
+    return tuple(getattr(self, n) for n in order)
+
+  def _run(self, t0, rows: int, lo: int):
+    """Columns ``lo``, ``lo + 1`` of the segment runs of the own tile at ``t0`` (None without)."""
+    if self.runs is None:
+      return None
+    row = self.runs[rows].at[_div(t0, rows)]
+    return row[lo], row[lo + 1]
+
+  def _one_segment(self, t0, rows: int, u_lo, u_hi):
+    """``[u_lo, u_hi)`` within the blocks all in the own tile's one segment (with segments)."""
+    one = self._run(t0, rows, ONE_LO)
+    return (u_lo, u_hi) if one is None else (jnp.maximum(u_lo, one[0]), jnp.minimum(u_hi, one[1]))
 
   # Queries own the rows (the forward and dq kernels): blocks of keys.
 
   def key_blocks(self, t0, rows: int):
     """``[lo, hi)``: the key blocks queries ``[t0, t0 + rows)`` see."""
-    return common.key_range(self.p, t0, rows, self.bk)
+    lens = self._lens("q_len", "kv_len")
+    return common.key_range(self.p, t0, rows, self.bk, *lens, self._run(t0, rows, MEET_LO))
 
   def unmasked_keys(self, t0, lo, hi):
     """Key blocks of ``[lo, hi)`` that every query of ``[t0, t0 + bq)`` sees whole."""
@@ -61,14 +142,20 @@ class Tiles:
     u_hi = jnp.int32(p.s // bk)  # a block past the keys' end is masked
     if p.right is not None:
       u_hi = jnp.minimum(u_hi, _div(t0 + (p.right + 1), bk))
+    if p.has_lengths:  # and blocks past kv_len, and every block of queries past q_len
+      u_hi = jnp.minimum(u_hi, _div(self.kv_len, bk))
+      u_hi = jnp.where(t0 + self.bq <= self.q_len, u_hi, 0)
     u_lo = lo if p.left is None else _ceil_div(t0 + (self.bq - 1 - p.left), bk)
-    return _clamp(u_lo, u_hi, lo, hi)
+    return _clamp(*self._one_segment(t0, self.bq, u_lo, u_hi), lo, hi)
 
-  def keep_keys(self, form: mgpu.Form, t0, j) -> Optional[jax.Array]:
-    """Which (query, key) pairs of queries ``[t0, t0 + bq)`` and key block ``j`` are visible."""
+  def keep_keys(self, form: mgpu.Form, t0, j, segs=None) -> Optional[jax.Array]:
+    """Which (query, key) pairs of queries ``[t0, t0 + bq)`` and key block ``j`` are visible.
+
+    ``segs``: the queries' and the block's keys' segment id vectors (with segments).
+    """
     shape = (self.bq, self.bk)
     t_pos, s_pos = t0 + form.iota(shape, 0), j * self.bk + form.iota(shape, 1)
-    keep = common.visible(self.p, t_pos, s_pos)
+    keep = common.visible(self.p, t_pos, s_pos, self.q_len, self.kv_len, *_tiles(segs, shape))
     if self.p.s % self.bk:
       inside = s_pos < self.p.s
       keep = inside if keep is None else keep & inside
@@ -80,20 +167,57 @@ class Tiles:
 
   def query_blocks(self, s0, rows: int):
     """``[lo, hi)``: the query blocks that see keys ``[s0, s0 + rows)``."""
-    return common.query_range(self.p, s0, self.bq, rows)
+    lens = self._lens("q_len", "kv_len")
+    return common.query_range(self.p, s0, self.bq, rows, *lens, self._run(s0, rows, MEET_LO))
 
   def unmasked_queries(self, s0, lo, hi):
     """Query blocks of ``[lo, hi)`` that see every key of ``[s0, s0 + bk)``."""
     p, bq = self.p, self.bq
     u_hi = hi if p.left is None else _div(s0 + (p.left + 1), bq)
+    if p.has_lengths:  # and blocks past q_len, and every block of keys past kv_len
+      u_hi = jnp.minimum(u_hi, _div(self.q_len, bq))
+      u_hi = jnp.where(s0 + self.bk <= self.kv_len, u_hi, 0)
     u_lo = lo if p.right is None else _ceil_div(s0 + (self.bk - 1 - p.right), bq)
-    return _clamp(u_lo, u_hi, lo, hi)
+    return _clamp(*self._one_segment(s0, self.bk, u_lo, u_hi), lo, hi)
 
-  def keep_queries(self, form: mgpu.Form, s0, i) -> Optional[jax.Array]:
-    """Which (key, query) pairs of keys ``[s0, s0 + bk)`` and query block ``i`` are visible."""
+  def keep_queries(self, form: mgpu.Form, s0, i, segs=None) -> Optional[jax.Array]:
+    """Which (key, query) pairs of keys ``[s0, s0 + bk)`` and query block ``i`` are visible.
+
+    ``segs``: the keys' and the block's queries' segment id vectors (with segments).
+    """
     shape = (self.bk, self.bq)
     s_pos, t_pos = s0 + form.iota(shape, 0), i * self.bq + form.iota(shape, 1)
-    return common.visible(self.p, t_pos, s_pos)
+    kv_seg, q_seg = _tiles(segs, shape)
+    return common.visible(self.p, t_pos, s_pos, self.q_len, self.kv_len, q_seg, kv_seg)
+
+
+def padded_segments(ops, tp: int, sp: int) -> Optional[tuple[jax.Array, jax.Array]]:
+  """The segment ids padded to ``tp`` queries and ``sp`` keys with their last id (None without).
+
+  Padded positions are masked as before (past ``S``) or inert (past ``T``).
+  """
+  if ops.q_seg is None:
+    return None
+  pad = lambda x, n: jnp.pad(x, ((0, 0), (0, n - x.shape[1])), mode="edge").astype(jnp.int32)
+  return pad(ops.q_seg, tp), pad(ops.kv_seg, sp)
+
+
+def segment_smem(segs, own: tuple[int, int], ring: tuple[int, int]) -> Optional[list]:
+  """SMEM for the segment ids of a kernel's own rows and of its ring's slots (None without).
+
+  ``own``: ``(consumers, rows)``; ``ring``: ``(stages, block)``.
+  """
+  if segs is None:
+    return None
+  return [plgpu.SMEM(own, jnp.int32), plgpu.SMEM(ring, jnp.int32)]
+
+
+def _tiles(segs, shape) -> tuple:
+  """A tile's row and column vectors broadcast to it (``(None, None)`` without)."""
+  if segs is None:
+    return None, None
+  rows, cols = segs
+  return broadcast(rows, shape, 0), broadcast(cols, shape, 1)
 
 
 def logits2(p: Problem, x: jax.Array, cap_grad: bool = False):
