@@ -108,7 +108,7 @@ def quiet_cuda_plugin_without_gpu() -> None:
   os.environ["JAX_SKIP_CUDA_CONSTRAINTS_CHECK"] = "1"
 
 
-def mosaic_gpu_interpret_params() -> Any:
+def mosaic_gpu_interpret_params(detect_races: bool = False) -> Any:
   """Parameters that run a Pallas Mosaic GPU kernel in JAX's GPU interpreter on the CPU.
 
   ``InterpretGPUParams()`` (``jax._src.pallas.mosaic_gpu.interpret.params``,
@@ -116,10 +116,23 @@ def mosaic_gpu_interpret_params() -> Any:
   or ``pallas_call`` simulates the GPU's memories, warpgroups and barriers;
   ``interpret=True`` fails on Mosaic GPU primitives. What it runs:
   docs/mosaic_gpu.md. Imported on use: it loads Pallas' Mosaic GPU modules.
+  ``detect_races``: the interpreter checks every SMEM access of one thread
+  against the others' since their last synchronisation.
   """
   from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
 
-  return InterpretGPUParams()
+  return InterpretGPUParams(detect_races=detect_races)
+
+
+def mosaic_gpu_race_found() -> bool:
+  """Whether the kernel JAX's GPU interpreter last ran with ``detect_races`` had a data race.
+
+  The interpreter keeps its race detection's state in a module global
+  (``gpu_callbacks.get_races()``, no public path) until the next kernel.
+  """
+  from jax._src.pallas.mosaic_gpu.interpret import gpu_callbacks
+
+  return bool(gpu_callbacks.get_races().races_found)
 
 
 def reset_mosaic_gpu_interpreter() -> None:

@@ -13,6 +13,7 @@ accumulates scoped accumulators by value.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import threading
 from collections.abc import Callable, Sequence
@@ -24,7 +25,11 @@ import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 
-from pallax._jax_private import mosaic_gpu_interpret_params, reset_mosaic_gpu_interpreter
+from pallax._jax_private import (
+  mosaic_gpu_interpret_params,
+  mosaic_gpu_race_found,
+  reset_mosaic_gpu_interpreter,
+)
 
 try:
   from jax.experimental.pallas import mosaic_gpu as plgpu
@@ -86,7 +91,7 @@ class Form:
   @property
   def interpret(self) -> Any:
     """The kernel's ``interpret=`` argument: GPU interpret params, or None on a GPU."""
-    return None if self.hopper else mosaic_gpu_interpret_params()
+    return None if self.hopper else mosaic_gpu_interpret_params(_RACES.active)
 
   def layout(self, x: jax.Array, layout: Any) -> jax.Array:
     """``plgpu.layout_cast`` on a GPU (a register layout hint); ``x`` interpreted."""
@@ -148,7 +153,9 @@ class Form:
       compiler_params=plgpu.CompilerParams(approx_math=approx_math),
       interpret=self.interpret,
     )
-    return list(kernel(*operands)) if self.hopper else on_host(kernel, out_types, *operands)
+    if self.hopper:
+      return list(kernel(*operands))
+    return on_host(kernel, out_types, *operands, races=name if _RACES.active else None)
 
   def staging(self, shape: Sequence[int], dtype: Any) -> Any:
     """SMEM for the interpreted form's register ``wgmma`` operands (None on a GPU)."""
@@ -200,23 +207,55 @@ class Form:
 _INTERPRETER = threading.Lock()
 
 
-def on_host(kernel: Callable[..., Any], out_types: Sequence[Any], *operands: jax.Array) -> list:
+class _RaceDetection(threading.local):
+  active = False
+
+
+_RACES = _RaceDetection()
+
+
+@contextlib.contextmanager
+def detecting_races():
+  """Interpreted kernels traced in this block check for data races, and raise on one.
+
+  The GPU interpreter's race detection (slow: for tests) checks each SMEM
+  access against the other threads' since their last synchronisation, which
+  catches a consumer reading a ring slot after releasing it to the producer.
+  """
+  before, _RACES.active = _RACES.active, True
+  try:
+    yield
+  finally:
+    _RACES.active = before
+
+
+def on_host(
+  kernel: Callable[..., Any],
+  out_types: Sequence[Any],
+  *operands: jax.Array,
+  races: Optional[str] = None,
+) -> list:
   """Runs ``kernel``'s interpreted form on ``operands`` in a host callback.
 
   The GPU interpreter orders its simulation with an ordered IO callback,
   whose token a primitive's lowering has no way to thread through; a jitted
   call of its own, on the host, has. A kernel that raises leaves the
   interpreter's state poisoned: it is reset before the error goes on.
+  ``races``: the kernel's name where it runs with race detection
+  (``detecting_races``): a race it found raises ``RuntimeError``.
   """
   run = jax.jit(kernel)
 
   def host(*arrays):
     with _INTERPRETER:
       try:
-        return [np.asarray(x) for x in run(*arrays)]
+        outs = [np.asarray(x) for x in run(*arrays)]
       except Exception:
         reset_mosaic_gpu_interpreter()
         raise
+      if races is not None and mosaic_gpu_race_found():
+        raise RuntimeError(f"{races}: JAX's GPU interpreter found a data race on SMEM")
+      return outs
 
   return list(jax.pure_callback(host, tuple(out_types), *operands))
 

@@ -21,6 +21,7 @@ import numpy as np
 import pytest
 
 import pallax
+from pallax import pallas_mosaic_gpu as mgpu
 from pallax.executor import Target
 from pallax.kernels.attention import mosaic_gpu
 from pallax.kernels.attention.common import Problem
@@ -151,6 +152,24 @@ def test_vmap_is_one_kernel_and_matches_a_loop():
     report = pallax.explain(jax.vmap(f), qs)
   assert [r.implementation for r in report] == [MOSAIC]
   np.testing.assert_array_equal(np.asarray(batched, np.float32), np.asarray(looped, np.float32))
+
+
+def test_no_data_races_with_segments_lengths_and_a_refilled_ring():
+  """The forward, both backward kernels and the tangent under the interpreter's race detection.
+
+  Keys span more blocks than the ring has slots, so the producer refills
+  slots a consumer has released: reading a slot's segment ids after releasing
+  it (as the forward once did) is a race, and the interpreter raises.
+  """
+  case = Case(b=1, t=128, s=320, n=2, k=1, h=64, q_len=(120,), kv_len=(290,), segments="packed")
+  assert _chosen(case, jnp.bfloat16) == {FWD: MOSAIC, BWD: MOSAIC}
+  with mgpu.detecting_races():
+    _run_case(case, jnp.bfloat16, PATH, seed=8)
+    ops, statics = inputs(case, jnp.bfloat16, seed=9)
+    rng = np.random.default_rng(10)
+    tangents = {n: rand(rng, ops[n].shape, jnp.bfloat16) for n in _diff_names(ops)}
+    with pallax.interpret(PATH):
+      jax.block_until_ready(jax.jit(functools.partial(_jvp, _pallax(), statics))(ops, tangents))
 
 
 def _selection(target, dtype=jnp.bfloat16, grad: bool = False, **features):

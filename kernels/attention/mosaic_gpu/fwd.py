@@ -114,11 +114,11 @@ def fwd(*operands, config: MosaicGpuAttentionConfig, interpret: Any, **params) -
           return acc_ref[...]
 
         qk = pl.run_scoped(scores, plgpu.ACC((bq, bk), jnp.float32))
-        ring.release(0, j)
         keep = None
-        if masked:
+        if masked:  # the keys' ids are in the slot until it is released
           ids = None if q_seg is None else (q_seg, form.vector(seg_smem[1].at[s], 1))
           keep = blocks.keep_keys(form, t0, j, ids)
+        ring.release(0, j)
         z = tiles.masked(tiles.logits2(p, qk), keep)
         m_new = jnp.maximum(m, z.max(axis=1))
         m_use = jnp.where(m_new == NEG_INF, 0.0, m_new) if keep is not None else m_new
