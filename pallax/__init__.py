@@ -31,6 +31,7 @@ from pallax.primitives.cross_entropy import (
 from pallax.primitives.matmul import MatmulConfig, MosaicGpuMatmulConfig, matmul
 from pallax.primitives.norm import NormConfig, fused_add_rms_norm, layer_norm, rms_norm
 from pallax.primitives.paged_attention import PagedAttentionConfig, paged_attention
+from pallax.primitives.ragged_dot import ragged_dot
 from pallax.primitives.softmax import SoftmaxConfig, log_softmax, softmax
 
 __version__ = "0.1.0"
@@ -53,6 +54,7 @@ __all__ = [
   "AttentionConfig",
   "MosaicGpuAttentionConfig",
   "paged_attention",
+  "ragged_dot",
   "PagedAttentionConfig",
   "cross_entropy",
   "linear_cross_entropy",

@@ -13,6 +13,7 @@ from typing import Optional
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax import lax
 
 
 def check_floating(op: str, name: str, a: jax.Array) -> None:
@@ -35,6 +36,24 @@ def check_config(op: str, config, cls: type | tuple[type, ...]) -> None:
   if config is not None and not isinstance(config, cls):
     names = " or ".join(c.__name__ for c in (cls if isinstance(cls, tuple) else (cls,)))
     raise TypeError(f"{op}: config must be a {names}, got {type(config).__name__}")
+
+
+def check_precision(op: str, precision):
+  """``precision`` as ``lax.dot_general`` takes it: None or a pair of ``lax.Precision``."""
+  if precision is None:
+    return None
+  try:
+    if isinstance(precision, (str, lax.Precision)):
+      return (lax.Precision(precision),) * 2
+    if isinstance(precision, (tuple, list)) and len(precision) == 2:
+      return tuple(lax.Precision(p) for p in precision)
+  except ValueError:
+    pass
+  raise ValueError(
+    f"{op}: precision must be None, a lax.Precision or its name "
+    f"({', '.join(p.name.lower() for p in lax.Precision)}), or a pair of them; "
+    f"got {precision!r}"
+  )
 
 
 def check_static_float(op: str, name: str, value, *, minimum: float | None = None) -> float:

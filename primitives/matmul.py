@@ -33,7 +33,6 @@ from typing import Optional, Union
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax import lax
 from jax.interpreters import ad
 
 from pallax.activations import activate, activation_derivative
@@ -51,7 +50,7 @@ from pallax.op import (
   full_spec,
   match_manual_axes,
 )
-from pallax.validation import check_array, check_config, check_floating
+from pallax.validation import check_array, check_config, check_floating, check_precision
 
 __all__ = ["matmul", "matmul_reference", "MatmulConfig", "MosaicGpuMatmulConfig", "ACTIVATIONS"]
 
@@ -301,24 +300,6 @@ ad.primitive_transposes[matmul_p] = _matmul_transpose_rule
 # Public function.
 
 
-def _check_precision(precision):
-  """``precision`` as ``lax.dot_general`` takes it: None or a pair of ``lax.Precision``."""
-  if precision is None:
-    return None
-  try:
-    if isinstance(precision, (str, lax.Precision)):
-      return (lax.Precision(precision),) * 2
-    if isinstance(precision, (tuple, list)) and len(precision) == 2:
-      return tuple(lax.Precision(p) for p in precision)
-  except ValueError:
-    pass
-  raise ValueError(
-    f"matmul: precision must be None, a lax.Precision or its name "
-    f"({', '.join(p.name.lower() for p in lax.Precision)}), or a pair of them; "
-    f"got {precision!r}"
-  )
-
-
 def _batch_masks(a_dims, b_dims, a_shape, b_shape):
   """Broadcast batch shape and which of its dims ``a`` and ``b`` have (jnp.matmul rules)."""
   try:
@@ -378,7 +359,7 @@ def matmul(
     raise ValueError(
       f"matmul: activation must be one of {(None,) + ACTIVATIONS}, got {activation!r}"
     )
-  precision = _check_precision(precision)
+  precision = check_precision("matmul", precision)
   check_config("matmul", config, (MatmulConfig, MosaicGpuMatmulConfig))
   a2 = a[None] if a.ndim == 1 else a
   b2 = b[:, None] if b.ndim == 1 else b

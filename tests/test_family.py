@@ -51,6 +51,7 @@ def test_families_come_in_alphabetical_order():
     "layer_norm",
     "fused_add_rms_norm",
     "paged_attention",
+    "ragged_dot",
     "softmax",
     "log_softmax",
   ]

@@ -1,0 +1,207 @@
+"""Grouped matmul: ``pallax.ragged_dot``, ``jax.lax.ragged_dot`` as a pallax op.
+
+Rows of ``lhs [M, K]`` are sorted by group; group ``g`` has
+``group_sizes[g]`` of them, and its rows are multiplied by ``rhs[g]``
+(``[G, K, N]``). Two primitives, declared through ``pallax.custom_op``:
+
+* ``ragged_dot (lhs, rhs, group_sizes, group_offset) -> [M, N]``, the
+  grouped GEMM (ragged non-contracting);
+* ``ragged_dot_tgmm (lhs, rhs, group_sizes, group_offset) -> [G, K, N]``,
+  ``lhs[rows of g]^T @ rhs[rows of g]`` for ``lhs [M, K]``, ``rhs [M, N]``
+  (ragged contracting: the weight gradient).
+
+Both are bilinear: the JVP is one product per nonzero tangent, and each
+product's transposes are the two of them: for the
+GEMM, ``dlhs = ragged_dot(dout, rhs^T)`` and ``drhs = tgmm(lhs, dout)``; for
+tgmm, ``dlhs = ragged_dot(rhs, dout^T)`` and ``drhs = ragged_dot(lhs,
+dout)``. Their JVPs are sums of such products, so ``grad``, ``jvp``, HVPs
+and ``grad`` of ``grad`` all run them, never a G-fold dense product.
+
+vmap: a mapped ``rhs`` alone folds into N (tgmm: a mapped ``lhs`` or ``rhs``
+alone folds into K or N); other combinations add a grid-batch axis, one
+primitive either way. Sharding: N (and K, summed across devices) shard
+freely; M, G and the group sizes are replicated for now.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Optional
+
+import jax
+import jax.numpy as jnp
+from jax.interpreters import ad
+
+from pallax.custom_op import custom_op
+from pallax.kernels import ragged_dot as kernels
+from pallax.validation import check_floating, check_precision
+
+__all__ = ["ragged_dot"]
+
+_OP = "ragged_dot"
+
+
+# The group dims and the grouped rows are replicated: a shard's rows would
+# need its own group sizes, a shard of the groups its own offset.
+gmm_op = custom_op(
+  _OP,
+  reference=kernels.gmm,
+  dims="m k, g k n, gt, o -> m n",
+  replicated=("m", "g", "gt", "o"),
+)
+tgmm_op = custom_op(
+  f"{_OP}_tgmm",
+  reference=kernels.tgmm,
+  dims="m k, m n, gt, o -> g k n",
+  replicated=("m", "gt", "o", "g"),
+)
+
+
+def _swap(x: jax.Array) -> jax.Array:
+  return jnp.swapaxes(x, -1, -2)
+
+
+def _zeros_or(cts, operands, run):
+  """The transpose's cotangents: ``run(ct, undefined)`` for the undefined operand."""
+  (ct,) = cts
+  undefined = [ad.is_undefined_primal(x) for x in operands[:2]]
+  out = [None] * len(operands)
+  i = undefined.index(True)
+  out[i] = ad.Zero(operands[i].aval) if type(ct) is ad.Zero else run(ct, i)
+  return out
+
+
+def _gmm_transpose(cts, lhs, rhs, sizes, offset, **params):
+  """``dlhs = ragged_dot(ct, rhs^T)``, ``drhs = tgmm(lhs, ct)``."""
+
+  def run(ct, i):
+    if i == 0:
+      args, own = (ct, _swap(rhs)), {}
+    else:
+      args, own = (lhs, ct), {"groups": rhs.aval.shape[-3]}
+    prim = (gmm_op, tgmm_op)[i].primitive
+    (d,) = prim.bind(*args, sizes, offset, **params, **own, out_dtype=(lhs, rhs)[i].aval.dtype)
+    return d
+
+  params.pop("out_dtype")
+  return _zeros_or(cts, (lhs, rhs, sizes, offset), run)
+
+
+def _tgmm_transpose(cts, lhs, rhs, sizes, offset, *, groups, **params):
+  """``dlhs = ragged_dot(rhs, ct^T)``, ``drhs = ragged_dot(lhs, ct)``."""
+
+  def run(ct, i):
+    args = (rhs, _swap(ct)) if i == 0 else (lhs, ct)
+    dtype = (lhs, rhs)[i].aval.dtype
+    (d,) = gmm_op.primitive.bind(*args, sizes, offset, **params, out_dtype=dtype)
+    return d
+
+  params.pop("out_dtype")
+  return _zeros_or(cts, (lhs, rhs, sizes, offset), run)
+
+
+def _bilinear_jvp_rule(prim):
+  """The JVP of a product bilinear in ``(lhs, rhs)``: one product per nonzero tangent.
+
+  Written as the primitive's own rule (not ``custom_op``'s ``jvp``, which
+  instantiates zero tangents): ``grad`` with respect to one operand runs no
+  product for the other.
+  """
+
+  def rule(primals, tangents, **params):
+    lhs, rhs, sizes, offset = primals
+    (out,) = prim.bind(*primals, **params)
+    wide = dict(params, out_dtype=kernels.acc_dtype(lhs.dtype, rhs.dtype))
+    pairs = ((tangents[0], (tangents[0], rhs)), (tangents[1], (lhs, tangents[1])))
+    terms = [prim.bind(*ab, sizes, offset, **wide)[0] for t, ab in pairs if type(t) is not ad.Zero]
+    if not terms:
+      return [out], [ad.Zero.from_primal_value(out)]
+    return [out], [functools.reduce(jnp.add, terms).astype(out.dtype)]
+
+  return rule
+
+
+for _op, _transpose in ((gmm_op, _gmm_transpose), (tgmm_op, _tgmm_transpose)):
+  ad.primitive_jvps[_op.primitive] = _bilinear_jvp_rule(_op.primitive)
+  ad.primitive_transposes[_op.primitive] = _transpose
+
+
+# ----------------------------------------------------------------------------
+# The public function.
+
+
+def _int_array(name: str, x, shape_doc: str, ndim: int) -> jax.Array:
+  x = jnp.asarray(x)
+  if x.ndim != ndim or not jnp.issubdtype(x.dtype, jnp.integer):
+    raise TypeError(
+      f"{_OP}: {name} must be an integer array {shape_doc}, got {x.dtype} of shape {x.shape}"
+    )
+  return x.astype(jnp.int32)
+
+
+def ragged_dot(
+  lhs: jax.Array,
+  rhs: jax.Array,
+  group_sizes: jax.Array,
+  precision=None,
+  preferred_element_type=None,
+  group_offset: Optional[jax.Array] = None,
+) -> jax.Array:
+  """Grouped matmul, as ``jax.lax.ragged_dot``: each group of rows times its own matrix.
+
+  The rows of ``lhs`` are sorted by group: the first ``group_sizes[0]`` rows
+  are group 0's, the next ``group_sizes[1]`` group 1's, and so on. Products
+  accumulate in float32 (float64 for float64 inputs), and the work is that
+  of one dense GEMM, not one per group.
+
+  Args:
+    lhs: ``[M, K]`` floating.
+    rhs: ``[G, K, N]`` floating: group ``g``'s matrix is ``rhs[g]``.
+    group_sizes: ``[Gt]`` integers, the rows of each group (``Gt = G``
+      without ``group_offset``). Rows past ``sum(group_sizes)`` give zeros.
+    precision: as in ``jax.lax.ragged_dot``: None, a ``lax.Precision`` or its
+      name, or a pair of them.
+    preferred_element_type: the result's dtype; default the promoted dtype
+      of ``lhs`` and ``rhs``.
+    group_offset: ``[1]`` integer: ``rhs`` holds groups ``[offset, offset +
+      G)`` of ``group_sizes`` (expert parallelism); rows of other groups give
+      zeros.
+
+  Returns:
+    ``[M, N]``.
+  """
+  lhs, rhs = jnp.asarray(lhs), jnp.asarray(rhs)
+  check_floating(_OP, "lhs", lhs)
+  check_floating(_OP, "rhs", rhs)
+  if lhs.ndim != 2 or rhs.ndim != 3 or lhs.shape[1] != rhs.shape[1]:
+    raise ValueError(
+      f"{_OP}: lhs must be [M, K] and rhs [G, K, N] with one K; got lhs of shape "
+      f"{lhs.shape} and rhs of shape {rhs.shape}"
+    )
+  sizes = _int_array("group_sizes", group_sizes, "[G]", 1)
+  if group_offset is None:
+    if sizes.shape[0] != rhs.shape[0]:
+      raise ValueError(
+        f"{_OP}: group_sizes must have one entry per group of rhs ({rhs.shape[0]}); got "
+        f"shape {sizes.shape}"
+      )
+    offset = jnp.zeros((1,), jnp.int32)
+  else:
+    offset = _int_array("group_offset", group_offset, "[1]", 1)
+    if offset.shape != (1,) or sizes.shape[0] < rhs.shape[0]:
+      raise ValueError(
+        f"{_OP}: group_offset must have shape (1,) and group_sizes at least rhs's "
+        f"{rhs.shape[0]} groups; got {offset.shape} and {sizes.shape}"
+      )
+  dtype = jnp.result_type(lhs, rhs)
+  out_dtype = dtype if preferred_element_type is None else jnp.dtype(preferred_element_type)
+  if not jnp.issubdtype(out_dtype, jnp.floating):
+    raise TypeError(f"{_OP}: preferred_element_type must be a floating dtype, got {out_dtype}")
+  return gmm_op(
+    lhs.astype(dtype),
+    rhs.astype(dtype),
+    sizes,
+    offset,
+    out_dtype=out_dtype,
+    precision=check_precision(_OP, precision),
+  )
