@@ -9,7 +9,7 @@ backward (its transpose).
 * ``config.py``: ``AttentionConfig``, heuristics, autotuning space, legality;
 * ``xla.py``: the blockwise XLA programs (the CPU path);
 * ``triton.py``, ``mosaic_tpu.py``: the Pallas kernels;
-* ``mosaic_gpu/``: the Hopper forward and backward kernels
+* ``mosaic_gpu/``: the Hopper forward, backward and tangent kernels
   (FlashAttention-3's structure), with a config class of its own;
 * ``triton_raw.py``: the forward and backward as raw Triton kernels
   (imported when one first runs: it imports triton).
@@ -36,7 +36,7 @@ def kernel(stage: str) -> Kernel:
   """The kernels of ``stage`` (``"fwd"``, ``"jvp"`` or ``"bwd"``), sinks applied around them.
 
   The Pallas kernels of every stage, the raw Triton ones of the forward and
-  backward (the tangent has none), and the Mosaic GPU one of the forward.
+  backward (the tangent has none), and the Mosaic GPU ones of every stage.
   """
   backends = {
     "pallas_triton": triton,

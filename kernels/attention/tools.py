@@ -91,7 +91,7 @@ def _packed_documents(q, k, v, sinks, q_segment_ids, kv_segment_ids) -> jax.Arra
 def _padded_batch(q, k, v, query_seq_lengths, key_value_seq_lengths, q_seg, kv_seg) -> jax.Array:
   """A padded batch of packed documents: lengths and segment ids, no causal mask.
 
-  Without a window the backward runs masked blocks at every head dim.
+  Without a window, the masked blocks come from the lengths and the ids alone.
   """
   return dot_product_attention(
     q,

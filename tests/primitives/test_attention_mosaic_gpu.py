@@ -1,14 +1,15 @@
 """dot_product_attention's Mosaic GPU (Hopper) kernels, interpreted, and when they are chosen.
 
 Under ``pallax.interpret("mosaic_gpu")`` the executor makes an H100's choice:
-the Mosaic GPU forward and backward kernels (run by JAX's GPU interpreter, in
-their interpreted form: docs/mosaic_gpu.md) for the calls they take, and the
-Triton kernels, interpreted, for the tangent and what they refuse.
-Everything is compared with the float64 reference of attention_reference.py
-at the 16-bit tolerances; the sizes give two query tiles (the last padded),
+the Mosaic GPU forward, backward and tangent kernels (run by JAX's GPU
+interpreter, in their interpreted form: docs/mosaic_gpu.md) for the calls
+they take, and the Triton kernels, interpreted, for what they refuse.
+Everything is compared with the float64 reference of attention_reference.py at
+the 16-bit tolerances; the sizes give two query tiles (the last padded),
 several key blocks (the last ragged), blocks skipped and masked under causal
-and window masks, and rows without keys. On deviceless H100 and A100 targets,
-``explain`` shows which kernel each call gets and why.
+and window masks, lengths and segment ids, and rows without keys. On
+deviceless H100 and A100 targets, ``explain`` shows which kernel each call
+gets and why.
 """
 
 from __future__ import annotations
@@ -43,8 +44,9 @@ PATH = "mosaic_gpu"
 FWD, BWD, JVP = (f"dot_product_attention_{s}" for s in ("fwd", "bwd", "jvp"))
 MOSAIC = mosaic_gpu.IMPLEMENTATION
 
-# name -> (case, the backward's implementation): Mosaic GPU's takes causal and
-# window masks up to head dim 64 (config.feature_reason), Triton's the rest.
+# name -> (case, the backward's implementation): Mosaic GPU's takes masks
+# (windows, lengths, segment ids) up to head dim 64 (config.feature_reason),
+# Triton's the rest.
 CASES = {
   "causal-gqa": (Case(b=1, t=130, s=150, n=4, k=2, h=64, is_causal=True), MOSAIC),
   # Rows t >= 238 see no key; head dim 80 padded to 128; large capped logits.

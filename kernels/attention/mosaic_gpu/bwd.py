@@ -17,9 +17,10 @@ forward's softmax statistics nor using atomics:
   query head), the blocks of Q, dO, lse and delta that see its keys:
   ``P^T``, ``dV += P^T dO``, ``dP^T = V dO^T``, ``dK += dS^T Q``.
 
-Blocks hidden entirely (causal, window) are not loaded; partly hidden ones
-are masked. The soft cap's slope scales ``dS``. Padded queries carry an lse
-of +inf (probability 0); padded keys give gradients that are cut off.
+Blocks hidden entirely (causal, window, lengths, outside the segments' runs)
+are not loaded; partly hidden ones are masked. The soft cap's slope scales
+``dS``. Padded queries carry an lse of +inf (probability 0); padded keys give
+gradients that are cut off.
 """
 
 from __future__ import annotations

@@ -37,7 +37,8 @@ class MosaicGpuAttentionConfig(KernelConfig):
   ``block_k`` keys a step.
 
   block_q, block_k: the forward's: 64 (``wgmma``'s rows) and a multiple of
-    64; the backward's are ``BWD_BLOCKS`` whatever a config says.
+    64; the backward's and the tangent's are ``BWD_BLOCKS`` whatever a
+    config says.
   num_stages: slots of the producer's SMEM ring (at least 2).
   """
 
@@ -96,9 +97,7 @@ class _Smem(NamedTuple):
   With segment ids each side has one int32 row vector more (its ids).
 
   own: the side whose rows each of its ``consumers`` owns (``"q"``, ``"k"``,
-  or ``"dq"``: 64 queries); the ring streams the other. ``transposed``: ring
-  tiles the interpreted form adds (transposed copies); it also stages a
-  consumer's ``own x ring`` operand.
+  or ``"dq"``: 64 queries); the ring streams the other.
   """
 
   own: str
@@ -106,17 +105,16 @@ class _Smem(NamedTuple):
   ring_tiles: int
   own_stats: int
   ring_stats: int
-  transposed: int
 
 
 _SMEM = {
-  "fwd": [_Smem("q", 1, 2, 1, 0, 0)],  # Q (then O), lse; K, V (K^T interpreted)
+  "fwd": [_Smem("q", 1, 2, 1, 0)],  # Q (then O), lse; K, V
   # dq kernel: Q (then dQ), dO, lse, delta; K, V. dk/dv kernel: K, V (then dK,
   # dV); Q, dO, lse, delta.
-  "bwd": [_Smem("dq", 3, 2, 2, 0, 2), _Smem("k", 2, 2, 0, 2, 2)],
+  "bwd": [_Smem("dq", 3, 2, 2, 0), _Smem("k", 2, 2, 0, 2)],
   # The tangent: Q, dQ and the float32 output tile (two 16-bit tiles' worth),
-  # lse and the row sums; K, V, dK, dV (K^T, dK^T interpreted).
-  "jvp": [_Smem("jvp", 4, 4, 2, 0, 2)],
+  # lse and the row sums; K, V, dK, dV.
+  "jvp": [_Smem("jvp", 4, 4, 2, 0)],
 }
 
 
@@ -136,10 +134,12 @@ def dkdv_consumers(p: Problem) -> int:
   return CONSUMERS if head(p) <= 64 else 1
 
 
-def smem_bytes(
-  p: Problem, config: MosaicGpuAttentionConfig, stage: str, hopper: bool = True
-) -> int:
-  """SMEM of one block of threads of the stage's largest kernel, in the given form."""
+def smem_bytes(p: Problem, config: MosaicGpuAttentionConfig, stage: str) -> int:
+  """SMEM of one block of threads of the stage's largest kernel on a GPU.
+
+  The interpreted form takes more (transposed copies, staged operands): the
+  interpreter has no SMEM limit.
+  """
   h, item = head(p), jnp.dtype(p.dtype).itemsize
   c = config if stage == "fwd" else dataclasses.replace(config, block_q=64, block_k=64)
   shapes = {
@@ -154,8 +154,6 @@ def smem_bytes(
   for k in _SMEM[stage]:
     (own, ring), n = shapes[k.own], consumers[k.own]
     elements = n * k.own_tiles * own * h + c.num_stages * k.ring_tiles * ring * h
-    if not hopper:
-      elements += c.num_stages * k.transposed * ring * h + n * own * ring
     seg = int(p.has_segments)
     stats = n * (k.own_stats + seg) * own + c.num_stages * (k.ring_stats + seg) * ring
     sizes.append(elements * item + 4 * stats)
@@ -203,14 +201,15 @@ def _space(p: Problem, stage: str) -> list[MosaicGpuAttentionConfig]:
 
 
 def heuristic(avals: Sequence[Any], target: str, *, stage: str, **params):
-  """Forward: 128-key blocks in a 2-slot ring up to head dim 128, else 64; backward: 64 x 64.
+  """Forward: 128-key blocks in a 2-slot ring where they are legal, else 64; backward: 64 x 64.
 
-  With segment ids the forward takes 128-key blocks up to head dim 64.
+  128-key blocks are legal up to head dim 128 (SMEM), with segment ids up to
+  64 (registers: ``_config_reason``).
   """
   p = Problem.of(avals, **params)
   if stage == "fwd":
-    long_keys = head(p) <= (64 if p.has_segments else 128)
-    return MosaicGpuAttentionConfig(block_k=128 if long_keys else 64)
+    configs = [MosaicGpuAttentionConfig(block_k=bk) for bk in (128, 64)]
+    return next((c for c in configs if _config_reason(p, c, stage) is None), configs[-1])
   return MosaicGpuAttentionConfig(*BWD_BLOCKS)
 
 
@@ -218,7 +217,7 @@ def candidates(avals: Sequence[Any], target: str, *, stage: str, **params):
   """The heuristic's config and every ring shape that fits SMEM."""
   p = Problem.of(avals, **params)
   base = heuristic(avals, target, stage=stage, **params)
-  return list(dict.fromkeys([base, *(_space(p, stage) if stage in STAGES else [])]))
+  return list(dict.fromkeys([base, *_space(p, stage)]))
 
 
 def supports(

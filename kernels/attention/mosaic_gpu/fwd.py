@@ -12,11 +12,13 @@ batch), three warpgroups:
   turns (ping-pong): one's softmax overlaps the other's matmuls. Each waits
   for the next block's K while its ``P V`` runs.
 
-Blocks that causality or a window hide entirely are never loaded; those that
-are partly hidden, and the block overhanging the keys' end, are masked; the
-rest run without a mask (``tiles.over_steps``). GQA reads the kv head of the
-query head (never repeated). Head dims are padded to a multiple of 64 and
-the query and key lengths to whole tiles, by XLA, where they are not.
+Blocks that causality, a window, the lengths or the segment ids hide entirely
+are never loaded (segment ids: outside the run of blocks a tile's segments
+meet); those that are partly hidden, and the block overhanging the keys' end,
+are masked; the rest run without a mask (``tiles.over_steps``). GQA reads the
+kv head of the query head (never repeated). Head dims are padded to a multiple
+of 64 and the query and key lengths to whole tiles, by XLA, where they are
+not.
 
 Interpreted (the CPU check), the kernel takes K transposed in GMEM and stages
 ``P`` through SMEM (``pallax.pallas_mosaic_gpu.Form``); the tile maths, the
@@ -59,7 +61,8 @@ def fwd(*operands, config: MosaicGpuAttentionConfig, interpret: Any, **params) -
     k = jnp.swapaxes(k, 2, 3)  # the interpreter's wgmma takes no transposed operand
   segs = tiles.padded_segments(c.ops, tp, sp)
   seg_ops = [] if segs is None else list(segs)
-  facts = tiles.Tiles(p, bq, bk).inputs(c.ops, segs, (rows, bq), queries_own=True)
+  call_tiles = tiles.Tiles(p, bq, bk)
+  facts = call_tiles.inputs(c.ops, segs, (rows, bq), queries_own=True)
 
   def body(q_ref, k_ref, v_ref, *refs):
     seg_refs = refs[: len(seg_ops)]
@@ -69,7 +72,7 @@ def fwd(*operands, config: MosaicGpuAttentionConfig, interpret: Any, **params) -
     n, b, wg = lax.axis_index("heads"), lax.axis_index("batch"), lax.axis_index("wg")
     kh, g = lax.div(n, jnp.int32(p.groups)), lax.rem(n, jnp.int32(p.groups))
     t_tile = lax.axis_index("q") * rows
-    blocks = tiles.Tiles(p, bq, bk).at(fact_refs, b, (rows, bq))
+    blocks = call_tiles.at(fact_refs, b, (rows, bq))
     lo, hi = blocks.key_blocks(t_tile, rows)
     ring = mgpu.Ring(stages, lo, hi, full, consumed)
 

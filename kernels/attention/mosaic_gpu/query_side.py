@@ -51,7 +51,6 @@ class Step:
 
   kernel: QueryKernel
   wg: Any
-  t0: Any
   own: dict
   stats: dict
   ring_refs: dict
@@ -167,7 +166,6 @@ class QueryKernel:
         ctx = Step(
           self,
           wg,
-          t0,
           {name: bufs[name].at[wg] for name in own_names},
           {name: form.vector(bufs[name].at[wg], 0) for name in stat_names},
           ring_refs,
