@@ -87,6 +87,7 @@ MOSAIC_GPU_OPS = ["attention", "attention_causal", "attention_features", "attent
 
 
 @pytest.mark.compilers
+@pytest.mark.slow  # CI runs the same sweep through the command line (.ci/run)
 def test_every_mosaic_gpu_config_compiles_for_h100():
   """The Mosaic GPU configs the executor can choose on an H100: no spills, fits SMEM.
 
