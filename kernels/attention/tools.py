@@ -139,7 +139,7 @@ TOOLS = (
         _padded_batch,
         lambda b, t, n, kv, h: [*_qkv(b, t, n, kv, h), (b,), (b,), (b, t), (b, t)],
         QUICK + ((1, 2048, 4, 4, 256),),
-        QUICK[1:],
+        QUICK,
         ints=4,
         candidates=False,
       ),

@@ -32,8 +32,12 @@ def _check(report, status: str):
 @pytest.mark.compilers
 @pytest.mark.parametrize("target", list(TARGETS))
 def test_every_kernel_compiles_on_every_target(target):
+  # Every op's sweep but the padded-batch attention case (lengths and segment
+  # ids), which adds minutes to the default pytest: .ci/run's Mosaic GPU sweep
+  # and the full sweep compile it; every attention kernel is here all the same.
+  ops = [name for name in sweep.OPS if name != "attention_lengths"]
   report = verify(
-    targets=[target], quick=True, heuristic_only=True, workers=1, cache=False, progress=False
+    ops, [target], quick=True, heuristic_only=True, workers=1, cache=False, progress=False
   )
   _check(report, "ok")
   assert report.ok and not report.unswept
