@@ -137,16 +137,13 @@ class Tiles:
     return common.key_range(self.p, t0, rows, self.bk, *lens, self._run(t0, rows, MEET_LO))
 
   def unmasked_keys(self, t0, lo, hi):
-    """Key blocks of ``[lo, hi)`` that every query of ``[t0, t0 + bq)`` sees whole."""
-    p, bk = self.p, self.bk
-    u_hi = jnp.int32(p.s // bk)  # a block past the keys' end is masked
-    if p.right is not None:
-      u_hi = jnp.minimum(u_hi, _div(t0 + (p.right + 1), bk))
-    if p.has_lengths:  # and blocks past kv_len, and every block of queries past q_len
-      u_hi = jnp.minimum(u_hi, _div(self.kv_len, bk))
-      u_hi = jnp.where(t0 + self.bq <= self.q_len, u_hi, 0)
-    u_lo = lo if p.left is None else _ceil_div(t0 + (self.bq - 1 - p.left), bk)
-    return _clamp(*self._one_segment(t0, self.bq, u_lo, u_hi), lo, hi)
+    """Key blocks of ``[lo, hi)`` that every query of ``[t0, t0 + bq)`` sees whole.
+
+    A block past the keys' end is masked.
+    """
+    p = self.p
+    ends = (jnp.int32(p.s // self.bk), self.q_len, self.kv_len)
+    return self._unmasked(t0, self.bq, self.bk, lo, hi, p.right, p.left, *ends)
 
   def keep_keys(self, form: mgpu.Form, t0, j, segs=None) -> Optional[jax.Array]:
     """Which (query, key) pairs of queries ``[t0, t0 + bq)`` and key block ``j`` are visible.
@@ -172,13 +169,26 @@ class Tiles:
 
   def unmasked_queries(self, s0, lo, hi):
     """Query blocks of ``[lo, hi)`` that see every key of ``[s0, s0 + bk)``."""
-    p, bq = self.p, self.bq
-    u_hi = hi if p.left is None else _div(s0 + (p.left + 1), bq)
-    if p.has_lengths:  # and blocks past q_len, and every block of keys past kv_len
-      u_hi = jnp.minimum(u_hi, _div(self.q_len, bq))
-      u_hi = jnp.where(s0 + self.bk <= self.kv_len, u_hi, 0)
-    u_lo = lo if p.right is None else _ceil_div(s0 + (self.bk - 1 - p.right), bq)
-    return _clamp(*self._one_segment(s0, self.bk, u_lo, u_hi), lo, hi)
+    p = self.p
+    return self._unmasked(
+      s0, self.bk, self.bq, lo, hi, p.left, p.right, hi, self.kv_len, self.q_len
+    )
+
+  def _unmasked(self, start, own, other, lo, hi, ahead, behind, u_hi, own_len, other_len):
+    """Blocks of ``other`` rows in ``[lo, hi)`` every own row of ``[start, start + own)`` sees.
+
+    ``ahead``/``behind``: how far past (before) its position a row sees (None:
+    unbounded); ``u_hi``: the end of the blocks that can be whole; the
+    lengths: the own side's and the other's (read with lengths). Rows past
+    their length see nothing: a tile holding one has every block masked.
+    """
+    if ahead is not None:
+      u_hi = jnp.minimum(u_hi, _div(start + (ahead + 1), other))
+    if self.p.has_lengths:
+      u_hi = jnp.minimum(u_hi, _div(other_len, other))
+      u_hi = jnp.where(start + own <= own_len, u_hi, 0)
+    u_lo = lo if behind is None else _ceil_div(start + (own - 1 - behind), other)
+    return _clamp(*self._one_segment(start, own, u_lo, u_hi), lo, hi)
 
   def keep_queries(self, form: mgpu.Form, s0, i, segs=None) -> Optional[jax.Array]:
     """Which (key, query) pairs of keys ``[s0, s0 + bk)`` and query block ``i`` are visible.
