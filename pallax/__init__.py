@@ -17,6 +17,7 @@ from pallax.executor.tools import (
   vmap_with_config,
 )
 from pallax.interpret import interpret
+from pallax.moe import RouterStats, Routing, moe, route
 from pallax.primitives.attention import (
   AttentionConfig,
   MosaicGpuAttentionConfig,
@@ -31,7 +32,7 @@ from pallax.primitives.cross_entropy import (
 from pallax.primitives.matmul import MatmulConfig, MosaicGpuMatmulConfig, matmul
 from pallax.primitives.norm import NormConfig, fused_add_rms_norm, layer_norm, rms_norm
 from pallax.primitives.paged_attention import PagedAttentionConfig, paged_attention
-from pallax.primitives.ragged_dot import ragged_dot
+from pallax.primitives.ragged_dot import RaggedDotConfig, ragged_dot
 from pallax.primitives.softmax import SoftmaxConfig, log_softmax, softmax
 
 __version__ = "0.1.0"
@@ -55,6 +56,11 @@ __all__ = [
   "MosaicGpuAttentionConfig",
   "paged_attention",
   "ragged_dot",
+  "RaggedDotConfig",
+  "moe",
+  "route",
+  "Routing",
+  "RouterStats",
   "PagedAttentionConfig",
   "cross_entropy",
   "linear_cross_entropy",

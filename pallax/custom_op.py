@@ -284,7 +284,10 @@ def custom_op(
       vmap folds into it. A factor of operands only is reduced: a result
       computed from a sharded one is summed across the devices holding it.
       Or a ``pallax.op.Dims`` (fixed ranks, per-shard ``programs``), or a
-      callable ``(*avals, **params) -> Dims``.
+      callable ``(*avals, **params) -> Dims``. A program's ``run`` is called
+      as ``run(shards, *blocks, params=...)``, with the call's full params:
+      ``op.primitive.kernel.bind(*blocks, **params)`` runs the kernel on a
+      device's blocks.
     kernels: backend -> kernel function ``(*arrays, config, interpret,
       **params) -> array or sequence of arrays``: ``"triton"``/``"mosaic_tpu"``
       (short for ``"pallas_triton"``/``"pallas_mosaic_tpu"``: Pallas kernels,

@@ -280,16 +280,9 @@ def _grad_cell(grad: Optional[float]) -> str:
   return "—" if grad is None else f"{grad:9.2e}"
 
 
-# The implementation cell of an op without kernels (its XLA program runs everywhere).
-NO_KERNEL = "xla (no kernel)"
-
-
 def _implementation(check: SelfCheck, args) -> tuple[str, str]:
   """Implementation (with where its config came from) and config of the first kernel."""
-  report = explain(check.op, *args)
-  if not report:
-    return NO_KERNEL, "-"
-  chosen = report[0]
+  chosen = explain(check.op, *args)[0]
   config = "-" if chosen.implementation == "xla" else str(chosen.config)
   return f"{chosen.implementation} ({chosen.source})", config
 
@@ -356,8 +349,6 @@ def run(
       fwd, grad = _errors(check, args)
       timing = measure_ratio(pair_timer(check.op, check.reference, args))
       row(check.name, dtype, impl, fwd, grad, timing, config)
-    if impl == NO_KERNEL:
-      continue  # no kernel to interpret
     for backend in BACKENDS:
       for dtype in check.dtypes:
         args = check.make_args(rng, dtype, True)

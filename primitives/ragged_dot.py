@@ -19,8 +19,16 @@ and ``grad`` of ``grad`` all run them, never a G-fold dense product.
 
 vmap: a mapped ``rhs`` alone folds into N (tgmm: a mapped ``lhs`` or ``rhs``
 alone folds into K or N); other combinations add a grid-batch axis, one
-primitive either way. Sharding: N (and K, summed across devices) shard
-freely; M, G and the group sizes are replicated for now.
+primitive either way.
+
+Sharding: N shards freely and a sharded K is summed across devices. The
+rows (M) and the groups (G) shard through a per-shard program
+(``_per_shard``): a shard of the rows takes its own group sizes, a shard of
+the groups (expert parallelism: each device its experts' weights) its own
+``group_offset``, and the partial results are summed (an all-reduce of the
+output, never a gather of the weights). M and G over one mesh axis is not
+computed that way (it needs the tokens sent to their experts' devices,
+``all_to_all``): G is gathered then.
 """
 
 from __future__ import annotations
@@ -30,31 +38,74 @@ from typing import Optional
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 from jax.interpreters import ad
 
 from pallax.custom_op import custom_op
 from pallax.kernels import ragged_dot as kernels
-from pallax.validation import check_floating, check_precision
+from pallax.kernels.ragged_dot import RaggedDotConfig
+from pallax.op import Dims, Program, Shards
+from pallax.validation import check_config, check_floating, check_precision
 
-__all__ = ["ragged_dot"]
+__all__ = ["ragged_dot", "RaggedDotConfig"]
 
 _OP = "ragged_dot"
 
 
-# The group dims and the grouped rows are replicated: a shard's rows would
-# need its own group sizes, a shard of the groups its own offset.
+def _per_shard(shards: Shards, lhs, rhs, sizes, offset, *, name: str, params: dict):
+  """One device's grouped product when its rows (M) or its groups (G) are a shard.
+
+  A shard of the rows takes its own group sizes (the sorted rows' split
+  clipped to its range); a shard of the groups (expert parallelism) holds
+  groups ``[offset + i * G_local, ...)``, the rows of the others giving
+  zeros. Results are summed over the sharded factors they reduce (the
+  groups for the grouped GEMM, the rows for tgmm; K for both).
+  """
+  m_axes, g_axes = shards.axes("m"), shards.axes("g")
+  if m_axes:
+    rows = lhs.shape[-2]
+    sizes = kernels.shard_group_sizes(sizes, lax.axis_index(m_axes) * rows, rows)
+  if name == _OP:
+    local = rhs.shape[-3]
+  else:
+    local = params["groups"] // shards.size("g")
+    params = dict(params, groups=local)
+  if g_axes:
+    offset = offset + lax.axis_index(g_axes) * local
+  (out,) = _OPS[name].primitive.kernel.bind(lhs, rhs, sizes, offset, **params)
+  return [shards.psum(out, 0)]
+
+
+def _dims(name: str, operands: str, result: str):
+  """The dims of ``name``'s calls, with the per-shard program of the rows and the groups."""
+  labels = tuple(tuple(o.split()) for o in operands.split(","))
+
+  def dims(*avals, **params) -> Dims:
+    return Dims(
+      labels,
+      (tuple(result.split()),),
+      replicated=("gt", "o"),
+      programs=(Program("group_shards", ("m", "g"), functools.partial(_per_shard, name=name)),),
+    )
+
+  return dims
+
+
 gmm_op = custom_op(
   _OP,
   reference=kernels.gmm,
-  dims="m k, g k n, gt, o -> m n",
-  replicated=("m", "g", "gt", "o"),
+  dims=_dims(_OP, "m k, g k n, gt, o", "m n"),
+  kernels=kernels.GMM.impls,
+  config=kernels.GMM.space,
 )
 tgmm_op = custom_op(
   f"{_OP}_tgmm",
   reference=kernels.tgmm,
-  dims="m k, m n, gt, o -> g k n",
-  replicated=("m", "gt", "o", "g"),
+  dims=_dims(f"{_OP}_tgmm", "m k, m n, gt, o", "g k n"),
+  kernels=kernels.TGMM.impls,
+  config=kernels.TGMM.space,
 )
+_OPS = {gmm_op.name: gmm_op, tgmm_op.name: tgmm_op}
 
 
 def _swap(x: jax.Array) -> jax.Array:
@@ -146,6 +197,8 @@ def ragged_dot(
   precision=None,
   preferred_element_type=None,
   group_offset: Optional[jax.Array] = None,
+  *,
+  config: Optional[RaggedDotConfig] = None,
 ) -> jax.Array:
   """Grouped matmul, as ``jax.lax.ragged_dot``: each group of rows times its own matrix.
 
@@ -166,6 +219,8 @@ def ragged_dot(
     group_offset: ``[1]`` integer: ``rhs`` holds groups ``[offset, offset +
       G)`` of ``group_sizes`` (expert parallelism); rows of other groups give
       zeros.
+    config: pin the kernels' ``RaggedDotConfig`` (the forward's and the
+      gradients'); None: the executor's choice.
 
   Returns:
     ``[M, N]``.
@@ -193,6 +248,7 @@ def ragged_dot(
         f"{_OP}: group_offset must have shape (1,) and group_sizes at least rhs's "
         f"{rhs.shape[0]} groups; got {offset.shape} and {sizes.shape}"
       )
+  check_config(_OP, config, RaggedDotConfig)
   dtype = jnp.result_type(lhs, rhs)
   out_dtype = dtype if preferred_element_type is None else jnp.dtype(preferred_element_type)
   if not jnp.issubdtype(out_dtype, jnp.floating):
@@ -204,4 +260,5 @@ def ragged_dot(
     offset,
     out_dtype=out_dtype,
     precision=check_precision(_OP, precision),
+    config=config,
   )

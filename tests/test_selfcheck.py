@@ -44,7 +44,6 @@ OPS = [
 # Ops with a Mosaic GPU kernel -> the dtypes it takes (a row each under interpret-mosaic_gpu).
 MOSAIC_GPU_ROWS = {"dot_product_attention": ["bfloat16"]}
 INFERENCE_OPS = ["paged_attention"]  # no derivatives: "—" in the gradient column
-XLA_ONLY_OPS = ["ragged_dot"]  # no kernels yet: its two XLA rows, nothing interpreted
 TIME_CELL = re.compile(r"^(\d+\.\d\dx ±\d+\.\d\d|unreliable)$")
 
 
@@ -67,12 +66,9 @@ def _check_report(stdout):
   rule = lines[2]
   assert set(rule) == {"-"} and len(rule) == len(lines[1]), lines[:3]
   rows = lines[3 : lines.index(rule, 3)]  # title, header, rule, rows, rule, legend, verdict
-  count = lambda op: 2 if op in XLA_ONLY_OPS else 6 + len(MOSAIC_GPU_ROWS.get(op, ()))
+  count = lambda op: 6 + len(MOSAIC_GPU_ROWS.get(op, ()))
   assert [row.split()[0] for row in rows] == [op for op in OPS for _ in range(count(op))], stdout
-  for op in XLA_ONLY_OPS:
-    mine = [row for row in rows if row.split()[0] == op]
-    assert [row[32:54].strip() for row in mine] == ["xla (no kernel)"] * 2, mine
-  for op in (op for op in OPS if op not in XLA_ONLY_OPS):
+  for op in OPS:
     # The fast path then the interpreted kernels, float32 and bfloat16 each;
     # the Mosaic GPU kernel where it takes the call.
     mine = [row for row in rows if row.split()[0] == op]

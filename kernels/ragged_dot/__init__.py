@@ -1,12 +1,26 @@
-"""Grouped matmuls (``ragged_dot``): the XLA programs.
+"""Grouped matmuls (``ragged_dot``): the XLA programs and the kernels.
 
+* ``common.py``: each group's rows and each row tile's groups;
+* ``config.py``: ``RaggedDotConfig``, its heuristic, space and legality, for
+  both kernels (``stage`` ``"gmm"`` or ``"tgmm"``);
 * ``xla.py``: the sorted-tile programs of the forward (``gmm``) and of the
-  weight gradient (``tgmm``), no G-fold work; they run on every platform
-  until the grouped GEMM kernels land.
+  weight gradient (``tgmm``), no G-fold work (the CPU path);
+* ``triton.py``, ``mosaic_tpu.py``: the Pallas kernels of both.
 """
 
 from __future__ import annotations
 
-from pallax.kernels.ragged_dot.xla import acc_dtype, gmm, tgmm
+from pallax.kernels.ragged_dot import config, mosaic_tpu, triton
+from pallax.kernels.ragged_dot.common import acc_dtype, shard_group_sizes
+from pallax.kernels.ragged_dot.config import RaggedDotConfig
+from pallax.kernels.ragged_dot.xla import gmm, tgmm
+from pallax.op import Kernel
 
-__all__ = ["acc_dtype", "gmm", "tgmm"]
+__all__ = ["GMM", "TGMM", "RaggedDotConfig", "acc_dtype", "gmm", "shard_group_sizes", "tgmm"]
+
+GMM, TGMM = (
+  Kernel.of_stage(
+    stage, config=config, backends={"pallas_triton": triton, "pallas_mosaic_tpu": mosaic_tpu}
+  )
+  for stage in ("gmm", "tgmm")
+)

@@ -133,10 +133,19 @@ class Declaration:
     return [jax.ShapeDtypeStruct(tuple(o.shape), o.dtype) for o in outs], single
 
   def call_dims(self, avals: Sequence[Any], params: dict):
-    """The ``Dims`` of a primitive call (the grid-batch axis a factor of its own)."""
+    """The ``Dims`` of a primitive call (the grid-batch axis a factor of its own).
+
+    The per-shard programs' ``run`` get the call's full ``params`` as a
+    keyword (``run(shards, *args, params=...)``): what binding the kernel
+    primitive on the local blocks takes.
+    """
     own, batched = split_params(params)
     per = example_avals(avals, batched)
-    return batched_dims(self.dims(per, self.out_structs(per, own)[0], own), batched)
+    dims = batched_dims(self.dims(per, self.out_structs(per, own)[0], own), batched)
+    if not dims.programs:
+      return dims
+    bound = lambda p: dataclasses.replace(p, run=functools.partial(p.run, params=params))
+    return dataclasses.replace(dims, programs=tuple(map(bound, dims.programs)))
 
   def abstract(self, *avals, **params) -> list:
     """The primitive's abstract eval: shapes from the declaration, shardings from the dims."""

@@ -19,9 +19,21 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax import lax
+from jax.sharding import PartitionSpec as P
 
 import pallax
-from tests.helpers import FLOAT_DTYPES, assert_close, loop_stack, mesh_4x2, rand, to64, x64
+from pallax import RaggedDotConfig
+from tests.helpers import (
+  FLOAT_DTYPES,
+  assert_close,
+  loop_stack,
+  mesh_4x2,
+  on_path,
+  rand,
+  sharding_devices,
+  to64,
+  x64,
+)
 
 # (M, K, N, group sizes): empty groups, one row, a prime, all rows in one
 # group, and rows past the groups' end (sum < M).
@@ -47,8 +59,8 @@ def reference(lhs, rhs, sizes, offset: int = 0):
   return jnp.concatenate(rows)
 
 
-def _inputs(name, dtype, seed=0):
-  m, k, n, sizes = CASES[name]
+def _inputs(name, dtype, seed=0, cases=CASES):
+  m, k, n, sizes = cases[name]
   rng = np.random.default_rng(seed)
   return rand(rng, (m, k), dtype), rand(rng, (len(sizes), k, n), dtype), np.asarray(sizes)
 
@@ -199,6 +211,43 @@ def test_sharded_n_needs_no_gather_and_sharded_k_is_summed():
   assert "all-reduce" in f.lower(lhs_k, rhs_k).compile().as_text()
 
 
+# (mesh, lhs spec, rhs spec): the experts (G) over 8 devices, the tokens (M)
+# over 8, the tokens over one axis and the experts over the other, the
+# experts over both axes of a 4x2 mesh.
+EXPERT_SHARDINGS = {
+  "experts-8": ("8", P(), P("e")),
+  "tokens-8": ("8", P("e"), P()),
+  "tokens-a-experts-b": ("4x2", P("a"), P("b")),
+  "experts-ab": ("4x2", P(), P(("a", "b"))),
+}
+
+
+@pytest.mark.parametrize("name", EXPERT_SHARDINGS)
+def test_expert_and_token_sharding_match_unsharded(name):
+  """Expert parallelism: each device its experts' rows, no all-gather of the weights."""
+  mesh_name, lhs_spec, rhs_spec = EXPERT_SHARDINGS[name]
+  if mesh_name == "8":
+    mesh = jax.make_mesh(
+      (8,), ("e",), axis_types=(jax.sharding.AxisType.Auto,), devices=sharding_devices()
+    )
+  else:
+    mesh = mesh_4x2()
+  rng = np.random.default_rng(10)
+  sizes = np.asarray([0, 1, 7, 0, 60, 29, 3, 4])  # 104 rows, 8 groups
+  lhs, rhs = rand(rng, (112, 24)), rand(rng, (8, 24, 16))
+  f = jax.jit(lambda a, b: pallax.ragged_dot(a, b, jnp.asarray(sizes)))
+  grad = jax.jit(
+    jax.grad(lambda a, b: jnp.sum(jnp.tanh(pallax.ragged_dot(a, b, jnp.asarray(sizes)))), (0, 1))
+  )
+  a = jax.device_put(lhs, jax.sharding.NamedSharding(mesh, lhs_spec))
+  b = jax.device_put(rhs, jax.sharding.NamedSharding(mesh, rhs_spec))
+  np.testing.assert_allclose(np.asarray(f(a, b)), np.asarray(f(lhs, rhs)), rtol=1e-6, atol=1e-6)
+  for got, want in zip(grad(a, b), grad(lhs, rhs)):
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
+  for fn in (f, grad):
+    assert "all-gather" not in fn.lower(a, b).compile().as_text(), name
+
+
 def test_bad_input_is_named():
   lhs, rhs, sizes = _inputs("mixed", jnp.float32)
   with pytest.raises(ValueError, match="lhs must be \\[M, K\\]"):
@@ -211,3 +260,98 @@ def test_bad_input_is_named():
     pallax.ragged_dot(lhs.astype(jnp.int32), rhs, sizes)
   with pytest.raises(ValueError, match="precision"):
     pallax.ragged_dot(lhs, rhs, sizes, precision="bogus")
+
+
+# ------------------------------------------------------------------------------
+# The kernels, interpreted: forward, both gradients (gmm and tgmm) and jvp.
+
+KERNEL_PATHS = ("triton", "mosaic_tpu")
+# The cases above, and one wide enough for K and N blocks of 128 (TPU) to
+# overhang: K = 160 in a 128-deep step and a 32-deep tail, N = 136.
+KERNEL_CASES = {**CASES, "wide": (50, 160, 136, (20, 0, 25))}
+PINNED = {
+  # Tiles of 32 rows over groups of 0, 1, 7, 0, 60 and 29 rows: tiles meeting
+  # up to four groups (empty ones among them); K = 24 in two 16-deep steps,
+  # the second half past K; N = 16 in one block, 12 in a block overhanging it.
+  "triton": RaggedDotConfig(block_m=32, block_n=16, block_k=16),
+  # 32-row tiles as above; blocks of 128 (whole K and N in the small cases).
+  "mosaic_tpu": RaggedDotConfig(block_m=32, block_n=128, block_k=128),
+}
+
+
+def _kernel_report(path, config, *args):
+  with on_path(path):
+    report = pallax.explain(
+      lambda a, b: jax.grad(
+        lambda a, b: jnp.sum(pallax.ragged_dot(a, b, *args[2:], config=config)), argnums=(0, 1)
+      )(a, b),
+      *args[:2],
+    )
+  return [(s.op, s.implementation) for s in report]
+
+
+# Each kernel on every case, each dtype at least once (a chosen covering: the
+# wide case's tails on both kernels).
+KERNEL_RUNS = [
+  ("triton", "mixed", jnp.float32),
+  ("triton", "rows-past-end", jnp.float16),
+  ("triton", "wide", jnp.bfloat16),
+  ("mosaic_tpu", "mixed", jnp.bfloat16),
+  ("mosaic_tpu", "one-group", jnp.float32),
+  ("mosaic_tpu", "wide", jnp.float32),
+]
+
+
+@pytest.mark.parametrize("run", KERNEL_RUNS, ids=lambda r: f"{r[0]}-{r[1]}-{jnp.dtype(r[2]).name}")
+def test_kernel(run):
+  path, name, dtype = run
+  lhs, rhs, sizes = _inputs(name, dtype, seed=6, cases=KERNEL_CASES)
+  config = PINNED[path] if name != "one-group" else None  # and the executor's own
+  calls = _kernel_report(path, config, lhs, rhs, jnp.asarray(sizes))
+  assert set(calls) == {("ragged_dot", "pallas"), ("ragged_dot_tgmm", "pallas")}, calls
+  rng = np.random.default_rng(7)
+  cot = rand(rng, (lhs.shape[0], rhs.shape[2]))
+  tangents = (rand(rng, lhs.shape, dtype), rand(rng, rhs.shape, dtype))
+  f = lambda a, b: pallax.ragged_dot(a, b, jnp.asarray(sizes), config=config)
+  with on_path(path):
+    out, y_dot = jax.jit(lambda a, b, da, db: jax.jvp(f, (a, b), (da, db)))(lhs, rhs, *tangents)
+    grads = jax.jit(jax.grad(functools.partial(_loss, lambda a, b, s: f(a, b), None), (0, 1)))(
+      lhs, rhs, cot
+    )
+  with x64():
+    g = lambda a, b: reference(a, b, sizes)
+    args64 = (to64(lhs), to64(rhs))
+    want, y_dot_ref = jax.jvp(g, args64, tuple(to64(t) for t in tangents))
+    want_grads = jax.grad(lambda a, b: jnp.sum(g(a, b) * to64(cot)), (0, 1))(*args64)
+  assert_close(out, want, dtype, f"{name} {path} forward")
+  assert_close(y_dot, y_dot_ref, dtype, f"{name} {path} jvp")
+  assert_close(grads[0], want_grads[0], dtype, f"{name} {path} dlhs")
+  assert_close(grads[1], want_grads[1], dtype, f"{name} {path} drhs")
+  past = min(sizes.sum(), lhs.shape[0])
+  np.testing.assert_array_equal(np.asarray(out[past:], np.float32), 0.0)
+
+
+@pytest.mark.parametrize("path", KERNEL_PATHS)
+def test_kernel_group_offset_and_vmap(path):
+  """A device's groups only (expert parallelism), and vmap: the grid grows, one kernel."""
+  lhs, rhs, sizes = _inputs("mixed", jnp.float32, seed=8)
+  local, offset = rhs[2:5], jnp.array([2])
+  f = lambda a, b, s: pallax.ragged_dot(a, b, s, group_offset=offset, config=PINNED[path])
+  loss = lambda a, b, s: jnp.sum(f(a, b, s) ** 2)
+  rng = np.random.default_rng(9)
+  lhs3, local3 = rand(rng, (3, *lhs.shape)), rand(rng, (3, *local.shape))
+  per = jnp.asarray(np.stack([np.random.default_rng(i).permutation(sizes) for i in range(3)]))
+  with on_path(path):
+    out, grads = jax.jit(jax.value_and_grad(loss, (0, 1)))(lhs, local, jnp.asarray(sizes))
+    vmapped = jax.jit(jax.vmap(jax.grad(loss, (0, 1))))(lhs3, local3, per)
+  with x64():
+    ref = lambda a, b, s: jnp.sum(reference(a, b, s, offset=2) ** 2)
+    want, want_grads = jax.value_and_grad(ref, (0, 1))(to64(lhs), to64(local), sizes)
+    want_v = [
+      jax.grad(ref, (0, 1))(to64(lhs3[i]), to64(local3[i]), np.asarray(per[i])) for i in range(3)
+    ]
+  assert_close(out, want, jnp.float32, "group_offset loss")
+  assert_close(grads[0], want_grads[0], jnp.float32, "group_offset dlhs")
+  assert_close(grads[1], want_grads[1], jnp.float32, "group_offset drhs")
+  for i in range(2):
+    assert_close(vmapped[i], jnp.stack([w[i] for w in want_v]), jnp.float32, f"vmap grad {i}")

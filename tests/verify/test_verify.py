@@ -35,7 +35,7 @@ def test_every_kernel_compiles_on_every_target(target):
   # Every op's sweep but the padded-batch attention case (lengths and segment
   # ids), which adds minutes to the default pytest: .ci/run's Mosaic GPU sweep
   # and the full sweep compile it; every attention kernel is here all the same.
-  ops = [name for name in sweep.OPS if name != "attention_lengths"]
+  ops = [name for name in sweep.LIBRARY_OPS if name != "attention_lengths"]
   report = verify(
     ops, [target], quick=True, heuristic_only=True, workers=1, cache=False, progress=False
   )

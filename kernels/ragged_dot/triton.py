@@ -1,0 +1,157 @@
+"""The grouped matmuls on Pallas-Triton.
+
+* ``gmm``: grid ``(M / block_m, N / block_n)``: each program owns one output
+  tile and loops over the groups meeting its rows (``common.tile_groups``,
+  computed by XLA once a call), each a loop over K of tile products with the
+  other groups' rows loaded as zeros. Every output row is written once, by
+  one program: no zero-fill pass, no atomics, and rows of no held group
+  (past ``sum(group_sizes)``, or another device's groups) come out 0. The
+  extra work is one tile product per group boundary inside a tile.
+* ``tgmm``: grid ``(G, K / block_k, N / block_n)``: each program owns one
+  tile of one group's ``[K, N]`` and reduces over that group's rows only,
+  ``block_m`` at a time (its first and last row blocks masked). Empty groups
+  write zeros.
+
+Blocks overhanging a dim are masked on load and store (Pallas-Triton does
+not bounds-check them).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+
+from pallax.kernels.ragged_dot.common import acc_dtype, group_bounds, local_range, tile_groups
+from pallax.kernels.ragged_dot.config import RaggedDotConfig
+from pallax.pallas_triton import tile_mask
+from pallax.pallas_utils import in_bounds, load, store, triton_compiler_params
+
+
+def _dot(a, b, contract: tuple[int, int], precision, dtype) -> jax.Array:
+  """One tile product in the operands' promoted dtype (the cotangent may be wider)."""
+  compute = jnp.promote_types(a.dtype, b.dtype)
+  a, b = a.astype(compute), b.astype(compute)
+  dims = (((contract[0],), (contract[1],)), ((), ()))
+  return lax.dot_general(a, b, dims, precision=precision, preferred_element_type=dtype)
+
+
+def _whole(shape: tuple[int, ...]) -> pl.BlockSpec:
+  """The whole of a small operand (group bounds), in every program."""
+  return pl.BlockSpec(shape, lambda *_: (0,) * len(shape))
+
+
+def gmm(
+  lhs,
+  rhs,
+  group_sizes,
+  group_offset,
+  *,
+  config: RaggedDotConfig,
+  interpret: Any,
+  out_dtype,
+  precision=None,
+):
+  """``[M, N]``: each row of ``lhs`` times its group's ``rhs[g - offset]``."""
+  (m, k), (local, _, n) = lhs.shape, rhs.shape
+  bm, bn, bk = config.block_m, config.block_n, config.block_k
+  starts, ends = group_bounds(group_sizes, m)
+  lo, hi = tile_groups(ends, group_offset, local, m, bm)
+  acc = acc_dtype(lhs.dtype, rhs.dtype)
+  steps = pl.cdiv(k, bk)
+
+  def kernel(lhs_ref, rhs_ref, lo_ref, hi_ref, starts_ref, ends_ref, offset_ref, out_ref):
+    tile, col = pl.program_id(0), pl.program_id(1)
+    rows = tile * bm + lax.broadcasted_iota(jnp.int32, (bm,), 0)
+    col_ok = in_bounds(col, bn, n, (bn,), 0)
+
+    def step(j, out):  # the K step ``j % steps`` of the tile's ``j // steps``-th group
+      g, s = lo_ref[0] + lax.div(j, jnp.int32(steps)), lax.rem(j, jnp.int32(steps))
+      mine = (rows >= starts_ref[g]) & (rows < ends_ref[g])
+      k_ok = in_bounds(s, bk, k, (bk,), 0)
+      a = load(lhs_ref.at[:, pl.ds(s * bk, bk)], tile_mask(mine, k_ok))
+      b = load(rhs_ref.at[g - offset_ref[0], pl.ds(s * bk, bk), :], tile_mask(k_ok, col_ok))
+      return out + _dot(a, b, (1, 0), precision, acc)
+
+    # One loop over (group, K step) pairs (Triton rejects the nested form's bounds).
+    pairs = jnp.maximum(hi_ref[0] - lo_ref[0] + 1, 0) * steps
+    out = lax.fori_loop(0, pairs, step, jnp.zeros((bm, bn), acc))
+    store(out_ref, out.astype(out_ref.dtype), tile_mask(rows < m, col_ok))
+
+  gt = starts.shape[0]
+  return pl.pallas_call(
+    kernel,
+    grid=(pl.cdiv(m, bm), pl.cdiv(n, bn)),
+    in_specs=[
+      pl.BlockSpec((bm, k), lambda t, j: (t, 0)),
+      pl.BlockSpec((local, k, bn), lambda t, j: (0, 0, j)),
+      pl.BlockSpec((1,), lambda t, j: (t,)),
+      pl.BlockSpec((1,), lambda t, j: (t,)),
+      _whole((gt,)),
+      _whole((gt,)),
+      _whole((1,)),
+    ],
+    out_specs=pl.BlockSpec((bm, bn), lambda t, j: (t, j)),
+    out_shape=jax.ShapeDtypeStruct((m, n), out_dtype),
+    compiler_params=triton_compiler_params(config),
+    interpret=interpret,
+    name="ragged_dot",
+  )(lhs, rhs, lo, hi, starts, ends, group_offset.astype(jnp.int32))
+
+
+def tgmm(
+  lhs,
+  rhs,
+  group_sizes,
+  group_offset,
+  *,
+  config: RaggedDotConfig,
+  interpret: Any,
+  groups: int,
+  out_dtype,
+  precision=None,
+):
+  """``[groups, K, N]``: per held group ``lhs[rows of g]^T @ rhs[rows of g]``."""
+  (m, k), n = lhs.shape, rhs.shape[1]
+  bm, bn, bk = config.block_m, config.block_n, config.block_k
+  starts, ends = group_bounds(group_sizes, m)
+  acc = acc_dtype(lhs.dtype, rhs.dtype)
+
+  def kernel(lhs_ref, rhs_ref, starts_ref, ends_ref, offset_ref, out_ref):
+    g = local_range(offset_ref[...], groups)[0] + pl.program_id(0)
+    k_ok = in_bounds(pl.program_id(1), bk, k, (bk,), 0)
+    col_ok = in_bounds(pl.program_id(2), bn, n, (bn,), 0)
+    start, end = starts_ref[g], ends_ref[g]
+
+    def step(r, out):
+      rows = r * bm + lax.broadcasted_iota(jnp.int32, (bm,), 0)
+      mine = (rows >= start) & (rows < end)
+      a = load(lhs_ref.at[pl.ds(r * bm, bm), :], tile_mask(mine, k_ok))
+      b = load(rhs_ref.at[pl.ds(r * bm, bm), :], tile_mask(mine, col_ok))
+      return out + _dot(a, b, (0, 0), precision, acc)
+
+    first = lax.div(start, jnp.int32(bm))
+    last = jnp.where(end > start, pl.cdiv(end, jnp.int32(bm)), first)
+    out = lax.fori_loop(first, last, step, jnp.zeros((bk, bn), acc))
+    store(out_ref, out.astype(out_ref.dtype), tile_mask(k_ok, col_ok))
+
+  gt = starts.shape[0]
+  return pl.pallas_call(
+    kernel,
+    grid=(groups, pl.cdiv(k, bk), pl.cdiv(n, bn)),
+    in_specs=[
+      pl.BlockSpec((m, bk), lambda g, i, j: (0, i)),
+      pl.BlockSpec((m, bn), lambda g, i, j: (0, j)),
+      _whole((gt,)),
+      _whole((gt,)),
+      _whole((1,)),
+    ],
+    out_specs=pl.BlockSpec((None, bk, bn), lambda g, i, j: (g, i, j)),
+    out_shape=jax.ShapeDtypeStruct((groups, k, n), out_dtype),
+    compiler_params=triton_compiler_params(config),
+    interpret=interpret,
+    name="ragged_dot_tgmm",
+  )(lhs, rhs, starts, ends, group_offset.astype(jnp.int32))
