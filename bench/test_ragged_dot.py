@@ -1,4 +1,4 @@
-"""ragged_dot vs ``lax.ragged_dot`` and a dense GEMM of the same FLOPs.
+"""ragged_dot vs ``lax.ragged_dot``, tokamax's ``ragged_dot`` and a dense GEMM of the same FLOPs.
 
 Run (``-n 0``: pytest-benchmark does not time under xdist)::
 
@@ -8,7 +8,9 @@ Shapes are ``(M, K, N, G)``: ``[M, K]`` rows in G groups times ``[G, K, N]``.
 Groups: ``even`` (M / G rows each) or ``skewed`` (halving: M/2, M/4, ...,
 an empty group, the rest in the last). Impls: ``pallax``, ``lax`` (XLA's
 ``ragged_dot``, on CPU and GPU a masked dense product over every group: G
-times the FLOPs; its ``hvp`` raises, reported as the peer's error) and
+times the FLOPs; its ``hvp`` raises, reported as the peer's error),
+``tokamax`` (``tokamax.ragged_dot``, its default implementation: the
+``bench`` extra installs tokamax; ``custom_vjp``, so ``jvp`` raises) and
 ``dense`` (``[M, K] @ [K, N]``: the same FLOPs as one GEMM, the bound a
 grouped GEMM aims at). Modes as in ``bench/modes.py``.
 """
@@ -18,6 +20,7 @@ import numpy as np
 import pytest
 from jax import lax
 from modes import MODES
+from peers import tokamax
 from throughput import record_throughput
 
 import pallax
@@ -25,7 +28,7 @@ from pallax import roofline
 
 SHAPES = [(8192, 1024, 2048, 8)]
 GROUPS = ("even", "skewed")
-IMPLS = ("pallax", "lax", "dense")
+IMPLS = ("pallax", "lax", "tokamax", "dense")
 
 
 def group_sizes(m: int, g: int, kind: str) -> np.ndarray:
@@ -49,7 +52,8 @@ def test_ragged_dot(benchmark, bench, impl, mode, groups, dtype, shape):
   if impl == "dense":
     fn, args = (lambda a, b: a @ b), [lhs, jnp.asarray(rng.standard_normal((k, n)), dtype)]
   else:
-    op = pallax.ragged_dot if impl == "pallax" else lax.ragged_dot
+    op = {"pallax": pallax.ragged_dot, "lax": lax.ragged_dot}.get(impl)
+    op = op or tokamax().ragged_dot
     rhs = jnp.asarray(rng.standard_normal((g, k, n)) / np.sqrt(k), dtype)
     fn, args = (lambda a, b: op(a, b, sizes)), [lhs, rhs]
   info = dict(op="ragged_dot", impl=impl, mode=mode, dtype=jnp.dtype(dtype).name, shape=list(shape))

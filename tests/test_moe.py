@@ -64,18 +64,14 @@ def reference_weights(logits, chosen, opts):
 
 
 def reference_moe(x, weights, chosen, wg, wu, wd, shared=None, gate=None, mask=None):
-  """Per token, its experts' gated MLPs summed with its weights."""
-  outs = []
-  for t in range(x.shape[0]):
-    out = jnp.zeros((x.shape[1],), x.dtype)
-    for j, e in enumerate(chosen[t]):
-      h = jax.nn.silu(x[t] @ wg[e]) * (x[t] @ wu[e])
-      out = out + weights[t, j] * (h @ wd[e])
-    if shared is not None:
-      s = (jax.nn.silu(x[t] @ shared[0]) * (x[t] @ shared[1])) @ shared[2]
-      out = out + (s if gate is None else jax.nn.sigmoid(x[t] @ gate) * s)
-    outs.append(out if mask is None or mask[t] else jnp.zeros_like(out))
-  return jnp.stack(outs)
+  """Per token, its experts' gated MLPs (weights gathered per token), summed with its weights."""
+  h = jax.nn.silu(jnp.einsum("td,tkdf->tkf", x, wg[chosen]))
+  h = h * jnp.einsum("td,tkdf->tkf", x, wu[chosen])
+  out = jnp.einsum("tk,tkd->td", weights, jnp.einsum("tkf,tkfd->tkd", h, wd[chosen]))
+  if shared is not None:
+    s = (jax.nn.silu(x @ shared[0]) * (x @ shared[1])) @ shared[2]
+    out = out + (s if gate is None else jax.nn.sigmoid(x @ gate)[:, None] * s)
+  return out if mask is None else jnp.where(jnp.asarray(mask)[:, None], out, 0)
 
 
 def _params(dtype=jnp.float32, seed=0):
