@@ -33,6 +33,7 @@ from pallax.primitives.matmul import MatmulConfig, MosaicGpuMatmulConfig, matmul
 from pallax.primitives.norm import NormConfig, fused_add_rms_norm, layer_norm, rms_norm
 from pallax.primitives.paged_attention import PagedAttentionConfig, paged_attention
 from pallax.primitives.ragged_dot import RaggedDotConfig, ragged_dot
+from pallax.primitives.ragged_dot_general import ragged_dot_general
 from pallax.primitives.softmax import SoftmaxConfig, log_softmax, softmax
 
 __version__ = "0.1.0"
@@ -56,6 +57,7 @@ __all__ = [
   "MosaicGpuAttentionConfig",
   "paged_attention",
   "ragged_dot",
+  "ragged_dot_general",
   "RaggedDotConfig",
   "moe",
   "route",

@@ -181,11 +181,12 @@ for _op, _transpose in ((gmm_op, _gmm_transpose), (tgmm_op, _tgmm_transpose)):
 # The public function.
 
 
-def _int_array(name: str, x, shape_doc: str, ndim: int) -> jax.Array:
+def int_array(name: str, x, shape_doc: str, ndim: int, op: str = _OP) -> jax.Array:
+  """``x`` as int32, or a TypeError naming ``op`` and ``name`` unless integer of rank ``ndim``."""
   x = jnp.asarray(x)
   if x.ndim != ndim or not jnp.issubdtype(x.dtype, jnp.integer):
     raise TypeError(
-      f"{_OP}: {name} must be an integer array {shape_doc}, got {x.dtype} of shape {x.shape}"
+      f"{op}: {name} must be an integer array {shape_doc}, got {x.dtype} of shape {x.shape}"
     )
   return x.astype(jnp.int32)
 
@@ -233,7 +234,7 @@ def ragged_dot(
       f"{_OP}: lhs must be [M, K] and rhs [G, K, N] with one K; got lhs of shape "
       f"{lhs.shape} and rhs of shape {rhs.shape}"
     )
-  sizes = _int_array("group_sizes", group_sizes, "[G]", 1)
+  sizes = int_array("group_sizes", group_sizes, "[G]", 1)
   if group_offset is None:
     if sizes.shape[0] != rhs.shape[0]:
       raise ValueError(
@@ -242,18 +243,23 @@ def ragged_dot(
       )
     offset = jnp.zeros((1,), jnp.int32)
   else:
-    offset = _int_array("group_offset", group_offset, "[1]", 1)
+    offset = int_array("group_offset", group_offset, "[1]", 1)
     if offset.shape != (1,) or sizes.shape[0] < rhs.shape[0]:
       raise ValueError(
         f"{_OP}: group_offset must have shape (1,) and group_sizes at least rhs's "
         f"{rhs.shape[0]} groups; got {offset.shape} and {sizes.shape}"
       )
+  return product(gmm_op, lhs, rhs, sizes, offset, precision, preferred_element_type, config)
+
+
+def product(op, lhs, rhs, sizes, offset, precision, preferred_element_type, config, **params):
+  """Binds ``op`` (``gmm_op`` or ``tgmm_op``) on checked operands: dtypes promoted as jnp's."""
   check_config(_OP, config, RaggedDotConfig)
   dtype = jnp.result_type(lhs, rhs)
   out_dtype = dtype if preferred_element_type is None else jnp.dtype(preferred_element_type)
   if not jnp.issubdtype(out_dtype, jnp.floating):
     raise TypeError(f"{_OP}: preferred_element_type must be a floating dtype, got {out_dtype}")
-  return gmm_op(
+  return op(
     lhs.astype(dtype),
     rhs.astype(dtype),
     sizes,
@@ -261,4 +267,5 @@ def ragged_dot(
     out_dtype=out_dtype,
     precision=check_precision(_OP, precision),
     config=config,
+    **params,
   )
