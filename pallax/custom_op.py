@@ -284,8 +284,9 @@ def custom_op(
       vmap folds into it. A factor of operands only is reduced: a result
       computed from a sharded one is summed across the devices holding it.
       Or a ``pallax.op.Dims`` (fixed ranks, per-shard ``programs``), or a
-      callable ``(*avals, **params) -> Dims``. A program's ``run`` is called
-      as ``run(shards, *blocks, params=...)``, with the call's full params:
+      callable ``(*avals, **params) -> Dims``. A program declared with
+      ``takes_params=True`` is called as ``run(shards, *blocks,
+      params=...)``, with the call's full params:
       ``op.primitive.kernel.bind(*blocks, **params)`` runs the kernel on a
       device's blocks.
     kernels: backend -> kernel function ``(*arrays, config, interpret,

@@ -179,7 +179,9 @@ def route(
   else:
     weights = picked
   stats = RouterStats(
-    tokens_per_expert=_pairs_per_expert(chosen, keep, experts).astype(jnp.float32),
+    tokens_per_expert=_pairs_per_expert(
+      chosen, jnp.broadcast_to(keep[:, None], chosen.shape), experts
+    ).astype(jnp.float32),
     router_prob=_masked_mean(probs, keep),
     z_loss=_masked_mean(jax.nn.logsumexp(flat, axis=-1) ** 2, keep),
   )
@@ -187,9 +189,9 @@ def route(
   return Routing(chosen.reshape(shape).astype(jnp.int32), (weights * scale).reshape(shape)), stats
 
 
-def _pairs_per_expert(chosen: jax.Array, keep: jax.Array, experts: int) -> jax.Array:
-  """``[E]`` int32: the kept tokens' (token, slot) pairs per expert (``chosen [T, k]``)."""
-  pairs = jnp.where(keep[:, None], chosen, experts).reshape(-1)
+def _pairs_per_expert(chosen: jax.Array, routed: jax.Array, experts: int) -> jax.Array:
+  """``[E]`` int32: the routed (token, slot) pairs per expert (``chosen``, ``routed [T, k]``)."""
+  pairs = jnp.where(routed, chosen, experts).reshape(-1)
   return jnp.zeros((experts + 1,), jnp.int32).at[pairs].add(1)[:experts]
 
 
@@ -273,7 +275,8 @@ def moe(
     w_down: ``[E, F, D]``, their down projections.
     top_k: experts a token (with ``router_logits``).
     routing: a precomputed ``Routing`` (experts and weights ``[..., k]``)
-      instead of ``router_logits``.
+      instead of ``router_logits``; an expert id outside ``[0, E)`` marks a
+      dropped slot (it contributes nothing).
     mask: ``[...]`` booleans, False for padding tokens: they are routed
       nowhere, count in no statistic and get a zero output.
     shared_experts: ``(w_gate [D, Fs], w_up [D, Fs], w_down [Fs, D])``, a
@@ -299,6 +302,7 @@ def moe(
   if routing is None:
     if top_k is None:
       raise ValueError(f"{_OP}: router_logits need top_k")
+    router_logits = jnp.asarray(router_logits)
     if router_logits.shape != (*lead, experts):
       raise ValueError(
         f"{_OP}: router_logits must have shape {(*lead, experts)} (x's leading dims, E), got "
@@ -306,15 +310,21 @@ def moe(
       )
     routing, stats = route(router_logits, top_k, mask=mask, **router_options)
   elif router_options or top_k is not None:
+    given = sorted(router_options) + ["top_k"] * (top_k is not None)
+    raise ValueError(f"{_OP}: a given routing takes no top_k or router options, got {given}")
+  chosen, weights = jnp.asarray(routing.experts), jnp.asarray(routing.weights)
+  if chosen.shape != weights.shape or chosen.shape[:-1] != lead:
     raise ValueError(
-      f"{_OP}: a given routing takes no router options, got {sorted(router_options)}"
+      f"{_OP}: routing's experts and weights must both have shape {(*lead, 'k')} (x's leading "
+      f"dims, k); got {chosen.shape} and {weights.shape}"
     )
-  chosen = jnp.asarray(routing.experts).reshape(keep.shape[0], -1)
-  weights = jnp.asarray(routing.weights).reshape(chosen.shape)
-  k = chosen.shape[1]
-  # The (token, slot) pairs sorted by expert; padding's after every expert's.
-  order = jnp.argsort(jnp.where(keep[:, None], chosen, experts).reshape(-1), stable=True)
-  sizes = _pairs_per_expert(chosen, keep, experts)
+  k = chosen.shape[-1]
+  chosen, weights = chosen.reshape(-1, k), weights.reshape(-1, k)
+  # Pairs of padding tokens, and expert ids outside [0, E) (a dropped slot),
+  # go past every expert's rows: they compute nothing and count nowhere.
+  routed = keep[:, None] & (chosen >= 0) & (chosen < experts)
+  order = jnp.argsort(jnp.where(routed, chosen, experts).reshape(-1), stable=True)
+  sizes = _pairs_per_expert(chosen, routed, experts)
   if router_logits is None:
     stats = RouterStats(sizes.astype(jnp.float32), None, None)
   tokens = x.reshape(-1, x.shape[-1])

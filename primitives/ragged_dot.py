@@ -26,9 +26,9 @@ rows (M) and the groups (G) shard through a per-shard program
 (``_per_shard``): a shard of the rows takes its own group sizes, a shard of
 the groups (expert parallelism: each device its experts' weights) its own
 ``group_offset``, and the partial results are summed (an all-reduce of the
-output, never a gather of the weights). M and G over one mesh axis is not
-computed that way (it needs the tokens sent to their experts' devices,
-``all_to_all``): G is gathered then.
+output, never a gather of the weights). M and G over one mesh axis gather
+the rows instead and reduce-scatter the output (sending each row only to
+its expert's device, a ragged ``all_to_all``, is not written).
 """
 
 from __future__ import annotations
@@ -60,11 +60,27 @@ def _per_shard(shards: Shards, lhs, rhs, sizes, offset, *, name: str, params: di
   groups ``[offset + i * G_local, ...)``, the rows of the others giving
   zeros. Results are summed over the sharded factors they reduce (the
   groups for the grouped GEMM, the rows for tgmm; K for both).
+
+  Rows and groups over the same mesh axes (tokens and experts split alike):
+  the rows are gathered (never the weights, which are most of the bytes),
+  each device computes its experts' rows of all of them, and the grouped
+  GEMM's output is reduce-scattered back to the row shards.
   """
   m_axes, g_axes = shards.axes("m"), shards.axes("g")
-  if m_axes:
-    rows = lhs.shape[-2]
-    sizes = kernels.shard_group_sizes(sizes, lax.axis_index(m_axes) * rows, rows)
+  together = bool(m_axes) and m_axes == g_axes
+  if set(m_axes) & set(g_axes) and not together:
+    raise NotImplementedError(
+      f"{name}: rows sharded over {m_axes} and groups over {g_axes} share some mesh axes but "
+      "not all; shard them over the same axes or over disjoint ones"
+    )
+  rows = lhs.ndim - 2
+  if together:
+    lhs = lax.all_gather(lhs, m_axes, axis=rows, tiled=True)
+    if name != _OP:
+      rhs = lax.all_gather(rhs, m_axes, axis=rows, tiled=True)
+  elif m_axes:
+    here = lhs.shape[rows]
+    sizes = kernels.shard_group_sizes(sizes, lax.axis_index(m_axes) * here, here)
   if name == _OP:
     local = rhs.shape[-3]
   else:
@@ -73,7 +89,11 @@ def _per_shard(shards: Shards, lhs, rhs, sizes, offset, *, name: str, params: di
   if g_axes:
     offset = offset + lax.axis_index(g_axes) * local
   (out,) = _OPS[name].primitive.kernel.bind(lhs, rhs, sizes, offset, **params)
-  return [shards.psum(out, 0)]
+  summed = tuple(a for a in shards.summed[0] if not (together and a in m_axes))
+  out = lax.psum(out, summed) if summed else out
+  if together and name == _OP:
+    out = lax.psum_scatter(out, m_axes, scatter_dimension=rows, tiled=True)
+  return [out]
 
 
 def _dims(name: str, operands: str, result: str):
@@ -85,7 +105,15 @@ def _dims(name: str, operands: str, result: str):
       labels,
       (tuple(result.split()),),
       replicated=("gt", "o"),
-      programs=(Program("group_shards", ("m", "g"), functools.partial(_per_shard, name=name)),),
+      programs=(
+        Program(
+          "group_shards",
+          ("m", "g"),
+          functools.partial(_per_shard, name=name),
+          shares_axes=True,
+          takes_params=True,
+        ),
+      ),
     )
 
   return dims

@@ -180,6 +180,15 @@ def test_precomputed_routing_and_vmap_against_a_loop():
   np.testing.assert_array_equal(
     np.asarray(stats.tokens_per_expert), np.bincount(chosen.ravel(), minlength=E)
   )
+  # An expert id outside [0, E) is a dropped slot: it adds nothing, shifts nothing.
+  dropped = jnp.asarray(chosen).at[5, 1].set(-1).at[9, 0].set(E)
+  out, stats = pallax.moe(x, None, wg, wu, wd, routing=pallax.Routing(dropped, routing.weights))
+  weights = np.asarray(routing.weights).copy()
+  weights[5, 1] = weights[9, 0] = 0.0
+  with x64():
+    want = reference_moe(to64(x), to64(weights), chosen, *map(to64, (wg, wu, wd)))
+  assert_close(out, want, jnp.float32, "dropped slots")
+  assert float(stats.tokens_per_expert.sum()) == chosen.size - 2
   # vmap over a batch of token sets with shared experts' weights, and of grad.
   rng = np.random.default_rng(6)
   xs, ls = rand(rng, (3, T, D)), rand(rng, (3, T, E))

@@ -41,25 +41,33 @@ def shard_group_sizes(group_sizes: jax.Array, first_row, rows: int) -> jax.Array
   return jnp.clip(ends, 0, rows) - jnp.clip(ends - sizes, 0, rows)
 
 
-def local_range(group_offset: jax.Array, local: int) -> tuple[jax.Array, jax.Array]:
-  """The first and last of the ``local`` groups from ``group_offset[0]`` (the ones held)."""
-  first = group_offset.astype(jnp.int32)[0]
-  return first, first + local - 1
-
-
-def tile_groups(
-  ends: jax.Array, group_offset: jax.Array, local: int, m: int, tile: int
+def held_bounds(
+  group_sizes: jax.Array, group_offset: jax.Array, m: int, local: int
 ) -> tuple[jax.Array, jax.Array]:
+  """Per held group (the ``local`` from ``group_offset[0]``) its rows ``[start, end)`` among ``m``.
+
+  A held index outside ``group_sizes`` (the offset past its ends) is an
+  empty group, placed where the rows' order keeps the ends sorted.
+  """
+  starts, ends = group_bounds(group_sizes, m)
+  index = group_offset.astype(jnp.int32)[0] + jnp.arange(local, dtype=jnp.int32)
+  clipped = jnp.clip(index, 0, starts.shape[0] - 1)
+  inside = (index >= 0) & (index < starts.shape[0])
+  past = jnp.where(index < 0, 0, ends[-1])
+  return jnp.where(inside, starts[clipped], past), jnp.where(inside, ends[clipped], past)
+
+
+def tile_groups(ends: jax.Array, m: int, tile: int) -> tuple[jax.Array, jax.Array]:
   """Per tile of ``tile`` rows the first and last held group meeting it (last < first: none).
 
-  The groups in between may be empty; rows past the last group meet none.
+  ``ends``: the held groups' (``held_bounds``). The groups in between may be
+  empty; rows past the last group meet none.
   """
   starts = jnp.arange(-(-m // tile), dtype=jnp.int32) * tile
   last_rows = jnp.minimum(starts + tile, m) - 1
-  first, last = local_range(group_offset, local)
   lo = jnp.searchsorted(ends, starts, side="right").astype(jnp.int32)
   hi = jnp.searchsorted(ends, last_rows, side="right").astype(jnp.int32)
-  return jnp.maximum(lo, first), jnp.minimum(hi, last)
+  return lo, jnp.minimum(hi, ends.shape[0] - 1)
 
 
 def _spread(counts: jax.Array, items: int) -> tuple[jax.Array, jax.Array]:
@@ -73,20 +81,21 @@ def _spread(counts: jax.Array, items: int) -> tuple[jax.Array, jax.Array]:
 
 @dataclasses.dataclass(frozen=True)
 class WorkList:
-  """The (tile, group) items of one call, padded to a static length.
+  """The (tile, held group) items of one call, padded to a static length.
 
   Attributes:
     tile: rows a tile.
-    tiles, groups: per item its tile index and its group (among all
-      ``group_sizes``, clipped to them); entries from ``count`` on are padding.
+    tiles, slots: per item its tile index and its group among the held ones
+      (``rhs``'s index; clipped to them for a group-less item); entries from
+      ``count`` on are padding.
     count: the items in the list (a traced int32).
-    starts, ends: per group its rows ``[start, end)`` (clipped to ``m``).
-    held: per item whether it is real and its group one of the held groups.
+    starts, ends: per held group its rows ``[start, end)`` (``held_bounds``).
+    held: per item whether it is real and has a group.
   """
 
   tile: int
   tiles: jax.Array
-  groups: jax.Array
+  slots: jax.Array
   count: jax.Array
   starts: jax.Array
   ends: jax.Array
@@ -101,18 +110,14 @@ class WorkList:
     ``every_group``: an empty held group gets one item too (a kernel whose
     output blocks are the groups' must visit each of them).
     """
-    starts, ends = group_bounds(group_sizes, m)
-    index = jnp.arange(starts.shape[0], dtype=jnp.int32)
-    first_held, last_held = local_range(group_offset, local)
-    mine = (index >= first_held) & (index <= last_held)
+    starts, ends = held_bounds(group_sizes, group_offset, m, local)
     tiles = -(-m // tile)
     first, last = jnp.minimum(starts // tile, tiles - 1), (ends - 1) // tile
-    empty = jnp.int32(every_group) * mine
-    count = jnp.where(mine & (ends > starts), last - first + 1, empty)
+    count = jnp.where(ends > starts, last - first + 1, jnp.int32(every_group))
     items = max(tiles + local - 1, 1)
-    group, rank = _spread(count, items)
+    slot, rank = _spread(count, items)
     real = jnp.arange(items) < jnp.sum(count)
-    return cls(tile, first[group] + rank, group, jnp.sum(count), starts, ends, real & mine[group])
+    return cls(tile, first[slot] + rank, slot, jnp.sum(count), starts, ends, real)
 
   @classmethod
   def by_tile(cls, group_sizes, group_offset, m: int, local: int, tile: int) -> WorkList:
@@ -120,20 +125,19 @@ class WorkList:
 
     For a kernel whose output blocks are the tiles: it visits each of them.
     """
-    starts, ends = group_bounds(group_sizes, m)
-    lo, hi = tile_groups(ends, group_offset, local, m, tile)
+    starts, ends = held_bounds(group_sizes, group_offset, m, local)
+    lo, hi = tile_groups(ends, m, tile)
     count = jnp.maximum(hi - lo + 1, 1)
     items = max(lo.shape[0] + local - 1, 1)
     tile_index, rank = _spread(count, items)
-    group = lo[tile_index] + rank
-    real = jnp.arange(items) < jnp.sum(count)
-    held = real & (group <= hi[tile_index])
-    group = jnp.clip(group, 0, starts.shape[0] - 1)
-    return cls(tile, tile_index, group, jnp.sum(count), starts, ends, held)
+    slot = lo[tile_index] + rank
+    held = (jnp.arange(items) < jnp.sum(count)) & (slot <= hi[tile_index])
+    slot = jnp.clip(slot, 0, local - 1)
+    return cls(tile, tile_index, slot, jnp.sum(count), starts, ends, held)
 
   def rows(self, x: jax.Array, i) -> tuple[jax.Array, jax.Array]:
     """Item ``i``'s first row and its tile of ``x``, the rows of other groups zeroed."""
-    g, start = self.groups[i], self.tiles[i] * self.tile
+    g, start = self.slots[i], self.tiles[i] * self.tile
     rows = start + lax.iota(jnp.int32, self.tile)
     mine = (rows >= self.starts[g]) & (rows < self.ends[g])
     return start, jnp.where(mine[:, None], self.tile_of(x, start), 0)
@@ -144,12 +148,8 @@ class WorkList:
 
   def item_rows(self) -> tuple[jax.Array, jax.Array]:
     """Per item the rows ``[start, end)`` it computes: its group's, none where not ``held``."""
-    start = jnp.where(self.held, self.starts[self.groups], 0)
-    return start, jnp.where(self.held, self.ends[self.groups], 0)
-
-  def local_groups(self, group_offset: jax.Array, local: int) -> jax.Array:
-    """Per item its group among the ``local`` held ones (clipped: any for a group-less item)."""
-    return jnp.clip(self.groups - local_range(group_offset, local)[0], 0, local - 1)
+    start = jnp.where(self.held, self.starts[self.slots], 0)
+    return start, jnp.where(self.held, self.ends[self.slots], 0)
 
   def padded_to_last(self, keys: jax.Array) -> jax.Array:
     """``keys`` per item, the padding's the last real item's (a grid step that fetches nothing)."""

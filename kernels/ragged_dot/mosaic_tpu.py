@@ -56,10 +56,10 @@ def _zero_tail(x: jax.Array, left, axis: int) -> jax.Array:
   return jnp.where(lax.broadcasted_iota(jnp.int32, x.shape, axis) < left, x, 0)
 
 
-def _prefetch(work: WorkList, group_offset, local: int) -> list[jax.Array]:
+def _prefetch(work: WorkList) -> list[jax.Array]:
   """The scalar-prefetched operands: tiles, local groups, row starts and ends, flags, count."""
   tiles = work.padded_to_last(work.tiles)
-  groups = work.padded_to_last(work.local_groups(group_offset, local))
+  groups = work.padded_to_last(work.slots)
   starts, ends = work.item_rows()
   return [tiles, groups, starts, ends, work.count.reshape(1)]
 
@@ -86,7 +86,7 @@ def gmm(
   (m, k), (local, _, n) = lhs.shape, rhs.shape
   bm, bn, bk = tpu_blocks(config, m, n, k)
   work = WorkList.by_tile(group_sizes, group_offset, m, local, bm)
-  prefetch = _prefetch(work, group_offset, local)
+  prefetch = _prefetch(work)
   fresh = _item_key(prefetch[0])
   steps = pl.cdiv(k, bk)
   acc = acc_dtype(lhs.dtype, rhs.dtype)
@@ -153,7 +153,7 @@ def tgmm(
   (m, k), n = lhs.shape, rhs.shape[1]
   bm, bn, bk = tpu_blocks(config, m, n, k)
   work = WorkList.by_group(group_sizes, group_offset, m, groups, bm, every_group=True)
-  prefetch = _prefetch(work, group_offset, groups)
+  prefetch = _prefetch(work)
   fresh = _item_key(prefetch[1])
   last = jnp.concatenate([fresh[1:], jnp.ones((1,), jnp.int32)])
   last = jnp.where(jnp.arange(last.shape[0]) == work.count - 1, 1, last)

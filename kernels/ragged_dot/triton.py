@@ -25,7 +25,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from pallax.kernels.ragged_dot.common import acc_dtype, group_bounds, local_range, tile_groups
+from pallax.kernels.ragged_dot.common import acc_dtype, held_bounds, tile_groups
 from pallax.kernels.ragged_dot.config import RaggedDotConfig
 from pallax.pallas_triton import tile_mask
 from pallax.pallas_utils import in_bounds, load, store, triton_compiler_params
@@ -58,12 +58,12 @@ def gmm(
   """``[M, N]``: each row of ``lhs`` times its group's ``rhs[g - offset]``."""
   (m, k), (local, _, n) = lhs.shape, rhs.shape
   bm, bn, bk = config.block_m, config.block_n, config.block_k
-  starts, ends = group_bounds(group_sizes, m)
-  lo, hi = tile_groups(ends, group_offset, local, m, bm)
+  starts, ends = held_bounds(group_sizes, group_offset, m, local)
+  lo, hi = tile_groups(ends, m, bm)
   acc = acc_dtype(lhs.dtype, rhs.dtype)
   steps = pl.cdiv(k, bk)
 
-  def kernel(lhs_ref, rhs_ref, lo_ref, hi_ref, starts_ref, ends_ref, offset_ref, out_ref):
+  def kernel(lhs_ref, rhs_ref, lo_ref, hi_ref, starts_ref, ends_ref, out_ref):
     tile, col = pl.program_id(0), pl.program_id(1)
     rows = tile * bm + lax.broadcasted_iota(jnp.int32, (bm,), 0)
     col_ok = in_bounds(col, bn, n, (bn,), 0)
@@ -73,7 +73,7 @@ def gmm(
       mine = (rows >= starts_ref[g]) & (rows < ends_ref[g])
       k_ok = in_bounds(s, bk, k, (bk,), 0)
       a = load(lhs_ref.at[:, pl.ds(s * bk, bk)], tile_mask(mine, k_ok))
-      b = load(rhs_ref.at[g - offset_ref[0], pl.ds(s * bk, bk), :], tile_mask(k_ok, col_ok))
+      b = load(rhs_ref.at[g, pl.ds(s * bk, bk), :], tile_mask(k_ok, col_ok))
       return out + _dot(a, b, (1, 0), precision, acc)
 
     # One loop over (group, K step) pairs (Triton rejects the nested form's bounds).
@@ -81,7 +81,6 @@ def gmm(
     out = lax.fori_loop(0, pairs, step, jnp.zeros((bm, bn), acc))
     store(out_ref, out.astype(out_ref.dtype), tile_mask(rows < m, col_ok))
 
-  gt = starts.shape[0]
   return pl.pallas_call(
     kernel,
     grid=(pl.cdiv(m, bm), pl.cdiv(n, bn)),
@@ -90,16 +89,15 @@ def gmm(
       pl.BlockSpec((local, k, bn), lambda t, j: (0, 0, j)),
       pl.BlockSpec((1,), lambda t, j: (t,)),
       pl.BlockSpec((1,), lambda t, j: (t,)),
-      _whole((gt,)),
-      _whole((gt,)),
-      _whole((1,)),
+      _whole((local,)),
+      _whole((local,)),
     ],
     out_specs=pl.BlockSpec((bm, bn), lambda t, j: (t, j)),
     out_shape=jax.ShapeDtypeStruct((m, n), out_dtype),
     compiler_params=triton_compiler_params(config),
     interpret=interpret,
     name="ragged_dot",
-  )(lhs, rhs, lo, hi, starts, ends, group_offset.astype(jnp.int32))
+  )(lhs, rhs, lo, hi, starts, ends)
 
 
 def tgmm(
@@ -117,11 +115,11 @@ def tgmm(
   """``[groups, K, N]``: per held group ``lhs[rows of g]^T @ rhs[rows of g]``."""
   (m, k), n = lhs.shape, rhs.shape[1]
   bm, bn, bk = config.block_m, config.block_n, config.block_k
-  starts, ends = group_bounds(group_sizes, m)
+  starts, ends = held_bounds(group_sizes, group_offset, m, groups)
   acc = acc_dtype(lhs.dtype, rhs.dtype)
 
-  def kernel(lhs_ref, rhs_ref, starts_ref, ends_ref, offset_ref, out_ref):
-    g = local_range(offset_ref[...], groups)[0] + pl.program_id(0)
+  def kernel(lhs_ref, rhs_ref, starts_ref, ends_ref, out_ref):
+    g = pl.program_id(0)
     k_ok = in_bounds(pl.program_id(1), bk, k, (bk,), 0)
     col_ok = in_bounds(pl.program_id(2), bn, n, (bn,), 0)
     start, end = starts_ref[g], ends_ref[g]
@@ -138,20 +136,18 @@ def tgmm(
     out = lax.fori_loop(first, last, step, jnp.zeros((bk, bn), acc))
     store(out_ref, out.astype(out_ref.dtype), tile_mask(k_ok, col_ok))
 
-  gt = starts.shape[0]
   return pl.pallas_call(
     kernel,
     grid=(groups, pl.cdiv(k, bk), pl.cdiv(n, bn)),
     in_specs=[
       pl.BlockSpec((m, bk), lambda g, i, j: (0, i)),
       pl.BlockSpec((m, bn), lambda g, i, j: (0, j)),
-      _whole((gt,)),
-      _whole((gt,)),
-      _whole((1,)),
+      _whole((groups,)),
+      _whole((groups,)),
     ],
     out_specs=pl.BlockSpec((None, bk, bn), lambda g, i, j: (g, i, j)),
     out_shape=jax.ShapeDtypeStruct((groups, k, n), out_dtype),
     compiler_params=triton_compiler_params(config),
     interpret=interpret,
     name="ragged_dot_tgmm",
-  )(lhs, rhs, starts, ends, group_offset.astype(jnp.int32))
+  )(lhs, rhs, starts, ends)

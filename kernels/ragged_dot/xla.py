@@ -67,14 +67,15 @@ def gmm(
   """``[M, N]``: each row of ``lhs`` times its group's ``rhs[g - offset]`` (``[G, K, N]``)."""
   m, k = lhs.shape
   local, _, n = rhs.shape
+  if m == 0 or local == 0:  # no row, or no group: no work list to walk
+    return jnp.zeros((m, n), out_dtype)
   acc = acc_dtype(lhs.dtype, rhs.dtype)
   work = WorkList.by_group(group_sizes, group_offset, m, local, row_tile(m, local))
   x = _padded_rows(lhs, work.tile)
-  offset = group_offset.astype(jnp.int32)[0]
 
   def item(i, out):
     start, rows = work.rows(x, i)
-    w = lax.dynamic_index_in_dim(rhs, work.groups[i] - offset, 0, keepdims=False)
+    w = lax.dynamic_index_in_dim(rhs, work.slots[i], 0, keepdims=False)
     product = _dot(rows, w, (1, 0), precision, acc)
     return lax.dynamic_update_slice(
       out, work.tile_of(out, start) + product, (start, zero_like(start))
@@ -97,16 +98,16 @@ def tgmm(
   """``[groups, K, N]``: per group ``g - offset``, ``lhs[rows of g]^T @ rhs[rows of g]``."""
   m, k = lhs.shape
   n = rhs.shape[1]
+  if m == 0 or groups == 0:
+    return jnp.zeros((groups, k, n), out_dtype)
   acc = acc_dtype(lhs.dtype, rhs.dtype)
   work = WorkList.by_group(group_sizes, group_offset, m, groups, row_tile(m, groups))
   x, y = _padded_rows(lhs, work.tile), _padded_rows(rhs, work.tile)
-  offset = group_offset.astype(jnp.int32)[0]
 
   def item(i, out):
     start, rows = work.rows(x, i)
     product = _dot(rows, work.tile_of(y, start), (0, 0), precision, acc)
-    g = jnp.clip(work.groups[i] - offset, 0, groups - 1)
-    return out.at[g].add(product)
+    return out.at[work.slots[i]].add(product)
 
   out = lax.fori_loop(0, work.count, item, jnp.zeros((groups, k, n), acc))
   return out.astype(out_dtype)

@@ -86,6 +86,9 @@ class Program:
       is sharded over mesh axes that another factor already uses (a ring over
       the key blocks while each device holds one query block of the same
       axis); otherwise such a factor is replicated.
+    takes_params: ``run`` is called as ``run(shards, *args, params=...)``
+      with the primitive call's full params (a ``custom_op``'s program binds
+      its kernel with them: ``op.primitive.kernel.bind(*args, **params)``).
   """
 
   name: str
@@ -93,6 +96,7 @@ class Program:
   run: Callable[..., Sequence[jax.Array]]
   cost: Callable[..., float] | None = None
   shares_axes: bool = False
+  takes_params: bool = False
 
   def jvp(self, primals: int) -> Program:
     """The tangent stage's program: ``(shards, *primals, *tangents) -> tangents of the results``.
@@ -114,13 +118,13 @@ class Program:
     return dataclasses.replace(self, run=functools.partial(_vjp_run, self.run, primals))
 
 
-def _jvp_run(run, primals: int, shards: Shards, *args) -> list:
-  fn = lambda *p: tuple(run(shards, *p))
+def _jvp_run(run, primals: int, shards: Shards, *args, **kw) -> list:
+  fn = lambda *p: tuple(run(shards, *p, **kw))
   return list(jax.jvp(fn, args[:primals], args[primals:])[1])
 
 
-def _vjp_run(run, primals: int, shards: Shards, *args) -> list:
-  outs, pullback = jax.vjp(lambda *p: tuple(run(shards, *p)), *args[:primals])
+def _vjp_run(run, primals: int, shards: Shards, *args, **kw) -> list:
+  outs, pullback = jax.vjp(lambda *p: tuple(run(shards, *p, **kw)), *args[:primals])
   cts = tuple(args[primals:])
   if len(cts) != len(outs):
     raise ValueError(

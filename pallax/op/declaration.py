@@ -135,16 +135,19 @@ class Declaration:
   def call_dims(self, avals: Sequence[Any], params: dict):
     """The ``Dims`` of a primitive call (the grid-batch axis a factor of its own).
 
-    The per-shard programs' ``run`` get the call's full ``params`` as a
-    keyword (``run(shards, *args, params=...)``): what binding the kernel
-    primitive on the local blocks takes.
+    The per-shard programs that take params (``Program.takes_params``) get
+    the call's full ``params`` bound: what binding the kernel primitive on
+    the local blocks takes.
     """
     own, batched = split_params(params)
     per = example_avals(avals, batched)
     dims = batched_dims(self.dims(per, self.out_structs(per, own)[0], own), batched)
-    if not dims.programs:
-      return dims
-    bound = lambda p: dataclasses.replace(p, run=functools.partial(p.run, params=params))
+
+    def bound(p):
+      if not p.takes_params:
+        return p
+      return dataclasses.replace(p, run=functools.partial(p.run, params=params), takes_params=False)
+
     return dataclasses.replace(dims, programs=tuple(map(bound, dims.programs)))
 
   def abstract(self, *avals, **params) -> list:

@@ -213,12 +213,13 @@ def test_sharded_n_needs_no_gather_and_sharded_k_is_summed():
 
 # (mesh, lhs spec, rhs spec): the experts (G) over 8 devices, the tokens (M)
 # over 8, the tokens over one axis and the experts over the other, the
-# experts over both axes of a 4x2 mesh.
+# experts over both axes of a 4x2 mesh, tokens and experts over the same 8.
 EXPERT_SHARDINGS = {
   "experts-8": ("8", P(), P("e")),
   "tokens-8": ("8", P("e"), P()),
   "tokens-a-experts-b": ("4x2", P("a"), P("b")),
   "experts-ab": ("4x2", P(), P(("a", "b"))),
+  "tokens-and-experts-8": ("8", P("e"), P("e")),
 }
 
 
@@ -244,8 +245,11 @@ def test_expert_and_token_sharding_match_unsharded(name):
   np.testing.assert_allclose(np.asarray(f(a, b)), np.asarray(f(lhs, rhs)), rtol=1e-6, atol=1e-6)
   for got, want in zip(grad(a, b), grad(lhs, rhs)):
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
-  for fn in (f, grad):
-    assert "all-gather" not in fn.lower(a, b).compile().as_text(), name
+  for fn in (f, grad):  # the tokens may be gathered (same axis), never the weights
+    hlo = fn.lower(a, b).compile().as_text().splitlines()
+    gathered = [line.split("=")[1].split()[0] for line in hlo if " all-gather(" in line]
+    assert "f32[8,24,16]{2,1,0}" not in gathered, (name, gathered)
+    assert not gathered or lhs_spec == rhs_spec, (name, gathered)
 
 
 def test_bad_input_is_named():
@@ -355,3 +359,39 @@ def test_kernel_group_offset_and_vmap(path):
   assert_close(grads[1], want_grads[1], jnp.float32, "group_offset drhs")
   for i in range(2):
     assert_close(vmapped[i], jnp.stack([w[i] for w in want_v]), jnp.float32, f"vmap grad {i}")
+
+
+@pytest.mark.parametrize("path", ("xla",) + KERNEL_PATHS)
+def test_held_groups_past_the_sizes_and_negative_sizes(path):
+  """Offset 4 of 6 sizes holds groups 4, 5 and a 6th that does not exist (zeros, no
+  out-of-bounds read); a negative size counts as 0; the sizes sum past M."""
+  rng = np.random.default_rng(11)
+  sizes = np.asarray([3, 10, -2, 12, 5, 15])  # 43 rows (the -2 an empty group) of 40
+  lhs, local = rand(rng, (40, 24)), rand(rng, (3, 24, 16))
+  config = None if path == "xla" else PINNED[path]
+  f = lambda a, b: pallax.ragged_dot(a, b, sizes, group_offset=jnp.array([4]), config=config)
+  cot = rand(rng, (40, 16))
+  with on_path(path):
+    out = jax.jit(f)(lhs, local)
+    grads = jax.jit(jax.grad(lambda a, b: jnp.sum(f(a, b) * cot), (0, 1)))(lhs, local)
+  clipped = np.maximum(sizes, 0)
+  with x64():
+    g = lambda a, b: reference(a, b, clipped, offset=4)
+    want = g(to64(lhs), to64(local))
+    want_grads = jax.grad(lambda a, b: jnp.sum(g(a, b) * to64(cot)), (0, 1))(to64(lhs), to64(local))
+  assert_close(out, want, jnp.float32, f"{path} forward")
+  assert_close(grads[0], want_grads[0], jnp.float32, f"{path} dlhs")
+  assert_close(grads[1], want_grads[1], jnp.float32, f"{path} drhs")
+  np.testing.assert_array_equal(np.asarray(grads[1][2]), 0.0)  # the group that does not exist
+
+
+def test_no_rows_or_no_groups():
+  lhs, rhs = jnp.zeros((0, 8)), jnp.ones((3, 8, 5))
+  out = pallax.ragged_dot(lhs, rhs, jnp.zeros(3, jnp.int32))
+  assert out.shape == (0, 5)
+  dlhs, drhs = jax.grad(
+    lambda a, b: jnp.sum(pallax.ragged_dot(a, b, jnp.zeros(3, jnp.int32))), (0, 1)
+  )(lhs, rhs)
+  assert dlhs.shape == (0, 8) and not np.asarray(drhs).any()
+  out = pallax.ragged_dot(jnp.ones((4, 8)), rhs[:0], jnp.zeros(0, jnp.int32))
+  np.testing.assert_array_equal(np.asarray(out), 0.0)
