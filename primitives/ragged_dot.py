@@ -41,6 +41,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.interpreters import ad
 
+from pallax.activations import ACTIVATIONS, activate, activation_derivative
 from pallax.custom_op import custom_op
 from pallax.kernels import ragged_dot as kernels
 from pallax.kernels.ragged_dot import RaggedDotConfig
@@ -76,35 +77,44 @@ def _per_shard(shards: Shards, lhs, rhs, sizes, offset, *, name: str, params: di
   rows = lhs.ndim - 2
   if together:
     lhs = lax.all_gather(lhs, m_axes, axis=rows, tiled=True)
-    if name != _OP:
+    if name == tgmm_op.name:
       rhs = lax.all_gather(rhs, m_axes, axis=rows, tiled=True)
   elif m_axes:
     here = lhs.shape[rows]
     sizes = kernels.shard_group_sizes(sizes, lax.axis_index(m_axes) * here, here)
-  if name == _OP:
-    local = rhs.shape[-3]
-  else:
+  if name == tgmm_op.name:
     local = params["groups"] // shards.size("g")
     params = dict(params, groups=local)
+  else:
+    local = rhs.shape[-3]
   if g_axes:
     offset = offset + lax.axis_index(g_axes) * local
   (out,) = _OPS[name].primitive.kernel.bind(lhs, rhs, sizes, offset, **params)
   summed = tuple(a for a in shards.summed[0] if not (together and a in m_axes))
   out = lax.psum(out, summed) if summed else out
-  if together and name == _OP:
+  if together and name != tgmm_op.name:
     out = lax.psum_scatter(out, m_axes, scatter_dimension=rows, tiled=True)
   return [out]
 
 
 def _dims(name: str, operands: str, result: str):
-  """The dims of ``name``'s calls, with the per-shard program of the rows and the groups."""
+  """The dims of ``name``'s calls, with the per-shard program of the rows and the groups.
+
+  With an epilogue, K (summed before it) is replicated, and so is a gated
+  weight's ``2N`` (its halves pair columns ``j`` and ``N + j``).
+  """
   labels = tuple(tuple(o.split()) for o in operands.split(","))
 
   def dims(*avals, **params) -> Dims:
+    replicated = {"gt", "o"}
+    if params.get("activation") or params.get("gated"):
+      replicated |= {"k"} | ({"n"} if params.get("gated") else set())
+    out = tuple("n_out" if f == "n" and params.get("gated") else f for f in result.split())
+    order = [f for names in (*labels, out) for f in names]  # Shardy wants them in this order
     return Dims(
       labels,
-      (tuple(result.split()),),
-      replicated=("gt", "o"),
+      (out,),
+      replicated=tuple(sorted(replicated, key=order.index)),
       programs=(
         Program(
           "group_shards",
@@ -133,7 +143,37 @@ tgmm_op = custom_op(
   kernels=kernels.TGMM.impls,
   config=kernels.TGMM.space,
 )
-_OPS = {gmm_op.name: gmm_op, tgmm_op.name: tgmm_op}
+
+
+def _epilogue_jvp(primals, tangents, out, *, activation, gated, out_dtype, precision):
+  """``act'(h) * dh`` (gated: ``act'(a) b da + act(a) db``), ``h`` recomputed by the GEMM.
+
+  Linear in the tangents, which reach ``h`` through grouped products, so
+  ``grad`` transposes them into ``ragged_dot`` and tgmm kernels.
+  """
+  lhs, rhs, sizes, offset = primals
+  dlhs, drhs = tangents[:2]
+  wide = kernels.acc_dtype(lhs.dtype, rhs.dtype)
+  gemm = lambda a, b: gmm_op(a, b, sizes, offset, out_dtype=wide, precision=precision)
+  split = lambda h: jnp.split(h, 2, axis=-1) if gated else [h]
+  h, dh = split(gemm(lhs, rhs)), split(gemm(dlhs, rhs) + gemm(lhs, drhs))
+  tangent = activation_derivative(activation, h[0]) * dh[0]
+  if gated:
+    tangent = tangent * h[1] + activate(activation, h[0]) * dh[1]
+  return tangent.astype(out_dtype)
+
+
+# The grouped GEMM with an activation, or gated (``act(lhs @ rhs[g][:, :N]) *
+# (lhs @ rhs[g][:, N:])``): its kernels are the GEMM's with the epilogue.
+epilogue_op = custom_op(
+  f"{_OP}_epilogue",
+  reference=kernels.gmm_epilogue,
+  dims=_dims(f"{_OP}_epilogue", "m k, g k n, gt, o", "m n"),
+  kernels=kernels.GMM.impls,
+  config=kernels.GMM.space,
+  jvp=_epilogue_jvp,
+)
+_OPS = {op.name: op for op in (gmm_op, tgmm_op, epilogue_op)}
 
 
 def _swap(x: jax.Array) -> jax.Array:
@@ -227,6 +267,8 @@ def ragged_dot(
   preferred_element_type=None,
   group_offset: Optional[jax.Array] = None,
   *,
+  activation: Optional[str] = None,
+  gated: bool = False,
   config: Optional[RaggedDotConfig] = None,
 ) -> jax.Array:
   """Grouped matmul, as ``jax.lax.ragged_dot``: each group of rows times its own matrix.
@@ -248,6 +290,12 @@ def ragged_dot(
     group_offset: ``[1]`` integer: ``rhs`` holds groups ``[offset, offset +
       G)`` of ``group_sizes`` (expert parallelism); rows of other groups give
       zeros.
+    activation: a fused epilogue, one of ``pallax.activations.ACTIVATIONS``
+      (``"silu"``, ``"gelu"``, ...) applied to the product; None: none.
+    gated: ``rhs`` is ``[G, K, 2N]``, two weights side by side, and the
+      result ``act(lhs @ rhs[g][:, :N]) * (lhs @ rhs[g][:, N:])`` (the MoE
+      FFN's gate and up projections in one kernel; ``act`` the identity
+      without ``activation``).
     config: pin the kernels' ``RaggedDotConfig`` (the forward's and the
       gradients'); None: the executor's choice.
 
@@ -277,7 +325,24 @@ def ragged_dot(
         f"{_OP}: group_offset must have shape (1,) and group_sizes at least rhs's "
         f"{rhs.shape[0]} groups; got {offset.shape} and {sizes.shape}"
       )
-  return product(gmm_op, lhs, rhs, sizes, offset, precision, preferred_element_type, config)
+  if activation is not None and activation not in ACTIVATIONS:
+    raise ValueError(f"{_OP}: activation must be one of {ACTIVATIONS} or None, got {activation!r}")
+  if gated and rhs.shape[2] % 2:
+    raise ValueError(f"{_OP}: gated takes rhs [G, K, 2N], got an odd last dim: {rhs.shape}")
+  if activation is None and not gated:
+    return product(gmm_op, lhs, rhs, sizes, offset, precision, preferred_element_type, config)
+  return product(
+    epilogue_op,
+    lhs,
+    rhs,
+    sizes,
+    offset,
+    precision,
+    preferred_element_type,
+    config,
+    activation=activation,
+    gated=bool(gated),
+  )
 
 
 def product(op, lhs, rhs, sizes, offset, precision, preferred_element_type, config, **params):

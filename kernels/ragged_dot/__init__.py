@@ -13,10 +13,19 @@ from __future__ import annotations
 from pallax.kernels.ragged_dot import config, mosaic_tpu, triton
 from pallax.kernels.ragged_dot.common import acc_dtype, shard_group_sizes
 from pallax.kernels.ragged_dot.config import RaggedDotConfig
-from pallax.kernels.ragged_dot.xla import gmm, tgmm
+from pallax.kernels.ragged_dot.xla import gmm, gmm_epilogue, tgmm
 from pallax.op import Kernel
 
-__all__ = ["GMM", "TGMM", "RaggedDotConfig", "acc_dtype", "gmm", "shard_group_sizes", "tgmm"]
+__all__ = [
+  "GMM",
+  "TGMM",
+  "RaggedDotConfig",
+  "acc_dtype",
+  "gmm",
+  "gmm_epilogue",
+  "shard_group_sizes",
+  "tgmm",
+]
 
 GMM, TGMM = (
   Kernel.of_stage(

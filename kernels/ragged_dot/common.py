@@ -22,6 +22,18 @@ def acc_dtype(*dtypes) -> jnp.dtype:
   return jnp.promote_types(jnp.float32, jnp.result_type(*dtypes))
 
 
+def epilogue(products, activation, act) -> jax.Array:
+  """The grouped GEMM's epilogue of its float32 product(s): ``act(h)``, or ``act(a) * b`` gated.
+
+  ``products``: ``[h]``, or ``[a, b]`` (the two halves of a gated weight);
+  ``act(activation, z)``: ``pallax.activations.activate`` or its kernel
+  form. Every activation there vanishes at 0, so rows of no group (zero
+  products) stay 0 and outputs of sharded groups still sum.
+  """
+  out = act(activation, products[0])
+  return out * products[1] if len(products) == 2 else out
+
+
 def zero_like(index):
   """0 of ``index``'s integer type (``dynamic_slice`` wants one type; no array at import)."""
   return jnp.zeros((), index.dtype)

@@ -67,17 +67,20 @@ class Problem:
   groups: int
   dtype: Any
   dtypes: tuple[Any, ...]  # the operands' and the result's, as given
+  halves: int = 1  # 2 for a gated gmm: two products (N each) of a [G, K, 2N] weight
 
   @classmethod
   def of(cls, avals: Sequence[Any], stage: str, **params) -> Problem:
     lhs, rhs = avals[:2]
     m, k = lhs.shape[-2:]
+    halves = 2 if params.get("gated") else 1
     if stage == "gmm":
-      groups, n = rhs.shape[-3], rhs.shape[-1]
+      groups, n = rhs.shape[-3], rhs.shape[-1] // halves
     else:
       groups, n = params["groups"], rhs.shape[-1]
     dtypes = (lhs.dtype, rhs.dtype, params["out_dtype"])
-    return cls(stage, m, k, n, groups, jnp.result_type(lhs.dtype, rhs.dtype), dtypes)
+    dtype = jnp.result_type(lhs.dtype, rhs.dtype)
+    return cls(stage, m, k, n, groups, dtype, dtypes, halves)
 
   @property
   def width(self) -> int:
@@ -109,7 +112,10 @@ def _space(p: Problem, target: str) -> list[RaggedDotConfig]:
     )
   out = []
   for bm, bn, bk in _TRITON_BLOCKS[4 if p.width >= 4 else 2]:
-    warps = 8 if bm * bn >= 128 * 128 else 4
+    # A gated gmm holds two accumulators: half as many columns keeps the
+    # registers of one (128x128 gated tiles spill on A100).
+    bn = max(16, bn // p.halves)
+    warps = 8 if bm * bn * p.halves >= 128 * 128 else 4
     out.append(RaggedDotConfig(_rows(p, bm, _MIN_ROWS), bn, bk, num_warps=warps, num_stages=2))
   return list(dict.fromkeys(out))
 
@@ -141,9 +147,9 @@ def _tpu_vmem(p: Problem, config: RaggedDotConfig) -> int:
   return pu.tpu_vmem_bytes(
     [
       pu.VmemBuffer((bm, bk), p.width),
-      pu.VmemBuffer((bk, bn) if p.stage == "gmm" else (bm, bn), p.width),
+      pu.VmemBuffer((bk, bn) if p.stage == "gmm" else (bm, bn), p.width, copies=2 * p.halves),
       pu.VmemBuffer(out, p.width),
-      pu.VmemBuffer(out, 4, copies=1),
+      pu.VmemBuffer(out, 4, copies=p.halves),
     ]
   )
 
@@ -158,6 +164,11 @@ def _tpu_reason(p: Problem, target: str, config: RaggedDotConfig) -> Optional[st
     return (
       f"blocks ({bm}, {bn}, {bk}) must be multiples of ({sub}, {pu.LANES}, {pu.LANES}) or "
       "whole dims on TPU"
+    )
+  if p.halves == 2 and (bn % pu.LANES or p.n % bn):
+    return (
+      f"a gated weight's halves of {p.n} columns must be whole blocks of a multiple of "
+      f"{pu.LANES} on TPU, got blocks of {bn}"
     )
   if not interpreted(target) and _tpu_vmem(p, config) > pu.TPU_VMEM_BUDGET:
     return f"blocks ({bm}, {bn}, {bk}) need more than the VMEM budget"

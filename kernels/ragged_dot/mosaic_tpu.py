@@ -32,7 +32,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from pallax.kernels.ragged_dot.common import WorkList, acc_dtype
+from pallax.activations import activate_in_kernel
+from pallax.kernels.ragged_dot.common import WorkList, acc_dtype, epilogue
 from pallax.kernels.ragged_dot.config import RaggedDotConfig, tpu_blocks
 
 
@@ -81,49 +82,65 @@ def gmm(
   interpret: Any,
   out_dtype,
   precision=None,
+  activation=None,
+  gated: bool = False,
 ):
-  """``[M, N]``: each row of ``lhs`` times its group's ``rhs[g - offset]``."""
-  (m, k), (local, _, n) = lhs.shape, rhs.shape
+  """``[M, N]``: each row of ``lhs`` times its group's ``rhs[g - offset]``, then the epilogue.
+
+  Gated (``rhs [G, K, 2N]``, ``config.supports``: N a multiple of the
+  column block): column block ``j`` of each half, ``j`` and ``j + N / bn``
+  of ``rhs``, accumulate side by side; ``act(a) * b`` is written.
+  """
+  (m, k), (local, _, width) = lhs.shape, rhs.shape
+  n = width // 2 if gated else width
   bm, bn, bk = tpu_blocks(config, m, n, k)
   work = WorkList.by_tile(group_sizes, group_offset, m, local, bm)
   prefetch = _prefetch(work)
   fresh = _item_key(prefetch[0])
   steps = pl.cdiv(k, bk)
   acc = acc_dtype(lhs.dtype, rhs.dtype)
+  halves = (0, n // bn) if gated else (0,)
 
   def kernel(*refs):
     item_ref, fresh_ref = refs[:5], refs[5]
-    lhs_ref, rhs_ref, out_ref, acc_ref = refs[6:]
+    lhs_ref, *w_refs = refs[6 : 7 + len(halves)]
+    out_ref, *acc_refs = refs[7 + len(halves) :]
     i, s = pl.program_id(1), pl.program_id(2)
     real = i < item_ref[4][0]
 
     @pl.when(s == 0)
     def _init():
-      acc_ref[...] = jnp.zeros_like(acc_ref)
+      for acc_ref in acc_refs:
+        acc_ref[...] = jnp.zeros_like(acc_ref)
 
     @pl.when(real & (item_ref[3][i] > item_ref[2][i]))
     def _product():
       a = jnp.where(_rows_mask(item_ref, lhs_ref.shape, bm, i), lhs_ref[...], 0)
-      b = rhs_ref[...]
       if k % bk:
-        a, b = _zero_tail(a, k - s * bk, 1), _zero_tail(b, k - s * bk, 0)
-      acc_ref[...] += _dot(a, b, (1, 0), precision, acc)
+        a = _zero_tail(a, k - s * bk, 1)
+      for acc_ref, w_ref in zip(acc_refs, w_refs):
+        b = _zero_tail(w_ref[...], k - s * bk, 0) if k % bk else w_ref[...]
+        acc_ref[...] += _dot(a, b, (1, 0), precision, acc)
 
     @pl.when(real & (s == steps - 1))
     def _write():
       mine = _rows_mask(item_ref, out_ref.shape, bm, i)
       before = jnp.where(fresh_ref[i] == 1, jnp.zeros_like(out_ref), out_ref[...])
-      out_ref[...] = jnp.where(mine, acc_ref[...].astype(out_ref.dtype), before)
+      out = epilogue([r[...] for r in acc_refs], activation, activate_in_kernel)
+      out_ref[...] = jnp.where(mine, out.astype(out_ref.dtype), before)
 
+  weight = lambda half: pl.BlockSpec(
+    (None, bk, bn), lambda j, i, s, tiles, groups, *_: (groups[i], s, j + half)
+  )
   grid_spec = pltpu.PrefetchScalarGridSpec(
     num_scalar_prefetch=6,
     grid=(pl.cdiv(n, bn), work.tiles.shape[0], steps),
     in_specs=[
       pl.BlockSpec((bm, bk), lambda j, i, s, tiles, *_: (tiles[i], s)),
-      pl.BlockSpec((None, bk, bn), lambda j, i, s, tiles, groups, *_: (groups[i], s, j)),
+      *map(weight, halves),
     ],
     out_specs=pl.BlockSpec((bm, bn), lambda j, i, s, tiles, *_: (tiles[i], j)),
-    scratch_shapes=[pltpu.VMEM((bm, bn), acc)],
+    scratch_shapes=[pltpu.VMEM((bm, bn), acc) for _ in halves],
   )
   return pl.pallas_call(
     kernel,
@@ -133,8 +150,8 @@ def gmm(
       dimension_semantics=("parallel", "arbitrary", "arbitrary")
     ),
     interpret=interpret,
-    name="ragged_dot",
-  )(*prefetch, fresh, lhs, rhs)
+    name="ragged_dot_epilogue" if gated or activation else "ragged_dot",
+  )(*prefetch, fresh, lhs, *[rhs] * len(halves))
 
 
 def tgmm(

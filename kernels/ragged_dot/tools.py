@@ -56,6 +56,15 @@ def _reference(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array) -> jax.Ar
 # sizes are values, not shapes: a compile holds for every split of the rows.
 SIZES = ((8192, 1024, 2048, 8), (1000, 512, 300, 5))
 
+# The gated epilogue (the MoE FFN's gate and up projections): halves of N
+# columns, multiples of 128 (TPU blocks).
+GATED_SIZES = ((8192, 1024, 1024, 8), (1000, 512, 384, 5))
+
+
+def _gated(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array) -> jax.Array:
+  return ragged_dot(lhs, rhs, group_sizes, activation="silu", gated=True)
+
+
 TOOLS = (
   OpTools(
     "ragged_dot",
@@ -63,7 +72,10 @@ TOOLS = (
     sweep={
       "ragged_dot": SweepOp(
         ragged_dot, lambda m, k, n, g: [(m, k), (g, k, n), (g,)], SIZES, SIZES, ints=1
-      )
+      ),
+      "ragged_dot_gated": SweepOp(
+        _gated, lambda m, k, n, g: [(m, k), (g, k, 2 * n), (g,)], GATED_SIZES, GATED_SIZES, ints=1
+      ),
     },
     bench=BenchSuite("test_ragged_dot.py", "ragged_dot", "M x K x N"),
     work=ragged_dot_work,

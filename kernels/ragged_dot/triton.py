@@ -25,7 +25,8 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from pallax.kernels.ragged_dot.common import acc_dtype, held_bounds, tile_groups
+from pallax.activations import activate_in_kernel
+from pallax.kernels.ragged_dot.common import acc_dtype, epilogue, held_bounds, tile_groups
 from pallax.kernels.ragged_dot.config import RaggedDotConfig
 from pallax.pallas_triton import tile_mask
 from pallax.pallas_utils import in_bounds, load, store, triton_compiler_params
@@ -54,31 +55,52 @@ def gmm(
   interpret: Any,
   out_dtype,
   precision=None,
+  activation=None,
+  gated: bool = False,
 ):
-  """``[M, N]``: each row of ``lhs`` times its group's ``rhs[g - offset]``."""
-  (m, k), (local, _, n) = lhs.shape, rhs.shape
+  """``[M, N]``: each row of ``lhs`` times its group's ``rhs[g - offset]``, then the epilogue.
+
+  Gated (``rhs [G, K, 2N]``): the two halves' products accumulate side by
+  side from one load of the rows, and ``act(a) * b`` is stored.
+  """
+  (m, k), (local, _, width) = lhs.shape, rhs.shape
+  n = width // 2 if gated else width
   bm, bn, bk = config.block_m, config.block_n, config.block_k
   starts, ends = held_bounds(group_sizes, group_offset, m, local)
   lo, hi = tile_groups(ends, m, bm)
   acc = acc_dtype(lhs.dtype, rhs.dtype)
   steps = pl.cdiv(k, bk)
+  if gated:  # the halves as [G, K, 2, N] (a free reshape), one block spec each
+    weights = [rhs.reshape(local, k, 2, n)] * 2
+    weight_specs = [
+      pl.BlockSpec((local, k, None, bn), lambda t, j, h=h: (0, 0, h, j)) for h in (0, 1)
+    ]
+  else:
+    weights, weight_specs = [rhs], [pl.BlockSpec((local, k, bn), lambda t, j: (0, 0, j))]
 
-  def kernel(lhs_ref, rhs_ref, lo_ref, hi_ref, starts_ref, ends_ref, out_ref):
+  def kernel(lhs_ref, *refs):
+    *w_refs, lo_ref, hi_ref, starts_ref, ends_ref, out_ref = refs
     tile, col = pl.program_id(0), pl.program_id(1)
     rows = tile * bm + lax.broadcasted_iota(jnp.int32, (bm,), 0)
     col_ok = in_bounds(col, bn, n, (bn,), 0)
 
-    def step(j, out):  # the K step ``j % steps`` of the tile's ``j // steps``-th group
+    def step(j, outs):  # the K step ``j % steps`` of the tile's ``j // steps``-th group
       g, s = lo_ref[0] + lax.div(j, jnp.int32(steps)), lax.rem(j, jnp.int32(steps))
       mine = (rows >= starts_ref[g]) & (rows < ends_ref[g])
       k_ok = in_bounds(s, bk, k, (bk,), 0)
       a = load(lhs_ref.at[:, pl.ds(s * bk, bk)], tile_mask(mine, k_ok))
-      b = load(rhs_ref.at[g, pl.ds(s * bk, bk), :], tile_mask(k_ok, col_ok))
-      return out + _dot(a, b, (1, 0), precision, acc)
+      return tuple(
+        out
+        + _dot(
+          a, load(w.at[g, pl.ds(s * bk, bk), :], tile_mask(k_ok, col_ok)), (1, 0), precision, acc
+        )
+        for out, w in zip(outs, w_refs)
+      )
 
     # One loop over (group, K step) pairs (Triton rejects the nested form's bounds).
     pairs = jnp.maximum(hi_ref[0] - lo_ref[0] + 1, 0) * steps
-    out = lax.fori_loop(0, pairs, step, jnp.zeros((bm, bn), acc))
+    zeros = tuple(jnp.zeros((bm, bn), acc) for _ in w_refs)
+    out = epilogue(lax.fori_loop(0, pairs, step, zeros), activation, activate_in_kernel)
     store(out_ref, out.astype(out_ref.dtype), tile_mask(rows < m, col_ok))
 
   return pl.pallas_call(
@@ -86,7 +108,7 @@ def gmm(
     grid=(pl.cdiv(m, bm), pl.cdiv(n, bn)),
     in_specs=[
       pl.BlockSpec((bm, k), lambda t, j: (t, 0)),
-      pl.BlockSpec((local, k, bn), lambda t, j: (0, 0, j)),
+      *weight_specs,
       pl.BlockSpec((1,), lambda t, j: (t,)),
       pl.BlockSpec((1,), lambda t, j: (t,)),
       _whole((local,)),
@@ -96,8 +118,8 @@ def gmm(
     out_shape=jax.ShapeDtypeStruct((m, n), out_dtype),
     compiler_params=triton_compiler_params(config),
     interpret=interpret,
-    name="ragged_dot",
-  )(lhs, rhs, lo, hi, starts, ends)
+    name="ragged_dot_epilogue" if gated or activation else "ragged_dot",
+  )(lhs, *weights, lo, hi, starts, ends)
 
 
 def tgmm(

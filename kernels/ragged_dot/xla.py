@@ -29,7 +29,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from pallax.kernels.ragged_dot.common import WorkList, acc_dtype, zero_like
+from pallax.activations import activate
+from pallax.kernels.ragged_dot.common import WorkList, acc_dtype, epilogue, zero_like
 
 
 def row_tile(m: int, groups: int) -> int:
@@ -111,3 +112,27 @@ def tgmm(
 
   out = lax.fori_loop(0, work.count, item, jnp.zeros((groups, k, n), acc))
   return out.astype(out_dtype)
+
+
+def gmm_epilogue(
+  lhs: jax.Array,
+  rhs: jax.Array,
+  group_sizes: jax.Array,
+  group_offset: jax.Array,
+  *,
+  activation: Any,
+  gated: bool,
+  out_dtype: Any,
+  precision: Any = None,
+) -> jax.Array:
+  """``gmm`` with its epilogue: ``act(h)``, or ``act(a) * b`` for a gated ``[G, K, 2N]`` weight."""
+  h = gmm(
+    lhs,
+    rhs,
+    group_sizes,
+    group_offset,
+    out_dtype=acc_dtype(lhs.dtype, rhs.dtype),
+    precision=precision,
+  )
+  products = jnp.split(h, 2, axis=-1) if gated else [h]
+  return epilogue(products, activation, activate).astype(out_dtype)

@@ -395,3 +395,80 @@ def test_no_rows_or_no_groups():
   assert dlhs.shape == (0, 8) and not np.asarray(drhs).any()
   out = pallax.ragged_dot(jnp.ones((4, 8)), rhs[:0], jnp.zeros(0, jnp.int32))
   np.testing.assert_array_equal(np.asarray(out), 0.0)
+
+
+# ------------------------------------------------------------------------------
+# The fused epilogue: an activation, or gated (``act(x @ w_a) * (x @ w_b)``).
+
+
+def _epilogue_reference(lhs, rhs, sizes, activation, gated):
+  act = {None: lambda z: z, "relu": jax.nn.relu, "silu": jax.nn.silu, "gelu": jax.nn.gelu}
+  act["gelu"] = lambda z: jax.nn.gelu(z, approximate=False)
+  act["gelu_tanh"] = lambda z: jax.nn.gelu(z, approximate=True)
+  h = reference(lhs, rhs, sizes)
+  if not gated:
+    return act[activation](h)
+  n = h.shape[-1] // 2
+  return act[activation](h[:, :n]) * h[:, n:]
+
+
+# (activation, gated): each activation plain, silu gated (the MoE FFN), and
+# gated without an activation (a bilinear GLU).
+EPILOGUES = [("relu", False), ("gelu", False), ("gelu_tanh", False), ("silu", True), (None, True)]
+
+
+@pytest.mark.parametrize(
+  "epilogue", EPILOGUES, ids=lambda e: f"{e[0]}-{'gated' if e[1] else 'plain'}"
+)
+def test_epilogue_forward_grads_and_jvp(epilogue):
+  activation, gated = epilogue
+  m, k, n, sizes = CASES["mixed"]
+  rng = np.random.default_rng(12)
+  lhs, rhs = rand(rng, (m, k)), rand(rng, (len(sizes), k, 2 * n if gated else n)) * 0.3
+  f = lambda a, b: pallax.ragged_dot(a, b, sizes, activation=activation, gated=gated)
+  cot = rand(rng, (m, n))
+  tangents = (rand(rng, lhs.shape), rand(rng, rhs.shape))
+  out, tangent = jax.jit(lambda *a: jax.jvp(f, a[:2], a[2:]))(lhs, rhs, *tangents)
+  grads = jax.jit(jax.grad(lambda a, b: jnp.sum(f(a, b) * cot), (0, 1)))(lhs, rhs)
+  with x64():
+    g = lambda a, b: _epilogue_reference(a, b, sizes, activation, gated)
+    args = (to64(lhs), to64(rhs))
+    want, want_tangent = jax.jvp(g, args, tuple(map(to64, tangents)))
+    want_grads = jax.grad(lambda a, b: jnp.sum(g(a, b) * to64(cot)), (0, 1))(*args)
+  assert_close(out, want, jnp.float32, "forward")
+  assert_close(tangent, want_tangent, jnp.float32, "jvp")
+  assert_close(grads[0], want_grads[0], jnp.float32, "dlhs")
+  assert_close(grads[1], want_grads[1], jnp.float32, "drhs")
+
+
+@pytest.mark.parametrize("path", KERNEL_PATHS)
+def test_gated_kernel_and_expert_sharding(path):
+  """The gated epilogue in the kernels (halves of 128 columns: whole TPU blocks), and sharded."""
+  rng = np.random.default_rng(13)
+  sizes = np.asarray([0, 1, 7, 0, 60, 29, 3, 4])
+  lhs, rhs = rand(rng, (112, 24)), rand(rng, (8, 24, 256)) * 0.3
+  f = lambda a, b: pallax.ragged_dot(
+    a, b, sizes, activation="silu", gated=True, config=PINNED[path]
+  )
+  cot = rand(rng, (112, 128))
+  loss = lambda a, b: jnp.sum(f(a, b) * cot)
+  with on_path(path):
+    calls = {(s.op, s.implementation) for s in pallax.explain(f, lhs, rhs)}
+    out, grads = jax.jit(jax.value_and_grad(loss, (0, 1)))(lhs, rhs)
+    mesh = jax.make_mesh(
+      (8,), ("e",), axis_types=(jax.sharding.AxisType.Auto,), devices=sharding_devices()
+    )
+    sharded = jax.device_put(rhs, jax.sharding.NamedSharding(mesh, P("e")))
+    out_sharded = jax.jit(f)(lhs, sharded)
+  assert calls == {("ragged_dot_epilogue", "pallas")}, calls
+  with x64():
+    g = lambda a, b: _epilogue_reference(a, b, sizes, "silu", True)
+    want, want_grads = jax.value_and_grad(lambda a, b: jnp.sum(g(a, b) * to64(cot)), (0, 1))(
+      to64(lhs), to64(rhs)
+    )
+  assert_close(out, want, jnp.float32, f"{path} loss")
+  assert_close(grads[0], want_grads[0], jnp.float32, f"{path} dlhs")
+  assert_close(grads[1], want_grads[1], jnp.float32, f"{path} drhs")
+  with x64():
+    want_out = g(to64(lhs), to64(rhs))
+  assert_close(out_sharded, want_out, jnp.float32, f"{path} experts sharded")
