@@ -229,18 +229,22 @@ def assert_tree_close(got, want, rtol=2e-5, atol=2e-5) -> None:
     np.testing.assert_allclose(np.asarray(g)[finite], np.asarray(w)[finite], rtol=rtol, atol=atol)
 
 
+def outside_xdist(**env) -> dict:
+  """This process's environment plus ``env``, the outer run's ``PYTEST_XDIST*`` dropped."""
+  environ = {k: v for k, v in os.environ.items() if not k.startswith("PYTEST_XDIST")}
+  return {**environ, **env}
+
+
 def run_pytest(args, cwd, *, timeout=None, **env) -> subprocess.CompletedProcess:
   """pytest ``args`` in a fresh process at ``cwd``, with ``env`` added to the environment.
 
   Outside any xdist worker of the outer run (its ``PYTEST_XDIST*`` variables
   dropped: pytest-benchmark would not time under one); output captured as text.
   """
-  environ = {k: v for k, v in os.environ.items() if not k.startswith("PYTEST_XDIST")}
-  environ.update(env)
   return subprocess.run(
     [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-q", *args],
     cwd=cwd,
-    env=environ,
+    env=outside_xdist(**env),
     capture_output=True,
     text=True,
     timeout=timeout,

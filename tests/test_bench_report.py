@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
 from pallax import bench
-from tests.helpers import run_pytest
+from tests.helpers import outside_xdist
 
 
 def _benchmark(impl, mode, shape, median, **info):
@@ -109,15 +111,33 @@ def test_unknown_op_is_refused(capsys):
   assert "unknown ops ['nope']" in capsys.readouterr().err
 
 
+# Collects each op's cases in one process (``pytest.main`` per op: JAX and the
+# bench modules imported once), each op's output after an ``@@@ op`` line.
+_COLLECT_EACH = """
+import sys, pytest
+for op, path, keyword in zip(*[iter(sys.argv[1:])] * 3):
+  print("@@@", op, flush=True)
+  code = pytest.main(["-p", "no:cacheprovider", "-q", "--collect-only", "-n", "0", path, "-k",
+                      keyword, "--peers"])
+  print("@@@ exit", int(code), flush=True)
+"""
+
+
 def test_every_suite_selects_cases():
   """Each op's ``-k`` expression selects cases of its suite (pytest --collect-only)."""
   bench_dir = Path(bench.__file__).resolve().parents[1] / "bench"
-  for op, (file, keyword) in bench.SUITES.items():
-    out = run_pytest(
-      ["--collect-only", "-n", "0", str(bench_dir / file), "-k", keyword, "--peers"],
-      bench_dir.parent,
-      timeout=300,
-    )
-    cases = [line for line in out.stdout.splitlines() if "::" in line]
-    assert out.returncode == 0 and cases, (op, out.stdout[-2000:], out.stderr[-2000:])
+  args = [str(a) for op, (f, kw) in bench.SUITES.items() for a in (op, bench_dir / f, kw)]
+  out = subprocess.run(
+    [sys.executable, "-c", _COLLECT_EACH, *args],
+    cwd=bench_dir.parent,
+    env=outside_xdist(),
+    capture_output=True,
+    text=True,
+    timeout=600,
+  )
+  blocks = out.stdout.split("@@@ ")[1:]
+  assert len(blocks) == 2 * len(bench.SUITES), (out.stdout[-2000:], out.stderr[-2000:])
+  for (op, (file, _)), block, end in zip(bench.SUITES.items(), blocks[::2], blocks[1::2]):
+    cases = [line for line in block.splitlines() if "::" in line]
+    assert block.startswith(op) and end.strip() == "exit 0" and cases, (op, block[-2000:])
     assert all(file in line for line in cases)
