@@ -129,20 +129,21 @@ def _dims(name: str, operands: str, result: str):
   return dims
 
 
-gmm_op = custom_op(
-  _OP,
-  reference=kernels.gmm,
-  dims=_dims(_OP, "m k, g k n, gt, o", "m n"),
-  kernels=kernels.GMM.impls,
-  config=kernels.GMM.space,
-)
-tgmm_op = custom_op(
-  f"{_OP}_tgmm",
-  reference=kernels.tgmm,
-  dims=_dims(f"{_OP}_tgmm", "m k, m n, gt, o", "g k n"),
-  kernels=kernels.TGMM.impls,
-  config=kernels.TGMM.space,
-)
+def _declare(name: str, reference, dims: str, kernel, **kw):
+  """The op ``name`` over ``kernel``'s backends, with ``dims`` (``"operands -> result"``)."""
+  operands, result = dims.split("->")
+  return custom_op(
+    name,
+    reference=reference,
+    dims=_dims(name, operands, result),
+    kernels=kernel.impls,
+    config=kernel.space,
+    **kw,
+  )
+
+
+gmm_op = _declare(_OP, kernels.gmm, "m k, g k n, gt, o -> m n", kernels.GMM)
+tgmm_op = _declare(f"{_OP}_tgmm", kernels.tgmm, "m k, m n, gt, o -> g k n", kernels.TGMM)
 
 
 def _epilogue_jvp(primals, tangents, out, *, activation, gated, out_dtype, precision):
@@ -165,12 +166,11 @@ def _epilogue_jvp(primals, tangents, out, *, activation, gated, out_dtype, preci
 
 # The grouped GEMM with an activation, or gated (``act(lhs @ rhs[g][:, :N]) *
 # (lhs @ rhs[g][:, N:])``): its kernels are the GEMM's with the epilogue.
-epilogue_op = custom_op(
+epilogue_op = _declare(
   f"{_OP}_epilogue",
-  reference=kernels.gmm_epilogue,
-  dims=_dims(f"{_OP}_epilogue", "m k, g k n, gt, o", "m n"),
-  kernels=kernels.GMM.impls,
-  config=kernels.GMM.space,
+  kernels.gmm_epilogue,
+  "m k, g k n, gt, o -> m n",
+  kernels.GMM,
   jvp=_epilogue_jvp,
 )
 _OPS = {op.name: op for op in (gmm_op, tgmm_op, epilogue_op)}

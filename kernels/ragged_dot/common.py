@@ -22,6 +22,29 @@ def acc_dtype(*dtypes) -> jnp.dtype:
   return jnp.promote_types(jnp.float32, jnp.result_type(*dtypes))
 
 
+def tile_dot(a, b, contract: tuple[int, int], precision, dtype) -> jax.Array:
+  """One product contracting dim ``contract[0]`` of ``a`` with ``contract[1]`` of ``b``.
+
+  In the operands' promoted dtype (a cotangent may be wider than the
+  primal), accumulated in ``dtype``.
+  """
+  compute = jnp.promote_types(a.dtype, b.dtype)
+  dims = (((contract[0],), (contract[1],)), ((), ()))
+  return lax.dot_general(
+    a.astype(compute), b.astype(compute), dims, precision=precision, preferred_element_type=dtype
+  )
+
+
+def gemm_params(params: dict) -> tuple:
+  """A kernel call's ``(out_dtype, precision, activation, gated)``: the op's params it reads."""
+  return params["out_dtype"], params.get("precision"), params.get("activation"), params.get("gated")
+
+
+def kernel_name(params: dict) -> str:
+  """The ``pallas_call`` name of a grouped GEMM: the primitive's, with or without an epilogue."""
+  return "ragged_dot_epilogue" if params.get("activation") or params.get("gated") else "ragged_dot"
+
+
 def epilogue(products, activation, act) -> jax.Array:
   """The grouped GEMM's epilogue of its float32 product(s): ``act(h)``, or ``act(a) * b`` gated.
 

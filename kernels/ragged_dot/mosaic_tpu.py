@@ -33,16 +33,15 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from pallax.activations import activate_in_kernel
-from pallax.kernels.ragged_dot.common import WorkList, acc_dtype, epilogue
+from pallax.kernels.ragged_dot.common import (
+  WorkList,
+  acc_dtype,
+  epilogue,
+  gemm_params,
+  kernel_name,
+  tile_dot,
+)
 from pallax.kernels.ragged_dot.config import RaggedDotConfig, tpu_blocks
-
-
-def _dot(a, b, contract: tuple[int, int], precision, dtype) -> jax.Array:
-  compute = jnp.promote_types(a.dtype, b.dtype)
-  dims = (((contract[0],), (contract[1],)), ((), ()))
-  return lax.dot_general(
-    a.astype(compute), b.astype(compute), dims, precision=precision, preferred_element_type=dtype
-  )
 
 
 def _rows_mask(item_ref, shape, tile: int, i) -> jax.Array:
@@ -72,25 +71,14 @@ def _item_key(work_keys: jax.Array) -> jax.Array:
   )
 
 
-def gmm(
-  lhs,
-  rhs,
-  group_sizes,
-  group_offset,
-  *,
-  config: RaggedDotConfig,
-  interpret: Any,
-  out_dtype,
-  precision=None,
-  activation=None,
-  gated: bool = False,
-):
+def gmm(lhs, rhs, group_sizes, group_offset, *, config: RaggedDotConfig, interpret: Any, **params):
   """``[M, N]``: each row of ``lhs`` times its group's ``rhs[g - offset]``, then the epilogue.
 
   Gated (``rhs [G, K, 2N]``, ``config.supports``: N a multiple of the
   column block): column block ``j`` of each half, ``j`` and ``j + N / bn``
   of ``rhs``, accumulate side by side; ``act(a) * b`` is written.
   """
+  out_dtype, precision, activation, gated = gemm_params(params)
   (m, k), (local, _, width) = lhs.shape, rhs.shape
   n = width // 2 if gated else width
   bm, bn, bk = tpu_blocks(config, m, n, k)
@@ -120,7 +108,7 @@ def gmm(
         a = _zero_tail(a, k - s * bk, 1)
       for acc_ref, w_ref in zip(acc_refs, w_refs):
         b = _zero_tail(w_ref[...], k - s * bk, 0) if k % bk else w_ref[...]
-        acc_ref[...] += _dot(a, b, (1, 0), precision, acc)
+        acc_ref[...] += tile_dot(a, b, (1, 0), precision, acc)
 
     @pl.when(real & (s == steps - 1))
     def _write():
@@ -150,23 +138,14 @@ def gmm(
       dimension_semantics=("parallel", "arbitrary", "arbitrary")
     ),
     interpret=interpret,
-    name="ragged_dot_epilogue" if gated or activation else "ragged_dot",
+    name=kernel_name(params),
   )(*prefetch, fresh, lhs, *[rhs] * len(halves))
 
 
-def tgmm(
-  lhs,
-  rhs,
-  group_sizes,
-  group_offset,
-  *,
-  config: RaggedDotConfig,
-  interpret: Any,
-  groups: int,
-  out_dtype,
-  precision=None,
-):
+def tgmm(lhs, rhs, group_sizes, group_offset, *, config: RaggedDotConfig, interpret: Any, **params):
   """``[groups, K, N]``: per held group ``lhs[rows of g]^T @ rhs[rows of g]``."""
+  out_dtype, precision, _, _ = gemm_params(params)
+  groups = params["groups"]
   (m, k), n = lhs.shape, rhs.shape[1]
   bm, bn, bk = tpu_blocks(config, m, n, k)
   work = WorkList.by_group(group_sizes, group_offset, m, groups, bm, every_group=True)
@@ -190,7 +169,7 @@ def tgmm(
     def _product():
       a = jnp.where(_rows_mask(item_ref, lhs_ref.shape, bm, i), lhs_ref[...], 0)
       b = jnp.where(_rows_mask(item_ref, rhs_ref.shape, bm, i), rhs_ref[...], 0)
-      acc_ref[...] += _dot(a, b, (0, 0), precision, acc)
+      acc_ref[...] += tile_dot(a, b, (0, 0), precision, acc)
 
     @pl.when(real & (last_ref[i] == 1))
     def _write():

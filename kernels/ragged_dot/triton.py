@@ -26,18 +26,18 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from pallax.activations import activate_in_kernel
-from pallax.kernels.ragged_dot.common import acc_dtype, epilogue, held_bounds, tile_groups
+from pallax.kernels.ragged_dot.common import (
+  acc_dtype,
+  epilogue,
+  gemm_params,
+  held_bounds,
+  kernel_name,
+  tile_dot,
+  tile_groups,
+)
 from pallax.kernels.ragged_dot.config import RaggedDotConfig
 from pallax.pallas_triton import tile_mask
 from pallax.pallas_utils import in_bounds, load, store, triton_compiler_params
-
-
-def _dot(a, b, contract: tuple[int, int], precision, dtype) -> jax.Array:
-  """One tile product in the operands' promoted dtype (the cotangent may be wider)."""
-  compute = jnp.promote_types(a.dtype, b.dtype)
-  a, b = a.astype(compute), b.astype(compute)
-  dims = (((contract[0],), (contract[1],)), ((), ()))
-  return lax.dot_general(a, b, dims, precision=precision, preferred_element_type=dtype)
 
 
 def _whole(shape: tuple[int, ...]) -> pl.BlockSpec:
@@ -45,24 +45,13 @@ def _whole(shape: tuple[int, ...]) -> pl.BlockSpec:
   return pl.BlockSpec(shape, lambda *_: (0,) * len(shape))
 
 
-def gmm(
-  lhs,
-  rhs,
-  group_sizes,
-  group_offset,
-  *,
-  config: RaggedDotConfig,
-  interpret: Any,
-  out_dtype,
-  precision=None,
-  activation=None,
-  gated: bool = False,
-):
+def gmm(lhs, rhs, group_sizes, group_offset, *, config: RaggedDotConfig, interpret: Any, **params):
   """``[M, N]``: each row of ``lhs`` times its group's ``rhs[g - offset]``, then the epilogue.
 
   Gated (``rhs [G, K, 2N]``): the two halves' products accumulate side by
   side from one load of the rows, and ``act(a) * b`` is stored.
   """
+  out_dtype, precision, activation, gated = gemm_params(params)
   (m, k), (local, _, width) = lhs.shape, rhs.shape
   n = width // 2 if gated else width
   bm, bn, bk = config.block_m, config.block_n, config.block_k
@@ -91,7 +80,7 @@ def gmm(
       a = load(lhs_ref.at[:, pl.ds(s * bk, bk)], tile_mask(mine, k_ok))
       return tuple(
         out
-        + _dot(
+        + tile_dot(
           a, load(w.at[g, pl.ds(s * bk, bk), :], tile_mask(k_ok, col_ok)), (1, 0), precision, acc
         )
         for out, w in zip(outs, w_refs)
@@ -118,23 +107,14 @@ def gmm(
     out_shape=jax.ShapeDtypeStruct((m, n), out_dtype),
     compiler_params=triton_compiler_params(config),
     interpret=interpret,
-    name="ragged_dot_epilogue" if gated or activation else "ragged_dot",
+    name=kernel_name(params),
   )(lhs, *weights, lo, hi, starts, ends)
 
 
-def tgmm(
-  lhs,
-  rhs,
-  group_sizes,
-  group_offset,
-  *,
-  config: RaggedDotConfig,
-  interpret: Any,
-  groups: int,
-  out_dtype,
-  precision=None,
-):
+def tgmm(lhs, rhs, group_sizes, group_offset, *, config: RaggedDotConfig, interpret: Any, **params):
   """``[groups, K, N]``: per held group ``lhs[rows of g]^T @ rhs[rows of g]``."""
+  out_dtype, precision, _, _ = gemm_params(params)
+  groups = params["groups"]
   (m, k), n = lhs.shape, rhs.shape[1]
   bm, bn, bk = config.block_m, config.block_n, config.block_k
   starts, ends = held_bounds(group_sizes, group_offset, m, groups)
@@ -151,7 +131,7 @@ def tgmm(
       mine = (rows >= start) & (rows < end)
       a = load(lhs_ref.at[pl.ds(r * bm, bm), :], tile_mask(mine, k_ok))
       b = load(rhs_ref.at[pl.ds(r * bm, bm), :], tile_mask(mine, col_ok))
-      return out + _dot(a, b, (0, 0), precision, acc)
+      return out + tile_dot(a, b, (0, 0), precision, acc)
 
     first = lax.div(start, jnp.int32(bm))
     last = jnp.where(end > start, pl.cdiv(end, jnp.int32(bm)), first)

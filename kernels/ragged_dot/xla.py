@@ -30,7 +30,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from pallax.activations import activate
-from pallax.kernels.ragged_dot.common import WorkList, acc_dtype, epilogue, zero_like
+from pallax.kernels.ragged_dot.common import WorkList, acc_dtype, epilogue, tile_dot, zero_like
 
 
 def row_tile(m: int, groups: int) -> int:
@@ -49,11 +49,6 @@ def row_tile(m: int, groups: int) -> int:
 def _padded_rows(x: jax.Array, tile: int) -> jax.Array:
   pad = -x.shape[0] % tile
   return jnp.pad(x, ((0, pad), (0, 0))) if pad else x
-
-
-def _dot(a, b, contract: tuple[int, int], precision, dtype) -> jax.Array:
-  dims = (((contract[0],), (contract[1],)), ((), ()))
-  return lax.dot_general(a, b, dims, precision=precision, preferred_element_type=dtype)
 
 
 def gmm(
@@ -77,7 +72,7 @@ def gmm(
   def item(i, out):
     start, rows = work.rows(x, i)
     w = lax.dynamic_index_in_dim(rhs, work.slots[i], 0, keepdims=False)
-    product = _dot(rows, w, (1, 0), precision, acc)
+    product = tile_dot(rows, w, (1, 0), precision, acc)
     return lax.dynamic_update_slice(
       out, work.tile_of(out, start) + product, (start, zero_like(start))
     )
@@ -107,7 +102,7 @@ def tgmm(
 
   def item(i, out):
     start, rows = work.rows(x, i)
-    product = _dot(rows, work.tile_of(y, start), (0, 0), precision, acc)
+    product = tile_dot(rows, work.tile_of(y, start), (0, 0), precision, acc)
     return out.at[work.slots[i]].add(product)
 
   out = lax.fori_loop(0, work.count, item, jnp.zeros((groups, k, n), acc))
