@@ -2,9 +2,10 @@
 
 Every token goes to its ``top_k`` experts, none is dropped: the (token,
 slot) pairs are sorted by expert, each expert's rows pass its gated MLP as
-grouped matmuls (``pallax.ragged_dot``: one GEMM's work for all experts,
-not one per expert), and the results are un-permuted and combined with the
-routing weights. Built from JAX ops and pallax primitives, so ``grad``,
+two grouped matmuls (``pallax.ragged_dot``: one GEMM's work for all
+experts, not one per expert; the gate and up projections in one gated
+kernel), and the results are un-permuted and combined with the routing
+weights. Built from JAX ops and pallax primitives, so ``grad``,
 ``jvp``, ``vmap`` and their compositions all work; the integer routing
 (top-k, sort) has no derivative, the weights do.
 
@@ -195,19 +196,31 @@ def _pairs_per_expert(chosen: jax.Array, routed: jax.Array, experts: int) -> jax
   return jnp.zeros((experts + 1,), jnp.int32).at[pairs].add(1)[:experts]
 
 
-def _gated_mlp(x, w_gate, w_up, w_down, matmul):
-  """``silu(x @ w_gate) * (x @ w_up) @ w_down``, float32 out of ``matmul(a, w, float32)``.
+def _expert_mlps(rows, sizes, w_gate_up, w_down) -> jax.Array:
+  """Each expert's gated MLP of its (sorted) rows, float32: two grouped GEMMs.
 
-  The gate is taken in float32 and the hidden activations rounded to
-  ``x``'s dtype once, for the down projection.
+  The gate and up projections run as one gated ``ragged_dot`` (the rows read
+  once, ``[rows, 2F]`` never written), its float32 epilogue rounded to the
+  rows' dtype once for the down projection.
   """
-  f32 = jnp.float32
-  hidden = jax.nn.silu(matmul(x, w_gate, f32)) * matmul(x, w_up, f32)
-  return matmul(hidden.astype(x.dtype), w_down, f32)
+  hidden = ragged_dot(
+    rows, w_gate_up, sizes, preferred_element_type=rows.dtype, activation="silu", gated=True
+  )
+  return ragged_dot(hidden, w_down, sizes, preferred_element_type=jnp.float32)
 
 
-def _check_experts(x, w_gate, w_up, w_down) -> None:
+def _fused_experts(x, w_gate, w_up, w_down) -> jax.Array:
+  """The experts' ``[E, D, 2F]`` gate-and-up weight, checked against ``x`` and ``w_down``."""
   d = x.shape[-1]
+  if w_up is None:
+    fused = w_gate.ndim == 3 and w_gate.shape[1] == d and w_gate.shape[2] % 2 == 0
+    e, f = (w_gate.shape[0], w_gate.shape[2] // 2) if fused else (None, None)
+    if not fused or w_down.shape != (e, f, d):
+      raise ValueError(
+        f"{_OP}: without w_up, w_gate must be [E, D, 2F] (gate and up side by side) and w_down "
+        f"[E, F, D] with D = {d} (x's last dim); got {w_gate.shape} and {w_down.shape}"
+      )
+    return w_gate
   e, _, f = w_gate.shape if w_gate.ndim == 3 else (None, None, None)
   ok = w_gate.ndim == 3 and w_gate.shape == w_up.shape and w_gate.shape[1] == d
   if not ok or w_down.shape != (e, f, d):
@@ -215,6 +228,7 @@ def _check_experts(x, w_gate, w_up, w_down) -> None:
       f"{_OP}: w_gate and w_up must be [E, D, F] and w_down [E, F, D] with D = {d} (x's "
       f"last dim); got {w_gate.shape}, {w_up.shape} and {w_down.shape}"
     )
+  return jnp.concatenate([w_gate, w_up], axis=-1)
 
 
 def _dense(a, w, dtype) -> jax.Array:
@@ -235,7 +249,9 @@ def _shared_output(x, shared_experts, shared_expert_gate) -> jax.Array:
       f"{_OP}: shared_experts must be ([D, F], [D, F], [F, D]) with D = {d}; got "
       f"{w_gate.shape}, {w_up.shape} and {w_down.shape}"
     )
-  out = _gated_mlp(x, w_gate, w_up, w_down, _dense)
+  f32 = jnp.float32
+  hidden = jax.nn.silu(_dense(x, w_gate, f32)) * _dense(x, w_up, f32)
+  out = _dense(hidden.astype(x.dtype), w_down, f32)
   if shared_expert_gate is None:
     return out
   gate = jnp.asarray(shared_expert_gate)
@@ -250,7 +266,7 @@ def moe(
   x: jax.Array,
   router_logits: Optional[jax.Array],
   w_gate: jax.Array,
-  w_up: jax.Array,
+  w_up: Optional[jax.Array],
   w_down: jax.Array,
   *,
   top_k: Optional[int] = None,
@@ -271,7 +287,9 @@ def moe(
     router_logits: ``[..., E]``, the router's logits (``route`` turns them
       into a ``Routing``); None when ``routing`` is given.
     w_gate: ``[E, D, F]``, the experts' gate projections.
-    w_up: ``[E, D, F]``, their up projections.
+    w_up: ``[E, D, F]``, their up projections; None: ``w_gate`` is ``[E,
+      D, 2F]``, the gate and up projections side by side (the layout the
+      gated kernel reads, which saves concatenating them on every call).
     w_down: ``[E, F, D]``, their down projections.
     top_k: experts a token (with ``router_logits``).
     routing: a precomputed ``Routing`` (experts and weights ``[..., k]``)
@@ -291,10 +309,12 @@ def moe(
     ``(out [..., D] in x's dtype, RouterStats)``; for a given ``routing``
     the stats hold ``tokens_per_expert`` only.
   """
-  x, w_gate, w_up, w_down = (jnp.asarray(a) for a in (x, w_gate, w_up, w_down))
+  x, w_gate, w_down = (jnp.asarray(a) for a in (x, w_gate, w_down))
+  w_up = None if w_up is None else jnp.asarray(w_up)
   for name, a in (("x", x), ("w_gate", w_gate), ("w_up", w_up), ("w_down", w_down)):
-    check_floating(_OP, name, a)
-  _check_experts(x, w_gate, w_up, w_down)
+    if a is not None:
+      check_floating(_OP, name, a)
+  w_gate_up = _fused_experts(x, w_gate, w_up, w_down)
   experts, lead = w_gate.shape[0], x.shape[:-1]
   keep = _token_mask(mask, lead, "x's leading dims")
   if (router_logits is None) == (routing is None):
@@ -328,8 +348,7 @@ def moe(
   if router_logits is None:
     stats = RouterStats(sizes.astype(jnp.float32), None, None)
   tokens = x.reshape(-1, x.shape[-1])
-  grouped = lambda a, w, dtype: ragged_dot(a, w, sizes, preferred_element_type=dtype)
-  rows = _gated_mlp(tokens[order // k], w_gate, w_up, w_down, grouped)
+  rows = _expert_mlps(tokens[order // k], sizes, w_gate_up, w_down)
   per_slot = jnp.zeros_like(rows).at[order].set(rows).reshape(-1, k, rows.shape[-1])
   out = jnp.einsum("tkd,tk->td", per_slot, weights, preferred_element_type=jnp.float32)
   if shared_experts is not None:

@@ -211,7 +211,22 @@ def test_precomputed_routing_and_vmap_against_a_loop():
 def test_the_experts_run_as_grouped_matmuls():
   x, logits, (wg, wu, wd) = _params()
   jaxpr = jax.make_jaxpr(lambda *a: pallax.moe(*a, top_k=K))(x, logits, wg, wu, wd)
-  assert [e.primitive.name for e in jaxpr.eqns].count("ragged_dot") == 3
+  names = [e.primitive.name for e in jaxpr.eqns]
+  assert names.count("ragged_dot_epilogue") == 1  # gate and up, one gated kernel
+  assert names.count("ragged_dot") == 1  # down
+
+
+def test_fused_gate_and_up_weight_is_the_pair():
+  x, logits, (wg, wu, wd) = _params(seed=4)
+  fused = jnp.concatenate([wg, wu], axis=-1)
+  want, _ = pallax.moe(x, logits, wg, wu, wd, top_k=K)
+  got, _ = pallax.moe(x, logits, fused, None, wd, top_k=K)
+  np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+  grads = jax.grad(lambda w: jnp.sum(pallax.moe(x, logits, w, None, wd, top_k=K)[0] ** 2))(fused)
+  pair = jax.grad(lambda a, b: jnp.sum(pallax.moe(x, logits, a, b, wd, top_k=K)[0] ** 2), (0, 1))
+  np.testing.assert_allclose(
+    np.asarray(grads), np.asarray(jnp.concatenate(pair(wg, wu), -1)), rtol=1e-6, atol=1e-7
+  )
 
 
 def test_bad_input_is_named():
@@ -220,6 +235,8 @@ def test_bad_input_is_named():
     pallax.moe(x, logits, wg, wu, wd, top_k=E + 1)
   with pytest.raises(ValueError, match="w_down"):
     pallax.moe(x, logits, wg, wu, wd[:, :, :-1], top_k=K)
+  with pytest.raises(ValueError, match="without w_up, w_gate must be"):
+    pallax.moe(x, logits, wg, None, wd, top_k=K)
   with pytest.raises(ValueError, match="router_logits must have shape"):
     pallax.moe(x, logits[:, :-1], wg, wu, wd, top_k=K)
   with pytest.raises(ValueError, match="exactly one"):
