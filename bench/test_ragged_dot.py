@@ -5,8 +5,9 @@ Run (``-n 0``: pytest-benchmark does not time under xdist)::
   pytest -n 0 bench/test_ragged_dot.py --benchmark-group-by=param:shape,param:groups,param:mode
 
 Shapes are ``(M, K, N, G)``: ``[M, K]`` rows in G groups times ``[G, K, N]``.
-Groups: ``even`` (M / G rows each) or ``skewed`` (halving: M/2, M/4, ...,
-an empty group, the rest in the last). Impls: ``pallax``, ``lax`` (XLA's
+Groups: ``even`` (M / G rows each), ``skewed`` (halving: M/2, M/4, ...,
+an empty group, the rest in the last) or ``random`` (G - 1 uniform cuts, as
+routing gives). Impls: ``pallax``, ``lax`` (XLA's
 ``ragged_dot``, on CPU and GPU a masked dense product over every group: G
 times the FLOPs; its ``hvp`` raises, reported as the peer's error),
 ``tokamax`` (``tokamax.ragged_dot``, its default implementation: the
@@ -27,13 +28,16 @@ import pallax
 from pallax import roofline
 
 SHAPES = [(8192, 1024, 2048, 8)]
-GROUPS = ("even", "skewed")
+GROUPS = ("even", "skewed", "random")
 IMPLS = ("pallax", "lax", "tokamax", "dense")
 
 
 def group_sizes(m: int, g: int, kind: str) -> np.ndarray:
   if kind == "even":
     return np.full(g, m // g, np.int32)
+  if kind == "random":  # what routing gives: a group boundary inside nearly every tile
+    cuts = np.sort(np.random.default_rng(2).integers(0, m, g - 1))
+    return np.diff(np.concatenate([[0], cuts, [m]])).astype(np.int32)
   sizes = [m // 2**i for i in range(1, g)]
   sizes[-1] = 0
   return np.asarray([*sizes, m - sum(sizes)], np.int32)

@@ -111,6 +111,9 @@ class OpTools:
   work: its FLOP/byte model, ``pallax.roofline.<work.__name__>``.
   aliases: other public functions that run this op's kernels (a peer's
     signature of the same op), covered by its tools.
+  composites: public functions built on this op (``pallax.moe`` on
+    ``ragged_dot``) by name, each with a bench suite of its own; their
+    kernels are this op's, so its check and sweep cover them.
   """
 
   op: str
@@ -119,6 +122,7 @@ class OpTools:
   bench: BenchSuite
   work: Callable
   aliases: tuple[str, ...] = ()
+  composites: Mapping[str, BenchSuite] = dataclasses.field(default_factory=dict)
 
   def __post_init__(self):
     if self.check.name != self.op:
@@ -151,7 +155,7 @@ def registered() -> tuple[OpTools, ...]:
     if module.ispkg:
       found += _family_tools(module.name)
   for kind, names in (
-    ("op", [n for t in found for n in (t.op, *t.aliases)]),
+    ("op", [n for t in found for n in (t.op, *t.aliases, *t.composites)]),
     ("sweep entry", [n for t in found for n in t.sweep]),
   ):
     twice = sorted({n for n in names if names.count(n) > 1})
@@ -171,8 +175,11 @@ def sweep_ops() -> dict[str, SweepOp]:
 
 
 def bench_suites() -> dict[str, BenchSuite]:
-  """Every op's bench suite, by op name."""
-  return {t.op: t.bench for t in registered()}
+  """Every op's bench suite, and its composites', by name (each op before its composites)."""
+  suites = {}
+  for t in registered():
+    suites.update({t.op: t.bench, **t.composites})
+  return suites
 
 
 def work_models() -> dict[str, Callable]:

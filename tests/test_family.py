@@ -31,7 +31,11 @@ def test_every_public_op_is_registered_once():
 def test_every_tool_has_every_op():
   ops = [t.op for t in family.registered()]
   assert [check.name for check in selfcheck.CHECKS] == ops
-  assert list(bench.SUITES) == ops
+  composites = {n: suite for t in family.registered() for n, suite in t.composites.items()}
+  assert list(bench.SUITES) == [n for t in family.registered() for n in (t.op, *t.composites)]
+  assert composites["moe"].file == "test_moe.py"
+  for name, suite in composites.items():
+    assert bench.SUITES[name] == (suite.file, suite.keyword)
   swept = [name for t in family.registered() for name in t.sweep]
   assert list(sweep.LIBRARY_OPS) == swept
   for t in family.registered():

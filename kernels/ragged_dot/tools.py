@@ -80,5 +80,6 @@ TOOLS = (
     bench=BenchSuite("test_ragged_dot.py", "ragged_dot", "M x K x N"),
     work=ragged_dot_work,
     aliases=("ragged_dot_general",),
+    composites={"moe": BenchSuite("test_moe.py", "test_moe", "T x D x F")},
   ),
 )
