@@ -26,15 +26,15 @@ rows (M) and the groups (G) shard through a per-shard program
 (``_per_shard``): a shard of the rows takes its own group sizes, a shard of
 the groups (expert parallelism: each device its experts' weights) its own
 ``group_offset``, and the partial results are summed (an all-reduce of the
-output, never a gather of the weights). M and G over one mesh axis gather
-the rows instead and reduce-scatter the output (sending each row only to
-its expert's device, a ragged ``all_to_all``, is not written).
+output, never a gather of the weights). M and G over the same mesh axes
+send each row to its expert's device and back (``_exchanged``: a ragged
+``all_to_all``, padded on CPU).
 """
 
 from __future__ import annotations
 
 import functools
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
@@ -46,11 +46,97 @@ from pallax.custom_op import custom_op
 from pallax.kernels import ragged_dot as kernels
 from pallax.kernels.ragged_dot import RaggedDotConfig
 from pallax.op import Dims, Program, Shards
+from pallax.op.collectives import ragged_all_to_all
 from pallax.validation import check_config, check_floating, check_precision
 
 __all__ = ["ragged_dot", "RaggedDotConfig"]
 
 _OP = "ragged_dot"
+
+
+class _Exchange(NamedTuple):
+  """Where one device's rows go when tokens (M) and experts (G) split over the same devices.
+
+  The rows are sorted by group, so the rows of a device's experts are one
+  range of the global rows, and what device ``p`` sends device ``q`` is the
+  overlap of ``p``'s rows with ``q``'s range: sent in ``p`` order, the
+  ranges pack ``q``'s experts' rows in order. Every field is ``[devices]``
+  but ``sizes``.
+
+  Attributes:
+    send: rows this device sends each device.
+    send_from: where they start among this device's rows.
+    send_to: where they land among the receiver's.
+    recv: rows this device receives from each device.
+    recv_at: where they land among this device's received rows.
+    recv_from: where they start among the sender's rows.
+    sizes: ``[local]``, the received rows' group sizes (this device's experts).
+  """
+
+  send: jax.Array
+  send_from: jax.Array
+  send_to: jax.Array
+  recv: jax.Array
+  recv_at: jax.Array
+  recv_from: jax.Array
+  sizes: jax.Array
+
+
+def _exchange(sizes, offset, rows: int, devices: int, local: int, me) -> _Exchange:
+  """Device ``me``'s ``_Exchange``: ``devices`` of ``rows`` rows and ``local`` groups each."""
+  m = rows * devices
+  firsts = offset[0] + jnp.arange(devices, dtype=jnp.int32) * local
+  starts, ends = jax.vmap(lambda f: kernels.held_bounds(sizes, f[None], m, local))(firsts)
+  lo, hi = starts[:, 0], ends[:, -1]  # each device's experts' rows
+  first = jnp.arange(devices, dtype=jnp.int32) * rows  # each device's first row
+
+  def overlap(lo, hi, first):
+    begin = jnp.maximum(lo, first)
+    return jnp.maximum(jnp.minimum(hi, first + rows) - begin, 0), begin
+
+  send, begin = overlap(lo, hi, me * rows)
+  recv, begin_in = overlap(lo[me], hi[me], first)
+  return _Exchange(
+    send,
+    jnp.clip(begin - me * rows, 0, rows),
+    jnp.clip(begin - lo, 0, m),
+    recv,
+    jnp.clip(begin_in - lo[me], 0, m),
+    jnp.clip(begin_in - first, 0, rows),
+    ends[me] - starts[me],
+  )
+
+
+def _exchanged(axes, lhs, rhs, sizes, offset, *, name: str, params: dict, devices: int):
+  """One device's product with its experts' rows brought to it by ragged all-to-alls.
+
+  Tokens and experts over the same ``axes``: each device sends its rows to
+  the devices holding their experts (a ragged ``all_to_all``: on GPU and
+  TPU each row once), computes its experts' products of what arrives, and
+  (grouped GEMM) sends each result row back to where it came from. tgmm
+  sends both operands and keeps its groups' products: nothing comes back.
+  """
+  rows = lhs.shape[0]
+  local = params["groups"] // devices if name == tgmm_op.name else rhs.shape[0]
+  plan = _exchange(sizes, offset, rows, devices, local, lax.axis_index(axes))
+
+  def gather(x):  # this device's experts' rows of every device, packed from row 0
+    buffer = jnp.zeros((rows * devices, *x.shape[1:]), x.dtype)
+    return ragged_all_to_all(
+      x, buffer, plan.send_from, plan.send, plan.send_to, plan.recv, axis_name=axes
+    )
+
+  lhs = gather(lhs)
+  if name == tgmm_op.name:
+    rhs, params = gather(rhs), dict(params, groups=local)
+  start = jnp.zeros((1,), jnp.int32)
+  (out,) = _OPS[name].primitive.kernel.bind(lhs, rhs, plan.sizes, start, **params)
+  if name == tgmm_op.name:
+    return out
+  back = jnp.zeros((rows, *out.shape[1:]), out.dtype)
+  return ragged_all_to_all(
+    out, back, plan.recv_at, plan.recv, plan.recv_from, plan.send, axis_name=axes
+  )
 
 
 def _per_shard(shards: Shards, lhs, rhs, sizes, offset, *, name: str, params: dict):
@@ -63,9 +149,11 @@ def _per_shard(shards: Shards, lhs, rhs, sizes, offset, *, name: str, params: di
   groups for the grouped GEMM, the rows for tgmm; K for both).
 
   Rows and groups over the same mesh axes (tokens and experts split alike):
-  the rows are gathered (never the weights, which are most of the bytes),
-  each device computes its experts' rows of all of them, and the grouped
-  GEMM's output is reduce-scattered back to the row shards.
+  each row goes to its expert's device and back (``_exchanged``); with a
+  batch axis (``vmap``'s grid), the rows are gathered instead (never the
+  weights, which are most of the bytes), each device computes its experts'
+  rows of all of them, and the grouped GEMM's output is reduce-scattered
+  back to the row shards.
   """
   m_axes, g_axes = shards.axes("m"), shards.axes("g")
   together = bool(m_axes) and m_axes == g_axes
@@ -74,7 +162,13 @@ def _per_shard(shards: Shards, lhs, rhs, sizes, offset, *, name: str, params: di
       f"{name}: rows sharded over {m_axes} and groups over {g_axes} share some mesh axes but "
       "not all; shard them over the same axes or over disjoint ones"
     )
+  summed = tuple(a for a in shards.summed[0] if not (together and a in m_axes))
   rows = lhs.ndim - 2
+  if together and rows == 0:
+    out = _exchanged(
+      m_axes, lhs, rhs, sizes, offset, name=name, params=params, devices=shards.size("m")
+    )
+    return [lax.psum(out, summed) if summed else out]
   if together:
     lhs = lax.all_gather(lhs, m_axes, axis=rows, tiled=True)
     if name == tgmm_op.name:
@@ -90,7 +184,6 @@ def _per_shard(shards: Shards, lhs, rhs, sizes, offset, *, name: str, params: di
   if g_axes:
     offset = offset + lax.axis_index(g_axes) * local
   (out,) = _OPS[name].primitive.kernel.bind(lhs, rhs, sizes, offset, **params)
-  summed = tuple(a for a in shards.summed[0] if not (together and a in m_axes))
   out = lax.psum(out, summed) if summed else out
   if together and name != tgmm_op.name:
     out = lax.psum_scatter(out, m_axes, scatter_dimension=rows, tiled=True)

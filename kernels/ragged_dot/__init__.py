@@ -11,7 +11,7 @@
 from __future__ import annotations
 
 from pallax.kernels.ragged_dot import config, mosaic_tpu, triton
-from pallax.kernels.ragged_dot.common import acc_dtype, shard_group_sizes
+from pallax.kernels.ragged_dot.common import acc_dtype, held_bounds, shard_group_sizes
 from pallax.kernels.ragged_dot.config import RaggedDotConfig
 from pallax.kernels.ragged_dot.xla import gmm, gmm_epilogue, tgmm
 from pallax.op import Kernel
@@ -21,6 +21,7 @@ __all__ = [
   "TGMM",
   "RaggedDotConfig",
   "acc_dtype",
+  "held_bounds",
   "gmm",
   "gmm_epilogue",
   "shard_group_sizes",

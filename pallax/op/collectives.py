@@ -31,6 +31,8 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import jax
+import jax.numpy as jnp
+from jax import lax
 
 log = logging.getLogger("pallax.sharding")
 
@@ -132,6 +134,50 @@ def _vjp_run(run, primals: int, shards: Shards, *args, **kw) -> list:
       f"{len(outs)} results"
     )
   return list(pullback(cts))
+
+
+def ragged_all_to_all(
+  operand: jax.Array,
+  output: jax.Array,
+  input_offsets: jax.Array,
+  send_sizes: jax.Array,
+  output_offsets: jax.Array,
+  recv_sizes: jax.Array,
+  *,
+  axis_name: str | tuple[str, ...],
+) -> jax.Array:
+  """``jax.lax.ragged_all_to_all`` on GPU and TPU; on CPU (XLA lacks it) a padded ``all_to_all``.
+
+  Each device sends rows ``operand[input_offsets[j]:][:send_sizes[j]]`` to
+  device ``j``, where they land at ``output[output_offsets[j]:]`` (offsets
+  in the receiver's ``output``, given by the sender), and receives
+  ``recv_sizes[i]`` rows from device ``i``; rows of ``output`` that nothing
+  lands on keep their values. The CPU program sends every device a block of
+  ``operand``'s row count (the bytes of an ``all_gather`` of ``operand``)
+  with the sizes masking it, and scatters what arrives; the two lower per
+  platform (``lax.platform_dependent``), so one program compiles for all.
+  """
+  args = (operand, output, input_offsets, send_sizes, output_offsets, recv_sizes)
+  return lax.platform_dependent(
+    *args,
+    cpu=functools.partial(_padded_all_to_all, axis_name=axis_name),
+    default=functools.partial(lax.ragged_all_to_all, axis_name=axis_name),
+  )
+
+
+def _padded_all_to_all(
+  operand, output, input_offsets, send_sizes, output_offsets, recv_sizes, *, axis_name
+) -> jax.Array:
+  rows, devices = operand.shape[0], send_sizes.shape[0]
+  step = jnp.arange(rows, dtype=jnp.int32)
+  take = jnp.clip(input_offsets[:, None] + step, 0, max(rows - 1, 0))
+  sent = step < send_sizes[:, None]
+  blocks = jnp.where(sent.reshape(*sent.shape, *[1] * (operand.ndim - 1)), operand[take], 0)
+  got = lax.all_to_all(blocks.astype(operand.dtype), axis_name, 0, 0, tiled=True)
+  lands = lax.all_to_all(output_offsets[:, None], axis_name, 0, 0, tiled=True)[:, 0]
+  into = jnp.where(step < recv_sizes[:, None], lands[:, None] + step, output.shape[0])
+  got = got.reshape(devices * rows, *operand.shape[1:])
+  return output.at[into.reshape(-1)].set(got, mode="drop")
 
 
 @dataclasses.dataclass(frozen=True)
