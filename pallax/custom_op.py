@@ -213,6 +213,22 @@ class CustomOp:
     return outs[0] if single and len(outs) == 1 else tuple(outs)
 
 
+def _check_own_configs(own_configs: Any, kernels: Mapping[str, Any]) -> dict[str, ConfigSpace]:
+  if own_configs is None:
+    return {}
+  if not isinstance(own_configs, Mapping):
+    raise TypeError(
+      f"own_configs must map implementation names to pallax.ConfigSpace, got "
+      f"{type(own_configs).__name__}"
+    )
+  for name, space in own_configs.items():
+    if _KERNEL_ALIASES.get(name, name) not in kernels:
+      raise ValueError(f"own_configs: {name!r} is not one of the kernels ({', '.join(kernels)})")
+    if not isinstance(space, ConfigSpace):
+      raise TypeError(f"own_configs[{name!r}] must be a pallax.ConfigSpace, got {space!r}")
+  return {_KERNEL_ALIASES.get(name, name): space for name, space in own_configs.items()}
+
+
 def _check_kernels(kernels: Any, what: str) -> dict[str, Callable[..., Any]]:
   if kernels is None:
     return {}
@@ -259,6 +275,7 @@ def custom_op(
   replicated: Sequence[str] = (),
   batching: BatchingArg = "fold",
   jvp: Union[None, Callable[..., Any], ResidualJVP] = None,
+  own_configs: Optional[Mapping[str, ConfigSpace]] = None,
 ) -> CustomOp:
   """Turns a user's kernel (Pallas or raw Triton) into a pallax op.
 
@@ -318,6 +335,12 @@ def custom_op(
       ``tangent_out``): jnp or pallax code linear in ``tangents``, so that
       ``grad`` transposes it. A ``ResidualJVP``: tangent and backward stages
       of their own, the backward possibly a kernel.
+    own_configs: implementation name (a key of ``kernels``) -> a
+      ``ConfigSpace`` of that kernel's own, instead of ``config`` (a config
+      class, heuristic, candidates and legality of its own, as pallax's
+      Mosaic GPU kernels have); its heuristic may return None: the executor
+      then chooses among the other implementations, and its configs are
+      autotuning candidates.
 
   Returns:
     The op: call it as ``op(*arrays, config=None, **params)``.
@@ -344,8 +367,16 @@ def custom_op(
       f"jvp must be None, a callable (primals, tangents, out, **params) or a "
       f"pallax.ResidualJVP; got {type(jvp).__name__}"
     )
+  own_configs = _check_own_configs(own_configs, kernels)
   declaration = Declaration(
-    name, reference, kernels, config, DimsRule(dims, replicated), batching, abstract_eval
+    name,
+    reference,
+    kernels,
+    config,
+    DimsRule(dims, replicated),
+    batching,
+    abstract_eval,
+    own_configs,
   )
   if isinstance(jvp, ResidualJVP):
     return _residual_op(name, declaration, jvp)

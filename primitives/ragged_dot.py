@@ -231,6 +231,7 @@ def _declare(name: str, reference, dims: str, kernel, **kw):
     dims=_dims(name, operands, result),
     kernels=kernel.impls,
     config=kernel.space,
+    own_configs=kernel.spaces,
     **kw,
   )
 
@@ -248,9 +249,13 @@ def _epilogue_jvp(primals, tangents, out, *, activation, gated, out_dtype, preci
   lhs, rhs, sizes, offset = primals
   dlhs, drhs = tangents[:2]
   wide = kernels.acc_dtype(lhs.dtype, rhs.dtype)
-  gemm = lambda a, b: gmm_op(a, b, sizes, offset, out_dtype=wide, precision=precision)
+  gemm = lambda a, b, dtype: gmm_op(a, b, sizes, offset, out_dtype=dtype, precision=precision)
   split = lambda h: jnp.split(h, 2, axis=-1) if gated else [h]
-  h, dh = split(gemm(lhs, rhs)), split(gemm(dlhs, rhs) + gemm(lhs, drhs))
+  # The tangent products in the operands' dtype, as jnp.dot's JVP gives them:
+  # their transposes (the backward's GEMMs) then take 16-bit cotangents.
+  dtype = lhs.dtype
+  dh = (gemm(dlhs, rhs, dtype) + gemm(lhs, drhs, dtype)).astype(wide)
+  h, dh = split(gemm(lhs, rhs, wide)), split(dh)
   tangent = activation_derivative(activation, h[0]) * dh[0]
   if gated:
     tangent = tangent * h[1] + activate(activation, h[0]) * dh[1]
@@ -323,12 +328,14 @@ def _bilinear_jvp_rule(prim):
   def rule(primals, tangents, **params):
     lhs, rhs, sizes, offset = primals
     (out,) = prim.bind(*primals, **params)
-    wide = dict(params, out_dtype=kernels.acc_dtype(lhs.dtype, rhs.dtype))
     pairs = ((tangents[0], (tangents[0], rhs)), (tangents[1], (lhs, tangents[1])))
-    terms = [prim.bind(*ab, sizes, offset, **wide)[0] for t, ab in pairs if type(t) is not ad.Zero]
+    # Each product in the result's dtype, as jnp.dot's JVP: the transposes
+    # (the backward's GEMMs) then take cotangents of that dtype, not float32.
+    live = [ab for t, ab in pairs if type(t) is not ad.Zero]
+    terms = [prim.bind(*ab, sizes, offset, **params)[0] for ab in live]
     if not terms:
       return [out], [ad.Zero.from_primal_value(out)]
-    return [out], [functools.reduce(jnp.add, terms).astype(out.dtype)]
+    return [out], [functools.reduce(jnp.add, terms)]
 
   return rule
 

@@ -638,6 +638,21 @@ _ref = lambda x: x
       "leaves no output",
     ),
     (dict(abstract_eval="f32"), TypeError, "abstract_eval must be callable"),
+    (
+      dict(kernels={"triton": _ref}, config=SCALE_SPACE, own_configs={"mosaic_tpu": SCALE_SPACE}),
+      ValueError,
+      "own_configs: 'mosaic_tpu' is not one of the kernels",
+    ),
+    (
+      dict(kernels={"triton": _ref}, config=SCALE_SPACE, own_configs={"triton": ScaleConfig}),
+      TypeError,
+      "own_configs\\['triton'\\] must be a pallax.ConfigSpace",
+    ),
+    (
+      dict(kernels={"triton": _ref}, config=SCALE_SPACE, own_configs=[SCALE_SPACE]),
+      TypeError,
+      "own_configs must map",
+    ),
   ],
   ids=lambda v: v if isinstance(v, str) else "",
 )

@@ -81,6 +81,10 @@ class Declaration:
       batching rule ``(prim, args, bdims, **params) -> (outs, out_dims)``.
     abstract_eval: ``(*structs, **params) -> ShapeDtypeStruct(s)``; None:
       ``jax.eval_shape`` of the reference.
+    own_configs: implementation name -> the config space of its own that
+      implementation's kernel has (``Kernel.spaces``: the Mosaic GPU
+      kernels'), instead of ``config``; its heuristic may return None (the
+      executor chooses another implementation, its configs candidates).
   """
 
   name: str
@@ -90,6 +94,7 @@ class Declaration:
   dims: DimsRule
   batching: BatchingArg
   abstract_eval: Optional[Callable[..., Any]] = None
+  own_configs: Mapping[str, ConfigSpace] = dataclasses.field(default_factory=dict)
   _shapes: dict = dataclasses.field(default_factory=dict, repr=False)
 
   @property
@@ -206,10 +211,18 @@ class Declaration:
     """The op's ``Kernel`` for the executor; None without kernels."""
     if not self.kernels:
       return None
-    space = self.config
+    impls = {b: self._impl(b) for b in self.kernels}
+    own = {name: self._space(space, own=True) for name, space in self.own_configs.items()}
+    return Kernel(impls, self._space(self.config), own)
+
+  def _space(self, space: ConfigSpace, own: bool = False) -> ConfigSpace:
+    """``space`` over the kernel's operands (the grid-batch axis taken off), its configs checked.
+
+    ``own``: an implementation's own space, whose heuristic may return None.
+    """
 
     def checked(config: Any, what: str) -> KernelConfig:
-      if not isinstance(config, space.config_cls):
+      if not isinstance(config, space.config_cls) and not (own and config is None):
         raise TypeError(
           f"{self.name}: {what} must return a {space.config_cls.__name__}, "
           f"got {type(config).__name__}"
@@ -246,10 +259,7 @@ class Declaration:
         )
       return space.reason(self._kernel_avals(avals, batched), target, config, **params)
 
-    impls = {b: self._impl(b) for b in self.kernels}
-    return Kernel(
-      impls, ConfigSpace(space.config_cls, heuristic, candidates, supports, space.version)
-    )
+    return ConfigSpace(space.config_cls, heuristic, candidates, supports, space.version)
 
   def spec(self) -> PrimitiveSpec:
     """The ``PrimitiveSpec`` that ``define_primitive`` builds the primitive from."""
