@@ -1,7 +1,7 @@
 """A Mixtral-architecture model on pallax ops (examples/mixtral.py) against transformers' own.
 
 A tiny ``MixtralForCausalLM`` with random weights (nothing downloaded): its
-loss with ``labels`` and ``output_router_logits=True`` (next-token
+logits, its loss with ``labels`` and ``output_router_logits=True`` (next-token
 cross-entropy plus the router's load-balancing loss) and every parameter's
 gradient, against the same model written with ``pallax.rms_norm``,
 ``pallax.dot_product_attention``, ``pallax.moe`` and
@@ -73,6 +73,10 @@ def test_loss_and_gradients_match_transformers(overrides):
     params, jnp.asarray(tokens), shape
   )
   np.testing.assert_allclose(float(value), out.loss.item(), rtol=2e-6)
+  h, _ = jax.jit(mixtral.hidden_states, static_argnums=2)(params, jnp.asarray(tokens), shape)
+  logits = np.asarray(h @ params["lm_head.weight"])
+  want_logits = out.logits.detach().numpy()
+  np.testing.assert_allclose(logits, want_logits, rtol=1e-4, atol=1e-5 * np.abs(want_logits).max())
   assert set(grads) == set(want_grads)
   for name, want in want_grads.items():
     got, want = np.asarray(grads[name]), np.asarray(want)
