@@ -32,7 +32,7 @@ from pallax.primitives.cross_entropy import (
 from pallax.primitives.matmul import MatmulConfig, MosaicGpuMatmulConfig, matmul
 from pallax.primitives.norm import NormConfig, fused_add_rms_norm, layer_norm, rms_norm
 from pallax.primitives.paged_attention import PagedAttentionConfig, paged_attention
-from pallax.primitives.ragged_dot import RaggedDotConfig, ragged_dot
+from pallax.primitives.ragged_dot import MosaicGpuRaggedDotConfig, RaggedDotConfig, ragged_dot
 from pallax.primitives.ragged_dot_general import ragged_dot_general
 from pallax.primitives.softmax import SoftmaxConfig, log_softmax, softmax
 
@@ -59,6 +59,7 @@ __all__ = [
   "ragged_dot",
   "ragged_dot_general",
   "RaggedDotConfig",
+  "MosaicGpuRaggedDotConfig",
   "moe",
   "route",
   "Routing",

@@ -162,6 +162,8 @@ class CustomOp:
     self.primitive = primitives[0]
     self.primitives = primitives
     self.config_cls = declaration.config.config_cls if declaration.config is not None else None
+    own = tuple(space.config_cls for space in declaration.own_configs.values())
+    self._config_classes = (self.config_cls, *own) if self.config_cls is not None else ()
     self.__name__ = self.__qualname__ = name
     self._declaration = declaration
     self._residuals = residuals
@@ -187,10 +189,9 @@ class CustomOp:
     if config is not None:
       if self.config_cls is None:
         raise TypeError(f"{self.name}: has no kernels, so config must be None; got {config!r}")
-      if not isinstance(config, self.config_cls):
-        raise TypeError(
-          f"{self.name}: config must be a {self.config_cls.__name__}, got {type(config).__name__}"
-        )
+      if not isinstance(config, self._config_classes):
+        names = " or ".join(c.__name__ for c in self._config_classes)
+        raise TypeError(f"{self.name}: config must be a {names}, got {type(config).__name__}")
     for key, value in params.items():
       if key in _RESERVED:
         raise ValueError(f"{self.name}: {key!r} is reserved, not a param of the op")

@@ -197,16 +197,18 @@ def _pairs_per_expert(chosen: jax.Array, routed: jax.Array, experts: int) -> jax
 
 
 def _expert_mlps(rows, sizes, w_gate_up, w_down) -> jax.Array:
-  """Each expert's gated MLP of its (sorted) rows, float32: two grouped GEMMs.
+  """Each expert's gated MLP of its (sorted) rows, in their dtype: two grouped GEMMs.
 
   The gate and up projections run as one gated ``ragged_dot`` (the rows read
   once, ``[rows, 2F]`` never written), its float32 epilogue rounded to the
-  rows' dtype once for the down projection.
+  rows' dtype once for the down projection, whose float32 accumulator is
+  rounded to it too (so the backward's grouped GEMMs take cotangents of the
+  rows' dtype); the routing weights combine the experts in float32.
   """
   hidden = ragged_dot(
     rows, w_gate_up, sizes, preferred_element_type=rows.dtype, activation="silu", gated=True
   )
-  return ragged_dot(hidden, w_down, sizes, preferred_element_type=jnp.float32)
+  return ragged_dot(hidden, w_down, sizes)
 
 
 def _fused_experts(x, w_gate, w_up, w_down) -> jax.Array:

@@ -30,6 +30,7 @@ from pallax._jax_private import (
   mosaic_gpu_race_found,
   reset_mosaic_gpu_interpreter,
 )
+from pallax.executor.config import KernelConfig
 
 try:
   from jax.experimental.pallas import mosaic_gpu as plgpu
@@ -62,6 +63,91 @@ WGMMA_ROWS = 64
 # producer gives its own up (``setmaxnreg``), by the number of consumers: the
 # warpgroups of a block share 64K registers.
 _REGISTERS = {1: (256, 24), 2: (232, 40)}
+
+
+IMPLEMENTATION = "pallas_mosaic_gpu"
+# A GEMM kernel's operands (one 16-bit dtype for both) and results.
+GEMM_INPUTS = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+GEMM_OUTPUTS = (*GEMM_INPUTS, jnp.dtype(jnp.float32))
+# GEMM tiles: multiples of 64 (a 128-byte swizzled row of 16-bit elements,
+# and one warpgroup's ``wgmma`` M), at most 256 (a TMA box's and ``wgmma``'s
+# N limit); the float32 accumulators at most 128 registers a thread.
+_TILE_QUANTUM, _TILE_MAX, _ACC_MAX = 64, 256, 128 * 128
+# The exact GELU's arithmetic erfc on a 128x128 accumulator spills (ptxas:
+# 255 registers, 736 bytes, H100); on 64x128 it takes 110-120 registers.
+_GELU_ACC_MAX = 64 * 128
+
+
+@dataclasses.dataclass(frozen=True)
+class GemmTiles(KernelConfig):
+  """Tiles of a Mosaic GPU GEMM kernel, one warpgroup an output tile (matmul, ragged_dot).
+
+  tile_m, tile_n: the output tile; multiples of 64 up to 256, its float32
+    accumulators (``tile_m * tile_n`` each) at most ``128 * 128`` in all.
+  tile_k: the K step of the pipeline (a multiple of 64).
+  stages: SMEM slots of the TMA pipeline (at least 2).
+  """
+
+  tile_m: int = 128
+  tile_n: int = 128
+  tile_k: int = 64
+  stages: int = 4
+  implementation: str = dataclasses.field(default=IMPLEMENTATION, kw_only=True)
+
+
+def round_up(n: int, m: int) -> int:
+  """``n`` rounded up to a multiple of ``m``."""
+  return -(-n // m) * m
+
+
+def gemm_dtypes_reason(kernel: str, operands: dict[str, Any], results: dict[str, Any]):
+  """Why a GEMM kernel cannot take these dtypes, if it cannot.
+
+  ``operands``: the two multiplied operands' dtypes by name (one 16-bit
+  dtype); ``results``: other dtypes by name (16-bit or float32).
+  """
+  (a, da), (b, db) = ((name, jnp.dtype(d)) for name, d in operands.items())
+  if da != db or da not in GEMM_INPUTS:
+    return (
+      f"the Mosaic GPU {kernel} takes {a} and {b} of one 16-bit dtype (bfloat16 or float16), "
+      f"got {da} and {db}"
+    )
+  for name, dtype in results.items():
+    if jnp.dtype(dtype) not in GEMM_OUTPUTS:
+      return (
+        f"the Mosaic GPU {kernel}'s {name} must be bfloat16, float16 or float32, got "
+        f"{jnp.dtype(dtype)}"
+      )
+  return None
+
+
+def gemm_tiles_reason(
+  config: GemmTiles, smem: int, *, accumulators: int = 1, activation: Optional[str] = None
+) -> Optional[str]:
+  """Why a GEMM kernel cannot run with ``config``'s tiles, if it cannot.
+
+  ``smem``: the bytes of its buffers; ``accumulators``: float32 tiles it
+  holds (two for a gated weight's halves); ``activation``: its epilogue's.
+  """
+  c = config
+  tiles = (c.tile_m, c.tile_n, c.tile_k)
+  if any(t % _TILE_QUANTUM for t in tiles) or max(c.tile_m, c.tile_n) > _TILE_MAX:
+    return f"tiles {tiles} must be multiples of 64 (tile_m, tile_n at most 256) on Mosaic GPU"
+  if c.tile_m * c.tile_n * accumulators > _ACC_MAX:
+    return (
+      f"{accumulators} float32 accumulator(s) of {c.tile_m}x{c.tile_n} are over the 128 "
+      "registers a thread one warpgroup may give them"
+    )
+  if activation == "gelu" and c.tile_m * c.tile_n * accumulators > _GELU_ACC_MAX:
+    return (
+      f"the exact GELU with {accumulators} {c.tile_m}x{c.tile_n} accumulator(s) spills "
+      f"registers on Mosaic GPU (at most {_GELU_ACC_MAX} elements in all)"
+    )
+  if c.stages < 2:
+    return f"stages={c.stages}: the TMA pipeline needs at least 2"
+  if smem > SMEM_BUDGET:
+    return f"{config} needs {smem} bytes of SMEM, over {SMEM_BUDGET}"
+  return None
 
 
 def swizzle_transforms(dtype, cols: int = 0) -> tuple[Any, ...]:

@@ -34,7 +34,7 @@ send each row to its expert's device and back (``_exchanged``: a ragged
 from __future__ import annotations
 
 import functools
-from typing import NamedTuple, Optional
+from typing import NamedTuple, Optional, Union
 
 import jax
 import jax.numpy as jnp
@@ -45,11 +45,12 @@ from pallax.activations import ACTIVATIONS, activate, activation_derivative
 from pallax.custom_op import custom_op
 from pallax.kernels import ragged_dot as kernels
 from pallax.kernels.ragged_dot import RaggedDotConfig
+from pallax.kernels.ragged_dot.mosaic_gpu import MosaicGpuRaggedDotConfig
 from pallax.op import Dims, Program, Shards
 from pallax.op.collectives import ragged_all_to_all
 from pallax.validation import check_config, check_floating, check_precision
 
-__all__ = ["ragged_dot", "RaggedDotConfig"]
+__all__ = ["ragged_dot", "RaggedDotConfig", "MosaicGpuRaggedDotConfig"]
 
 _OP = "ragged_dot"
 
@@ -251,10 +252,9 @@ def _epilogue_jvp(primals, tangents, out, *, activation, gated, out_dtype, preci
   wide = kernels.acc_dtype(lhs.dtype, rhs.dtype)
   gemm = lambda a, b, dtype: gmm_op(a, b, sizes, offset, out_dtype=dtype, precision=precision)
   split = lambda h: jnp.split(h, 2, axis=-1) if gated else [h]
-  # The tangent products in the operands' dtype, as jnp.dot's JVP gives them:
-  # their transposes (the backward's GEMMs) then take 16-bit cotangents.
-  dtype = lhs.dtype
-  dh = (gemm(dlhs, rhs, dtype) + gemm(lhs, drhs, dtype)).astype(wide)
+  # The tangent products in the result's dtype, as jnp.dot's JVP gives them:
+  # a 16-bit result's transposes (the backward's GEMMs) take 16-bit cotangents.
+  dh = (gemm(dlhs, rhs, out_dtype) + gemm(lhs, drhs, out_dtype)).astype(wide)
   h, dh = split(gemm(lhs, rhs, wide)), split(dh)
   tangent = activation_derivative(activation, h[0]) * dh[0]
   if gated:
@@ -294,10 +294,12 @@ def _gmm_transpose(cts, lhs, rhs, sizes, offset, **params):
   def run(ct, i):
     if i == 0:
       args, own = (ct, _swap(rhs)), {}
-    else:
+    else:  # tgmm has no Mosaic GPU kernel: a pinned Mosaic config leaves it to the executor
       args, own = (lhs, ct), {"groups": rhs.aval.shape[-3]}
+      if not isinstance(params["config"], (RaggedDotConfig, type(None))):
+        own["config"] = None
     prim = (gmm_op, tgmm_op)[i].primitive
-    (d,) = prim.bind(*args, sizes, offset, **params, **own, out_dtype=(lhs, rhs)[i].aval.dtype)
+    (d,) = prim.bind(*args, sizes, offset, **(params | own), out_dtype=(lhs, rhs)[i].aval.dtype)
     return d
 
   params.pop("out_dtype")
@@ -369,7 +371,7 @@ def ragged_dot(
   *,
   activation: Optional[str] = None,
   gated: bool = False,
-  config: Optional[RaggedDotConfig] = None,
+  config: Optional[Union[RaggedDotConfig, MosaicGpuRaggedDotConfig]] = None,
 ) -> jax.Array:
   """Grouped matmul, as ``jax.lax.ragged_dot``: each group of rows times its own matrix.
 
@@ -397,7 +399,9 @@ def ragged_dot(
       FFN's gate and up projections in one kernel; ``act`` the identity
       without ``activation``).
     config: pin the kernels' ``RaggedDotConfig`` (the forward's and the
-      gradients'); None: the executor's choice.
+      gradients'), or a ``MosaicGpuRaggedDotConfig`` (the grouped GEMMs on
+      Mosaic GPU, the weight gradient the executor's choice); None: the
+      executor's choice.
 
   Returns:
     ``[M, N]``.
@@ -447,7 +451,7 @@ def ragged_dot(
 
 def product(op, lhs, rhs, sizes, offset, precision, preferred_element_type, config, **params):
   """Binds ``op`` (``gmm_op`` or ``tgmm_op``) on checked operands: dtypes promoted as jnp's."""
-  check_config(_OP, config, RaggedDotConfig)
+  check_config(_OP, config, (RaggedDotConfig, MosaicGpuRaggedDotConfig))
   dtype = jnp.result_type(lhs, rhs)
   out_dtype = dtype if preferred_element_type is None else jnp.dtype(preferred_element_type)
   if not jnp.issubdtype(out_dtype, jnp.floating):

@@ -10,6 +10,7 @@ this way is still pallax's own kernel with its own params.
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 
 import jax
@@ -138,3 +139,42 @@ def test_paged_attention_is_declared_through_custom_op():
   eqns = jax.make_jaxpr(pallax.paged_attention)(*_small()).jaxpr.eqns
   (eqn,) = [e for e in eqns if e.primitive is op.primitive]
   assert set(eqn.params) == {"config", "interpret", "executor", "scale", "logits_soft_cap"}
+
+
+@dataclasses.dataclass(frozen=True)
+class _OwnConfig(pallax.KernelConfig):
+  tile: int = 64
+  implementation: str = dataclasses.field(default="pallas_mosaic_gpu", kw_only=True)
+
+
+def test_an_own_config_space_may_leave_the_choice_to_the_others():
+  """An implementation's own space whose heuristic returns None offers no config, never None."""
+  shared = pallax.ConfigSpace(_OwnConfig, heuristic=lambda avals, target, **p: _OwnConfig())
+  own = pallax.ConfigSpace(_OwnConfig, heuristic=lambda avals, target, **p: None)
+  kernel = lambda x, w, *, config, interpret, power: x
+  declaration = Declaration(
+    "test_declared_own_space",
+    _scale_rows,
+    {"pallas_triton": kernel, "pallas_mosaic_gpu": kernel},
+    shared,
+    DimsRule("r c, c -> r c"),
+    "fold",
+    own_configs={"pallas_mosaic_gpu": own},
+  )
+  spec = declaration.kernel()
+  avals = _structs((4, 5), (5,))
+  space = spec.spaces["pallas_mosaic_gpu"]
+  assert space.heuristic(avals, "cuda", power=2) is None
+  assert space.configs(avals, "cuda", power=2) == []
+  assert spec.space.configs(avals, "cuda", power=2) == [_OwnConfig()]
+  # The op's shared space must give a config.
+  shared_none = Declaration(
+    "test_declared_shared_none",
+    _scale_rows,
+    {"pallas_triton": kernel},
+    own,
+    DimsRule("r c, c -> r c"),
+    "fold",
+  )
+  with pytest.raises(TypeError, match="must return a _OwnConfig"):
+    shared_none.kernel().space.heuristic(avals, "cuda", power=2)

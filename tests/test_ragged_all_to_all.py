@@ -96,6 +96,15 @@ def test_matches_the_model_forward_and_transposed(mesh_name):
     np.testing.assert_array_equal(np.asarray(dinit), np.where(landed == 1, 0, cot))
 
 
+def test_one_slice_a_device():
+  mesh = mesh_4x2()
+  f = _run(mesh, ("a", "b"))
+  plan = [np.zeros((8, 16), np.int32)] * 4  # two slices a device: lax's, not this program's
+  x, init = np.zeros((8, ROWS, WIDTH), np.float32), np.zeros((8, OUT, WIDTH), np.float32)
+  with pytest.raises(ValueError, match="input_offsets must have one entry per device"):
+    f(x, init, *plan)
+
+
 @pytest.mark.compilers
 @pytest.mark.parametrize("target", ["v5e", "h100"])
 def test_compiles_to_xla_ragged_all_to_all(target):

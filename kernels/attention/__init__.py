@@ -38,12 +38,7 @@ def kernel(stage: str) -> Kernel:
   The Pallas kernels of every stage, the raw Triton ones of the forward and
   backward (the tangent has none), and the Mosaic GPU ones of every stage.
   """
-  backends = {
-    "pallas_triton": triton,
-    "pallas_mosaic_tpu": mosaic_tpu,
-    mosaic_gpu.IMPLEMENTATION: mosaic_gpu,
-    "triton_raw": _RAW,
-  }
+  backends = {"pallas_triton": triton, "pallas_mosaic_tpu": mosaic_tpu, "triton_raw": _RAW}
   own = {mosaic_gpu.IMPLEMENTATION: mosaic_gpu}
   family = Kernel.of_stage(stage, config=config, backends=backends, own_configs=own)
   impls = {name: with_sinks(stage, fn) for name, fn in family.impls.items()}

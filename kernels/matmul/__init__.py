@@ -45,10 +45,6 @@ __all__ = [
 KERNEL = Kernel.of_family(
   "matmul",
   config=config,
-  backends={
-    "pallas_triton": triton,
-    "pallas_mosaic_tpu": mosaic_tpu,
-    mosaic_gpu.IMPLEMENTATION: mosaic_gpu,
-  },
+  backends={"pallas_triton": triton, "pallas_mosaic_tpu": mosaic_tpu},
   own_configs={mosaic_gpu.IMPLEMENTATION: mosaic_gpu},
 )

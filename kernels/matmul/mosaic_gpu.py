@@ -46,45 +46,19 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from pallax import pallas_mosaic_gpu as mgpu
-from pallax.executor.config import KernelConfig
 from pallax.kernels.matmul import common
 from pallax.kernels.matmul.layout import Problem, problem_of
 from pallax.pallas_mosaic_gpu import plgpu
 
-IMPLEMENTATION = "pallas_mosaic_gpu"
-_INPUTS = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
-_OUTPUTS = (*_INPUTS, jnp.dtype(jnp.float32))
-# Tile dims are multiples of 64: a 128-byte swizzled row of 16-bit elements,
-# and ``wgmma``'s M for one warpgroup; at most 256 (a TMA box's and
-# ``wgmma``'s N limit), the float32 accumulator at most 128 registers a thread.
-_TILE_QUANTUM, _TILE_MAX, _ACC_MAX = 64, 256, 128 * 128
-# The exact GELU's arithmetic erfc on a 128x128 accumulator spills (ptxas:
-# 255 registers, 736 bytes, H100); on 64x128 it takes 110-120 registers.
-_GELU_ACC_MAX = 64 * 128
+IMPLEMENTATION = mgpu.IMPLEMENTATION
 
 
 @dataclasses.dataclass(frozen=True)
-class MosaicGpuMatmulConfig(KernelConfig):
-  """Tiles of the Mosaic GPU matmul kernel.
-
-  tile_m, tile_n: the output tile of a block of threads (one warpgroup);
-    multiples of 64 up to 256, ``tile_m * tile_n <= 128 * 128``.
-  tile_k: the K step of the pipeline (a multiple of 64).
-  stages: SMEM slots of the TMA pipeline (at least 2).
-  """
-
-  tile_m: int = 128
-  tile_n: int = 128
-  tile_k: int = 64
-  stages: int = 4
-  implementation: str = dataclasses.field(default=IMPLEMENTATION, kw_only=True)
+class MosaicGpuMatmulConfig(mgpu.GemmTiles):
+  """Tiles of the Mosaic GPU matmul kernel (``pallas_mosaic_gpu.GemmTiles``)."""
 
 
 CONFIG_CLS = MosaicGpuMatmulConfig
-
-
-def _round_up(n: int, m: int) -> int:
-  return -(-n // m) * m
 
 
 def smem_bytes(avals: Sequence[Any], config: MosaicGpuMatmulConfig, **params) -> int:
@@ -102,19 +76,12 @@ def smem_bytes(avals: Sequence[Any], config: MosaicGpuMatmulConfig, **params) ->
 
 def call_reason(avals: Sequence[Any], **params) -> Optional[str]:
   """Why the kernel cannot run this call whatever its tiles, if it cannot."""
-  a, b = (jnp.dtype(x.dtype) for x in avals[:2])
-  if a != b or a not in _INPUTS:
-    return (
-      f"the Mosaic GPU matmul kernel takes a and b of one 16-bit dtype (bfloat16 or float16), "
-      f"got {a} and {b}"
-    )
-  dtypes = [jnp.dtype(params["out_dtype"])] + [jnp.dtype(x.dtype) for x in avals[2:]]
-  for name, dtype in zip(("out_dtype", "bias"), dtypes):
-    if dtype not in _OUTPUTS:
-      return (
-        f"the Mosaic GPU matmul kernel's {name} must be bfloat16, float16 or float32, got {dtype}"
-      )
-  return None
+  results = {"out_dtype": params["out_dtype"]}
+  if len(avals) > 2:
+    results["bias"] = avals[2].dtype
+  return mgpu.gemm_dtypes_reason(
+    "matmul kernel", {"a": avals[0].dtype, "b": avals[1].dtype}, results
+  )
 
 
 def supports(
@@ -124,26 +91,8 @@ def supports(
   reason = call_reason(avals, **params)
   if reason is not None:
     return reason
-  c = config
-  tiles = (c.tile_m, c.tile_n, c.tile_k)
-  if any(t % _TILE_QUANTUM for t in tiles) or max(c.tile_m, c.tile_n) > _TILE_MAX:
-    return f"tiles {tiles} must be multiples of 64 (tile_m, tile_n at most 256) on Mosaic GPU"
-  if c.tile_m * c.tile_n > _ACC_MAX:
-    return (
-      f"a {c.tile_m}x{c.tile_n} float32 accumulator is over the 128 registers a thread "
-      f"one warpgroup may give it"
-    )
-  if params["activation"] == "gelu" and c.tile_m * c.tile_n > _GELU_ACC_MAX:
-    return (
-      f"the exact GELU on a {c.tile_m}x{c.tile_n} accumulator spills registers on Mosaic GPU "
-      f"(at most {_GELU_ACC_MAX} elements)"
-    )
-  if c.stages < 2:
-    return f"stages={c.stages}: the TMA pipeline needs at least 2"
-  need = smem_bytes(avals, config, **params)
-  if need > mgpu.SMEM_BUDGET:
-    return f"{config} needs {need} bytes of SMEM, over {mgpu.SMEM_BUDGET}"
-  return None
+  smem = smem_bytes(avals, config, **params)
+  return mgpu.gemm_tiles_reason(config, smem, activation=params["activation"])
 
 
 def heuristic_config(prob: Problem) -> MosaicGpuMatmulConfig:
@@ -170,7 +119,7 @@ def candidates(avals: Sequence[Any], target: str, **params) -> list[MosaicGpuMat
   prob = problem_of(avals, params)
   out = [heuristic_config(prob)]
   for tm, tn, stages in _SPACE:
-    if tm <= _round_up(prob.m, 64) and tn <= _round_up(prob.n, 64):
+    if tm <= mgpu.round_up(prob.m, 64) and tn <= mgpu.round_up(prob.n, 64):
       out.append(MosaicGpuMatmulConfig(tile_m=tm, tile_n=tn, stages=stages))
   return [c for c in dict.fromkeys(out) if supports(avals, target, c, **params) is None]
 
@@ -204,7 +153,7 @@ def matmul(a, b, *bias, out_dtype, config: MosaicGpuMatmulConfig, interpret: Any
   f = common.fold(a, b, *bias, **params)
   prob, args, form = f.prob, f.args, mgpu.Form.of(interpret)
   tm, tn, tk, stages = config.tile_m, config.tile_n, config.tile_k, config.stages
-  mp, np_, kp = _round_up(prob.m, tm), _round_up(prob.n, tn), _round_up(prob.k, tk)
+  mp, np_, kp = mgpu.round_up(prob.m, tm), mgpu.round_up(prob.n, tn), mgpu.round_up(prob.k, tk)
   # Operands as (batch, rows, cols): one flat batch axis each (1 without).
   flat = lambda x: x.reshape((-1,) + x.shape[-2:])
   a3, b3 = flat(f.a), flat(f.b)

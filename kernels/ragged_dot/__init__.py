@@ -34,11 +34,7 @@ GMM, TGMM = (
   Kernel.of_stage(
     stage,
     config=config,
-    backends={
-      "pallas_triton": triton,
-      "pallas_mosaic_tpu": mosaic_tpu,
-      mosaic_gpu.IMPLEMENTATION: mosaic_gpu,
-    },
+    backends={"pallas_triton": triton, "pallas_mosaic_tpu": mosaic_tpu},
     own_configs={mosaic_gpu.IMPLEMENTATION: mosaic_gpu},
   )
   for stage in ("gmm", "tgmm")

@@ -19,7 +19,7 @@ output row is written once, by one program: no zero-fill pass, no atomics.
 Group-less items store zeros without a product. The extra work is one tile
 product per group boundary inside a tile.
 
-The weight gradient (tgmm) runs on Pallas-Triton (``supports`` says so).
+The weight gradient (tgmm) has no kernel here: it runs on Pallas-Triton.
 Selection: as the Mosaic GPU matmul, the heuristic returns None (the
 executor keeps Pallas-Triton on an H100) and these configs are autotuning
 candidates: the kernel is checked interpreted and compiled for H100, and
@@ -39,47 +39,23 @@ from jax.experimental import pallas as pl
 
 from pallax import pallas_mosaic_gpu as mgpu
 from pallax.activations import activate_in_kernel
-from pallax.executor.config import KernelConfig
 from pallax.kernels.ragged_dot.common import WorkList, epilogue, gemm_params, kernel_name
 from pallax.kernels.ragged_dot.config import Problem
 from pallax.pallas_mosaic_gpu import plgpu
 
-IMPLEMENTATION = "pallas_mosaic_gpu"
-_INPUTS = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
-_OUTPUTS = (*_INPUTS, jnp.dtype(jnp.float32))
-# Tiles: multiples of 64 (128-byte swizzled rows of 16-bit elements, and one
-# warpgroup's wgmma M), at most 256; the float32 accumulators (two for a
-# gated weight) at most 128 registers a thread of the warpgroup.
-_TILE_QUANTUM, _TILE_MAX, _ACC_MAX = 64, 256, 128 * 128
-# The exact GELU's arithmetic on a 128x128 accumulator spills (the matmul's
-# measurement); at most 64x128 with it.
-_GELU_ACC_MAX = 64 * 128
+IMPLEMENTATION = mgpu.IMPLEMENTATION
 
 
 @dataclasses.dataclass(frozen=True)
-class MosaicGpuRaggedDotConfig(KernelConfig):
-  """Tiles of the Mosaic GPU grouped GEMM.
+class MosaicGpuRaggedDotConfig(mgpu.GemmTiles):
+  """Tiles of the Mosaic GPU grouped GEMM (``pallas_mosaic_gpu.GemmTiles``).
 
-  tile_m: rows of an output tile (each group boundary inside a tile costs a
-    tile product); tile_n: its columns (a gated weight's: each half's);
-    multiples of 64 up to 256, ``tile_m * tile_n`` (twice, gated) at most
-    ``128 * 128``.
-  tile_k: the K step of the pipeline (a multiple of 64).
-  stages: SMEM slots of the TMA pipeline (at least 2).
+  Each group boundary inside a ``tile_m``-row tile costs a tile product; a
+  gated weight's ``tile_n`` columns are each half's (two accumulators).
   """
-
-  tile_m: int = 128
-  tile_n: int = 128
-  tile_k: int = 64
-  stages: int = 4
-  implementation: str = dataclasses.field(default=IMPLEMENTATION, kw_only=True)
 
 
 CONFIG_CLS = MosaicGpuRaggedDotConfig
-
-
-def _round_up(n: int, m: int) -> int:
-  return -(-n // m) * m
 
 
 def smem_bytes(p: Problem, config: MosaicGpuRaggedDotConfig) -> int:
@@ -94,25 +70,12 @@ def smem_bytes(p: Problem, config: MosaicGpuRaggedDotConfig) -> int:
 
 def call_reason(avals: Sequence[Any], stage: str, **params) -> Optional[str]:
   """Why the kernel cannot run this call whatever its tiles, if it cannot."""
-  if stage != "gmm":
-    return (
-      "the Mosaic GPU kernel computes the grouped GEMM only; the weight gradient (tgmm) runs "
-      "on Pallas-Triton"
-    )
   p = Problem.of(avals, stage, **params)
-  lhs, rhs, out = (jnp.dtype(d) for d in p.dtypes)
-  if lhs != rhs or lhs not in _INPUTS:
-    return (
-      f"the Mosaic GPU grouped GEMM takes lhs and rhs of one 16-bit dtype (bfloat16 or "
-      f"float16), got {lhs} and {rhs}"
-    )
-  if out not in _OUTPUTS:
-    return (
-      f"the Mosaic GPU grouped GEMM's out_dtype must be bfloat16, float16 or float32, got {out}"
-    )
-  if min(p.m, p.k, p.n, p.groups) == 0:
+  operands = {"lhs": p.dtypes[0], "rhs": p.dtypes[1]}
+  reason = mgpu.gemm_dtypes_reason("grouped GEMM", operands, {"out_dtype": p.dtypes[2]})
+  if reason is None and min(p.m, p.k, p.n, p.groups) == 0:
     return "an empty dim: nothing for a kernel to do"
-  return None
+  return reason
 
 
 def supports(
@@ -122,26 +85,10 @@ def supports(
   reason = call_reason(avals, stage, **params)
   if reason is not None:
     return reason
-  p, c = Problem.of(avals, stage, **params), config
-  tiles = (c.tile_m, c.tile_n, c.tile_k)
-  if any(t % _TILE_QUANTUM for t in tiles) or max(c.tile_m, c.tile_n) > _TILE_MAX:
-    return f"tiles {tiles} must be multiples of 64 (tile_m, tile_n at most 256) on Mosaic GPU"
-  if c.tile_m * c.tile_n * p.halves > _ACC_MAX:
-    return (
-      f"{p.halves} float32 accumulator(s) of {c.tile_m}x{c.tile_n} are over the 128 registers "
-      "a thread one warpgroup may give them"
-    )
-  if params.get("activation") == "gelu" and c.tile_m * c.tile_n > _GELU_ACC_MAX:
-    return (
-      f"the exact GELU on a {c.tile_m}x{c.tile_n} accumulator spills registers on Mosaic GPU "
-      f"(at most {_GELU_ACC_MAX} elements)"
-    )
-  if c.stages < 2:
-    return f"stages={c.stages}: the TMA pipeline needs at least 2"
-  need = smem_bytes(p, config)
-  if need > mgpu.SMEM_BUDGET:
-    return f"{config} needs {need} bytes of SMEM, over {mgpu.SMEM_BUDGET}"
-  return None
+  p = Problem.of(avals, stage, **params)
+  return mgpu.gemm_tiles_reason(
+    config, smem_bytes(p, config), accumulators=p.halves, activation=params.get("activation")
+  )
 
 
 def heuristic_config(p: Problem) -> MosaicGpuRaggedDotConfig:
@@ -176,11 +123,6 @@ def candidates(
   ]
 
 
-def tgmm(*args, **params):
-  """Not on Mosaic GPU: ``call_reason`` sends the weight gradient to Pallas-Triton."""
-  raise NotImplementedError(f"ragged_dot: {call_reason(args[:2], 'tgmm', **params)}")
-
-
 def _items(work: WorkList, tile: int) -> jax.Array:
   """``[6, items]`` int32 per item: tile, group, its group's rows and the rows it stores.
 
@@ -209,7 +151,7 @@ def _items(work: WorkList, tile: int) -> jax.Array:
 def _store_rows(out_smem, out_ref, top, lo, hi, cols, tile: int) -> None:
   """Rows ``[lo, hi)`` of the tile from row ``top``: one TMA copy per set bit of ``hi - lo``."""
   count, offset = hi - lo, lo - top
-  step = tile
+  step = 1 << (tile.bit_length() - 1)  # tile may be no power of two (192 = 128 + 64)
   while step:
     size = step
 
@@ -235,7 +177,7 @@ def gmm(
   halves = 2 if gated else 1
   n = width // halves
   tm, tn, tk, stages = config.tile_m, config.tile_n, config.tile_k, config.stages
-  mp, kp, np_ = _round_up(m, tm), _round_up(k, tk), _round_up(n, tn)
+  mp, kp, np_ = mgpu.round_up(m, tm), mgpu.round_up(k, tk), mgpu.round_up(n, tn)
   form = mgpu.Form.of(interpret)
   x = jnp.pad(lhs, ((0, mp - m), (0, kp - k)))
   parts = jnp.split(rhs, halves, axis=-1)

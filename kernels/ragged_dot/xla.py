@@ -37,7 +37,8 @@ def row_tile(m: int, groups: int) -> int:
   """Rows a tile: the power of two at most a quarter of a group's mean rows, in [32, 512].
 
   Each group boundary inside a tile computes that tile twice, so the extra
-  work is at most ``(groups - 1) * tile`` rows, here a quarter of ``m``;
+  work is at most ``(groups - 1) * tile`` rows, a quarter of ``m`` (unless
+  the 32-row floor applies: fewer than 128 rows a group);
   smaller tiles cost more per row. Measured on a CPU, time over a dense
   GEMM's, float32 (even / halving / random group sizes; random ones are
   what routing gives, a boundary in nearly every group's last tile):

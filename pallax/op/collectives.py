@@ -156,8 +156,17 @@ def ragged_all_to_all(
   ``operand``'s row count (the bytes of an ``all_gather`` of ``operand``)
   with the sizes masking it, and scatters what arrives; the two lower per
   platform (``lax.platform_dependent``), so one program compiles for all.
+  One slice a device: the offset and size arrays have one entry per device
+  of ``axis_name``.
   """
   args = (operand, output, input_offsets, send_sizes, output_offsets, recv_sizes)
+  devices = lax.axis_size(axis_name)
+  for name, a in zip(("input_offsets", "send_sizes", "output_offsets", "recv_sizes"), args[2:]):
+    if a.shape != (devices,):
+      raise ValueError(
+        f"ragged_all_to_all: {name} must have one entry per device of {axis_name} "
+        f"({devices}), got shape {a.shape}"
+      )
   return lax.platform_dependent(
     *args,
     cpu=functools.partial(_padded_all_to_all, axis_name=axis_name),

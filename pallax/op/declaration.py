@@ -221,8 +221,8 @@ class Declaration:
     ``own``: an implementation's own space, whose heuristic may return None.
     """
 
-    def checked(config: Any, what: str) -> KernelConfig:
-      if not isinstance(config, space.config_cls) and not (own and config is None):
+    def checked(config: Any, what: str, maybe_none: bool = False) -> KernelConfig:
+      if not isinstance(config, space.config_cls) and not (maybe_none and config is None):
         raise TypeError(
           f"{self.name}: {what} must return a {space.config_cls.__name__}, "
           f"got {type(config).__name__}"
@@ -233,12 +233,14 @@ class Declaration:
     def heuristic(avals, target, **params):
       batched = params.pop(BATCHED, False)
       config = space.heuristic(self._kernel_avals(avals, batched), target, **params)
-      return checked(config, "ConfigSpace.heuristic")
+      return checked(config, "ConfigSpace.heuristic", maybe_none=own)
 
     @functools.wraps(space.candidates or space.heuristic)
     def candidates(avals, target, **params):
       batched = params.pop(BATCHED, False)
       configs = space.configs(self._kernel_avals(avals, batched), target, **params)
+      # An own space without candidates gives its heuristic's config, maybe None.
+      configs = [c for c in configs if not (own and space.candidates is None and c is None)]
       return [checked(c, "ConfigSpace.candidates") for c in configs]
 
     @functools.wraps(space.supports or space.heuristic)

@@ -68,14 +68,14 @@ class Kernel:
       space_params: keyword arguments bound to ``heuristic``, ``candidates``
         and ``supports`` (a family whose config module serves several kernels
         is told which one: its stage, its kernel's name).
-      own_configs: implementation name -> the module of its own config space
-        (the same four names), for a backend whose configs are not the
-        family's (``Kernel.spaces``); given where that backend has the kernel.
+      own_configs: implementation name -> the module of a backend whose
+        configs are not the family's: its kernels, and its own config space
+        (the same four names; ``Kernel.spaces``) where it has the kernel.
       **bound: static arguments bound to every backend's kernel function.
     """
     impls = {
       b: functools.partial(getattr(m, name), **bound)
-      for b, m in backends.items()
+      for b, m in {**backends, **own_configs}.items()
       if hasattr(m, name)
     }
 

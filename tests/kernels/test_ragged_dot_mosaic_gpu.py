@@ -21,6 +21,7 @@ import pallax
 from pallax.executor import Target
 from pallax.executor.executor import candidate_configs
 from pallax.executor.registry import kernel_spec
+from pallax.kernels import ragged_dot as kernels
 from pallax.kernels.ragged_dot import mosaic_gpu
 from pallax.kernels.ragged_dot.mosaic_gpu import MosaicGpuRaggedDotConfig
 from tests.helpers import assert_close, f64, rand, x64
@@ -96,6 +97,25 @@ def test_kernel_matches_float64(name):
   assert err < (1e-6 if out_dtype == jnp.float32 else 1e-2), (name, err)
 
 
+def test_tiles_of_no_power_of_two_rows_store_each_row_once():
+  """192-row tiles: a group's rows leave SMEM as 128 + 64 + ... rows, never past the tile."""
+  rng = np.random.default_rng(5)
+  sizes = [150, 0, 100, 91, 3]  # boundaries at rows 150, 250, 341 of 400
+  lhs, rhs = rand(rng, (400, 64), jnp.bfloat16), rand(rng, (5, 64, 64), jnp.bfloat16, scale=0.1)
+  config = MosaicGpuRaggedDotConfig(tile_m=192, tile_n=64, tile_k=64, stages=2)
+  got = mosaic_gpu.gmm(
+    lhs,
+    rhs,
+    jnp.asarray(sizes, jnp.int32),
+    jnp.zeros((1,), jnp.int32),
+    config=config,
+    interpret=True,
+    out_dtype=jnp.float32,
+  )
+  want = _reference(lhs, rhs, sizes)
+  assert float(np.max(np.abs(f64(got) - want)) / np.max(np.abs(want))) < 1e-6
+
+
 def _pinned():
   return pallax.default_executor().overlay({"ragged_dot": SMALL, "ragged_dot_epilogue": SMALL})
 
@@ -116,6 +136,7 @@ def test_grad_and_jvp_run_the_mosaic_kernel():
     y, y_dot = jax.jit(lambda *a: jax.jvp(f, a[:2], a[2:]))(lhs, rhs, *tangents)
   assert rows.count(("ragged_dot", MOSAIC)) == 2, rows  # forward and dlhs
   assert ("ragged_dot_tgmm", MOSAIC) not in rows, rows
+  assert MOSAIC not in kernels.TGMM.impls  # the weight gradient has no Mosaic GPU kernel
   with x64():
     wide = [jnp.asarray(f64(x)) for x in (lhs, rhs, *tangents)]
     ref_f = lambda a, b: jax.lax.ragged_dot(a, b, jnp.asarray(sizes))
@@ -125,6 +146,17 @@ def test_grad_and_jvp_run_the_mosaic_kernel():
   assert_close(got[1], want[1], jnp.bfloat16, "drhs")
   assert_close(y, y_ref, jnp.bfloat16, "primal")
   assert_close(y_dot, y_dot_ref, jnp.bfloat16, "tangent")
+  # The config pinned by the call: the grouped GEMMs on Mosaic GPU, the weight
+  # gradient (no Mosaic kernel) the executor's choice.
+  pinned = lambda a, b: jnp.sum(
+    (pallax.ragged_dot(a, b, sizes, config=SMALL) * cot).astype(jnp.float32)
+  )
+  with pallax.interpret("mosaic_gpu"):
+    rows = [(r.op, r.implementation) for r in pallax.explain(jax.grad(pinned, (0, 1)), lhs, rhs)]
+    again = jax.jit(jax.grad(pinned, (0, 1)))(lhs, rhs)
+  assert rows.count(("ragged_dot", MOSAIC)) == 2 and len(rows) == 3, rows
+  for g, w in zip(again, got):
+    np.testing.assert_array_equal(f64(g), f64(w))
 
 
 S = jax.ShapeDtypeStruct
@@ -139,13 +171,15 @@ def _reason(config=SMALL, dtypes=(jnp.bfloat16, jnp.bfloat16), stage="gmm", **kw
 def test_supports_refuses_what_the_kernel_cannot_take():
   assert _reason() is None
   assert _reason(MosaicGpuRaggedDotConfig(tile_n=64), gated=True, activation="silu") is None
-  assert "weight gradient" in _reason(stage="tgmm", groups=4)
   assert "16-bit" in _reason(dtypes=(jnp.float32, jnp.float32))
   assert "got bfloat16 and float16" in _reason(dtypes=(jnp.bfloat16, jnp.float16))
   assert "out_dtype must be" in _reason(out_dtype=jnp.float64)
   assert "multiples of 64" in _reason(MosaicGpuRaggedDotConfig(tile_m=96))
   assert "128 registers" in _reason(MosaicGpuRaggedDotConfig(), gated=True)
   assert "GELU" in _reason(MosaicGpuRaggedDotConfig(), activation="gelu")
+  gated_gelu = dict(gated=True, activation="gelu")
+  assert "GELU" in _reason(MosaicGpuRaggedDotConfig(tile_m=64, tile_n=128), **gated_gelu)
+  assert _reason(MosaicGpuRaggedDotConfig(tile_m=64, tile_n=64), **gated_gelu) is None
   assert "at least 2" in _reason(MosaicGpuRaggedDotConfig(stages=1))
   assert "bytes of SMEM" in _reason(MosaicGpuRaggedDotConfig(tile_m=64, tile_n=256, stages=8))
 

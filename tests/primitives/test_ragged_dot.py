@@ -266,6 +266,30 @@ def test_expert_and_token_sharding_match_unsharded(name):
   )
 
 
+def test_tokens_and_experts_on_one_axis_with_a_group_offset():
+  """Held groups 1..8 of 10, over the devices that also hold the tokens: the exchange's offsets."""
+  mesh = jax.make_mesh(
+    (8,), ("e",), axis_types=(jax.sharding.AxisType.Auto,), devices=sharding_devices()
+  )
+  rng = np.random.default_rng(14)
+  sizes = jnp.asarray([9, 0, 1, 7, 0, 40, 29, 3, 4, 11])  # 104 of 112 rows
+  offset = jnp.asarray([1])
+  lhs, rhs = rand(rng, (112, 24)), rand(rng, (8, 24, 16))
+  f = jax.jit(lambda a, b: pallax.ragged_dot(a, b, sizes, group_offset=offset))
+  loss = lambda a, b: jnp.sum(jnp.tanh(f(a, b)))
+  grad = jax.jit(jax.grad(loss, (0, 1)))
+  a = jax.device_put(lhs, jax.sharding.NamedSharding(mesh, P("e")))
+  b = jax.device_put(rhs, jax.sharding.NamedSharding(mesh, P("e")))
+  with x64():
+    want = np.asarray(jax.lax.ragged_dot(to64(lhs[9:102]), to64(rhs), jnp.asarray(sizes[1:9])))
+  got = np.asarray(f(a, b))
+  np.testing.assert_allclose(got[9:102], want, rtol=1e-5, atol=1e-5)
+  assert not got[:9].any() and not got[102:].any()  # rows of groups 0 and 9, and past them
+  for g, w in zip(grad(a, b), grad(lhs, rhs)):
+    np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-5, atol=1e-5)
+  assert " all-to-all(" in f.lower(a, b).compile().as_text()
+
+
 def test_bad_input_is_named():
   lhs, rhs, sizes = _inputs("mixed", jnp.float32)
   with pytest.raises(ValueError, match="lhs must be \\[M, K\\]"):
