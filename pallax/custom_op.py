@@ -214,37 +214,42 @@ class CustomOp:
     return outs[0] if single and len(outs) == 1 else tuple(outs)
 
 
-def _check_own_configs(own_configs: Any, kernels: Mapping[str, Any]) -> dict[str, ConfigSpace]:
-  if own_configs is None:
+def _by_backend(value: Any, what: str, expected: str, check) -> dict[str, Any]:
+  """``value``, a mapping backend -> item (None: empty), checked, aliases resolved.
+
+  ``check(backend, item)`` raises on a bad entry; ``expected`` says what the
+  mapping should be, for the error.
+  """
+  if value is None:
     return {}
-  if not isinstance(own_configs, Mapping):
-    raise TypeError(
-      f"own_configs must map implementation names to pallax.ConfigSpace, got "
-      f"{type(own_configs).__name__}"
-    )
-  for name, space in own_configs.items():
+  if not isinstance(value, Mapping):
+    raise TypeError(f"{what} must be a mapping {expected}; got {type(value).__name__}")
+  for backend, item in value.items():
+    check(backend, item)
+  return {_KERNEL_ALIASES.get(backend, backend): item for backend, item in value.items()}
+
+
+def _check_own_configs(own_configs: Any, kernels: Mapping[str, Any]) -> dict[str, ConfigSpace]:
+  def check(name, space):
     if _KERNEL_ALIASES.get(name, name) not in kernels:
       raise ValueError(f"own_configs: {name!r} is not one of the kernels ({', '.join(kernels)})")
     if not isinstance(space, ConfigSpace):
       raise TypeError(f"own_configs[{name!r}] must be a pallax.ConfigSpace, got {space!r}")
-  return {_KERNEL_ALIASES.get(name, name): space for name, space in own_configs.items()}
+
+  return _by_backend(own_configs, "own_configs", "implementation -> pallax.ConfigSpace", check)
 
 
 def _check_kernels(kernels: Any, what: str) -> dict[str, Callable[..., Any]]:
-  if kernels is None:
-    return {}
-  if not isinstance(kernels, Mapping):
-    raise TypeError(
-      f"{what} must be a mapping backend -> kernel function, e.g. "
-      f"{{'triton_raw': fn}}; got {type(kernels).__name__}"
-    )
   known = [*_KERNEL_ALIASES, *(name for name in implementations() if name != XLA)]
-  for backend, fn in kernels.items():
+
+  def check(backend, fn):
     if backend not in known:
       raise ValueError(f"{what}: unknown backend {backend!r}; kernels are for {', '.join(known)}")
     if not callable(fn):
       raise TypeError(f"{what}[{backend!r}] must be callable, got {type(fn).__name__}")
-  return {_KERNEL_ALIASES.get(backend, backend): fn for backend, fn in kernels.items()}
+
+  expected = "backend -> kernel function, e.g. {'triton_raw': fn}"
+  return _by_backend(kernels, what, expected, check)
 
 
 def _check_name(name: Any, what: str = "name") -> str:

@@ -651,7 +651,7 @@ _ref = lambda x: x
     (
       dict(kernels={"triton": _ref}, config=SCALE_SPACE, own_configs=[SCALE_SPACE]),
       TypeError,
-      "own_configs must map",
+      "own_configs must be a mapping",
     ),
   ],
   ids=lambda v: v if isinstance(v, str) else "",
