@@ -287,6 +287,11 @@ def test_tokens_and_experts_on_one_axis_with_a_group_offset():
   assert not got[:9].any() and not got[102:].any()  # rows of groups 0 and 9, and past them
   for g, w in zip(grad(a, b), grad(lhs, rhs)):
     np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-5, atol=1e-5)
+  ta, tb = rand(rng, lhs.shape), rand(rng, rhs.shape)
+  jvp = jax.jit(lambda *x: jax.jvp(f, x[:2], x[2:])[1])
+  np.testing.assert_allclose(
+    np.asarray(jvp(a, b, ta, tb)), np.asarray(jvp(lhs, rhs, ta, tb)), rtol=1e-5, atol=1e-5
+  )
   assert " all-to-all(" in f.lower(a, b).compile().as_text()
 
 
