@@ -27,8 +27,9 @@ head's ``pallax.linear_cross_entropy``; ``train_step`` returns the loss and
 the gradients of every parameter. ``reference_loss`` is the same model in
 plain JAX (``jax.nn``, materialised logits). Process 0 writes the loss, the
 gradients (gathered from every process) and what the run saw (process
-count, device count, the process of each device of the mesh) to an ``.npz`` file,
-which ``tests/test_multiprocess.py`` compares with a one-process run.
+count, device count, the process of each device of the mesh, the shards'
+sizes) to an ``.npz`` file, which ``tests/test_multiprocess.py`` compares
+with a one-process run.
 
 Run from the repository root, two processes on this machine with four CPU
 devices each::
@@ -69,18 +70,19 @@ Params = dict[str, jax.Array]
 
 def init(key: jax.Array) -> Params:
   """Random float32 parameters of the one-block model."""
-  k_embed, k_qkv, k_out, k_up, k_down, k_head = jax.random.split(key, 6)
-  normal = lambda k, shape, fan_in: jax.random.normal(k, shape) * fan_in**-0.5
+  keys = iter(jax.random.split(key, 9))
+  normal = lambda shape, fan_in: jax.random.normal(next(keys), shape) * fan_in**-0.5
+  norm = lambda: 1.0 + 0.1 * jax.random.normal(next(keys), (WIDTH,))
   return {
-    "embedding": normal(k_embed, (VOCAB, WIDTH), 1.0),
-    "norm_attn": 1.0 + 0.1 * jax.random.normal(k_embed, (WIDTH,)),
-    "w_qkv": normal(k_qkv, (WIDTH, 3 * WIDTH), WIDTH),
-    "w_out": normal(k_out, (WIDTH, WIDTH), WIDTH),
-    "norm_mlp": 1.0 + 0.1 * jax.random.normal(k_up, (WIDTH,)),
-    "w_up": normal(k_up, (WIDTH, HIDDEN), WIDTH),
-    "w_down": normal(k_down, (HIDDEN, WIDTH), HIDDEN),
-    "norm_head": 1.0 + 0.1 * jax.random.normal(k_head, (WIDTH,)),
-    "w_head": normal(k_head, (WIDTH, VOCAB), WIDTH),
+    "embedding": normal((VOCAB, WIDTH), 1.0),
+    "norm_attn": norm(),
+    "w_qkv": normal((WIDTH, 3 * WIDTH), WIDTH),
+    "w_out": normal((WIDTH, WIDTH), WIDTH),
+    "norm_mlp": norm(),
+    "w_up": normal((WIDTH, HIDDEN), WIDTH),
+    "w_down": normal((HIDDEN, WIDTH), HIDDEN),
+    "norm_head": norm(),
+    "w_head": normal((WIDTH, VOCAB), WIDTH),
   }
 
 
