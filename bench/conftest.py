@@ -11,13 +11,20 @@ case adds its own line to the terminal summary as a ``("summary", line)``
 user property (``request.node.user_properties``).
 """
 
+import os
 import time
 
-import jax
-import pytest
-from modes import fwd_bwd as make_fwd_bwd
-from modes import transformed as make_transformed
-from peak_memory import host_call_growth
+# 8 CPU devices, for the sharded benches (bench/test_attention_context.py),
+# set before jax starts; other benches run on the first device as before.
+_flags = os.environ.get("XLA_FLAGS", "")
+if "xla_force_host_platform_device_count" not in _flags:
+  os.environ["XLA_FLAGS"] = (_flags + " --xla_force_host_platform_device_count=8").strip()
+
+import jax  # noqa: E402
+import pytest  # noqa: E402
+from modes import fwd_bwd as make_fwd_bwd  # noqa: E402
+from modes import transformed as make_transformed  # noqa: E402
+from peak_memory import host_call_growth  # noqa: E402
 
 RAISED = []  # {"name", "group", "error"} of each peer call that raised
 SUMMARY = []  # the ("summary", line) user properties of the cases, for the terminal

@@ -35,6 +35,7 @@ from pallax.primitives.paged_attention import PagedAttentionConfig, paged_attent
 from pallax.primitives.ragged_dot import MosaicGpuRaggedDotConfig, RaggedDotConfig, ragged_dot
 from pallax.primitives.ragged_dot_general import ragged_dot_general
 from pallax.primitives.softmax import SoftmaxConfig, log_softmax, softmax
+from pallax.sequence_layout import SequenceLayout, context_parallel
 
 __version__ = "0.1.0"
 
@@ -55,6 +56,8 @@ __all__ = [
   "dot_product_attention",
   "AttentionConfig",
   "MosaicGpuAttentionConfig",
+  "SequenceLayout",
+  "context_parallel",
   "paged_attention",
   "ragged_dot",
   "ragged_dot_general",

@@ -32,9 +32,10 @@ import numpy as np
 
 from pallax.batching_rules import attention as attention_batching
 from pallax.kernels import attention as kernels
-from pallax.kernels.attention import AttentionConfig
+from pallax.kernels.attention import AttentionConfig, context
 from pallax.kernels.attention import xla as attention_xla
 from pallax.kernels.attention.common import SIGNATURE, inputs, varies_over_heads, with_sinks
+from pallax.kernels.attention.context import in_layout
 from pallax.kernels.attention.mosaic_gpu import MosaicGpuAttentionConfig
 from pallax.op import (
   Dims,
@@ -45,6 +46,7 @@ from pallax.op import (
   full_spec,
   match_manual_axes,
 )
+from pallax.sequence_layout import SequenceLayout
 from pallax.validation import (
   check_concrete_range,
   check_config,
@@ -56,10 +58,6 @@ from pallax.validation import (
 __all__ = ["dot_product_attention", "AttentionConfig", "MosaicGpuAttentionConfig"]
 
 _OP = "dot_product_attention"
-_SEQUENCE_SHARDED = (
-  f"{_OP}: the {{}} sequence dim is sharded; pallax attention shards batch and heads only "
-  "(context parallelism is not implemented): replicate the sequence dim"
-)
 
 
 # ----------------------------------------------------------------------------
@@ -70,13 +68,15 @@ def _broadcast_names(aval, name: str) -> tuple[str, ...]:
   """Factors of an operand leading with 1 or B: the sinks ``(Bs, K, G)``, a bias-like one.
 
   The batch where it varies over it; a bias or mask's heads where it varies
-  over them.
+  over them. A bias-like operand's query dim is sharded with the queries and
+  its key dim (``bs``) is replicated: under a sharded sequence each device
+  holds its queries' rows, and the programs slice the key blocks they visit.
   """
   b = "b" if aval.shape[0] > 1 else f"{name}_b"
   if name == "sinks":
     return (b, "k", "g")
   heads = ("k", "g") if varies_over_heads(aval) else (f"{name}_k", f"{name}_g")
-  return (b, *heads, "t", "s")
+  return (b, *heads, "t", "bs")
 
 
 # Factors of each declared operand (and of its tangent and cotangent); the
@@ -92,10 +92,17 @@ _FACTORS = {
   "out": ("b", "k", "g", "t", "hv"),
   "lse": ("b", "k", "g", "t"),
 }
-_REFUSED = {"t": _SEQUENCE_SHARDED.format("query"), "s": _SEQUENCE_SHARDED.format("key/value")}
+_STAGE_PRIMITIVE = {"fwd": "fwd", "jvp": "tangent", "bwd": "bwd"}
 
 
 def _dims(stage: str):
+  """A stage's ``Dims``: batch and heads shard freely; a sharded sequence runs a program.
+
+  The ring and all-gather programs (``kernels/attention/context.py``) bind
+  the stage's kernel on local blocks; inside ``shard_map`` the call's
+  ``sequence_axes`` name the manual axes its sequences are split over.
+  """
+
   def dims(*avals, **params) -> Dims:
     sig = SIGNATURE.stage(stage, params)
     named = inputs(avals, params)
@@ -106,11 +113,14 @@ def _dims(stage: str):
         return _FACTORS[base]
       return _broadcast_names(named[base], base)
 
+    kernel = getattr(attention_p, _STAGE_PRIMITIVE[stage]).kernel
+    axes = params["sequence_axes"]
     return Dims(
       operands=tuple(map(factors, sig.operands)),
       results=tuple(map(factors, sig.results)),
-      replicated=("h", "hv"),
-      refused=_REFUSED,
+      replicated=("h", "hv", "bs") if params["has_bias"] or params["has_mask"] else ("h", "hv"),
+      programs=context.programs(stage, kernel.bind, params),
+      split={} if axes is None else {"t": axes, "s": axes},
     )
 
   return dims
@@ -139,7 +149,7 @@ def _bwd_abstract_eval(*avals, **params):
 def _stage(stage: str, abstract_eval) -> PrimitiveSpec:
   return PrimitiveSpec(
     abstract_eval=abstract_eval,
-    xla=with_sinks(stage, getattr(attention_xla, f"attention_{stage}")),
+    xla=in_layout(stage, with_sinks(stage, getattr(attention_xla, f"attention_{stage}"))),
     kernel=kernels.kernel(stage),
     dims=_dims(stage),
     batching=functools.partial(attention_batching.fold_into_batch, stage),
@@ -257,13 +267,34 @@ def _sinks(sinks, n: int, kv_heads: int) -> jax.Array:
   return sinks.reshape(1, kv_heads, n // kv_heads)
 
 
-def _check_unsharded_sequence(q, k) -> None:
-  """A clear error for sequence-sharded arrays whose sharding is known at trace time."""
-  for name, x, dim in (("query", q, 1), ("key/value", k, 1)):
-    sharding = getattr(jax.typeof(x), "sharding", None)
-    spec = getattr(sharding, "spec", None)
-    if spec is not None and len(spec) > dim and spec[dim] is not None:
-      raise ValueError(_SEQUENCE_SHARDED.format(name))
+def _layout(sequence_layout, t: int, s: int) -> Optional[SequenceLayout]:
+  """The call's ``SequenceLayout`` (None: natural order), checked against the sequence lengths."""
+  if sequence_layout is None or sequence_layout == "contiguous":
+    return None
+  if not isinstance(sequence_layout, SequenceLayout):
+    raise TypeError(
+      f"{_OP}: sequence_layout must be None, 'contiguous' or a pallax.SequenceLayout (e.g. "
+      f"SequenceLayout('zigzag', shards=8)), got {sequence_layout!r}"
+    )
+  if sequence_layout.natural:
+    return None
+  sequence_layout.check(t, f"{_OP}: query of sequence length {t}")
+  sequence_layout.check(s, f"{_OP}: key of sequence length {s}")
+  return sequence_layout
+
+
+def _sequence_axes(sequence_axis) -> Optional[tuple[str, ...]]:
+  """The manual mesh axes the sequences are split over inside ``shard_map`` (None: not split)."""
+  if sequence_axis is None:
+    return None
+  axes = (sequence_axis,) if isinstance(sequence_axis, str) else tuple(sequence_axis)
+  manual = set(jax.sharding.get_abstract_mesh().manual_axes)
+  if not axes or not all(isinstance(a, str) for a in axes) or not set(axes) <= manual:
+    raise ValueError(
+      f"{_OP}: sequence_axis must name manual axes of the enclosing shard_map (manual: "
+      f"{tuple(sorted(manual))}), got {sequence_axis!r}"
+    )
+  return axes
 
 
 _IMPLEMENTATIONS = (None, "xla", "pallas")
@@ -286,8 +317,10 @@ def dot_product_attention(
   logits_soft_cap: Optional[float] = None,
   sinks: Optional[jax.Array] = None,
   implementation: Optional[str] = None,
-  return_residual: bool = False,
+  return_residual: Union[bool, str] = False,
   config: Optional[Union[AttentionConfig, MosaicGpuAttentionConfig]] = None,
+  sequence_layout: Union[None, str, SequenceLayout] = None,
+  sequence_axis: Union[None, str, tuple[str, ...]] = None,
 ) -> Union[jax.Array, tuple[jax.Array, jax.Array]]:
   """Scaled dot-product attention, with ``jax.nn.dot_product_attention``'s semantics.
 
@@ -304,7 +337,13 @@ def dot_product_attention(
   ``query_seq_lengths`` are 0 in both.
 
   Beyond jax.nn: packed sequences (segment ids), Gemma 2's logit soft cap,
-  attention sinks (gpt-oss), and a value head dim unlike the query's.
+  attention sinks (gpt-oss), a value head dim unlike the query's, and
+  context parallelism: a query or key sequence dim sharded under ``jit``
+  (or split over ``shard_map`` axes named by ``sequence_axis``) runs a ring
+  of the key blocks or an all-gather of them, whichever moves fewer
+  unhidden bytes (``pallax.op.explain_programs`` says which), with every
+  feature, ``grad``, ``jvp`` and ``vmap``; ``sequence_layout`` evens out the
+  causal work across devices.
 
   Args:
     query: ``(B, T, N, H)`` or ``(T, N, H)``, floating.
@@ -336,17 +375,30 @@ def dot_product_attention(
       (gpt-oss). A row that sees no key then has ``lse = sink``.
     implementation: None lets the executor choose; ``"xla"`` runs the XLA
       program, ``"pallas"`` the kernel (Triton on GPU, Mosaic on TPU).
-    return_residual: also return the forward's ``lse``.
+    return_residual: also return the forward's ``lse``, without gradient as
+      jax.nn's; ``"differentiable"``: with its true gradient, for composing
+      attention by hand (merging partial results by log-sum-exp: a ring of
+      your own, a cascade, speculative branches).
     config: pin the kernels' ``AttentionConfig`` (the forward's, tangent's
       and backward's blocks), or a ``MosaicGpuAttentionConfig`` (the Hopper
       kernels: their forward, tangent and backward, for the calls they take).
+    sequence_layout: how the query and key sequences' tokens are laid out
+      over the devices that shard them: None or ``"contiguous"`` (natural
+      order), or a ``pallax.SequenceLayout("zigzag" | "striped", shards=P)``
+      for arrays permuted by ``pallax.context_parallel``; masks, windows and
+      lengths follow the tokens' true positions, and the output comes back in
+      the same layout. On one device, or sharded over ``P`` devices, it means
+      the same.
+    sequence_axis: inside ``shard_map``, the manual mesh axis (or axes) over
+      which the query and key/value sequences are split; the local blocks are
+      then one device's share of a longer sequence (ring or all-gather).
 
   Returns:
     The output, shaped like ``query`` with the value's head dim; with
     ``return_residual``, ``(output, lse)`` where ``lse (B, T, N)`` (``(T, N)``)
     is the natural-log sum of the exponentiated visible logits (and sink),
     in the key's dtype, ``-inf`` on rows that see nothing, without gradient
-    (as jax.nn).
+    (as jax.nn) unless ``return_residual="differentiable"``.
   """
   q = _array("query", query, (3, 4))
   k = _array("key", key, (q.ndim,))
@@ -390,8 +442,11 @@ def dot_product_attention(
   scale = 1 / np.sqrt(h) if scale is None else check_static_float(_OP, "scale", scale)
   left, right = _window(local_window_size, bool(is_causal))
   has_lengths = query_seq_lengths is not None or key_value_seq_lengths is not None
-  q_len = _lengths("query_seq_lengths", query_seq_lengths, b, t)
-  kv_len = _lengths("key_value_seq_lengths", key_value_seq_lengths, b, s)
+  sequence_axes = _sequence_axes(sequence_axis)
+  shards = 1 if sequence_axes is None else jax.lax.axis_size(sequence_axes)
+  # Inside shard_map the lengths count the whole sequence's tokens.
+  q_len = _lengths("query_seq_lengths", query_seq_lengths, b, t * shards)
+  kv_len = _lengths("key_value_seq_lengths", key_value_seq_lengths, b, s * shards)
   extra = []
   if bias is not None:
     bias = jnp.asarray(bias)
@@ -411,7 +466,11 @@ def dot_product_attention(
     cap = check_positive_float(_OP, "logits_soft_cap", logits_soft_cap)
   if sinks is not None:
     extra.append(_sinks(sinks, n, kv_heads))
-  _check_unsharded_sequence(q, k)
+  if return_residual not in (False, True, "differentiable"):
+    raise ValueError(
+      f"{_OP}: return_residual must be False, True or 'differentiable', got {return_residual!r}"
+    )
+  layout = _layout(sequence_layout, t * shards, s * shards)
   if 0 in (b, t, n, s):  # nothing to attend to, or nobody asking: no kernel to run
     empty = -jnp.inf if sinks is None else jnp.asarray(sinks)  # a row's lse: its sink
     out, lse = jnp.zeros((b, t, n, v.shape[3]), q.dtype), jnp.full((b, t, n), empty, k.dtype)
@@ -433,11 +492,15 @@ def dot_product_attention(
     has_segments=segments is not None,
     has_sinks=sinks is not None,
     logits_soft_cap=cap,
+    sequence_layout=layout,
+    sequence_axes=sequence_axes,
   )
   out = jnp.transpose(out, (0, 3, 1, 2, 4)).reshape(b, t, n, v.shape[3])
   if unbatched:
     out = out[0]
   if not return_residual:
     return out
-  lse = jax.lax.stop_gradient(jnp.transpose(lse, (0, 3, 1, 2)).reshape(b, t, n).astype(k.dtype))
+  lse = jnp.transpose(lse, (0, 3, 1, 2)).reshape(b, t, n).astype(k.dtype)
+  if return_residual != "differentiable":
+    lse = jax.lax.stop_gradient(lse)
   return out, lse[0] if unbatched else lse

@@ -8,6 +8,9 @@ backward (its transpose).
   math every implementation runs;
 * ``config.py``: ``AttentionConfig``, heuristics, autotuning space, legality;
 * ``xla.py``: the blockwise XLA programs (the CPU path);
+* ``context.py``: the ring and all-gather programs of a sharded sequence
+  (context parallelism), and the sequence layouts around every
+  implementation;
 * ``triton.py``, ``mosaic_tpu.py``: the Pallas kernels;
 * ``mosaic_gpu/``: the Hopper forward, backward and tangent kernels
   (FlashAttention-3's structure), with a config class of its own;
@@ -22,6 +25,7 @@ import dataclasses
 from pallax.kernels.attention import config, mosaic_gpu, mosaic_tpu, triton
 from pallax.kernels.attention.common import with_sinks
 from pallax.kernels.attention.config import AttentionConfig
+from pallax.kernels.attention.context import in_layout
 from pallax.op import Kernel
 from pallax.op.signature import STAGES
 from pallax.triton_raw import LazyKernels
@@ -33,7 +37,7 @@ _RAW = LazyKernels("pallax.kernels.attention.triton_raw", ("fwd", "bwd"))
 
 
 def kernel(stage: str) -> Kernel:
-  """The kernels of ``stage`` (``"fwd"``, ``"jvp"`` or ``"bwd"``), sinks applied around them.
+  """The kernels of ``stage`` (``"fwd"``, ``"jvp"`` or ``"bwd"``), with sinks and layouts.
 
   The Pallas kernels of every stage, the raw Triton ones of the forward and
   backward (the tangent has none), and the Mosaic GPU ones of every stage.
@@ -41,5 +45,5 @@ def kernel(stage: str) -> Kernel:
   backends = {"pallas_triton": triton, "pallas_mosaic_tpu": mosaic_tpu, "triton_raw": _RAW}
   own = {mosaic_gpu.IMPLEMENTATION: mosaic_gpu}
   family = Kernel.of_stage(stage, config=config, backends=backends, own_configs=own)
-  impls = {name: with_sinks(stage, fn) for name, fn in family.impls.items()}
+  impls = {name: in_layout(stage, with_sinks(stage, fn)) for name, fn in family.impls.items()}
   return dataclasses.replace(family, impls=impls)

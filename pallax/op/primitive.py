@@ -23,7 +23,7 @@ from pallax.executor.implementation import PLATFORMS, XLA, implementation, targe
 from pallax.executor.registry import kernel_function, register_kernel, resolved
 from pallax.interpret import interpret_backend
 from pallax.op.kernel import Kernel, select_config
-from pallax.op.sharding import Dims, partitioned
+from pallax.op.sharding import Dims, partitioned, run_in_shard_map
 
 FRAMEWORK_PARAMS = ("config", "interpret", "executor")
 
@@ -172,7 +172,11 @@ def define_primitive(name: str, spec: PrimitiveSpec) -> KernelPrimitive:
   def partitioned_lowering(ctx, *args, **params):
     rewrite = spec.rewrite(args, ctx.avals_in, params) if spec.rewrite is not None else None
     if rewrite is None:
-      fn = partitioned(kernel, spec.dims(*ctx.avals_in, **params), params)
+      dims = spec.dims(*ctx.avals_in, **params)
+      if dims.split:
+        fn = functools.partial(run_in_shard_map, name, dims, dims.split)
+      else:
+        fn = partitioned(kernel, dims, params)
       return mlir.lower_fun(fn, multiple_results=True)(ctx, *args)
 
     def rewritten(*values):

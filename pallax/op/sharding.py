@@ -19,6 +19,7 @@ from jax.experimental.custom_partitioning import SdyShardingRule, custom_partiti
 from jax.extend.core import Primitive
 from jax.sharding import NamedSharding, PartitionSpec
 
+from pallax import _jax_private
 from pallax.op.collectives import Program, Shards, choose, program_factors
 
 
@@ -43,6 +44,12 @@ class Dims:
 
   ``refused`` maps factors that the op cannot shard (yet) to the error a
   sharded one raises, instead of being gathered quietly.
+
+  ``split`` names factors that the call's operands hold split over the
+  manual axes of an enclosing ``shard_map`` (each factor's mesh axes; the
+  caller says so, e.g. through an op argument, since a local block cannot
+  show it): the call then runs a program for them (``run_in_shard_map``)
+  instead of the kernel.
   """
 
   operands: tuple[tuple[str, ...], ...]
@@ -50,6 +57,7 @@ class Dims:
   replicated: tuple[str, ...] = ()
   programs: tuple[Program, ...] = ()
   refused: Mapping[str, str] = dataclasses.field(default_factory=dict)
+  split: Mapping[str, tuple[str, ...]] = dataclasses.field(default_factory=dict)
 
   @property
   def program_factors(self) -> frozenset[str]:
@@ -84,7 +92,8 @@ def partitioned(kernel: Primitive, dims: Dims, params: dict) -> Callable:
 
     def lower_fn(*args):
       if program is not None:
-        return tuple(program.run(shards, *args))
+        with _jax_private.one_source_location():
+          return tuple(program.run(shards, *args))
       return tuple(shards.psum(out, i) for i, out in enumerate(kernel.bind(*args, **params)))
 
     return mesh, lower_fn, out_shardings, arg_shardings
@@ -118,6 +127,10 @@ def run_in_shard_map(
     factors: each split factor's manual mesh axes (a name or a tuple).
     *args: this device's blocks of the operands.
 
+  Results are this device's, summed over nothing: inside ``shard_map`` an
+  operand replicated over a manual axis is cast to varying
+  (``match_manual_axes``), whose transpose sums its per-device cotangents.
+
   Raises:
     ValueError: no program computes the split factors, or an axis is not a
       manual axis of the enclosing ``shard_map``.
@@ -130,19 +143,26 @@ def run_in_shard_map(
         f"{op}: factor {f} is split over {axes}, which are not manual axes of the enclosing "
         f"shard_map (manual: {tuple(mesh.manual_axes)})"
       )
-  shards = _shards(dims, factors, mesh.shape)
+  shards = dataclasses.replace(
+    _shards(dims, factors, mesh.shape), summed=[() for _ in dims.results]
+  )
   local = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in args]
   program = choose(op, dims.programs, shards, local)
   if program is None:
     raise ValueError(f"{op}: no per-shard program computes factors {tuple(factors)} split")
-  return list(program.run(shards, *args))
+  with _jax_private.one_source_location():
+    return list(program.run(shards, *args))
 
 
 def _shards(dims: Dims, factors: Mapping[str, tuple[str, ...]], mesh_shape) -> Shards:
-  """The ``Shards`` of a call: results are summed over the sharded factors they lack."""
+  """The ``Shards`` of a call: results are summed over the sharded factors they lack.
+
+  Each mesh axis once, also where two such factors share it (a ring's query
+  and key sequences).
+  """
   in_factors = {f for d in dims.operands for f in d}
   summed = [
-    tuple(a for f in sorted(in_factors - set(names)) for a in factors.get(f) or ())
+    tuple(dict.fromkeys(a for f in sorted(in_factors - set(names)) for a in factors.get(f) or ()))
     for names in dims.results
   ]
   others = lambda f: {a for g, axes in factors.items() if g != f for a in axes}

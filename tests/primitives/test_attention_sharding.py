@@ -3,8 +3,8 @@
 Runs on 8 fake CPU devices (tests/conftest.py). The batch and head dims shard
 freely: no all-gather in the compiled HLO of the forward or the gradient, the
 output keeps the query's sharding, and the results equal the unsharded call.
-A sharded sequence dim (T of the query, S of the key and value) is refused
-with an error that says so.
+A sharded sequence dim (T of the query, S of the key and value) runs the
+context-parallel programs: tests/primitives/test_attention_context.py.
 """
 
 from __future__ import annotations
@@ -153,19 +153,6 @@ def test_bias_shared_over_the_sharded_batch():
   assert grads[3].shape == (1, N, T, S)
   for g, w, name in zip(grads, grads_ref, ("dq", "dk", "dv", "dbias")):
     assert_close(g, w, jnp.float32, name)
-
-
-@pytest.mark.parametrize(
-  "which, spec", [("query", P(None, "a")), ("key", P(None, "b")), ("value", P(None, "a"))]
-)
-def test_sharded_sequence_is_refused(which, spec):
-  mesh = mesh_4x2()
-  args, _ = _data(3)
-  index = ("query", "key", "value").index(which)
-  sargs = list(args)
-  sargs[index] = jax.device_put(args[index], NamedSharding(mesh, spec))
-  with pytest.raises(Exception, match="sequence"):
-    jax.jit(_attention())(*sargs).block_until_ready()
 
 
 def test_shard_map_forward_and_grad():
