@@ -27,7 +27,7 @@ if str(ROOT) not in sys.path:  # examples/ sits at the repository root, not inst
 
 from examples import multihost  # noqa: E402
 
-TIMEOUT = 180  # seconds; the two processes take about 10 s on two busy cores
+TIMEOUT = 180  # seconds; the two processes took 8 to 25 s on two shared cores
 
 
 def _one_process_step():
