@@ -249,3 +249,25 @@ def run_pytest(args, cwd, *, timeout=None, **env) -> subprocess.CompletedProcess
     text=True,
     timeout=timeout,
   )
+
+
+def deviceless_mesh(target: str, axis: str) -> jax.sharding.Mesh:
+  """A one-axis mesh over a multi-chip topology without the hardware: TPU v5e:2x2 or H100 x8.
+
+  Skips the test where the target's compiler is absent (the verify extra).
+  """
+  import pytest
+  from jax.experimental import topologies
+
+  from pallax.verify.targets import TARGETS
+
+  spec = TARGETS[target]
+  if spec.unavailable_reason():
+    pytest.skip(spec.unavailable_reason())
+  kwargs = spec.topology_kwargs()
+  if target == "v5e":
+    kwargs["topology_name"] = "v5e:2x2"
+  else:
+    kwargs["topology"] = "1x1x8"
+  devices = topologies.get_topology_desc(**kwargs).devices
+  return jax.sharding.Mesh(np.array(devices), (axis,))

@@ -17,7 +17,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 from pallax.op.collectives import ragged_all_to_all
-from tests.helpers import mesh_4x2, sharding_devices
+from tests.helpers import deviceless_mesh, mesh_4x2, sharding_devices
 
 ROWS, OUT, WIDTH = 9, 14, 3
 
@@ -108,21 +108,8 @@ def test_one_slice_a_device():
 @pytest.mark.compilers
 @pytest.mark.parametrize("target", ["v5e", "h100"])
 def test_compiles_to_xla_ragged_all_to_all(target):
-  from jax.experimental import topologies
-
-  from pallax.verify.targets import TARGETS
-
-  spec = TARGETS[target]
-  if spec.unavailable_reason():
-    pytest.skip(spec.unavailable_reason())
-  kwargs = spec.topology_kwargs()
-  if target == "v5e":
-    kwargs["topology_name"] = "v5e:2x2"
-  else:
-    kwargs["topology"] = "1x1x8"
-  devices = topologies.get_topology_desc(**kwargs).devices
-  n = len(devices)
-  mesh = jax.sharding.Mesh(np.array(devices), ("e",))
+  mesh = deviceless_mesh(target, "e")
+  n = mesh.size
   sharded = jax.sharding.NamedSharding(mesh, P("e"))
   shapes = [((n, ROWS, WIDTH), jnp.bfloat16), ((n, OUT, WIDTH), jnp.bfloat16)]
   shapes += [((n, n), jnp.int32)] * 4

@@ -58,6 +58,10 @@ __all__ = ["in_layout", "programs", "LATENCY_BYTES"]
 # the tens of GB/s of a device link): the unit the two programs' costs share.
 LATENCY_BYTES = 256 * 1024
 
+# The most K/V (with what travels with them) the all-gather may hold on one
+# device; above it only the ring, whose memory stays one block, is a candidate.
+GATHER_LIMIT_BYTES = 2 * 1024**3
+
 # The query-sequence and key-sequence dims of the operands and results,
 # by the name of the input (or output) each is or derives from.
 _SEQ_DIMS = {
@@ -553,10 +557,15 @@ def _ring_cost(shards: Shards, *avals) -> float:
 
 
 def _gather_cost(shards: Shards, *avals) -> float:
-  """One ``all_gather`` start-up and the ``P - 1`` blocks it brings before any product starts."""
+  """One ``all_gather`` start-up and the ``P - 1`` blocks it brings before any product starts.
+
+  Not a candidate (infinite) where the gathered K/V would pass ``GATHER_LIMIT_BYTES``.
+  """
   ps = shards.size("s")
   if ps == 1:
     return 0.0
+  if ps * _kv_bytes(avals) > GATHER_LIMIT_BYTES:
+    return math.inf
   return LATENCY_BYTES + (ps - 1) * _kv_bytes(avals)
 
 
