@@ -289,9 +289,10 @@ def _sequence_axes(sequence_axis) -> Optional[tuple[str, ...]]:
     return None
   axes = (sequence_axis,) if isinstance(sequence_axis, str) else tuple(sequence_axis)
   manual = set(jax.sharding.get_abstract_mesh().manual_axes)
-  if not axes or not all(isinstance(a, str) for a in axes) or not set(axes) <= manual:
+  named = all(isinstance(a, str) for a in axes) and len(set(axes)) == len(axes)
+  if not axes or not named or not set(axes) <= manual:
     raise ValueError(
-      f"{_OP}: sequence_axis must name manual axes of the enclosing shard_map (manual: "
+      f"{_OP}: sequence_axis must name distinct manual axes of the enclosing shard_map (manual: "
       f"{tuple(sorted(manual))}), got {sequence_axis!r}"
     )
   return axes
@@ -392,6 +393,8 @@ def dot_product_attention(
     sequence_axis: inside ``shard_map``, the manual mesh axis (or axes) over
       which the query and key/value sequences are split; the local blocks are
       then one device's share of a longer sequence (ring or all-gather).
+      Lengths count the whole sequence, and a bias or mask holds the
+      device's query rows and every key: ``(B, N, T_local, S)``.
 
   Returns:
     The output, shaped like ``query`` with the value's head dim; with
@@ -452,12 +455,12 @@ def dot_product_attention(
     bias = jnp.asarray(bias)
     if not jnp.issubdtype(bias.dtype, jnp.floating):
       raise TypeError(f"{_OP}: bias must have a floating dtype, got {bias.dtype}")
-    extra.append(_bias_like("bias", bias, b, n, t, s, kv_heads))
+    extra.append(_bias_like("bias", bias, b, n, t, s * shards, kv_heads))
   if mask is not None:
     mask = jnp.asarray(mask)
     if mask.dtype != jnp.bool_:
       raise TypeError(f"{_OP}: mask must be a boolean array, got {mask.dtype}")
-    extra.append(_bias_like("mask", mask, b, n, t, s, kv_heads))
+    extra.append(_bias_like("mask", mask, b, n, t, s * shards, kv_heads))
   segments = _segment_ids(q_segment_ids, kv_segment_ids, b, t, s, unbatched)
   if segments is not None:
     extra += segments

@@ -460,13 +460,15 @@ def _key_block(run: _Run) -> dict:
 
 def _ring(stage: str, kernel, shards: Shards, *operands, **params) -> list:
   """One device's results of a stage, the key blocks travelling round a ``ppermute`` ring."""
-  run, layout, q_back, (t_axes, s_axes, pt, ps, s_len) = _prepare(
+  run, layout, q_back, (t_axes, s_axes, pt, _, s_len) = _prepare(
     stage, kernel, shards, operands, params
   )
-  if t_axes != s_axes:
+  if t_axes != s_axes:  # chosen only where the all-gather was no candidate either
     raise ValueError(
-      f"dot_product_attention: the ring needs the query and key sequences sharded over the same "
-      f"mesh axes, got {t_axes} and {s_axes}"
+      f"dot_product_attention: the query sequence is sharded over {t_axes} and the key sequence "
+      f"over {s_axes}: the ring needs both over the same mesh axes, and gathering K/V would hold "
+      f"more than GATHER_LIMIT_BYTES ({GATHER_LIMIT_BYTES}) on a device; shard both sequences "
+      "over the same axes"
     )
   n = pt
   k_layout = _block_layout(layout, n, "key/value")
@@ -494,7 +496,7 @@ def _ring(stage: str, kernel, shards: Shards, *operands, **params) -> list:
 
 def _all_gather(stage: str, kernel, shards: Shards, *operands, **params) -> list:
   """One device's results of a stage against the whole key sequence, gathered once."""
-  run, layout, q_back, (t_axes, s_axes, pt, ps, s_len) = _prepare(
+  run, layout, q_back, (t_axes, s_axes, _, ps, s_len) = _prepare(
     stage, kernel, shards, operands, params
   )
   keys = _key_block(run)
@@ -524,17 +526,20 @@ def _all_gather(stage: str, kernel, shards: Shards, *operands, **params) -> list
 
 
 def _own_block(grad, t_axes, s_axes, ps: int):
-  """A device's block of a whole-sequence key gradient summed over the devices' query blocks."""
+  """A device's block of a whole-sequence key gradient summed over the devices' query blocks.
+
+  Summed over the query axes that do not hold keys; then reduce-scattered
+  over the key axes where the query axes hold them all, else summed over the
+  shared ones and cut.
+  """
+  only_t = tuple(a for a in t_axes if a not in s_axes)
+  grad = lax.psum(grad, only_t) if only_t else grad
   if ps == 1:
-    return lax.psum(grad, t_axes) if t_axes else grad
-  if set(t_axes) == set(s_axes):
+    return grad
+  if set(s_axes) <= set(t_axes):
     return lax.psum_scatter(grad, s_axes, scatter_dimension=2, tiled=True)
-  if set(t_axes) & set(s_axes):
-    raise ValueError(
-      f"dot_product_attention: the query sequence is sharded over {t_axes} and the key sequence "
-      f"over {s_axes}, which share some but not all mesh axes"
-    )
-  grad = lax.psum(grad, t_axes) if t_axes else grad
+  shared = tuple(a for a in s_axes if a in t_axes)
+  grad = lax.psum(grad, shared) if shared else grad
   size = grad.shape[2] // ps
   return _cut(grad, 2, lax.axis_index(s_axes) * size, size)
 
@@ -570,13 +575,21 @@ def _gather_cost(shards: Shards, *avals) -> float:
 
 
 def _with_sinks(program, stage: str, kernel, params: dict):
-  """``program`` with the sinks applied once around it; ``dsinks`` summed over every device."""
+  """``program`` with the sinks applied once around it.
+
+  ``dsinks`` sums a device's query rows: it is summed over the devices
+  holding other rows (not over the key-only sequence axes, whose devices
+  hold the same rows).
+  """
 
   def run(shards, *operands):
     inner = functools.partial(program, stage, kernel, shards)
     outs = with_sinks(stage, inner)(*operands, **params)
     if stage == "bwd" and params["has_sinks"]:
-      outs[-1] = shards.psum(outs[-1], len(outs) - 1)  # each device summed its own rows
+      t_axes, s_axes = _seq_axes(shards)
+      key_only = set(s_axes) - set(t_axes)
+      axes = tuple(a for a in shards.summed[-1] if a not in key_only)
+      outs[-1] = lax.psum(outs[-1], axes) if axes else outs[-1]
     return outs
 
   return run

@@ -122,7 +122,8 @@ def _check(mesh, q_spec, kv_spec, layout_name, features, *, t=64, s=64, seed=0, 
   """The sharded call (compiled once) equals the unsharded one; returns the compiled HLO."""
   (q, k, v), kw = _inputs(seed, t, s, features)
   seq_axes = q_spec[1] if len(q_spec) > 1 else None
-  layout = LAYOUTS[layout_name](mesh.shape[seq_axes] if seq_axes else 1)
+  axes = (seq_axes,) if isinstance(seq_axes, str) else seq_axes or ()
+  layout = LAYOUTS[layout_name](int(np.prod([mesh.shape[a] for a in axes])))
   run, extra = _everything(layout, kw)
   want = jax.jit(run)(q, k, v, *extra)
   put = lambda x, spec: jax.device_put(x, NamedSharding(mesh, spec))
@@ -208,7 +209,14 @@ def test_queries_and_keys_of_other_lengths(program):
 
 def test_only_queries_or_only_keys_sharded():
   _check(_mesh8(), SEQ, P(), "contiguous", ("causal", "window"), seed=8)
-  _check(_mesh8(), P(), SEQ, "contiguous", ("causal",), seed=9)
+  _check(_mesh8(), P(), SEQ, "contiguous", ("causal", "sinks"), seed=9)
+
+
+def test_sequences_on_overlapping_axes():
+  """Queries over ("a", "b") and keys over "a" (and the reverse): the all-gather's reductions."""
+  mesh = mesh_4x2()
+  _check(mesh, P(None, ("a", "b")), P(None, "a"), "contiguous", ("causal", "sinks"), seed=15)
+  _check(mesh, P(None, "a"), P(None, ("a", "b")), "contiguous", ("causal",), seed=16)
 
 
 def test_vmap_of_the_sharded_call_and_of_its_grad():
@@ -228,37 +236,25 @@ def test_vmap_of_the_sharded_call_and_of_its_grad():
 
 
 def test_shard_map_with_sequence_axis():
+  """Local blocks of a striped sequence; the bias holds the device's query rows and every key."""
   mesh = _mesh8()
-  (q, k, v), kw = _inputs(11, 64, 64, ("causal", "lengths", "sinks"))
+  (q, k, v), kw = _inputs(11, 64, 64, ("causal", "lengths", "sinks", "bias"))
   layout = pallax.SequenceLayout("striped", 8)
+  lengths = {n: kw[n] for n in ("query_seq_lengths", "key_value_seq_lengths")}
 
-  def local(q, k, v, sinks):
+  def attention(q, k, v, sinks, bias, **extra):
     return pallax.dot_product_attention(
-      q,
-      k,
-      v,
-      is_causal=True,
-      query_seq_lengths=kw["query_seq_lengths"],
-      key_value_seq_lengths=kw["key_value_seq_lengths"],
-      sinks=sinks,
-      sequence_layout=layout,
-      sequence_axis="sp",
+      q, k, v, bias, is_causal=True, sinks=sinks, sequence_layout=layout, **lengths, **extra
     )
 
-  sharded = jax.shard_map(local, mesh=mesh, in_specs=(SEQ, SEQ, SEQ, P()), out_specs=SEQ)
-  unsharded = lambda q, k, v, sinks: pallax.dot_product_attention(
-    q,
-    k,
-    v,
-    is_causal=True,
-    query_seq_lengths=kw["query_seq_lengths"],
-    key_value_seq_lengths=kw["key_value_seq_lengths"],
-    sinks=sinks,
-    sequence_layout=layout,
-  )
-  for fn in (lambda f: f, lambda f: jax.grad(lambda *a: jnp.sum(jnp.sin(f(*a))), (0, 1, 2, 3))):
-    got = jax.jit(fn(sharded))(q, k, v, kw["sinks"])
-    want = fn(unsharded)(q, k, v, kw["sinks"])
+  local = functools.partial(attention, sequence_axis="sp")
+  in_specs = (SEQ, SEQ, SEQ, P(), P(None, None, "sp"))
+  sharded = jax.shard_map(local, mesh=mesh, in_specs=in_specs, out_specs=SEQ)
+  grad = lambda f: jax.grad(lambda *a: jnp.sum(jnp.sin(f(*a))), (0, 1, 2, 3, 4))
+  args = (q, k, v, kw["sinks"], kw["bias"])
+  for fn in (lambda f: f, grad):
+    got = jax.jit(fn(sharded))(*args)
+    want = fn(attention)(*args)
     for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
       assert_close(a, b, jnp.float32, "shard_map")
 
@@ -365,7 +361,7 @@ def test_bad_input():
     pallax.dot_product_attention(q, q, q, sequence_layout=pallax.SequenceLayout("zigzag", 8))
   with pytest.raises(ValueError, match="return_residual must be"):
     pallax.dot_product_attention(q, q, q, return_residual="yes")
-  with pytest.raises(ValueError, match="sequence_axis must name manual axes"):
+  with pytest.raises(ValueError, match="sequence_axis must name distinct manual axes"):
     pallax.dot_product_attention(q, q, q, sequence_axis="sp")
   with pytest.raises(ValueError, match="kind must be one of"):
     pallax.SequenceLayout("ring", 2)
