@@ -104,13 +104,17 @@ class SequenceLayout:
     """The global position of the token at each index of an array in this layout."""
     return _order(self, length)
 
+  def inverse_order(self, length: int) -> np.ndarray:
+    """The index, in an array in this layout, of the token at each global position."""
+    return _inverse(self, length)
+
   def to_layout(self, x: jax.Array, axis: int = 1) -> jax.Array:
     """``x``'s ``axis`` (natural order) permuted into this layout."""
     return jnp.take(x, self.order(x.shape[axis]), axis=axis)
 
   def from_layout(self, x: jax.Array, axis: int = 1) -> jax.Array:
     """``x``'s ``axis`` (in this layout) permuted back into natural order."""
-    return jnp.take(x, _inverse(self, x.shape[axis]), axis=axis)
+    return jnp.take(x, self.inverse_order(x.shape[axis]), axis=axis)
 
 
 @functools.lru_cache(maxsize=64)

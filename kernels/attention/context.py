@@ -105,7 +105,7 @@ def in_layout(stage: str, fn: Callable) -> Callable:
     sig = SIGNATURE.stage(stage, params)
     lengths = (operands[0].shape[3], operands[1].shape[2])
     orders = tuple(layout.order(n) for n in lengths)
-    inverse = tuple(np.argsort(o) for o in orders)
+    inverse = tuple(layout.inverse_order(n) for n in lengths)
     ops = [_take(x, _dims_of(sig, n), inverse) for n, x in zip(sig.operands, operands)]
     outs = fn(*ops, **dict(params, sequence_layout=None))
     return [_take(x, _dims_of(sig, n), orders) for n, x in zip(sig.results, outs)]
@@ -182,11 +182,12 @@ def _natural_index(layout: SequenceLayout, length: int) -> Optional[np.ndarray]:
   """The reindexing that puts a whole sequence held in ``layout`` into ``_whole``'s order."""
   if layout.natural or layout.stride != 1:
     return None
-  return np.argsort(layout.order(length)).astype(np.int32)
+  return layout.inverse_order(length)
 
 
-def _inverse(index: Optional[np.ndarray]) -> Optional[np.ndarray]:
-  return None if index is None else np.argsort(index).astype(np.int32)
+def _layout_index(layout: SequenceLayout, length: int) -> Optional[np.ndarray]:
+  """The reindexing that undoes ``_natural_index`` (None where that is None)."""
+  return None if _natural_index(layout, length) is None else layout.order(length)
 
 
 def _block_layout(layout: SequenceLayout, blocks: int, what: str) -> SequenceLayout:
@@ -410,20 +411,19 @@ def _seq_axes(shards: Shards) -> tuple[tuple[str, ...], tuple[str, ...]]:
 
 
 def _prepare(stage: str, kernel, shards: Shards, operands, params):
-  """The ``_Run`` of a device, its key side's layout, and the query reindexing to undo."""
+  """The ``_Run`` of a device, the call's layout, and the query reindexing to undo."""
   sig = SIGNATURE.stage(stage, params)
   named = sig.unpack(operands)
   ops = {n: named[n] for n in sig.operands}
   p = Problem.of(operands, **params)
   layout = params["sequence_layout"] or SequenceLayout()
-  t_axes, s_axes = _seq_axes(shards)
-  pt, ps = shards.size("t"), shards.size("s")
-  t_len, s_len = p.t * pt, p.s * ps
+  pt = shards.size("t")
+  t_len = p.t * pt
   q_back = None
   if pt > 1:
     q_layout = _block_layout(layout, pt, "query")
     q_side = _Side(tuple(q_layout.pieces(d, t_len) for d in range(pt)))
-    q_index = lax.axis_index(t_axes)
+    q_index = lax.axis_index(shards.axes("t"))
   else:
     q_side = _Side((_whole(layout, t_len),))
     q_index = None
@@ -433,10 +433,10 @@ def _prepare(stage: str, kernel, shards: Shards, operands, params):
         t_dim = _dims_of(sig, name)[0]
         if t_dim is not None:
           ops[name] = _take(ops[name], (t_dim,), (index,))
-      q_back = _inverse(index)
+      q_back = _layout_index(layout, t_len)
   inner = dict(params, sequence_layout=None, sequence_axes=None)
   run = _Run(stage, sig, ops, inner, p, kernel, q_side, q_index)
-  return run, layout, q_back, (t_axes, s_axes, pt, ps, s_len)
+  return run, layout, q_back
 
 
 def _finish(run: _Run, shards: Shards, named: dict) -> list:
@@ -460,9 +460,8 @@ def _key_block(run: _Run) -> dict:
 
 def _ring(stage: str, kernel, shards: Shards, *operands, **params) -> list:
   """One device's results of a stage, the key blocks travelling round a ``ppermute`` ring."""
-  run, layout, q_back, (t_axes, s_axes, pt, _, s_len) = _prepare(
-    stage, kernel, shards, operands, params
-  )
+  run, layout, q_back = _prepare(stage, kernel, shards, operands, params)
+  t_axes, s_axes = _seq_axes(shards)
   if t_axes != s_axes:  # chosen only where the all-gather was no candidate either
     raise ValueError(
       f"dot_product_attention: the query sequence is sharded over {t_axes} and the key sequence "
@@ -470,7 +469,8 @@ def _ring(stage: str, kernel, shards: Shards, *operands, **params) -> list:
       f"more than GATHER_LIMIT_BYTES ({GATHER_LIMIT_BYTES}) on a device; shard both sequences "
       "over the same axes"
     )
-  n = pt
+  n = shards.size("t")
+  s_len = run.p.s * n
   k_layout = _block_layout(layout, n, "key/value")
   ring = [(i, (i + 1) % n) for i in range(n)]
   send = lambda x: lax.ppermute(x, s_axes, ring)
@@ -496,9 +496,10 @@ def _ring(stage: str, kernel, shards: Shards, *operands, **params) -> list:
 
 def _all_gather(stage: str, kernel, shards: Shards, *operands, **params) -> list:
   """One device's results of a stage against the whole key sequence, gathered once."""
-  run, layout, q_back, (t_axes, s_axes, _, ps, s_len) = _prepare(
-    stage, kernel, shards, operands, params
-  )
+  run, layout, q_back = _prepare(stage, kernel, shards, operands, params)
+  t_axes, s_axes = _seq_axes(shards)
+  ps = shards.size("s")
+  s_len = run.p.s * ps
   keys = _key_block(run)
   if ps > 1:
     _block_layout(layout, ps, "key/value")
@@ -516,7 +517,7 @@ def _all_gather(stage: str, kernel, shards: Shards, *operands, **params) -> list
   state = _visit(run, state, _updater(run, key_side, 0), keys, key_side, 0)
   named = _query_results(run, state, q_back)
   if stage == "bwd":
-    back = _inverse(index)
+    back = _layout_index(layout, s_len)
     for name, grad in zip(("dk", "dv"), state[1]):
       grad = _take(grad, (2,), (back,))
       named[name] = _own_block(grad, t_axes, s_axes, ps).astype(run.p.dtype)
