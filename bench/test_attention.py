@@ -226,19 +226,19 @@ def reference_rows(case, mode, inputs, rows=CHECK_ROWS):
   group = case.heads // case.kv_heads  # query head i uses key/value head i // group, as jax.nn
   k, v = np.repeat(k, group, axis=2), np.repeat(v, group, axis=2)
   scale = 1 / math.sqrt(case.head_dim)
-  logits = np.einsum("brnh,bsnh->bnrs", q, k) * scale
+  logits = np.einsum("brnh,bsnh->bnrs", q, k, optimize=True) * scale
   if case.causal:
     visible = np.arange(k.shape[1])[None, :] <= np.arange(q.shape[1])[:, None]
     logits = np.where(visible, logits, -np.inf)
   p = np.exp(logits - logits.max(-1, keepdims=True))
   p /= p.sum(-1, keepdims=True)
-  out = np.einsum("bnrs,bsnh->brnh", p, v)
+  out = np.einsum("bnrs,bsnh->brnh", p, v, optimize=True)
   if mode == "fwd":
     return out
   dout = np.asarray(inputs[3], np.float64)[:, :rows]
-  dp = np.einsum("brnh,bsnh->bnrs", dout, v)
+  dp = np.einsum("brnh,bsnh->bnrs", dout, v, optimize=True)
   delta = np.einsum("brnh,brnh->bnr", dout, out)
-  return np.einsum("bnrs,bsnh->brnh", p * (dp - delta[..., None]), k) * scale
+  return np.einsum("bnrs,bsnh->brnh", p * (dp - delta[..., None]), k, optimize=True) * scale
 
 
 def _checked_rows(mode, result, rows=CHECK_ROWS):
@@ -378,13 +378,13 @@ def packed_reference_rows(mode, inputs, rows=PACKED_ROWS):
   logits = np.where(visible[:, None], logits, -np.inf)
   p = np.exp(logits - logits.max(-1, keepdims=True))
   p /= p.sum(-1, keepdims=True)
-  out = np.einsum("bnrs,bsnh->brnh", p, v)
+  out = np.einsum("bnrs,bsnh->brnh", p, v, optimize=True)
   if mode == "fwd":
     return out
   dout = np.asarray(inputs[4], np.float64)[:, rows]
-  dp = np.einsum("brnh,bsnh->bnrs", dout, v)
+  dp = np.einsum("brnh,bsnh->bnrs", dout, v, optimize=True)
   delta = np.einsum("brnh,brnh->bnr", dout, out)
-  return np.einsum("bnrs,bsnh->brnh", p * (dp - delta[..., None]), k) * scale
+  return np.einsum("bnrs,bsnh->brnh", p * (dp - delta[..., None]), k, optimize=True) * scale
 
 
 def _packed_call(docs, mode):

@@ -1,0 +1,55 @@
+#!/usr/bin/env bash
+# One short session on an H100 or H200: the Hopper benches, then the kernel
+# tests un-interpreted, within a deadline (the device time is short).
+#
+#   OUT=results bash bench/hopper.sh [seconds, default 480]
+#
+# 1. bench/test_attention_hopper.py: Mosaic GPU attention vs Pallas-Triton vs cuDNN.
+# 2. bench/test_matmul_hopper.py: Mosaic GPU matmul vs the executor's choice vs cuBLAS.
+# 3. bench/test_paged_attention.py, the full-context decode case (HBM bandwidth).
+# 4. The attention, matmul and paged attention tests under PALLAX_TEST_PLATFORM=gpu
+#    (the executor's own kernels compiled and run; the TPU kernels' interpreted
+#    cases are left to the CPU run).
+# Each step's log and JSON land in $OUT; each step gets what is left of the
+# deadline, capped, so a hang in one leaves time for the rest.
+set -u
+cd "$(dirname "$0")/.."
+deadline=$(($(date +%s) + ${1:-480}))
+out="${OUT:-/tmp/hopper}"
+mkdir -p "$out"
+export XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1
+
+left() { echo $((deadline - $(date +%s))); }
+budget() { local l; l=$(left); echo $((l < $1 ? l : $1)); }
+step() {  # step NAME CAP_SECONDS COMMAND...: the command under the smaller of the cap and what is left
+  local name=$1 cap=$2 s
+  shift 2
+  s=$(budget "$cap")
+  echo "=== $name: ${s}s of $(left)s left"
+  if ((s < 20)); then
+    echo "=== $name: not run (deadline)"
+    return
+  fi
+  timeout "$s" "$@" >"$out/$name.log" 2>&1
+  echo "=== $name: rc $?"
+  grep -E "^(hopper|FAILED|ERROR)|passed|failed" "$out/$name.log" | tail -40
+}
+
+nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv,noheader
+python3 -m pip install --no-build-isolation --no-deps -q -e . >"$out/install.log" 2>&1 ||
+  for pkg in kernels primitives batching_rules; do ln -sfn "../$pkg" "pallax/$pkg"; done
+python3 -c "import jax, pallax; print('jax', jax.__version__, jax.devices(), pallax.__file__)"
+
+bench=(python3 -m pytest -n 0 -p no:cacheprovider -q --tb=long)
+step attention_bench 260 "${bench[@]}" bench/test_attention_hopper.py \
+  --benchmark-json "$out/attention_bench.json"
+step matmul_bench 80 "${bench[@]}" bench/test_matmul_hopper.py \
+  --benchmark-json "$out/matmul_bench.json"
+step paged_bench 70 "${bench[@]}" bench/test_paged_attention.py -k full \
+  --benchmark-json "$out/paged_bench.json"
+step tests 600 env PALLAX_TEST_PLATFORM=gpu python3 -m pytest -n 0 -p no:cacheprovider -q \
+  --tb=short --durations=10 -k "not mosaic_tpu" \
+  tests/primitives/test_attention.py tests/primitives/test_attention_features.py \
+  tests/primitives/test_paged_attention.py tests/kernels/test_paged_attention.py \
+  tests/primitives/test_matmul.py tests/kernels/test_matmul.py
+echo "=== done, $(left)s before the deadline"

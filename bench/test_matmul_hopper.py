@@ -1,0 +1,144 @@
+"""matmul on Hopper: the Mosaic GPU kernel against the Pallas-Triton kernel and cuBLAS.
+
+Run on an H100 or H200 (issue 28's matmul choice)::
+
+  XLA_PYTHON_CLIENT_PREALLOCATE=false pytest -n 0 bench/test_matmul_hopper.py \\
+      --benchmark-json matmul_hopper.json
+
+Cases: bfloat16 ``[M, K] @ [K, N]`` at 4096 and 8192 cubed, ``fwd`` and
+``fwd+bwd`` (``bench/modes.py``; the backward is two more products). Each case
+times, in one process and one test, three implementations:
+
+* ``pallax``: the executor's choice (``pallax_kernels`` records it);
+* ``pallax-mosaic-gpu``: every matmul kernel call pinned to the Mosaic GPU
+  kernel's ``heuristic_config`` (an executor overlay);
+* ``cublas``: ``jnp.matmul`` (XLA's GEMM, cuBLAS/cuBLASLt on an NVIDIA GPU).
+
+The benchmark itself is pallax's; the others are timed the same way (median
+of ``ROUNDS`` calls after a warm-up). ``extra_info``: each one's
+``tflop_per_s`` (``pallax.roofline.matmul_work``), ``fraction_of_peak_flops``
+and ``ratio_to_cublas`` (cuBLAS's time over the implementation's: above 1 is
+faster), and its max error on the first rows against a float64 product.
+Without an NVIDIA GPU the cases are not collected: nothing here runs on a CPU.
+"""
+
+import statistics
+import time
+
+import jax
+import jax.numpy as jnp
+import modes
+import numpy as np
+import pytest
+
+import pallax
+from pallax import roofline
+from pallax.executor.tools import kernel_calls
+from pallax.kernels.matmul import mosaic_gpu
+from pallax.kernels.matmul.layout import problem_of
+from pallax.op import op_params
+
+ROUNDS = 20
+CHECK_ROWS = 64
+TOLERANCE = 2e-2  # bfloat16 result against float64, max error over max value
+SHAPES = [(4096, 4096, 4096), (8192, 8192, 8192)]
+IMPLS = ("pallax", "pallax-mosaic-gpu", "cublas")
+
+
+def _on_nvidia_gpu() -> bool:
+  try:
+    return jax.devices()[0].platform == "gpu" and "nvidia" in jax.devices()[0].device_kind.lower()
+  except RuntimeError:
+    return False
+
+
+pytestmark = pytest.mark.skipif(not _on_nvidia_gpu(), reason="needs an NVIDIA GPU")
+
+
+def _inputs(m, k, n):
+  keys = jax.random.split(jax.random.key(0), 3)
+  a = jax.random.normal(keys[0], (m, k), jnp.float32).astype(jnp.bfloat16)
+  b = (jax.random.normal(keys[1], (k, n), jnp.float32) / np.sqrt(k)).astype(jnp.bfloat16)
+  return a, b, jax.random.normal(keys[2], (m, n), jnp.float32)
+
+
+def _function(impl, mode):
+  f = jnp.matmul if impl == "cublas" else pallax.matmul
+  return f if mode == "fwd" else modes.fwd_bwd(f, 2)
+
+
+def _mosaic_pins(fn, args) -> dict:
+  """The Mosaic GPU heuristic config of the matmul calls of ``fn`` (the largest one's)."""
+  calls = kernel_calls(jax.make_jaxpr(fn)(*args).jaxpr)
+  probs = [problem_of([v.aval for v in e.invars], op_params(e.params)) for e in calls]
+  config = mosaic_gpu.heuristic_config(min(probs, key=lambda p: min(p.m, p.n)))
+  return {"matmul": config}
+
+
+def _compiled(impl, mode, args):
+  fn = _function(impl, mode)
+  if impl == "pallax-mosaic-gpu":
+    with pallax.default_executor().overlay(_mosaic_pins(fn, args)):
+      picks = pallax.explain(fn, *args)
+      assert {s.implementation for s in picks} == {mosaic_gpu.IMPLEMENTATION}, picks
+      return jax.jit(fn).lower(*args).compile()
+  return jax.jit(fn).lower(*args).compile()
+
+
+def _reference_rows(mode, args):
+  """Float64 ``a @ b`` (``fwd``) or ``dL/da = c @ b^T`` (``fwd+bwd``) of the first rows."""
+  b = np.asarray(args[1].astype(jnp.float32), np.float64)
+  if mode == "fwd":
+    return np.asarray(args[0][:CHECK_ROWS].astype(jnp.float32), np.float64) @ b
+  return np.asarray(args[2][:CHECK_ROWS], np.float64) @ b.T
+
+
+def _checked_rows(mode, result):
+  out = result if mode == "fwd" else result[1][0]
+  return np.asarray(out[:CHECK_ROWS].astype(jnp.float32), np.float64)
+
+
+def _median_s(call) -> float:
+  jax.block_until_ready(call())
+  times = []
+  for _ in range(ROUNDS):
+    start = time.perf_counter()
+    jax.block_until_ready(call())
+    times.append(time.perf_counter() - start)
+  return statistics.median(times)
+
+
+@pytest.mark.parametrize("mode", ["fwd", "fwd+bwd"])
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
+def test_hopper_matmul(benchmark, request, shape, mode):
+  benchmark.group = f"hopper-matmul-{'x'.join(map(str, shape))}-{mode}"
+  a, b, c = jax.block_until_ready(_inputs(*shape))
+  args = (a, b) if mode == "fwd" else (a, b, c)
+  want = _reference_rows(mode, (a, b, c))
+  info = benchmark.extra_info
+  seconds, compiled = {}, {}
+  for impl in IMPLS:
+    exe = compiled[impl] = _compiled(impl, mode, args)
+    got = _checked_rows(mode, exe(*args))
+    error = float(np.max(np.abs(got - want)) / np.max(np.abs(want)))
+    info[f"{impl}_max_rel_err"] = error
+    assert error < TOLERANCE, f"{impl} is wrong: max rel err {error:.2e}"
+    if impl != "pallax":
+      seconds[impl] = _median_s(lambda exe=exe: exe(*args))
+  picks = pallax.explain(_function("pallax", mode), *args)
+  info["pallax_kernels"] = [f"{s.op}: {s.implementation} ({s.source})" for s in picks]
+  exe = compiled["pallax"]
+  benchmark.pedantic(lambda: jax.block_until_ready(exe(*args)), rounds=ROUNDS, warmup_rounds=1)
+  seconds["pallax"] = benchmark.stats.stats.median
+  work = roofline.matmul_work(*shape, jnp.bfloat16, mode)
+  kind = jax.devices()[0].device_kind
+  for impl, s in seconds.items():
+    rates = roofline.throughput(work, s, kind, jnp.bfloat16)
+    info[f"{impl}_tflop_per_s"] = rates["tflop_per_s"]
+    info[f"{impl}_fraction_of_peak_flops"] = rates.get("fraction_of_peak_flops")
+    info[f"{impl}_ratio_to_cublas"] = seconds["cublas"] / s
+  cells = [
+    f"{i} {info[f'{i}_tflop_per_s']:.0f} TFLOP/s ({info[f'{i}_ratio_to_cublas']:.2f}x cuBLAS)"
+    for i in IMPLS
+  ]
+  request.node.user_properties.append(("summary", f"{benchmark.group}: " + ", ".join(cells)))
