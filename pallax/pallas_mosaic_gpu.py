@@ -164,6 +164,20 @@ def swizzle_transforms(dtype, cols: int = 0) -> tuple[Any, ...]:
   )
 
 
+def compiler_params(approx_math: bool) -> Any:
+  """``plgpu.CompilerParams`` of pallax's Mosaic GPU kernels: lane semantics, explicitly.
+
+  The kernels are written in lane semantics (arrays in explicit register
+  layouts, ``plgpu.layout_cast``), jax 0.10's default. jax 0.11 lowers with
+  warpgroup semantics unless told otherwise, and there the attention kernels
+  fail to lower (a loop's constant carry: "Shaped arrays must be represented
+  by ir.Values", seen on an H200 with jax 0.11.2).
+  """
+  return plgpu.CompilerParams(
+    approx_math=approx_math, lowering_semantics=plgpu.LoweringSemantics.Lane
+  )
+
+
 @dataclasses.dataclass(frozen=True)
 class Form:
   """Which form of a kernel runs: the Hopper one (``hopper``) or the interpreted one."""
@@ -236,7 +250,7 @@ class Form:
       grid_names=grid_names,
       num_threads=consumers + 1,
       thread_name="wg",
-      compiler_params=plgpu.CompilerParams(approx_math=approx_math),
+      compiler_params=compiler_params(approx_math),
       interpret=self.interpret,
     )
     if self.hopper:

@@ -238,6 +238,7 @@ def gmm(
     out_type=(out_type,),
     grid=(items.shape[1], column_blocks),
     grid_names=("item", "n"),
+    compiler_params=mgpu.compiler_params(approx_math=False),
     interpret=form.interpret,
   )
   operands = (items, x, w)
