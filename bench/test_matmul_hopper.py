@@ -9,9 +9,11 @@ Cases: bfloat16 ``[M, K] @ [K, N]`` at 4096 and 8192 cubed, ``fwd`` and
 ``fwd+bwd`` (``bench/modes.py``; the backward is two more products). Each case
 times, in one process and one test, three implementations:
 
-* ``pallax``: the executor's choice (``pallax_kernels`` records it);
-* ``pallax-mosaic-gpu``: every matmul kernel call pinned to the Mosaic GPU
-  kernel's ``heuristic_config`` (an executor overlay);
+* ``pallax``: the executor's choice (``pallax_kernels`` records it: XLA's
+  GEMM on Hopper since these measurements, kernels/matmul/config.py);
+* ``pallax-triton``: every matmul kernel call pinned to the Pallas-Triton
+  kernel's heuristic config (an executor overlay);
+* ``pallax-mosaic-gpu``: pinned to the Mosaic GPU kernel's ``heuristic_config``;
 * ``cublas``: ``jnp.matmul`` (XLA's GEMM, cuBLAS/cuBLASLt on an NVIDIA GPU).
 
 The benchmark itself is pallax's; the others are timed the same way (median
@@ -22,6 +24,7 @@ faster), and its max error on the first rows against a float64 product.
 Without an NVIDIA GPU the cases are not collected: nothing here runs on a CPU.
 """
 
+import dataclasses
 import statistics
 import time
 
@@ -33,7 +36,8 @@ import pytest
 
 import pallax
 from pallax import roofline
-from pallax.executor.tools import kernel_calls
+from pallax.executor.registry import kernel_spec
+from pallax.executor.tools import kernel_calls, local_target
 from pallax.kernels.matmul import mosaic_gpu
 from pallax.kernels.matmul.layout import problem_of
 from pallax.op import op_params
@@ -42,7 +46,7 @@ ROUNDS = 20
 CHECK_ROWS = 64
 TOLERANCE = 2e-2  # bfloat16 result against float64, max error over max value
 SHAPES = [(4096, 4096, 4096), (8192, 8192, 8192)]
-IMPLS = ("pallax", "pallax-mosaic-gpu", "cublas")
+IMPLS = ("pallax", "pallax-triton", "pallax-mosaic-gpu", "cublas")
 
 
 def _on_nvidia_gpu() -> bool:
@@ -67,20 +71,28 @@ def _function(impl, mode):
   return f if mode == "fwd" else modes.fwd_bwd(f, 2)
 
 
-def _mosaic_pins(fn, args) -> dict:
-  """The Mosaic GPU heuristic config of the matmul calls of ``fn`` (the largest one's)."""
+def _pins(impl, fn, args) -> dict:
+  """The matmul config ``impl`` pins for every call of ``fn``: its heuristic's at the smallest."""
   calls = kernel_calls(jax.make_jaxpr(fn)(*args).jaxpr)
-  probs = [problem_of([v.aval for v in e.invars], op_params(e.params)) for e in calls]
-  config = mosaic_gpu.heuristic_config(min(probs, key=lambda p: min(p.m, p.n)))
-  return {"matmul": config}
+  avals, params = min(
+    (([v.aval for v in e.invars], op_params(e.params)) for e in calls),
+    key=lambda c: min(problem_of(*c).m, problem_of(*c).n),
+  )
+  if impl == "pallax-mosaic-gpu":
+    return {"matmul": mosaic_gpu.heuristic_config(problem_of(avals, params))}
+  config = kernel_spec("matmul").heuristic(avals, local_target(), **params)
+  return {"matmul": dataclasses.replace(config, implementation="pallas")}
+
+
+PINNED = {"pallax-triton": "pallas", "pallax-mosaic-gpu": mosaic_gpu.IMPLEMENTATION}
 
 
 def _compiled(impl, mode, args):
   fn = _function(impl, mode)
-  if impl == "pallax-mosaic-gpu":
-    with pallax.default_executor().overlay(_mosaic_pins(fn, args)):
+  if impl in PINNED:
+    with pallax.default_executor().overlay(_pins(impl, fn, args)):
       picks = pallax.explain(fn, *args)
-      assert {s.implementation for s in picks} == {mosaic_gpu.IMPLEMENTATION}, picks
+      assert {s.implementation for s in picks} == {PINNED[impl]}, picks
       return jax.jit(fn).lower(*args).compile()
   return jax.jit(fn).lower(*args).compile()
 

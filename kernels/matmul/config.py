@@ -12,6 +12,7 @@ from jax import lax
 from pallax import pallas_utils as pu
 from pallax.executor import facts
 from pallax.executor.config import KernelConfig
+from pallax.executor.implementation import XLA
 from pallax.executor.registry import interpreted, kernel_backend
 from pallax.kernels.matmul.layout import Problem, problem_of
 
@@ -169,9 +170,33 @@ def _backend_heuristic(avals, target: str, **params) -> MatmulConfig:
   return _tpu_heuristic(prob, in_size, out_size, 1 + params["save_preactivation"])
 
 
+# Where XLA's GEMM (cuBLAS) is the heuristic's choice: plain 16-bit products on
+# Hopper. Measured on an H200 (bench/test_matmul_hopper.py, two runs, bf16,
+# 4096 and 8192 cubed, forward and forward+backward): cuBLAS was faster than
+# both Pallas kernels in 6 of 8 cases (the Triton kernel at 0.76-0.99x of
+# cuBLAS's time there, the Mosaic GPU one at 0.67-0.86x), and the two Pallas
+# kernels tied within the runs' noise. A fused epilogue (bias, activation)
+# was not measured there and stays on the kernel, which saves its pass.
+_CUBLAS_DEVICES = ("h100", "h200")
+
+
+def _cublas_preferred(avals: Sequence[Any], target: str, params: dict) -> bool:
+  """Whether XLA's GEMM is the heuristic's choice for this call (``_CUBLAS_DEVICES``)."""
+  plain = len(avals) == 2 and params["activation"] is None and not params["save_preactivation"]
+  sixteen_bit = all(jnp.dtype(a.dtype).itemsize == 2 for a in avals)
+  return plain and sixteen_bit and getattr(target, "device_kind", "") in _CUBLAS_DEVICES
+
+
 def heuristic(avals: Sequence[Any], target: str, **params) -> MatmulConfig:
-  """The kernel's config for this call: see ``_backend_heuristic``."""
-  return _backend_heuristic(avals, target, **params)
+  """The kernel's config for this call (``_backend_heuristic``), made XLA's where cuBLAS wins.
+
+  On an H100 or H200 a plain 16-bit product (no bias, no activation) runs
+  XLA's GEMM: ``_CUBLAS_DEVICES`` says what was measured.
+  """
+  config = _backend_heuristic(avals, target, **params)
+  if _cublas_preferred(avals, target, params):
+    return dataclasses.replace(config, implementation=XLA)
+  return config
 
 
 def candidates(avals: Sequence[Any], target: str, **params) -> list[MatmulConfig]:

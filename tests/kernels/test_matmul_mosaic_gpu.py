@@ -4,10 +4,10 @@ The kernel runs in JAX's GPU interpreter (its interpreted form:
 docs/mosaic_gpu.md) on shapes that are not multiples of its 64x64x64 tiles,
 against float64 numpy. Products of 16-bit inputs are exact in float32, so
 float32 results agree to float32 rounding. Through ``pallax.matmul`` the
-Mosaic config is pinned (``Executor.overlay``): the heuristic leaves H100
-calls to the Triton kernel until the kernel is measured on a GPU
-(kernels/matmul/mosaic_gpu.py), so grads and jvps run it only when pinned or
-chosen by autotuning.
+Mosaic config is pinned (``Executor.overlay``): on an H100 or H200 the
+heuristic gives plain 16-bit products to XLA's GEMM and fused ones to the
+Triton kernel, as measured (kernels/matmul/config.py), so grads and jvps run
+the Mosaic GPU kernel only when pinned or chosen by autotuning.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ from tests.primitives.test_matmul import matmul_ref
 MOSAIC = mosaic_gpu.IMPLEMENTATION
 SMALL = MosaicGpuMatmulConfig(tile_m=64, tile_n=64, tile_k=64, stages=2)
 M, N, K = 100, 72, 130  # 2 x 2 tiles, 3 K steps, each dim padded
-H100 = Target("cuda", "h100")
+H100, A100 = Target("cuda", "h100"), Target("cuda", "a100")
 
 
 def _params(batch: int = 0, **kw) -> dict:
@@ -208,11 +208,24 @@ def test_supports_refuses_what_the_kernel_cannot_take():
   assert "bytes of SMEM" in _reason(MosaicGpuMatmulConfig(tile_m=64, tile_n=256, stages=8))
 
 
-def test_h100_keeps_triton_and_tunes_mosaic_gpu():
-  """The heuristic leaves H100 to the Triton kernel; autotuning times Mosaic GPU, Triton, XLA."""
+def test_hopper_prefers_cublas_for_plain_products_and_tunes_mosaic_gpu():
+  """Plain 16-bit products on H100/H200 run XLA's GEMM (measured faster); the rest Triton.
+
+  Autotuning times Mosaic GPU, Triton and XLA alike.
+  """
   a, b = jnp.zeros((512, 256), jnp.bfloat16), jnp.zeros((256, 384), jnp.bfloat16)
-  (row,) = pallax.explain_on(H100, lambda a, b: pallax.matmul(a, b), a, b)
-  assert row.implementation == "pallas" and not isinstance(row.config, MosaicGpuMatmulConfig)
+  bias = jnp.zeros((384,), jnp.bfloat16)
+  plain = lambda a, b: pallax.matmul(a, b)
+  fused = lambda a, b, bias: pallax.matmul(a, b, bias=bias, activation="gelu")
+  grad = jax.grad(lambda a, b: jnp.sum(pallax.matmul(a, b).astype(jnp.float32)), (0, 1))
+  for target in (H100, Target("cuda", "h200")):
+    assert [r.implementation for r in pallax.explain_on(target, plain, a, b)] == ["xla"]
+    assert [r.implementation for r in pallax.explain_on(target, grad, a, b)] == ["xla"] * 3
+    (row,) = pallax.explain_on(target, fused, a, b, bias)
+    assert row.implementation == "pallas" and not isinstance(row.config, MosaicGpuMatmulConfig)
+    f32 = [jnp.zeros(x.shape, jnp.float32) for x in (a, b)]
+    assert [r.implementation for r in pallax.explain_on(target, plain, *f32)] == ["pallas"]
+  assert [r.implementation for r in pallax.explain_on(A100, plain, a, b)] == ["pallas"]
   params = _params(out_dtype=jnp.bfloat16)
   avals = [S(a.shape, a.dtype), S(b.shape, b.dtype)]
   configs = candidate_configs(kernel_spec("matmul"), avals, H100, params)
