@@ -16,7 +16,7 @@ Each case times, in one process and one test, three implementations:
 * ``cudnn``: ``jax.nn.dot_product_attention(implementation="cudnn")``.
 
 The benchmark itself is pallax's; the other two are timed the same way (median
-of ``ROUNDS`` calls after a warm-up). ``extra_info``: ``tflop_per_s`` of each
+of ``side_by_side.ROUNDS`` calls after a warm-up). ``extra_info``: ``tflop_per_s`` of each
 (``pallax.roofline.attention_work``'s FLOPs, causal counting the visible half),
 ``fraction_of_peak_flops`` (989 TFLOP/s dense bf16 on an H100 SXM) and
 ``ratio_to_cudnn`` (cuDNN's time over the implementation's: above 1 is faster).
@@ -25,24 +25,22 @@ the first 128 query rows. Without an NVIDIA GPU the cases are not collected:
 nothing here runs on a CPU.
 """
 
-import statistics
-import time
+import functools
 
 import jax
 import jax.numpy as jnp
 import modes
 import numpy as np
 import pytest
+from side_by_side import compare, on_nvidia_gpu, rel_err
 from test_attention import CHECK_ROWS, Case, attention_work, reference_rows
 
 import pallax
-from pallax import roofline
 from pallax.executor.executor import device_target
 from pallax.executor.registry import kernel_spec
 from pallax.executor.tools import kernel_calls, local_target
 from pallax.op import op_params
 
-ROUNDS = 20
 TOLERANCE = 5e-2  # bfloat16 against float64, max error over max value
 CASES = [
   Case(seq, causal=causal, heads=16, kv_heads=16, batch=batch, head_dim=128, dtype="bfloat16")
@@ -52,14 +50,7 @@ CASES = [
 IMPLS = ("pallax", "pallax-triton", "cudnn")
 
 
-def _on_nvidia_gpu() -> bool:
-  try:
-    return jax.devices()[0].platform == "gpu" and "nvidia" in jax.devices()[0].device_kind.lower()
-  except RuntimeError:
-    return False
-
-
-pytestmark = pytest.mark.skipif(not _on_nvidia_gpu(), reason="needs an NVIDIA GPU")
+pytestmark = pytest.mark.skipif(not on_nvidia_gpu(), reason="needs an NVIDIA GPU")
 
 
 def _inputs(case):
@@ -104,49 +95,18 @@ def _checked(mode, result):
   return np.asarray(out[:, :CHECK_ROWS].astype(jnp.float32), np.float64)
 
 
-def _median_s(call) -> float:
-  jax.block_until_ready(call())
-  times = []
-  for _ in range(ROUNDS):
-    start = time.perf_counter()
-    jax.block_until_ready(call())
-    times.append(time.perf_counter() - start)
-  return statistics.median(times)
-
-
 @pytest.mark.parametrize("mode", ["fwd", "fwd+bwd"])
 @pytest.mark.parametrize("case", CASES, ids=lambda c: f"B{c.batch}-{c.id}")
 def test_hopper_attention(benchmark, request, case, mode):
   benchmark.group = f"hopper-B{case.batch}-{case.id}-{mode}"
   inputs = jax.block_until_ready(_inputs(case))
-  work = attention_work(case, mode)
-  kind = jax.devices()[0].device_kind
-  info = benchmark.extra_info
-  seconds, compiled = {}, {}
   want = reference_rows(case, mode, inputs)
-  for impl in IMPLS:
-    compiled[impl] = _compiled(impl, case, mode, inputs)
-    exe, args = compiled[impl]
-    got = _checked(mode, exe(*args))
-    error = float(np.max(np.abs(got - want)) / np.max(np.abs(want)))
-    info[f"{impl}_max_rel_err"] = error
-    assert error < TOLERANCE, f"{impl} is wrong: max rel err {error:.2e}"
-    if impl != "pallax":
-      seconds[impl] = _median_s(lambda exe=exe, args=args: exe(*args))
-  fn = _function("pallax", case, mode)
-  picks = pallax.explain(fn, *compiled["pallax"][1])
-  info["pallax_kernels"] = [f"{s.op}: {s.implementation} ({s.source})" for s in picks]
-  exe, args = compiled["pallax"]
-  benchmark.pedantic(lambda: jax.block_until_ready(exe(*args)), rounds=ROUNDS, warmup_rounds=1)
-  seconds["pallax"] = benchmark.stats.stats.median
-  for impl, s in seconds.items():
-    rates = roofline.throughput(work, s, kind, case.dtype)
-    info[f"{impl}_tflop_per_s"] = rates["tflop_per_s"]
-    info[f"{impl}_fraction_of_peak_flops"] = rates.get("fraction_of_peak_flops")
-    info[f"{impl}_ratio_to_cudnn"] = seconds["cudnn"] / s
-  cells = [
-    f"{i} {info[f'{i}_tflop_per_s']:.0f} TFLOP/s ({info[f'{i}_ratio_to_cudnn']:.2f}x cuDNN)"
-    for i in IMPLS
+  compiled = {impl: _compiled(impl, case, mode, inputs) for impl in IMPLS}
+  picks = pallax.explain(_function("pallax", case, mode), *compiled["pallax"][1])
+  benchmark.extra_info["pallax_kernels"] = [
+    f"{s.op}: {s.implementation} ({s.source})" for s in picks
   ]
-  line = f"{benchmark.group}: " + ", ".join(cells)
-  request.node.user_properties.append(("summary", line))
+  calls = {impl: functools.partial(exe, *args) for impl, (exe, args) in compiled.items()}
+  error = lambda result: rel_err(_checked(mode, result), want)
+  work = attention_work(case, mode)
+  compare(benchmark, request, calls, error, TOLERANCE, work, case.dtype, "cudnn")

@@ -17,7 +17,7 @@ times, in one process and one test, three implementations:
 * ``cublas``: ``jnp.matmul`` (XLA's GEMM, cuBLAS/cuBLASLt on an NVIDIA GPU).
 
 The benchmark itself is pallax's; the others are timed the same way (median
-of ``ROUNDS`` calls after a warm-up). ``extra_info``: each one's
+of ``side_by_side.ROUNDS`` calls after a warm-up). ``extra_info``: each one's
 ``tflop_per_s`` (``pallax.roofline.matmul_work``), ``fraction_of_peak_flops``
 and ``ratio_to_cublas`` (cuBLAS's time over the implementation's: above 1 is
 faster), and its max error on the first rows against a float64 product.
@@ -25,14 +25,14 @@ Without an NVIDIA GPU the cases are not collected: nothing here runs on a CPU.
 """
 
 import dataclasses
-import statistics
-import time
+import functools
 
 import jax
 import jax.numpy as jnp
 import modes
 import numpy as np
 import pytest
+from side_by_side import compare, on_nvidia_gpu, rel_err
 
 import pallax
 from pallax import roofline
@@ -42,21 +42,13 @@ from pallax.kernels.matmul import mosaic_gpu
 from pallax.kernels.matmul.layout import problem_of
 from pallax.op import op_params
 
-ROUNDS = 20
 CHECK_ROWS = 64
 TOLERANCE = 2e-2  # bfloat16 result against float64, max error over max value
 SHAPES = [(4096, 4096, 4096), (8192, 8192, 8192)]
 IMPLS = ("pallax", "pallax-triton", "pallax-mosaic-gpu", "cublas")
 
 
-def _on_nvidia_gpu() -> bool:
-  try:
-    return jax.devices()[0].platform == "gpu" and "nvidia" in jax.devices()[0].device_kind.lower()
-  except RuntimeError:
-    return False
-
-
-pytestmark = pytest.mark.skipif(not _on_nvidia_gpu(), reason="needs an NVIDIA GPU")
+pytestmark = pytest.mark.skipif(not on_nvidia_gpu(), reason="needs an NVIDIA GPU")
 
 
 def _inputs(m, k, n):
@@ -110,16 +102,6 @@ def _checked_rows(mode, result):
   return np.asarray(out[:CHECK_ROWS].astype(jnp.float32), np.float64)
 
 
-def _median_s(call) -> float:
-  jax.block_until_ready(call())
-  times = []
-  for _ in range(ROUNDS):
-    start = time.perf_counter()
-    jax.block_until_ready(call())
-    times.append(time.perf_counter() - start)
-  return statistics.median(times)
-
-
 @pytest.mark.parametrize("mode", ["fwd", "fwd+bwd"])
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
 def test_hopper_matmul(benchmark, request, shape, mode):
@@ -127,30 +109,11 @@ def test_hopper_matmul(benchmark, request, shape, mode):
   a, b, c = jax.block_until_ready(_inputs(*shape))
   args = (a, b) if mode == "fwd" else (a, b, c)
   want = _reference_rows(mode, (a, b, c))
-  info = benchmark.extra_info
-  seconds, compiled = {}, {}
-  for impl in IMPLS:
-    exe = compiled[impl] = _compiled(impl, mode, args)
-    got = _checked_rows(mode, exe(*args))
-    error = float(np.max(np.abs(got - want)) / np.max(np.abs(want)))
-    info[f"{impl}_max_rel_err"] = error
-    assert error < TOLERANCE, f"{impl} is wrong: max rel err {error:.2e}"
-    if impl != "pallax":
-      seconds[impl] = _median_s(lambda exe=exe: exe(*args))
+  calls = {impl: functools.partial(_compiled(impl, mode, args), *args) for impl in IMPLS}
   picks = pallax.explain(_function("pallax", mode), *args)
-  info["pallax_kernels"] = [f"{s.op}: {s.implementation} ({s.source})" for s in picks]
-  exe = compiled["pallax"]
-  benchmark.pedantic(lambda: jax.block_until_ready(exe(*args)), rounds=ROUNDS, warmup_rounds=1)
-  seconds["pallax"] = benchmark.stats.stats.median
-  work = roofline.matmul_work(*shape, jnp.bfloat16, mode)
-  kind = jax.devices()[0].device_kind
-  for impl, s in seconds.items():
-    rates = roofline.throughput(work, s, kind, jnp.bfloat16)
-    info[f"{impl}_tflop_per_s"] = rates["tflop_per_s"]
-    info[f"{impl}_fraction_of_peak_flops"] = rates.get("fraction_of_peak_flops")
-    info[f"{impl}_ratio_to_cublas"] = seconds["cublas"] / s
-  cells = [
-    f"{i} {info[f'{i}_tflop_per_s']:.0f} TFLOP/s ({info[f'{i}_ratio_to_cublas']:.2f}x cuBLAS)"
-    for i in IMPLS
+  benchmark.extra_info["pallax_kernels"] = [
+    f"{s.op}: {s.implementation} ({s.source})" for s in picks
   ]
-  request.node.user_properties.append(("summary", f"{benchmark.group}: " + ", ".join(cells)))
+  error = lambda result: rel_err(_checked_rows(mode, result), want)
+  work = roofline.matmul_work(*shape, jnp.bfloat16, mode)
+  compare(benchmark, request, calls, error, TOLERANCE, work, jnp.bfloat16, "cublas")
