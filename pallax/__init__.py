@@ -34,6 +34,10 @@ from pallax.primitives.norm import NormConfig, fused_add_rms_norm, layer_norm, r
 from pallax.primitives.paged_attention import PagedAttentionConfig, paged_attention
 from pallax.primitives.ragged_dot import MosaicGpuRaggedDotConfig, RaggedDotConfig, ragged_dot
 from pallax.primitives.ragged_dot_general import ragged_dot_general
+from pallax.primitives.ragged_paged_attention import (
+  RaggedPagedAttentionConfig,
+  ragged_paged_attention,
+)
 from pallax.primitives.softmax import SoftmaxConfig, log_softmax, softmax
 from pallax.sequence_layout import SequenceLayout, context_parallel
 
@@ -68,6 +72,8 @@ __all__ = [
   "Routing",
   "RouterStats",
   "PagedAttentionConfig",
+  "ragged_paged_attention",
+  "RaggedPagedAttentionConfig",
   "cross_entropy",
   "linear_cross_entropy",
   "linear_softmax_cross_entropy_loss",

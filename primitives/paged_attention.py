@@ -26,7 +26,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pallax import validation
+from pallax import paging, validation
 from pallax.batching_rules import paged_attention as paged_batching
 from pallax.custom_op import custom_op
 from pallax.kernels import paged_attention as kernels
@@ -69,37 +69,6 @@ paged_attention_p = paged_attention_op.primitive
 
 # ----------------------------------------------------------------------------
 # The public function: validation and layout.
-
-
-def _array(name: str, x, ndim: int) -> jax.Array:
-  x = jnp.asarray(x)
-  if x.ndim != ndim:
-    raise ValueError(f"{_OP}: {name} must have {ndim} dims, got shape {x.shape}")
-  return x
-
-
-def _integer(name: str, x) -> None:
-  if not jnp.issubdtype(x.dtype, jnp.integer):
-    raise TypeError(f"{_OP}: {name} must have an integer dtype, got {x.dtype}")
-
-
-def _check_table(lengths, page_indices, page_size: int, total_pages: int) -> None:
-  """Static checks of concrete lengths and page indices (traced ones are clamped)."""
-  max_len = page_indices.shape[1] * page_size
-  validation.check_concrete_range(
-    _OP, "lengths", lengths, 0, max_len, high_name="pages_per_sequence * page_size"
-  )
-  lens, table = validation.concrete(lengths), validation.concrete(page_indices)
-  if lens is None or table is None or not table.size:
-    return
-  needed = np.arange(table.shape[1])[None, :] * page_size < lens[:, None]
-  bad = needed & ((table < 0) | (table >= total_pages))
-  if bad.any():
-    b, i = (int(x[0]) for x in np.nonzero(bad))
-    raise ValueError(
-      f"{_OP}: page_indices must lie in [0, total_pages) = [0, {total_pages}) for every page "
-      f"below a sequence's length; page_indices[{b}, {i}] = {table[b, i]}"
-    )
 
 
 def paged_attention(
@@ -150,30 +119,14 @@ def paged_attention(
   Raises:
     NotImplementedError: under ``grad``, ``jvp`` and the like: an inference op.
   """
-  q = _array("q", q, 3)
-  k_pages = _array("k_pages", k_pages, 4)
-  v_pages = _array("v_pages", v_pages, 4)
-  validation.check_floating_alike(_OP, {"q": q, "k_pages": k_pages, "v_pages": v_pages})
+  q = paging.array(_OP, "q", q, 3)
+  k_pages, v_pages = paging.check_pools(_OP, q, k_pages, v_pages)
   b, n, h = q.shape
-  kv_heads, total_pages, page_size, kh = k_pages.shape
-  if kh != h:
-    raise ValueError(
-      f"{_OP}: k_pages of shape {k_pages.shape} must have q's head dim {h} (q {q.shape})"
-    )
-  if v_pages.shape[:3] != k_pages.shape[:3]:
-    raise ValueError(
-      f"{_OP}: v_pages of shape {v_pages.shape} must match k_pages {k_pages.shape} in "
-      "(K, total_pages, page_size)"
-    )
-  if kv_heads == 0 or n % kv_heads:
-    raise ValueError(
-      f"{_OP}: the pools' {kv_heads} kv heads must divide q's {n} heads (q {q.shape}, "
-      f"k_pages {k_pages.shape})"
-    )
-  lengths = _array("lengths", lengths, 1)
-  page_indices = _array("page_indices", page_indices, 2)
-  _integer("lengths", lengths)
-  _integer("page_indices", page_indices)
+  kv_heads, total_pages, page_size, _ = k_pages.shape
+  lengths = paging.array(_OP, "lengths", lengths, 1)
+  page_indices = paging.array(_OP, "page_indices", page_indices, 2)
+  paging.check_integer(_OP, "lengths", lengths)
+  paging.check_integer(_OP, "page_indices", page_indices)
   if lengths.shape != (b,):
     raise ValueError(f"{_OP}: lengths must have shape (B,) = ({b},), got {lengths.shape}")
   if page_indices.shape[0] != b:
@@ -189,12 +142,11 @@ def paged_attention(
   max_len = page_indices.shape[1] * page_size
   if total_pages == 0 and max_len:
     raise ValueError(f"{_OP}: k_pages of shape {k_pages.shape} holds no page")
-  _check_table(lengths, page_indices, page_size, total_pages)
+  paging.check_page_table(_OP, lengths, page_indices, page_size, total_pages, "lengths")
   hv = v_pages.shape[3]
   if 0 in (b, n, max_len):  # no query, or no token: nothing to attend to
     return jnp.zeros((b, n, hv), q.dtype)
-  lengths = jnp.clip(lengths, 0, max_len).astype(jnp.int32)
-  page_indices = jnp.clip(page_indices, 0, total_pages - 1).astype(jnp.int32)
+  lengths, page_indices = paging.clamped(lengths, page_indices, page_size, total_pages)
   q4 = q.reshape(b, kv_heads, n // kv_heads, h)
   out = paged_attention_op(
     q4,

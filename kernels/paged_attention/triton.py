@@ -39,6 +39,25 @@ def split_tokens(p: Problem, config: PagedAttentionConfig) -> tuple[int, int, in
   return bk, per_split, -(-p.max_len // per_split)
 
 
+def gather_tokens(k_ref, v_ref, table_ref, pos, ok, page_size: int, cols_ok):
+  """The keys and values at positions ``pos`` (a vector) through a page-table row's ref.
+
+  Token ``s`` is row ``s % page_size`` of page ``table_ref[s // page_size]``;
+  where ``ok`` is False nothing is read and the rows are 0. ``cols_ok``: the
+  key and value blocks' column masks (None: unpadded). The pool refs are a kv
+  head's ``(P, page_size, width)`` with the widths padded to the blocks.
+  """
+  page = pltriton.load(table_ref.at[lax.div(pos, page_size)], mask=ok, other=0)
+  row = lax.rem(pos, page_size)
+
+  def gather(ref, cols_ok):
+    cols = lax.broadcasted_iota(jnp.int32, (1, ref.shape[-1]), 1)
+    mask = tile_mask(ok, cols_ok)
+    return pltriton.load(ref.at[page[:, None], row[:, None], cols], mask=mask, other=0)
+
+  return gather(k_ref, cols_ok[0]), gather(v_ref, cols_ok[1])
+
+
 def paged_attention(
   q, k_pages, v_pages, lengths, page_indices, *, config, interpret: Any, **params
 ):
@@ -54,20 +73,11 @@ def paged_attention(
     start = pl.program_id(2) * per_split
     end = jnp.minimum(len_ref[0], start + per_split)
     q_blk = load(q_ref, tile_mask(g_ok, h_ok))
-    h_cols = lax.broadcasted_iota(jnp.int32, (1, hp), 1)
-    hv_cols = lax.broadcasted_iota(jnp.int32, (1, hvp), 1)
-
-    def gather(ref, page, row, cols, ok, cols_ok):
-      mask = tile_mask(ok, cols_ok)
-      return pltriton.load(ref.at[page[:, None], row[:, None], cols], mask=mask, other=0)
 
     def body(j, carry):
       pos = start + j * bk + lax.broadcasted_iota(jnp.int32, (bk,), 0)
       ok = pos < end
-      page = pltriton.load(table_ref.at[lax.div(pos, p.page_size)], mask=ok, other=0)
-      row = lax.rem(pos, p.page_size)
-      k = gather(k_ref, page, row, h_cols, ok, h_ok)
-      v = gather(v_ref, page, row, hv_cols, ok, hv_ok)
+      k, v = gather_tokens(k_ref, v_ref, table_ref, pos, ok, p.page_size, (h_ok, hv_ok))
       s = logits(p, block_dot, q_blk, k, ok[None, :])
       return online_step(carry, s, v, block_dot)
 

@@ -6,7 +6,7 @@ gathered); each step gathers only that block's pages of every sequence (one
 XLA gather per pool, ``(K, B, block)`` rows) and runs one step of the online
 softmax. The whole table is never gathered: memory is ``O(B K block H)``
 beyond the pool (and, for 16-bit pools, one same-width integer view of each:
-``_gatherable``). Tokens past a sequence's length are hidden; in a block that
+``gatherable``). Tokens past a sequence's length are hidden; in a block that
 straddles it, the shorter sequences' trailing pages are read (clamped to the
 pool) and masked.
 """
@@ -33,7 +33,7 @@ def _dot(a, b, kind):
   return jnp.einsum(_EINSUM[kind], a, b, preferred_element_type=st, precision=precision)
 
 
-def _gatherable(pages):
+def gatherable(pages):
   """The pool as XLA:CPU gathers it without upcasting it whole.
 
   XLA:CPU has no 16-bit float gather: its float normalisation computes the
@@ -47,7 +47,7 @@ def _gatherable(pages):
   return lax.bitcast_convert_type(pages, jnp.uint16)
 
 
-def _restore(block, dtype):
+def restore(block, dtype):
   return block if block.dtype == dtype else lax.bitcast_convert_type(block, dtype)
 
 
@@ -67,7 +67,7 @@ def paged_attention(q, k_pages, v_pages, lengths, page_indices, **params):
     table = jnp.pad(table, ((0, 0), (0, steps * per_step - p.pages_per_sequence)))
   needed = (jnp.max(lengths, initial=0) + block - 1) // block  # the longest sequence's steps
   lens = lengths[:, None, None, None]
-  pools = [_gatherable(x) for x in (k_pages, v_pages)]
+  pools = [gatherable(x) for x in (k_pages, v_pages)]
 
   def gather(pages, idx):
     """``(K, B, block, width)``: the block's tokens of every sequence."""
@@ -76,10 +76,10 @@ def paged_attention(q, k_pages, v_pages, lengths, page_indices, **params):
   def step(j, carry):
     idx = lax.dynamic_slice_in_dim(table, j * per_step, per_step, 1)
     pos = j * block + lax.broadcasted_iota(jnp.int32, (1, 1, 1, block), 3)
-    s = logits(p, _dot, q, _restore(gather(pools[0], idx), p.dtype), pos < lens)
+    s = logits(p, _dot, q, restore(gather(pools[0], idx), p.dtype), pos < lens)
     # Rows past a length hold whatever the pool has there: zeroed before the product.
     v = jnp.where(
-      (pos[0, 0] < lengths[:, None])[None, :, :, None], _restore(gather(pools[1], idx), p.dtype), 0
+      (pos[0, 0] < lengths[:, None])[None, :, :, None], restore(gather(pools[1], idx), p.dtype), 0
     )
     return online_step(carry, s, v, _dot)
 

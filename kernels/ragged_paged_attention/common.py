@@ -1,0 +1,201 @@
+"""What every ragged-paged-attention implementation shares: the call's facts, work list and mask.
+
+The primitive's operands (``primitives/ragged_paged_attention.py`` builds them):
+
+* ``q (T, K, G, H)``: the batch's query tokens, the sequences' tokens
+  concatenated, query heads grouped by the kv head they read;
+* ``k_pages (K, P, page_size, H)``, ``v_pages (K, P, page_size, Hv)``: the
+  page pools, as ``paged_attention``'s;
+* ``kv_lens (S,)`` int32 in ``[0, pages_per_sequence * page_size]``: each
+  sequence's tokens in the cache, its new ones included;
+* ``page_indices (S, pages_per_sequence)`` int32 in ``[0, P)``;
+* ``cu_q_lens (S + 1,)`` int32, non-decreasing from 0, at most ``T``:
+  sequence ``i``'s queries are tokens ``cu_q_lens[i] : cu_q_lens[i + 1]``;
+* ``num_seqs (1,)`` int32 in ``[0, S]``: the sequences in use.
+
+Query ``j`` of sequence ``i`` (``q_len = cu_q_lens[i + 1] - cu_q_lens[i]``)
+sits at position ``kv_len - q_len + j`` of its sequence (bottom-right causal
+alignment: the new tokens are the cache's last) and sees the keys at the
+positions ``p`` with ``p <= position``, ``p < kv_len`` and, with a sliding
+window ``w``, ``p > position - w``. Results: ``out (T, K, G, Hv)`` in q's
+dtype and ``lse (T, K, G)`` in the stats dtype; a token that sees no key, or
+belongs to no sequence (past ``cu_q_lens[num_seqs]``), gives 0 and ``-inf``.
+
+Every implementation works on a *work list*: each sequence's queries cut
+into items of ``block_q`` tokens (``work_list``), so that an item's rows share
+one sequence's keys, read once for all of them. The items' queries are
+gathered into aligned blocks (``item_queries``) and the results scattered
+back to their tokens (``scatter_tokens``): ``run_items`` does all three around
+an implementation's item kernel. The logits are ``paged_attention``'s.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from typing import Any, Optional
+
+import jax
+import jax.numpy as jnp
+
+from pallax.pallas_utils import stat_dtype
+
+
+@dataclasses.dataclass(frozen=True)
+class Problem:
+  """The static facts of one ragged-paged-attention call."""
+
+  tokens: int
+  kv_heads: int
+  groups: int
+  head_dim: int
+  value_dim: int
+  total_pages: int
+  page_size: int
+  pages_per_sequence: int
+  max_seqs: int
+  dtype: Any
+  scale: float
+  soft_cap: Optional[float]
+  window: Optional[int]
+
+  @classmethod
+  def of(
+    cls,
+    avals: Sequence[Any],
+    *,
+    scale: float,
+    logits_soft_cap: Optional[float] = None,
+    sliding_window: Optional[int] = None,
+    **_,
+  ) -> Problem:
+    q, k, v, kv_lens, table = avals[:5]
+    t, kh, g, h = q.shape
+    return cls(
+      t,
+      kh,
+      g,
+      h,
+      v.shape[3],
+      k.shape[1],
+      k.shape[2],
+      table.shape[1],
+      kv_lens.shape[0],
+      q.dtype,
+      scale,
+      logits_soft_cap,
+      sliding_window,
+    )
+
+  @property
+  def stat(self) -> jnp.dtype:
+    """Dtype of logits, softmax statistics and accumulators."""
+    return stat_dtype(self.dtype)
+
+  @property
+  def max_len(self) -> int:
+    """The longest sequence the page table holds."""
+    return self.pages_per_sequence * self.page_size
+
+
+def items_bound(p: Problem, block_q: int) -> int:
+  """The most items any call of these shapes has: ``ceil(T / block_q) + S``."""
+  return -(-p.tokens // block_q) + p.max_seqs
+
+
+@dataclasses.dataclass(frozen=True)
+class Items:
+  """The work list, ``(I,)`` int32 each: item ``i`` runs queries ``q0 : q0 + block_q``.
+
+  ``q_len`` and ``kv_len`` are its sequence's (0 for the unused items at the
+  end), ``start`` the token index of its first query, ``seq`` its sequence.
+  """
+
+  seq: jax.Array
+  q0: jax.Array
+  q_len: jax.Array
+  kv_len: jax.Array
+  start: jax.Array
+
+
+def work_list(p: Problem, block_q: int, kv_lens, cu_q_lens, num_seqs) -> Items:
+  """Each sequence's queries cut into items of ``block_q`` tokens, in sequence order."""
+  live = jnp.arange(p.max_seqs) < num_seqs[0]
+  q_lens = jnp.where(live, cu_q_lens[1:] - cu_q_lens[:-1], 0)
+  chunks = -(-q_lens // block_q)
+  ends = jnp.cumsum(chunks)
+  item = jnp.arange(items_bound(p, block_q), dtype=jnp.int32)
+  seq = jnp.minimum(jnp.searchsorted(ends, item, side="right"), p.max_seqs - 1).astype(jnp.int32)
+  used = item < ends[-1]
+  q0 = (item - (ends[seq] - chunks[seq])) * block_q
+  return Items(
+    seq=seq,
+    q0=jnp.where(used, q0, 0),
+    q_len=jnp.where(used, q_lens[seq], 0),
+    kv_len=jnp.where(used, kv_lens[seq], 0),
+    start=cu_q_lens[seq] + jnp.where(used, q0, 0),
+  )
+
+
+def item_queries(q, items: Items, block_q: int) -> jax.Array:
+  """``(I, K, block_q * G, H)``: each item's query rows, token-major (row ``j G + g``)."""
+  t, kh, g, h = q.shape
+  rows = jnp.clip(items.start[:, None] + jnp.arange(block_q), 0, max(t - 1, 0))
+  x = q[rows]  # (I, block_q, K, G, H)
+  return jnp.swapaxes(x, 1, 2).reshape(x.shape[0], kh, block_q * g, h)
+
+
+def scatter_tokens(x, items: Items, block_q: int, tokens: int, fill) -> jax.Array:
+  """Items' results ``(I, K, block_q * G, ...)`` back at their tokens ``(T, K, G, ...)``.
+
+  Rows past an item's queries are dropped; tokens no item holds get ``fill``.
+  """
+  i, kh, rows = x.shape[:3]
+  g = rows // block_q
+  x = jnp.swapaxes(x.reshape(i, kh, block_q, g, *x.shape[3:]), 1, 2)
+  j = jnp.arange(block_q)
+  live = items.q0[:, None] + j < items.q_len[:, None]
+  where = jnp.where(live, items.start[:, None] + j, tokens)  # row ``tokens``: dropped
+  out = jnp.full((tokens, kh, g, *x.shape[4:]), fill, x.dtype)
+  return out.at[where.reshape(-1)].set(x.reshape(-1, *x.shape[2:]), mode="drop")
+
+
+def row_positions(q0, q_len, kv_len, rows: int, groups: int):
+  """``(positions, live)`` of an item's ``rows`` query rows (row ``j G + g``: query ``q0 + j``)."""
+  j = q0 + jnp.arange(rows, dtype=jnp.int32) // groups
+  return kv_len - q_len + j, j < q_len
+
+
+def key_range(p: Problem, q0, q_len, kv_len, block_q: int):
+  """``[lo, hi)``: the keys an item's queries see between them."""
+  first = kv_len - q_len + q0
+  hi = kv_len - q_len + jnp.minimum(q0 + block_q, q_len)
+  lo = jnp.zeros_like(first) if p.window is None else jnp.maximum(first - p.window + 1, 0)
+  return lo, jnp.maximum(hi, lo)
+
+
+def visible(p: Problem, positions, live, keys, kv_len):
+  """Which keys (positions ``keys``, a row) each query (``positions``, a column) sees."""
+  keep = live[:, None] & (keys[None, :] <= positions[:, None]) & (keys[None, :] < kv_len)
+  if p.window is not None:
+    keep &= keys[None, :] > positions[:, None] - p.window
+  return keep
+
+
+def run_items(p: Problem, block_q: int, operands: Sequence[jax.Array], item_kernel) -> list:
+  """``[out, lse]`` of the call: ``item_kernel`` on the work list, results back at the tokens.
+
+  ``item_kernel(q_items, k_pages, v_pages, items, table_items)`` gets the
+  items' query rows ``(I, K, block_q * G, H)`` and page-table rows ``(I,
+  pages_per_sequence)`` and returns their ``out (I, K, rows, Hv)`` (q's dtype)
+  and ``lse (I, K, rows)``.
+  """
+  q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_seqs = operands
+  items = work_list(p, block_q, kv_lens, cu_q_lens, num_seqs)
+  out, lse = item_kernel(
+    item_queries(q, items, block_q), k_pages, v_pages, items, page_indices[items.seq]
+  )
+  return [
+    scatter_tokens(out, items, block_q, p.tokens, 0),
+    scatter_tokens(lse, items, block_q, p.tokens, -jnp.inf),
+  ]

@@ -1,0 +1,86 @@
+"""Checks and clamps shared by the ops that read or write a paged KV cache.
+
+``paged_attention``, ``ragged_paged_attention`` and ``update_kv_cache`` take
+page pools ``(K, total_pages, page_size, H)`` and a page table ``(S,
+pages_per_sequence)``: token ``s`` of sequence ``b`` is row ``s % page_size``
+of page ``page_indices[b, s // page_size]``. Values known at trace time are
+checked here with errors that name the op and the argument; traced ones are
+clamped by the op (a wrong index reads a wrong page, never memory outside
+the pool).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from pallax import validation
+
+
+def array(op: str, name: str, x, ndim: int) -> jax.Array:
+  """``x`` as an array of ``ndim`` dims (ValueError naming ``name`` otherwise)."""
+  x = jnp.asarray(x)
+  if x.ndim != ndim:
+    raise ValueError(f"{op}: {name} must have {ndim} dims, got shape {x.shape}")
+  return x
+
+
+def check_integer(op: str, name: str, x) -> None:
+  if not jnp.issubdtype(x.dtype, jnp.integer):
+    raise TypeError(f"{op}: {name} must have an integer dtype, got {x.dtype}")
+
+
+def check_pools(op: str, q: jax.Array, k_pages, v_pages) -> tuple[jax.Array, jax.Array]:
+  """The pools as 4-D arrays of ``q``'s dtype whose kv heads divide q's heads (``q``'s dim -2).
+
+  ``q``'s last dim is the head dim, which ``k_pages`` must have too.
+  """
+  k_pages = array(op, "k_pages", k_pages, 4)
+  v_pages = array(op, "v_pages", v_pages, 4)
+  validation.check_floating_alike(op, {"q": q, "k_pages": k_pages, "v_pages": v_pages})
+  n, h = q.shape[-2:]
+  kv_heads = k_pages.shape[0]
+  if k_pages.shape[3] != h:
+    raise ValueError(
+      f"{op}: k_pages of shape {k_pages.shape} must have q's head dim {h} (q {q.shape})"
+    )
+  if v_pages.shape[:3] != k_pages.shape[:3]:
+    raise ValueError(
+      f"{op}: v_pages of shape {v_pages.shape} must match k_pages {k_pages.shape} in "
+      "(K, total_pages, page_size)"
+    )
+  if kv_heads == 0 or n % kv_heads:
+    raise ValueError(
+      f"{op}: the pools' {kv_heads} kv heads must divide q's {n} heads (q {q.shape}, "
+      f"k_pages {k_pages.shape})"
+    )
+  return k_pages, v_pages
+
+
+def check_page_table(
+  op: str, lengths, page_indices, page_size: int, total_pages: int, lengths_name: str
+) -> None:
+  """Static checks of concrete lengths and page indices (traced ones are clamped)."""
+  max_len = page_indices.shape[1] * page_size
+  validation.check_concrete_range(
+    op, lengths_name, lengths, 0, max_len, high_name="pages_per_sequence * page_size"
+  )
+  lens, table = validation.concrete(lengths), validation.concrete(page_indices)
+  if lens is None or table is None or not table.size:
+    return
+  needed = np.arange(table.shape[1])[None, :] * page_size < lens[:, None]
+  bad = needed & ((table < 0) | (table >= total_pages))
+  if bad.any():
+    b, i = (int(x[0]) for x in np.nonzero(bad))
+    raise ValueError(
+      f"{op}: page_indices must lie in [0, total_pages) = [0, {total_pages}) for every page "
+      f"below a sequence's length; page_indices[{b}, {i}] = {table[b, i]}"
+    )
+
+
+def clamped(lengths, page_indices, page_size: int, total_pages: int):
+  """``(lengths, page_indices)`` as int32 clamped into the table and the pool."""
+  max_len = page_indices.shape[1] * page_size
+  lengths = jnp.clip(lengths, 0, max_len).astype(jnp.int32)
+  return lengths, jnp.clip(page_indices, 0, max(total_pages - 1, 0)).astype(jnp.int32)
