@@ -1,4 +1,4 @@
-"""Ragged paged attention: ``pallax.ragged_paged_attention``, prefill chunks and decode in one batch.
+"""Ragged paged attention: ``pallax.ragged_paged_attention``, prefill and decode in one batch.
 
 The layout of JAX's TPU ``ragged_paged_attention``: the query tokens of every
 sequence concatenated along one axis (``cu_q_lens`` their offsets), each

@@ -56,15 +56,17 @@ def test_families_come_in_alphabetical_order():
     "fused_add_rms_norm",
     "paged_attention",
     "ragged_dot",
+    "ragged_paged_attention",
     "softmax",
     "log_softmax",
   ]
 
 
 def test_an_inference_op_has_no_gradient_check():
-  (paged,) = [c for c in selfcheck.CHECKS if c.name == "paged_attention"]
-  assert not paged.differentiable and sweep.OPS["paged_attention"].stages == ("fwd",)
-  assert all(c.differentiable for c in selfcheck.CHECKS if c is not paged)
+  inference = ("paged_attention", "ragged_paged_attention")
+  for check in selfcheck.CHECKS:
+    assert check.differentiable == (check.name not in inference), check.name
+  assert all(sweep.OPS[name].stages == ("fwd",) for name in inference)
 
 
 def test_a_check_named_after_another_op_is_refused():

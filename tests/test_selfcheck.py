@@ -38,12 +38,16 @@ OPS = [
   "fused_add_rms_norm",
   "paged_attention",
   "ragged_dot",
+  "ragged_paged_attention",
   "softmax",
   "log_softmax",
 ]
 # Ops with a Mosaic GPU kernel -> the dtypes it takes (a row each under interpret-mosaic_gpu).
 MOSAIC_GPU_ROWS = {"dot_product_attention": ["bfloat16"]}
-INFERENCE_OPS = ["paged_attention"]  # no derivatives: "—" in the gradient column
+INFERENCE_OPS = [
+  "paged_attention",
+  "ragged_paged_attention",
+]  # no derivatives: "—" in the gradient column
 TIME_CELL = re.compile(r"^(\d+\.\d\dx ±\d+\.\d\d|unreliable)$")
 
 
