@@ -17,6 +17,7 @@ from pallax.executor.tools import (
   vmap_with_config,
 )
 from pallax.interpret import interpret
+from pallax.kv_cache import kv_cache_slots, update_kv_cache
 from pallax.moe import RouterStats, Routing, moe, route
 from pallax.primitives.attention import (
   AttentionConfig,
@@ -38,6 +39,7 @@ from pallax.primitives.ragged_paged_attention import (
   RaggedPagedAttentionConfig,
   ragged_paged_attention,
 )
+from pallax.primitives.rotary import apply_rotary
 from pallax.primitives.softmax import SoftmaxConfig, log_softmax, softmax
 from pallax.sequence_layout import SequenceLayout, context_parallel
 
@@ -74,6 +76,9 @@ __all__ = [
   "PagedAttentionConfig",
   "ragged_paged_attention",
   "RaggedPagedAttentionConfig",
+  "update_kv_cache",
+  "kv_cache_slots",
+  "apply_rotary",
   "cross_entropy",
   "linear_cross_entropy",
   "linear_softmax_cross_entropy_loss",

@@ -37,6 +37,7 @@ from typing import Any, Optional
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 
 from pallax.pallas_utils import stat_dtype
 
@@ -161,8 +162,13 @@ def scatter_tokens(x, items: Items, block_q: int, tokens: int, fill) -> jax.Arra
 
 
 def row_positions(q0, q_len, kv_len, rows: int, groups: int):
-  """``(positions, live)`` of an item's ``rows`` query rows (row ``j G + g``: query ``q0 + j``)."""
-  j = q0 + jnp.arange(rows, dtype=jnp.int32) // groups
+  """``(positions, live)`` columns ``(rows, 1)`` of an item's query rows.
+
+  Row ``j G + g`` is query ``q0 + j``. Columns from a 2-D iota, and
+  ``lax.div`` rather than ``//`` (which lowers through ``sign``, resolved
+  against the local device): what Mosaic TPU compiles deviceless.
+  """
+  j = q0 + lax.div(lax.broadcasted_iota(jnp.int32, (rows, 1), 0), jnp.int32(groups))
   return kv_len - q_len + j, j < q_len
 
 
@@ -175,10 +181,10 @@ def key_range(p: Problem, q0, q_len, kv_len, block_q: int):
 
 
 def visible(p: Problem, positions, live, keys, kv_len):
-  """Which keys (positions ``keys``, a row) each query (``positions``, a column) sees."""
-  keep = live[:, None] & (keys[None, :] <= positions[:, None]) & (keys[None, :] < kv_len)
+  """Which keys (positions ``keys``, a row ``(1, n)``) each query (a ``row_positions`` row) sees."""
+  keep = live & (keys <= positions) & (keys < kv_len)
   if p.window is not None:
-    keep &= keys[None, :] > positions[:, None] - p.window
+    keep &= keys > positions - p.window
   return keep
 
 

@@ -36,7 +36,10 @@ class RaggedPagedAttentionConfig(KernelConfig):
 
 CONFIG_CLS = RaggedPagedAttentionConfig
 
-# An item's rows (block_q * G) at most; Triton pads them to a power of two >= 16.
+# An item's rows (block_q * G) at most; Triton pads them to a power of two >= 16
+# and takes 16 with 4-byte operands or heads above 128, as paged_attention's
+# kernel (the verify sweep saw 128, 64 and 32 rows of float32 at head dim 128
+# spill on H100).
 MAX_ROWS = 128
 MAX_TRITON_HEAD = 256
 _TRITON_BLOCKS = (32, 64)
@@ -47,16 +50,24 @@ _TPU_MAX_PAGES_PER_BLOCK = 16
 TPU_SMEM_BUDGET = 256 * 2**10
 
 
-def block_q_for(p: Problem) -> int:
-  """Tokens per item: the mean query length (a power of two), within ``MAX_ROWS`` rows."""
+def _wide(p: Problem) -> bool:
+  return jnp.dtype(p.dtype).itemsize > 2 or max(p.head_dim, p.value_dim) > 128
+
+
+def max_rows(p: Problem, target: str) -> int:
+  """An item's rows at most on ``target`` (``MAX_ROWS``; 16 for wide Triton blocks)."""
+  return 16 if kernel_backend(target) == "triton" and _wide(p) else MAX_ROWS
+
+
+def block_q_for(p: Problem, rows: int = MAX_ROWS) -> int:
+  """Tokens per item: the mean query length (a power of two), within ``rows`` rows."""
   mean = -(-p.tokens // max(1, p.max_seqs))
-  most = max(1, MAX_ROWS // p.groups)
+  most = max(1, rows // p.groups)
   return max(1, min(pu.next_pow2(mean), 1 << (most.bit_length() - 1)))
 
 
 def _triton_block_k(p: Problem) -> int:
-  wide = jnp.dtype(p.dtype).itemsize > 2 or max(p.head_dim, p.value_dim) > 128
-  return min(32 if wide else 64, max(16, pu.next_pow2(p.max_len)))
+  return min(32 if _wide(p) else 64, max(16, pu.next_pow2(p.max_len)))
 
 
 def _tpu_pages(p: Problem) -> int:
@@ -67,7 +78,7 @@ def _tpu_pages(p: Problem) -> int:
 
 def heuristic(avals: Sequence[Any], target: str, **params) -> RaggedPagedAttentionConfig:
   p = Problem.of(avals, **params)
-  block_q = block_q_for(p)
+  block_q = block_q_for(p, max_rows(p, target))
   if kernel_backend(target) == "triton":
     return RaggedPagedAttentionConfig(block_q=block_q, block_k=_triton_block_k(p))
   return RaggedPagedAttentionConfig(block_q=block_q, pages_per_block=_tpu_pages(p))
@@ -101,9 +112,9 @@ def supports(
 ) -> Optional[str]:
   """Why the kernel cannot run this call on ``target`` with ``config``, if it cannot."""
   p = Problem.of(avals, **params)
-  rows = config.block_q * p.groups
-  if rows > MAX_ROWS:
-    return f"block_q {config.block_q} x {p.groups} query heads a kv head > {MAX_ROWS} rows"
+  rows, most = config.block_q * p.groups, max_rows(p, target)
+  if rows > most:
+    return f"block_q {config.block_q} x {p.groups} query heads a kv head > {most} rows"
   if kernel_backend(target) == "triton":
     if max(p.head_dim, p.value_dim) > MAX_TRITON_HEAD:
       return f"head dims above {MAX_TRITON_HEAD} (Triton)"

@@ -63,13 +63,13 @@ def ragged_paged_attention(*operands, config, interpret: Any, **params):
     def _():
       stack = lambda rs: rs[0][...] if len(rs) == 1 else jnp.concatenate([r[...] for r in rs], 0)
       k, v = stack(k_refs), stack(v_refs)
-      keys = j * block + lax.broadcasted_iota(jnp.int32, (block,), 0)
+      keys = j * block + lax.broadcasted_iota(jnp.int32, (1, block), 1)
       positions, live = common.row_positions(q0_ref[i], qlen_ref[i], kvlen_ref[i], rows, p.groups)
       keep = common.visible(p, positions, live, keys, kvlen_ref[i])
       s = logits(p, block_dot, q_ref[...], k, keep)
       # Rows outside the item's keys hold other pages or whatever the pool has: zeroed.
-      inside = (keys >= lo) & (keys < hi)
-      v = jnp.where(inside[:, None], v, 0).astype(v.dtype)
+      column = j * block + lax.broadcasted_iota(jnp.int32, (block, 1), 0)
+      v = jnp.where((column >= lo) & (column < hi), v, 0).astype(v.dtype)
       carry = online_step(tuple(ref[...] for ref in scratch), s, v, block_dot)
       for ref, value in zip(scratch, carry):
         ref[...] = value

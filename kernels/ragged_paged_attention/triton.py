@@ -40,7 +40,7 @@ def ragged_paged_attention(*operands, config, interpret: Any, **params):
     q0, q_len, kv_len = q0_ref[0], qlen_ref[0], kvlen_ref[0]
     positions, live = common.row_positions(q0, q_len, kv_len, rp, p.groups)
     if r_ok is not None:
-      live &= r_ok
+      live &= r_ok[:, None]
     lo, hi = common.key_range(p, q0, q_len, kv_len, block_q)
     q_blk = load(q_ref, tile_mask(r_ok, h_ok))
 
@@ -48,7 +48,7 @@ def ragged_paged_attention(*operands, config, interpret: Any, **params):
       keys = lo + j * bk + lax.broadcasted_iota(jnp.int32, (bk,), 0)
       ok = keys < hi
       k, v = gather_tokens(k_ref, v_ref, table_ref, keys, ok, p.page_size, (h_ok, hv_ok))
-      keep = common.visible(p, positions, live, keys, kv_len) & ok[None, :]
+      keep = common.visible(p, positions, live, keys[None, :], kv_len) & ok[None, :]
       return online_step(carry, logits(p, block_dot, q_blk, k, keep), v, block_dot)
 
     steps = lax.div(hi - lo + (bk - 1), jnp.int32(bk))

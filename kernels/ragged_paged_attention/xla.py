@@ -54,7 +54,7 @@ def ragged_paged_attention(*operands, config=None, **params):
         row = keys % p.page_size
         k = restore(pools[0][:, page, row], p.dtype)
         v = jnp.where(ok[None, :, None], restore(pools[1][:, page, row], p.dtype), 0)
-        keep = common.visible(p, positions, live, keys, kv_len) & ok[None, :]
+        keep = common.visible(p, positions, live, keys[None, :], kv_len) & ok[None, :]
         return online_step(carry, logits(p, _dot, q_items[i], k, keep[None]), v, _dot)
 
       init = online_init(p, (p.kv_heads, rows), p.value_dim)
