@@ -11,6 +11,8 @@ the pool).
 
 from __future__ import annotations
 
+from typing import Optional
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -56,6 +58,45 @@ def check_pools(op: str, q: jax.Array, k_pages, v_pages) -> tuple[jax.Array, jax
       f"k_pages {k_pages.shape})"
     )
   return k_pages, v_pages
+
+
+def check_call(
+  op: str, arrays, lengths_name: str, scale, logits_soft_cap, batch: Optional[int] = None
+) -> tuple:
+  """The arguments an attention op over a paged cache shares, checked; ``(*arrays, scale, cap)``.
+
+  ``arrays``: ``(q, k_pages, v_pages, lengths, page_indices)``. ``q`` is
+  ``(rows, N, H)``; ``lengths`` ``(S,)``, with ``S = batch`` when given
+  (``paged_attention``: one query row a sequence); ``page_indices`` ``(S,
+  pages_per_sequence)``. ``scale`` defaults to ``1 / sqrt(H)``, a soft
+  cap must be > 0. Concrete lengths and page indices are checked
+  (``check_page_table``).
+  """
+  q, k_pages, v_pages, lengths, page_indices = arrays
+  q = array(op, "q", q, 3)
+  k_pages, v_pages = check_pools(op, q, k_pages, v_pages)
+  lengths = array(op, lengths_name, lengths, 1)
+  page_indices = array(op, "page_indices", page_indices, 2)
+  check_integer(op, lengths_name, lengths)
+  check_integer(op, "page_indices", page_indices)
+  seqs = lengths.shape[0] if batch is None else batch
+  if lengths.shape != (seqs,):
+    raise ValueError(f"{op}: {lengths_name} must have shape ({seqs},), got {lengths.shape}")
+  if page_indices.shape[0] != seqs:
+    raise ValueError(
+      f"{op}: page_indices must have shape (sequences, pages_per_sequence) with {seqs} "
+      f"sequences (as {lengths_name}), got {page_indices.shape}"
+    )
+  h = q.shape[2]
+  scale = 1 / np.sqrt(h) if scale is None else validation.check_static_float(op, "scale", scale)
+  cap = None
+  if logits_soft_cap is not None:
+    cap = validation.check_positive_float(op, "logits_soft_cap", logits_soft_cap)
+  _, total_pages, page_size, _ = k_pages.shape
+  if total_pages == 0 and page_indices.shape[1] * page_size:
+    raise ValueError(f"{op}: k_pages of shape {k_pages.shape} holds no page")
+  check_page_table(op, lengths, page_indices, page_size, total_pages, lengths_name)
+  return q, k_pages, v_pages, lengths, page_indices, float(scale), cap
 
 
 def check_page_table(

@@ -24,7 +24,6 @@ from typing import Optional
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from pallax import paging, validation
 from pallax.batching_rules import paged_attention as paged_batching
@@ -119,30 +118,14 @@ def paged_attention(
   Raises:
     NotImplementedError: under ``grad``, ``jvp`` and the like: an inference op.
   """
-  q = paging.array(_OP, "q", q, 3)
-  k_pages, v_pages = paging.check_pools(_OP, q, k_pages, v_pages)
+  validation.check_config(_OP, config, PagedAttentionConfig)
+  batch = jnp.shape(q)[0] if jnp.ndim(q) == 3 else None  # one query row a sequence
+  q, k_pages, v_pages, lengths, page_indices, scale, cap = paging.check_call(
+    _OP, (q, k_pages, v_pages, lengths, page_indices), "lengths", scale, logits_soft_cap, batch
+  )
   b, n, h = q.shape
   kv_heads, total_pages, page_size, _ = k_pages.shape
-  lengths = paging.array(_OP, "lengths", lengths, 1)
-  page_indices = paging.array(_OP, "page_indices", page_indices, 2)
-  paging.check_integer(_OP, "lengths", lengths)
-  paging.check_integer(_OP, "page_indices", page_indices)
-  if lengths.shape != (b,):
-    raise ValueError(f"{_OP}: lengths must have shape (B,) = ({b},), got {lengths.shape}")
-  if page_indices.shape[0] != b:
-    raise ValueError(
-      f"{_OP}: page_indices must have shape (B, pages_per_sequence) with B = {b}, got "
-      f"{page_indices.shape}"
-    )
-  validation.check_config(_OP, config, PagedAttentionConfig)
-  scale = 1 / np.sqrt(h) if scale is None else validation.check_static_float(_OP, "scale", scale)
-  cap = None
-  if logits_soft_cap is not None:
-    cap = validation.check_positive_float(_OP, "logits_soft_cap", logits_soft_cap)
   max_len = page_indices.shape[1] * page_size
-  if total_pages == 0 and max_len:
-    raise ValueError(f"{_OP}: k_pages of shape {k_pages.shape} holds no page")
-  paging.check_page_table(_OP, lengths, page_indices, page_size, total_pages, "lengths")
   hv = v_pages.shape[3]
   if 0 in (b, n, max_len):  # no query, or no token: nothing to attend to
     return jnp.zeros((b, n, hv), q.dtype)
@@ -155,7 +138,7 @@ def paged_attention(
     lengths,
     page_indices,
     config=config,
-    scale=float(scale),
+    scale=scale,
     logits_soft_cap=cap,
   )
   return out.reshape(b, n, hv)

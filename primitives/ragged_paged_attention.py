@@ -166,38 +166,23 @@ def ragged_paged_attention(
   Raises:
     NotImplementedError: under ``grad``, ``jvp`` and the like: an inference op.
   """
-  q = paging.array(_OP, "q", q, 3)
-  k_pages, v_pages = paging.check_pools(_OP, q, k_pages, v_pages)
+  validation.check_config(_OP, config, RaggedPagedAttentionConfig)
+  q, k_pages, v_pages, kv_lens, page_indices, scale, cap = paging.check_call(
+    _OP, (q, k_pages, v_pages, kv_lens, page_indices), "kv_lens", scale, logits_soft_cap
+  )
   t, n, h = q.shape
   kv_heads, total_pages, page_size, _ = k_pages.shape
-  kv_lens = paging.array(_OP, "kv_lens", kv_lens, 1)
-  page_indices = paging.array(_OP, "page_indices", page_indices, 2)
   cu_q_lens = paging.array(_OP, "cu_q_lens", cu_q_lens, 1)
   num_seqs = jnp.asarray(num_seqs)
-  for name, x in (
-    ("kv_lens", kv_lens),
-    ("page_indices", page_indices),
-    ("cu_q_lens", cu_q_lens),
-    ("num_seqs", num_seqs),
-  ):
-    paging.check_integer(_OP, name, x)
+  paging.check_integer(_OP, "cu_q_lens", cu_q_lens)
+  paging.check_integer(_OP, "num_seqs", num_seqs)
   seqs = kv_lens.shape[0]
-  if page_indices.shape[0] != seqs:
-    raise ValueError(
-      f"{_OP}: page_indices must have shape (max_seqs, pages_per_sequence) with max_seqs = "
-      f"{seqs} (kv_lens {kv_lens.shape}), got {page_indices.shape}"
-    )
   if cu_q_lens.shape != (seqs + 1,):
     raise ValueError(
       f"{_OP}: cu_q_lens must have shape (max_seqs + 1,) = ({seqs + 1},), got {cu_q_lens.shape}"
     )
   if num_seqs.size != 1 or num_seqs.ndim > 1:
     raise ValueError(f"{_OP}: num_seqs must be a scalar or have shape (1,), got {num_seqs.shape}")
-  validation.check_config(_OP, config, RaggedPagedAttentionConfig)
-  scale = 1 / np.sqrt(h) if scale is None else validation.check_static_float(_OP, "scale", scale)
-  cap = None
-  if logits_soft_cap is not None:
-    cap = validation.check_positive_float(_OP, "logits_soft_cap", logits_soft_cap)
   if sliding_window is not None:
     if isinstance(sliding_window, bool) or not isinstance(sliding_window, (int, np.integer)):
       raise TypeError(f"{_OP}: sliding_window must be a Python int, got {sliding_window!r}")
@@ -210,9 +195,6 @@ def ragged_paged_attention(
     if sinks.shape != (n,):
       raise ValueError(f"{_OP}: sinks must have shape (N,) = ({n},), got {sinks.shape}")
   max_len = page_indices.shape[1] * page_size
-  if total_pages == 0 and max_len:
-    raise ValueError(f"{_OP}: k_pages of shape {k_pages.shape} holds no page")
-  paging.check_page_table(_OP, kv_lens, page_indices, page_size, total_pages, "kv_lens")
   _check_offsets(cu_q_lens, num_seqs, kv_lens, t)
   hv = v_pages.shape[3]
   if 0 in (t, n, seqs, max_len):  # no query, no sequence or no cache: nothing to attend to
@@ -229,7 +211,7 @@ def ragged_paged_attention(
     cu_q_lens,
     num_seqs,
     config=config,
-    scale=float(scale),
+    scale=scale,
     logits_soft_cap=cap,
     sliding_window=sliding_window,
   )

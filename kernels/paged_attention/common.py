@@ -30,10 +30,12 @@ from pallax.pallas_utils import stat_dtype
 
 
 @dataclasses.dataclass(frozen=True)
-class Problem:
-  """The static facts of one paged-attention call."""
+class PagedFacts:
+  """The static facts every op over a paged cache has: heads, pools, table, dtype, logits.
 
-  batch: int
+  Each op's ``Problem`` adds its own (the batch, the tokens, a window).
+  """
+
   kv_heads: int
   groups: int
   head_dim: int
@@ -45,24 +47,6 @@ class Problem:
   scale: float
   soft_cap: Optional[float]
 
-  @classmethod
-  def of(cls, avals: Sequence[Any], *, scale: float, logits_soft_cap=None, **_) -> Problem:
-    q, k, v, _, table = avals[:5]
-    b, kh, g, h = q.shape
-    return cls(
-      b,
-      kh,
-      g,
-      h,
-      v.shape[3],
-      k.shape[1],
-      k.shape[2],
-      table.shape[1],
-      q.dtype,
-      scale,
-      logits_soft_cap,
-    )
-
   @property
   def stat(self) -> jnp.dtype:
     """Dtype of logits, softmax statistics and accumulators."""
@@ -72,6 +56,35 @@ class Problem:
   def max_len(self) -> int:
     """The longest sequence the page table holds."""
     return self.pages_per_sequence * self.page_size
+
+  @staticmethod
+  def cache_fields(q, k_pages, v_pages, page_indices, scale, soft_cap) -> dict[str, Any]:
+    """The fields read off ``q (rows, K, G, H)``, the pools, the page table and the logits."""
+    _, kv_heads, groups, head_dim = q.shape
+    return dict(
+      kv_heads=kv_heads,
+      groups=groups,
+      head_dim=head_dim,
+      value_dim=v_pages.shape[3],
+      total_pages=k_pages.shape[1],
+      page_size=k_pages.shape[2],
+      pages_per_sequence=page_indices.shape[1],
+      dtype=q.dtype,
+      scale=scale,
+      soft_cap=soft_cap,
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class Problem(PagedFacts):
+  """The static facts of one paged-attention call."""
+
+  batch: int
+
+  @classmethod
+  def of(cls, avals: Sequence[Any], *, scale: float, logits_soft_cap=None, **_) -> Problem:
+    q, k, v, _, table = avals[:5]
+    return cls(batch=q.shape[0], **cls.cache_fields(q, k, v, table, scale, logits_soft_cap))
 
 
 def logits(p: Problem, dot, q, k, keep):

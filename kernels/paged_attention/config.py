@@ -109,7 +109,8 @@ def splits_for(p: Problem, block_k: int) -> int:
   return max(1, min(want, most, _MAX_SPLITS))
 
 
-def _tpu_pages(p: Problem) -> int:
+def tpu_pages(p: Problem) -> int:
+  """TPU pages a step: ``_TPU_TOKENS`` tokens' worth, one where pages do not stack on sublanes."""
   if p.page_size % pu.sublanes(p.dtype):  # pages do not stack on whole sublane tiles
     return 1
   return max(1, min(_TPU_TOKENS // p.page_size, p.pages_per_sequence, _TPU_MAX_PAGES_PER_BLOCK))
@@ -138,7 +139,7 @@ def heuristic(avals: Sequence[Any], target: str, **params) -> PagedAttentionConf
   if kernel_backend(target) == "triton":
     bk = _triton_block_k(p, target)
     return PagedAttentionConfig(block_k=bk, num_splits=splits_for(p, bk))
-  return PagedAttentionConfig(pages_per_block=_tpu_pages(p))
+  return PagedAttentionConfig(pages_per_block=tpu_pages(p))
 
 
 def candidates(avals: Sequence[Any], target: str, **params) -> list[PagedAttentionConfig]:

@@ -23,14 +23,24 @@ from pallax.kernels.paged_attention.common import Problem, logits
 # gathered (K, B, 512, H) keys amortise the loop's overhead.
 BLOCK_TOKENS = 512
 
+
+def einsum_dot(specs: dict[str, str]):
+  """The online softmax's ``dot(a, b, kind)``: ``specs[kind]`` as an einsum, in the stats dtype.
+
+  float32 operands multiply at ``HIGHEST`` precision (XLA:CPU's default
+  would too; a GPU's would use TF32).
+  """
+
+  def dot(a, b, kind):
+    st = jnp.promote_types(a.dtype, jnp.float32)
+    precision = lax.Precision.HIGHEST if a.dtype == b.dtype == st else None
+    return jnp.einsum(specs[kind], a, b, preferred_element_type=st, precision=precision)
+
+  return dot
+
+
 # Gathered pages come out as (K, B, tokens, H): the products read that layout.
-_EINSUM = {"qk": "bkgd,kbnd->bkgn", "pv": "bkgn,kbnd->bkgd"}
-
-
-def _dot(a, b, kind):
-  st = jnp.promote_types(a.dtype, jnp.float32)
-  precision = lax.Precision.HIGHEST if a.dtype == b.dtype == st else None
-  return jnp.einsum(_EINSUM[kind], a, b, preferred_element_type=st, precision=precision)
+_dot = einsum_dot({"qk": "bkgd,kbnd->bkgn", "pv": "bkgn,kbnd->bkgd"})
 
 
 def gatherable(pages):

@@ -39,25 +39,15 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from pallax.pallas_utils import stat_dtype
+from pallax.kernels.paged_attention.common import PagedFacts
 
 
 @dataclasses.dataclass(frozen=True)
-class Problem:
+class Problem(PagedFacts):
   """The static facts of one ragged-paged-attention call."""
 
   tokens: int
-  kv_heads: int
-  groups: int
-  head_dim: int
-  value_dim: int
-  total_pages: int
-  page_size: int
-  pages_per_sequence: int
   max_seqs: int
-  dtype: Any
-  scale: float
-  soft_cap: Optional[float]
   window: Optional[int]
 
   @classmethod
@@ -71,32 +61,12 @@ class Problem:
     **_,
   ) -> Problem:
     q, k, v, kv_lens, table = avals[:5]
-    t, kh, g, h = q.shape
     return cls(
-      t,
-      kh,
-      g,
-      h,
-      v.shape[3],
-      k.shape[1],
-      k.shape[2],
-      table.shape[1],
-      kv_lens.shape[0],
-      q.dtype,
-      scale,
-      logits_soft_cap,
-      sliding_window,
+      tokens=q.shape[0],
+      max_seqs=kv_lens.shape[0],
+      window=sliding_window,
+      **cls.cache_fields(q, k, v, table, scale, logits_soft_cap),
     )
-
-  @property
-  def stat(self) -> jnp.dtype:
-    """Dtype of logits, softmax statistics and accumulators."""
-    return stat_dtype(self.dtype)
-
-  @property
-  def max_len(self) -> int:
-    """The longest sequence the page table holds."""
-    return self.pages_per_sequence * self.page_size
 
 
 def items_bound(p: Problem, block_q: int) -> int:

@@ -11,6 +11,7 @@ import jax.numpy as jnp
 from pallax import pallas_utils as pu
 from pallax.executor.config import KernelConfig
 from pallax.executor.registry import interpreted, kernel_backend
+from pallax.kernels.paged_attention.config import MAX_TRITON_HEAD, TPU_SMEM_BUDGET, tpu_pages
 from pallax.kernels.ragged_paged_attention.common import Problem, items_bound
 
 
@@ -21,17 +22,17 @@ class RaggedPagedAttentionConfig(KernelConfig):
   block_q: query tokens per item of the work list (``common.work_list``): an
     item's ``block_q * G`` rows (its tokens times the kv head's query heads)
     read its sequence's keys once. 1 suits decode, more suits prefill chunks.
-  block_k: Triton and XLA: tokens per inner step (gathered token by token
-    through the page table).
-  pages_per_block: TPU: pages fetched per grid step.
+  block_k: Triton: tokens per inner step (gathered token by token through
+    the page table).
   num_warps, num_stages: Triton launch parameters.
+  pages_per_block: TPU: pages fetched per grid step.
   """
 
   block_q: int = 1
   block_k: int = 64
-  pages_per_block: int = 1
   num_warps: int = 4
   num_stages: int = 2
+  pages_per_block: int = 1
 
 
 CONFIG_CLS = RaggedPagedAttentionConfig
@@ -41,13 +42,6 @@ CONFIG_CLS = RaggedPagedAttentionConfig
 # kernel (the verify sweep saw 128, 64 and 32 rows of float32 at head dim 128
 # spill on H100).
 MAX_ROWS = 128
-MAX_TRITON_HEAD = 256
-_TRITON_BLOCKS = (32, 64)
-# TPU: tokens a grid step aims for; the pages' operand count cap; the
-# scalar-prefetched work list and page-table rows (int32 in SMEM) budget.
-_TPU_TOKENS = 256
-_TPU_MAX_PAGES_PER_BLOCK = 16
-TPU_SMEM_BUDGET = 256 * 2**10
 
 
 def _wide(p: Problem) -> bool:
@@ -66,35 +60,44 @@ def block_q_for(p: Problem, rows: int = MAX_ROWS) -> int:
   return max(1, min(pu.next_pow2(mean), 1 << (most.bit_length() - 1)))
 
 
-def _triton_block_k(p: Problem) -> int:
-  return min(32 if _wide(p) else 64, max(16, pu.next_pow2(p.max_len)))
+def _triton_blocks(p: Problem) -> tuple[int, ...]:
+  """Triton's tokens a step for this call: the verify sweep saw larger ones spill.
+
+  float32 at head dim 128 spilled with 64 tokens, at 256 with 32; 16-bit
+  operands take up to 64 up to head dim 128.
+  """
+  if jnp.dtype(p.dtype).itemsize > 2 and max(p.head_dim, p.value_dim) > 128:
+    return (16,)
+  return (16, 32) if _wide(p) else (16, 32, 64)
 
 
-def _tpu_pages(p: Problem) -> int:
-  if p.page_size % pu.sublanes(p.dtype):  # pages do not stack on whole sublane tiles
-    return 1
-  return max(1, min(_TPU_TOKENS // p.page_size, p.pages_per_sequence, _TPU_MAX_PAGES_PER_BLOCK))
+def _triton_config(p: Problem, block_q: int, block_k: int, **kw) -> RaggedPagedAttentionConfig:
+  """A Triton config, 8 warps for an item of 128 rows."""
+  warps = 8 if pu.next_pow2(max(16, block_q * p.groups)) >= 128 else 4
+  return RaggedPagedAttentionConfig(block_q=block_q, block_k=block_k, **{"num_warps": warps, **kw})
 
 
 def heuristic(avals: Sequence[Any], target: str, **params) -> RaggedPagedAttentionConfig:
   p = Problem.of(avals, **params)
   block_q = block_q_for(p, max_rows(p, target))
   if kernel_backend(target) == "triton":
-    return RaggedPagedAttentionConfig(block_q=block_q, block_k=_triton_block_k(p))
-  return RaggedPagedAttentionConfig(block_q=block_q, pages_per_block=_tpu_pages(p))
+    block_k = min(max(_triton_blocks(p)), max(16, pu.next_pow2(p.max_len)))
+    return _triton_config(p, block_q, block_k)
+  return RaggedPagedAttentionConfig(block_q=block_q, pages_per_block=tpu_pages(p))
 
 
 def candidates(avals: Sequence[Any], target: str, **params) -> list[RaggedPagedAttentionConfig]:
   """The autotuning space: tokens per item and per step (Triton), pages per step (TPU)."""
+  p = Problem.of(avals, **params)
   base = heuristic(avals, target, **params)
   if interpreted(target):
     return [base]
   qs = {base.block_q, max(1, base.block_q // 2), 2 * base.block_q}
   if kernel_backend(target) == "triton":
     out = [
-      RaggedPagedAttentionConfig(block_q=bq, block_k=bk, num_warps=w)
+      _triton_config(p, bq, bk, num_warps=w)
       for bq in sorted(qs)
-      for bk in _TRITON_BLOCKS
+      for bk in _triton_blocks(p)
       for w in (4, 8)
     ]
   else:
@@ -107,25 +110,66 @@ def candidates(avals: Sequence[Any], target: str, **params) -> list[RaggedPagedA
   return list(dict.fromkeys([base, *legal]))
 
 
+def tpu_vmem(p: Problem, config: RaggedPagedAttentionConfig) -> int:
+  """Scoped VMEM of the TPU kernel: double-buffered pages, an item's rows, scratch."""
+  item = jnp.dtype(p.dtype).itemsize
+  rows, pages, page = config.block_q * p.groups, config.pages_per_block, p.page_size
+  tokens = pages * pu.tpu_tile((page, 1), item)[0]
+  return pu.tpu_vmem_bytes(
+    [
+      pu.VmemBuffer((pages, page, p.head_dim), item),  # k and v pages
+      pu.VmemBuffer((pages, page, p.value_dim), item),
+      pu.VmemBuffer((rows, p.head_dim), item),  # the query and output blocks, the lse column
+      pu.VmemBuffer((rows, p.value_dim), item),
+      pu.VmemBuffer((rows, 1), 4),
+      pu.VmemBuffer((rows, p.value_dim), 4, copies=1),  # scratch: accumulator, max and sum
+      pu.VmemBuffer((rows, 1), 4, copies=2),
+      pu.VmemBuffer((rows, tokens), 4, copies=2),  # logits and probabilities
+    ]
+  )
+
+
 def supports(
   avals: Sequence[Any], target: str, config: RaggedPagedAttentionConfig, **params
 ) -> Optional[str]:
   """Why the kernel cannot run this call on ``target`` with ``config``, if it cannot."""
   p = Problem.of(avals, **params)
+  if p.dtype == jnp.float64:
+    return "float64 has no ragged-paged-attention kernel"
   rows, most = config.block_q * p.groups, max_rows(p, target)
   if rows > most:
     return f"block_q {config.block_q} x {p.groups} query heads a kv head > {most} rows"
   if kernel_backend(target) == "triton":
-    if max(p.head_dim, p.value_dim) > MAX_TRITON_HEAD:
-      return f"head dims above {MAX_TRITON_HEAD} (Triton)"
-    if config.block_k not in (16, *_TRITON_BLOCKS):
-      return f"block_k must be one of {(16, *_TRITON_BLOCKS)} on Triton, got {config.block_k}"
-    return None
-  if config.pages_per_block > 1 and p.page_size % pu.sublanes(p.dtype):
+    return _triton_reason(p, config)
+  reason = pu.mosaic_dtype_reason([p.dtype], target)
+  if reason:
+    return reason
+  stacks = config.pages_per_block > 1 and p.page_size % pu.sublanes(p.dtype)
+  if stacks and not interpreted(target):  # Mosaic's layouts; the interpreter stacks any
     return (
       f"page_size {p.page_size} is not a multiple of {pu.sublanes(p.dtype)} rows: one page a step"
     )
+  if config.pages_per_block > p.pages_per_sequence:
+    return f"pages_per_block={config.pages_per_block} > {p.pages_per_sequence} pages a sequence"
+  if interpreted(target):
+    return None
+  if tpu_vmem(p, config) > pu.TPU_VMEM_BUDGET:
+    return f"pages_per_block={config.pages_per_block} needs more than the VMEM budget"
   smem = 4 * items_bound(p, config.block_q) * (3 + p.pages_per_sequence)
   if smem > TPU_SMEM_BUDGET:
     return f"the work list and its page-table rows take {smem} bytes of SMEM > {TPU_SMEM_BUDGET}"
   return None
+
+
+def _triton_reason(p: Problem, config: RaggedPagedAttentionConfig) -> Optional[str]:
+  if max(p.head_dim, p.value_dim) > MAX_TRITON_HEAD:
+    return f"head dims up to {MAX_TRITON_HEAD} on Triton, got {max(p.head_dim, p.value_dim)}"
+  blocks = _triton_blocks(p)
+  if config.block_k not in blocks:
+    return (
+      f"block_k={config.block_k} on Triton for {jnp.dtype(p.dtype).name} at head dim "
+      f"{max(p.head_dim, p.value_dim)}: one of {blocks} (larger spilled)"
+    )
+  if pu.next_pow2(max(16, config.block_q * p.groups)) >= 128 and config.num_warps < 8:
+    return "128 rows an item need 8 warps on Triton (4 spilled)"
+  return pu.triton_warps_reason(config)

@@ -17,19 +17,14 @@ from jax import lax
 from pallax import pallas_utils as pu
 from pallax.kernels.attention.common import online_finish, online_init, online_step
 from pallax.kernels.paged_attention.common import logits
-from pallax.kernels.paged_attention.xla import gatherable, restore
+from pallax.kernels.paged_attention.xla import einsum_dot, gatherable, restore
 from pallax.kernels.ragged_paged_attention import common
 from pallax.kernels.ragged_paged_attention.config import block_q_for
 
 BLOCK_TOKENS = 512
 
-_EINSUM = {"qk": "krh,kbh->krb", "pv": "krb,kbh->krh"}
-
-
-def _dot(a, b, kind):
-  st = jnp.promote_types(a.dtype, jnp.float32)
-  precision = lax.Precision.HIGHEST if a.dtype == b.dtype == st else None
-  return jnp.einsum(_EINSUM[kind], a, b, preferred_element_type=st, precision=precision)
+# An item's rows (K, rows, H) against a block of keys (K, block, H).
+_dot = einsum_dot({"qk": "krh,kbh->krb", "pv": "krb,kbh->krh"})
 
 
 def ragged_paged_attention(*operands, config=None, **params):
