@@ -93,12 +93,13 @@ def logits(p: Problem, dot, q, k, keep):
   return jnp.where(keep, s, NEG_INF)
 
 
-def combine_splits(m, denom, acc, dtype) -> jax.Array:
-  """The output from per-split softmax partials (flash-decoding's reduction).
+def combine_splits(m, denom, acc, dtype) -> tuple[jax.Array, jax.Array]:
+  """``(out, lse)`` from per-split softmax partials (flash-decoding's reduction).
 
   ``m``, ``denom``: ``(..., splits, rows)`` running max and sum of each split
   (``-inf`` and 0 for a split that saw no key); ``acc``: ``(..., splits, rows,
-  width)`` the unnormalised outputs. Rows no split saw give 0.
+  width)`` the unnormalised outputs. ``out`` in ``dtype``, ``lse`` in the
+  stats'; rows no split saw give 0 and ``-inf``.
   """
   top = jnp.max(m, axis=-2, keepdims=True)
   top = jnp.where(top == NEG_INF, 0.0, top)
@@ -107,4 +108,5 @@ def combine_splits(m, denom, acc, dtype) -> jax.Array:
   acc = jnp.sum(w[..., None] * acc, axis=-3)
   empty = denom == 0.0
   out = jnp.where(empty[..., None], 0.0, acc / jnp.where(empty, 1.0, denom)[..., None])
-  return out.astype(dtype)
+  lse = jnp.where(empty, NEG_INF, top[..., 0, :] + jnp.log(jnp.where(empty, 1.0, denom)))
+  return out.astype(dtype), lse

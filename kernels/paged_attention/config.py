@@ -102,11 +102,16 @@ def _triton_block_k(p: Problem, target: str) -> int:
   return min(bk, max(16, pu.next_pow2(p.max_len)))
 
 
-def splits_for(p: Problem, block_k: int) -> int:
-  """Splits filling the GPU with programs, each with at least two blocks of keys."""
-  want = -(-_TARGET_PROGRAMS // max(1, p.batch * p.kv_heads))
-  most = max(1, -(-p.max_len // (2 * block_k)))
+def splits_for(programs: int, keys: int, block_k: int) -> int:
+  """Splits of ``programs`` over ``keys`` that fill the GPU, each with two blocks of keys."""
+  want = -(-_TARGET_PROGRAMS // max(1, programs))
+  most = max(1, -(-keys // (2 * block_k)))
   return max(1, min(want, most, _MAX_SPLITS))
+
+
+def split_space(splits: int) -> tuple[int, ...]:
+  """The autotuning space around ``splits``: half, it, double (within the cap)."""
+  return tuple(dict.fromkeys((splits, max(1, splits // 2), min(_MAX_SPLITS, 2 * splits))))
 
 
 def tpu_pages(p: Problem) -> int:
@@ -138,7 +143,9 @@ def heuristic(avals: Sequence[Any], target: str, **params) -> PagedAttentionConf
   p = Problem.of(avals, **params)
   if kernel_backend(target) == "triton":
     bk = _triton_block_k(p, target)
-    return PagedAttentionConfig(block_k=bk, num_splits=splits_for(p, bk))
+    return PagedAttentionConfig(
+      block_k=bk, num_splits=splits_for(p.batch * p.kv_heads, p.max_len, bk)
+    )
   return PagedAttentionConfig(pages_per_block=tpu_pages(p))
 
 
@@ -152,8 +159,7 @@ def candidates(avals: Sequence[Any], target: str, **params) -> list[PagedAttenti
     out = []
     for bk in _TRITON_BLOCKS:
       bk = min(bk, max(16, pu.next_pow2(p.max_len)))
-      splits = splits_for(p, bk)
-      for s in dict.fromkeys((splits, max(1, splits // 2), min(_MAX_SPLITS, 2 * splits))):
+      for s in split_space(splits_for(p.batch * p.kv_heads, p.max_len, bk)):
         out += [PagedAttentionConfig(block_k=bk, num_splits=s, num_warps=w) for w in (4, 8)]
   else:
     out = [PagedAttentionConfig(pages_per_block=n) for n in (1, 2, 4, 8, 16)]

@@ -115,4 +115,4 @@ def paged_attention(
     interpret=interpret,
     name="paged_attention",
   )(q, k_pages, v_pages, lengths, page_indices)
-  return [combine_splits(m, denom, acc, p.dtype)]
+  return [combine_splits(m, denom, acc, p.dtype)[0]]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from collections.abc import Sequence
 from typing import Any, Optional
 
@@ -11,7 +12,13 @@ import jax.numpy as jnp
 from pallax import pallas_utils as pu
 from pallax.executor.config import KernelConfig
 from pallax.executor.registry import interpreted, kernel_backend
-from pallax.kernels.paged_attention.config import MAX_TRITON_HEAD, TPU_SMEM_BUDGET, tpu_pages
+from pallax.kernels.paged_attention.config import (
+  MAX_TRITON_HEAD,
+  TPU_SMEM_BUDGET,
+  split_space,
+  splits_for,
+  tpu_pages,
+)
 from pallax.kernels.ragged_paged_attention.common import Problem, items_bound
 
 
@@ -24,12 +31,16 @@ class RaggedPagedAttentionConfig(KernelConfig):
     read its sequence's keys once. 1 suits decode, more suits prefill chunks.
   block_k: Triton: tokens per inner step (gathered token by token through
     the page table).
+  num_splits: Triton: programs per (item, kv head), each walking its share
+    of the item's keys (flash-decoding), their partial softmaxes combined
+    afterwards.
   num_warps, num_stages: Triton launch parameters.
   pages_per_block: TPU: pages fetched per grid step.
   """
 
   block_q: int = 1
   block_k: int = 64
+  num_splits: int = 1
   num_warps: int = 4
   num_stages: int = 2
   pages_per_block: int = 1
@@ -72,9 +83,17 @@ def _triton_blocks(p: Problem) -> tuple[int, ...]:
 
 
 def _triton_config(p: Problem, block_q: int, block_k: int, **kw) -> RaggedPagedAttentionConfig:
-  """A Triton config, 8 warps for an item of 128 rows."""
+  """A Triton config: splits filling the GPU (``paged_attention``'s), 8 warps for 128 rows.
+
+  The items are counted as ``T / block_q`` (a decode batch's sequences; a
+  mixed batch has a few more), each over up to the whole table.
+  """
   warps = 8 if pu.next_pow2(max(16, block_q * p.groups)) >= 128 else 4
-  return RaggedPagedAttentionConfig(block_q=block_q, block_k=block_k, **{"num_warps": warps, **kw})
+  items = -(-p.tokens // block_q)
+  splits = splits_for(items * p.kv_heads, p.max_len, block_k)
+  return RaggedPagedAttentionConfig(
+    block_q=block_q, block_k=block_k, **{"num_warps": warps, "num_splits": splits, **kw}
+  )
 
 
 def heuristic(avals: Sequence[Any], target: str, **params) -> RaggedPagedAttentionConfig:
@@ -94,12 +113,10 @@ def candidates(avals: Sequence[Any], target: str, **params) -> list[RaggedPagedA
     return [base]
   qs = {base.block_q, max(1, base.block_q // 2), 2 * base.block_q}
   if kernel_backend(target) == "triton":
-    out = [
-      _triton_config(p, bq, bk, num_warps=w)
-      for bq in sorted(qs)
-      for bk in _triton_blocks(p)
-      for w in (4, 8)
-    ]
+    out = []
+    for bq, bk, w in itertools.product(sorted(qs), _triton_blocks(p), (4, 8)):
+      splits = _triton_config(p, bq, bk).num_splits
+      out += [_triton_config(p, bq, bk, num_warps=w, num_splits=s) for s in split_space(splits)]
   else:
     out = [
       RaggedPagedAttentionConfig(block_q=bq, pages_per_block=n)
@@ -170,6 +187,8 @@ def _triton_reason(p: Problem, config: RaggedPagedAttentionConfig) -> Optional[s
       f"block_k={config.block_k} on Triton for {jnp.dtype(p.dtype).name} at head dim "
       f"{max(p.head_dim, p.value_dim)}: one of {blocks} (larger spilled)"
     )
+  if config.num_splits < 1:
+    return f"num_splits={config.num_splits} must be >= 1"
   if pu.next_pow2(max(16, config.block_q * p.groups)) >= 128 and config.num_warps < 8:
     return "128 rows an item need 8 warps on Triton (4 spilled)"
   return pu.triton_warps_reason(config)

@@ -1,13 +1,16 @@
 """The ragged-paged-attention kernel on Pallas-Triton.
 
-One program per (item of the work list, kv head): the item's ``block_q``
-queries times the kv head's ``G`` query heads are one block of rows (padded
-to a power of two >= 16), which walks the keys the item sees
-(``common.key_range``) in blocks of ``block_k`` tokens with the online
-softmax, gathering each block token by token through the sequence's page
-table (``paged_attention``'s ``gather_tokens``): a prefill chunk reads its
-keys once per item, a decode token once. The causal (bottom-right) and
-window masks come from the rows' positions (``common.visible``).
+One program per (item of the work list, kv head, split): the item's
+``block_q`` queries times the kv head's ``G`` query heads are one block of
+rows (padded to a power of two >= 16), which walks its split's share of the
+keys the item sees (``common.key_range``) in blocks of ``block_k`` tokens with
+the online softmax, gathering each block token by token through the
+sequence's page table (``paged_attention``'s ``gather_tokens``): a prefill
+chunk reads its keys once per item, a decode token once. The causal
+(bottom-right) and window masks come from the rows' positions
+(``common.visible``). With ``num_splits > 1`` (few items, long caches: the
+flash-decoding split that fills the GPU) the splits' partial softmaxes are
+combined by XLA (``paged_attention``'s ``combine_splits``).
 """
 
 from __future__ import annotations
@@ -19,8 +22,8 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from pallax.kernels.attention.common import block_dot, online_finish, online_init, online_step
-from pallax.kernels.paged_attention.common import logits
+from pallax.kernels.attention.common import block_dot, online_init, online_step
+from pallax.kernels.paged_attention.common import combine_splits, logits
 from pallax.kernels.paged_attention.triton import gather_tokens
 from pallax.kernels.ragged_paged_attention import common
 from pallax.pallas_triton import padded_ok, tile_mask
@@ -35,13 +38,19 @@ def ragged_paged_attention(*operands, config, interpret: Any, **params):
   rp = next_pow2(max(rows, 16))
   hp, hvp = (next_pow2(max(x, 16)) for x in (p.head_dim, p.value_dim))
 
-  def kernel(q_ref, k_ref, v_ref, q0_ref, qlen_ref, kvlen_ref, table_ref, o_ref, lse_ref):
+  splits = config.num_splits
+
+  def kernel(q_ref, k_ref, v_ref, q0_ref, qlen_ref, kvlen_ref, table_ref, m_ref, l_ref, acc_ref):
     r_ok, h_ok, hv_ok = padded_ok(rp, rows), padded_ok(hp, p.head_dim), padded_ok(hvp, p.value_dim)
     q0, q_len, kv_len = q0_ref[0], qlen_ref[0], kvlen_ref[0]
     positions, live = common.row_positions(q0, q_len, kv_len, rp, p.groups)
     if r_ok is not None:
       live &= r_ok[:, None]
     lo, hi = common.key_range(p, q0, q_len, kv_len, block_q)
+    # This split's share: whole blocks of the item's keys.
+    share = lax.div(lax.div(hi - lo + (bk - 1), jnp.int32(bk)) + (splits - 1), jnp.int32(splits))
+    lo = jnp.minimum(lo + pl.program_id(2) * share * bk, hi)
+    hi = jnp.minimum(lo + share * bk, hi)
     q_blk = load(q_ref, tile_mask(r_ok, h_ok))
 
     def body(j, carry):
@@ -52,39 +61,45 @@ def ragged_paged_attention(*operands, config, interpret: Any, **params):
       return online_step(carry, logits(p, block_dot, q_blk, k, keep), v, block_dot)
 
     steps = lax.div(hi - lo + (bk - 1), jnp.int32(bk))
-    out, lse = online_finish(lax.fori_loop(0, steps, body, online_init(p, (rp,), hvp)))
-    store(o_ref, out.astype(o_ref.dtype), tile_mask(r_ok, hv_ok))
-    store(lse_ref, lse[:, 0], r_ok)
+    m, denom, acc = lax.fori_loop(0, steps, body, online_init(p, (rp,), hvp))
+    store(m_ref, m[:, 0], r_ok)
+    store(l_ref, denom[:, 0], r_ok)
+    store(acc_ref, acc, tile_mask(r_ok, hv_ok))
 
   def items_kernel(q_items, k_pages, v_pages, items, table):
     n = q_items.shape[0]
     pool = lambda width: pl.BlockSpec(
-      (None, p.total_pages, p.page_size, width), lambda i, k: (k, 0, 0, 0)
+      (None, p.total_pages, p.page_size, width), lambda i, k, s: (k, 0, 0, 0)
     )
-    scalar = pl.BlockSpec((1,), lambda i, k: (i,))
-    return pl.pallas_call(
+    scalar = pl.BlockSpec((1,), lambda i, k, s: (i,))
+    stat = pl.BlockSpec((None, None, None, rp), lambda i, k, s: (i, k, s, 0))
+    stats = jax.ShapeDtypeStruct((n, p.kv_heads, splits, rows), p.stat)
+    m, denom, acc = pl.pallas_call(
       kernel,
-      grid=(n, p.kv_heads),
+      grid=(n, p.kv_heads, splits),
       in_specs=[
-        pl.BlockSpec((None, None, rp, hp), lambda i, k: (i, k, 0, 0)),
+        pl.BlockSpec((None, None, rp, hp), lambda i, k, s: (i, k, 0, 0)),
         pool(hp),
         pool(hvp),
         scalar,
         scalar,
         scalar,
-        pl.BlockSpec((None, p.pages_per_sequence), lambda i, k: (i, 0)),
+        pl.BlockSpec((None, p.pages_per_sequence), lambda i, k, s: (i, 0)),
       ],
       out_specs=[
-        pl.BlockSpec((None, None, rp, hvp), lambda i, k: (i, k, 0, 0)),
-        pl.BlockSpec((None, None, rp), lambda i, k: (i, k, 0)),
+        stat,
+        stat,
+        pl.BlockSpec((None, None, None, rp, hvp), lambda i, k, s: (i, k, s, 0, 0)),
       ],
       out_shape=[
-        jax.ShapeDtypeStruct((n, p.kv_heads, rows, p.value_dim), p.dtype),
-        jax.ShapeDtypeStruct((n, p.kv_heads, rows), p.stat),
+        stats,
+        stats,
+        jax.ShapeDtypeStruct((n, p.kv_heads, splits, rows, p.value_dim), p.stat),
       ],
       compiler_params=triton_compiler_params(config),
       interpret=interpret,
       name="ragged_paged_attention",
     )(q_items, k_pages, v_pages, items.q0, items.q_len, items.kv_len, table)
+    return combine_splits(m, denom, acc, p.dtype)
 
   return common.run_items(p, block_q, operands, items_kernel)

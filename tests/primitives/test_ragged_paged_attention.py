@@ -98,8 +98,9 @@ def test_xla_float64():
 # The interpreted kernels.
 
 PINNED = {
-  # Two tokens an item (several items a sequence, a last one half full), 16-token steps.
-  "triton": Config(block_q=2, block_k=16),
+  # Two tokens an item (several items a sequence, a last one half full),
+  # 16-token steps, three splits of each item's keys (some empty).
+  "triton": Config(block_q=2, block_k=16, num_splits=3),
   # Two pages a step, the speculative sequence in items of 4 tokens.
   "mosaic_tpu": Config(block_q=4, pages_per_block=2),
 }
@@ -299,3 +300,24 @@ def test_lowers_to_the_kernel(platform, dtype):
   )
   f = functools.partial(pallax.ragged_paged_attention, sliding_window=64, logits_soft_cap=30.0)
   assert CALL_TARGET[platform] in lower_text(f, platform, *args)
+
+
+def test_triton_splits_the_keys_of_few_long_sequences():
+  """Flash-decoding: few items over long caches get several programs each; many get one."""
+  from pallax.executor import Target
+
+  def config(seqs, context):
+    args = (
+      jnp.zeros((seqs, 32, 128), jnp.bfloat16),
+      jnp.zeros((8, seqs * context // 16, 16, 128), jnp.bfloat16),
+      jnp.zeros((8, seqs * context // 16, 16, 128), jnp.bfloat16),
+      jnp.full((seqs,), context, jnp.int32),
+      jnp.zeros((seqs, context // 16), jnp.int32),
+      jnp.arange(seqs + 1, dtype=jnp.int32),
+      jnp.asarray([seqs], jnp.int32),
+    )
+    (row,) = pallax.explain_on(Target("cuda", "h100"), pallax.ragged_paged_attention, *args)
+    return row.config
+
+  assert config(2, 4096).num_splits > 1 and config(2, 4096).block_q == 1
+  assert config(64, 4096).num_splits == 1
