@@ -99,11 +99,18 @@ def full_logits(params, tokens):
   return _logits(params, x)
 
 
-def generate_alone(params, prompt, steps: int) -> list[int]:
-  """Greedy tokens of one request, the whole sequence recomputed each step (no cache)."""
+def generate_alone(params, prompt, steps: int, length: int = 64) -> list[int]:
+  """Greedy tokens of one request, the whole sequence recomputed each step (no cache).
+
+  The sequence is padded to ``length`` tokens (one compiled forward): causal
+  attention keeps the padding out of every earlier position's logits.
+  """
+  if len(prompt) + steps > length:
+    raise ValueError(f"a prompt of {len(prompt)} and {steps} new tokens exceed length={length}")
   tokens = list(prompt)
   for _ in range(steps):
-    tokens.append(int(jnp.argmax(full_logits(params, jnp.asarray(tokens))[-1])))
+    padded = jnp.asarray(tokens + [0] * (length - len(tokens)), jnp.int32)
+    tokens.append(int(jnp.argmax(full_logits(params, padded)[len(tokens) - 1])))
   return tokens[len(prompt) :]
 
 
