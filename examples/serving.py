@@ -27,7 +27,6 @@ both ways.
 from __future__ import annotations
 
 import dataclasses
-import functools
 
 import jax
 import jax.numpy as jnp
@@ -99,24 +98,25 @@ def full_logits(params, tokens):
   return _logits(params, x)
 
 
-def generate_alone(params, prompt, steps: int, length: int = 64) -> list[int]:
-  """Greedy tokens of one request, the whole sequence recomputed each step (no cache).
+def generate_alone(params, prompt, steps: int, length: int = 64):
+  """``(tokens, logits)``: one request's greedy tokens, the whole sequence recomputed each step.
 
-  The sequence is padded to ``length`` tokens (one compiled forward): causal
-  attention keeps the padding out of every earlier position's logits.
+  No cache. ``logits``: the row each token was taken from. The sequence is
+  padded to ``length`` tokens (one compiled forward): causal attention keeps
+  the padding out of every earlier position's logits.
   """
   if len(prompt) + steps > length:
     raise ValueError(f"a prompt of {len(prompt)} and {steps} new tokens exceed length={length}")
-  tokens = list(prompt)
+  tokens, rows = list(prompt), []
   for _ in range(steps):
     padded = jnp.asarray(tokens + [0] * (length - len(tokens)), jnp.int32)
-    tokens.append(int(jnp.argmax(full_logits(params, padded)[len(tokens) - 1])))
-  return tokens[len(prompt) :]
+    rows.append(np.asarray(full_logits(params, padded)[len(tokens) - 1]))
+    tokens.append(int(np.argmax(rows[-1])))
+  return tokens[len(prompt) :], rows
 
 
-@functools.partial(jax.jit, donate_argnums=(1,))
-def serving_step(params, cache, tokens, kv_lens, page_indices, cu_q_lens, num_seqs):
-  """One step of the batch: ``(cache, logits of every query token)``; ``cache`` is donated.
+def step_fn(params, cache, tokens, kv_lens, page_indices, cu_q_lens, num_seqs):
+  """One step of the batch: ``(cache, logits of every query token)`` (``serving_step`` jits it).
 
   ``tokens (TOKENS,)``: the sequences' query tokens concatenated (the rest
   padding); ``kv_lens`` counts each sequence's new tokens too.
@@ -141,6 +141,9 @@ def serving_step(params, cache, tokens, kv_lens, page_indices, cu_q_lens, num_se
   return new_cache, _logits(params, x)
 
 
+serving_step = jax.jit(step_fn, donate_argnums=(1,))  # the cache is donated: written in place
+
+
 @dataclasses.dataclass
 class Request:
   prompt: list[int]
@@ -148,6 +151,7 @@ class Request:
   arrival: int  # the step it joins at
   done: int = 0  # prompt tokens in the cache
   generated: list[int] = dataclasses.field(default_factory=list)
+  logits: list = dataclasses.field(default_factory=list)  # the row each token was taken from
   pages: list[int] = dataclasses.field(default_factory=list)
 
   @property
@@ -159,9 +163,15 @@ class Request:
     return len(self.generated) == self.new_tokens
 
 
-def serve(params, requests: list[Request], chunk: int = 16, seed: int = 0) -> list[list[int]]:
-  """Runs ``requests`` to completion with continuous batching; each step's query lengths."""
-  pool = lambda: jnp.zeros((KV_HEADS, PAGES, PAGE_SIZE, HEAD))
+def serve(
+  params, requests: list[Request], chunk: int = 16, seed: int = 0, step=serving_step
+) -> list[list[int]]:
+  """Runs ``requests`` to completion with continuous batching; each step's query lengths.
+
+  ``step``: the jitted ``step_fn`` to run. The pools start as NaN: a key
+  read that was never written would poison its logits.
+  """
+  pool = lambda: jnp.full((KV_HEADS, PAGES, PAGE_SIZE, HEAD), jnp.nan)
   cache = [(pool(), pool()) for _ in params["layers"]]  # distinct buffers: all are donated
   free = list(np.random.default_rng(seed).permutation(PAGES))
   steps = []
@@ -182,7 +192,7 @@ def serve(params, requests: list[Request], chunk: int = 16, seed: int = 0) -> li
     count = len(kv_lens)
     cu += [len(tokens)] * (MAX_SEQS - count)
     kv_lens += [0] * (MAX_SEQS - count)
-    cache, logits = serving_step(
+    cache, logits = step(
       params,
       cache,
       jnp.asarray(tokens + [0] * (TOKENS - len(tokens)), jnp.int32),
@@ -196,7 +206,8 @@ def serve(params, requests: list[Request], chunk: int = 16, seed: int = 0) -> li
         r.done += cu[i + 1] - cu[i]
         if r.done < len(r.prompt):
           continue  # more of its prompt to go
-      r.generated.append(int(jnp.argmax(logits[cu[i + 1] - 1])))
+      r.logits.append(np.asarray(logits[cu[i + 1] - 1]))
+      r.generated.append(int(np.argmax(r.logits[-1])))
       if r.finished:  # its pages go back to the pool
         free += r.pages
         r.pages = []
@@ -213,7 +224,7 @@ def main() -> None:
   steps = serve(params, requests)
   print(f"{len(steps)} steps; query tokens of each sequence a step: {steps}")
   for i, r in enumerate(requests):
-    alone = generate_alone(params, r.prompt, r.new_tokens)
+    alone, _ = generate_alone(params, r.prompt, r.new_tokens)
     print(f"request {i}: {r.generated} ({'equal' if r.generated == alone else 'NOT equal'} alone)")
     assert r.generated == alone
 

@@ -39,6 +39,9 @@ def kv_cache_slots(
   cu_q_lens[i + 1]``) is the sequence's token ``kv_lens[i] - q_len + j``:
   slot ``page_indices[i, p // page_size] * page_size + p % page_size``.
   Tokens past ``cu_q_lens[num_seqs]`` get -1 (``update_kv_cache`` skips them).
+  Offsets and lengths are as ``ragged_paged_attention`` checks them; a
+  traced sequence with more queries than ``kv_lens`` writes its first ones
+  to slots of its first page.
 
   Args:
     page_indices: ``(max_seqs, pages_per_sequence)`` integer.
@@ -48,7 +51,25 @@ def kv_cache_slots(
     page_size: the pools' tokens a page.
     tokens: the batch's query tokens ``T``.
   """
+  op = "kv_cache_slots"
+  page_indices = paging.array(op, "page_indices", page_indices, 2)
+  kv_lens = paging.array(op, "kv_lens", kv_lens, 1)
+  cu_q_lens = paging.array(op, "cu_q_lens", cu_q_lens, 1)
+  for name, x in (("page_indices", page_indices), ("kv_lens", kv_lens), ("cu_q_lens", cu_q_lens)):
+    paging.check_integer(op, name, x)
   seqs = kv_lens.shape[0]
+  if page_indices.shape[0] != seqs or cu_q_lens.shape != (seqs + 1,):
+    raise ValueError(
+      f"{op}: page_indices (max_seqs, pages_per_sequence), kv_lens (max_seqs,) and cu_q_lens "
+      f"(max_seqs + 1,) must agree; got {page_indices.shape}, {kv_lens.shape}, {cu_q_lens.shape}"
+    )
+  for name, value in (("page_size", page_size), ("tokens", tokens)):
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 0:
+      raise ValueError(f"{op}: {name} must be an int >= 0, got {value!r}")
+  if page_size == 0:
+    raise ValueError(f"{op}: page_size must be > 0")
+  if seqs == 0 or page_indices.shape[1] == 0:  # no sequence, or no page: nothing to write
+    return jnp.full((tokens,), -1, jnp.int32)
   t = jnp.arange(tokens)
   seq = jnp.minimum(jnp.searchsorted(cu_q_lens[1:], t, side="right"), seqs - 1)
   live = t < cu_q_lens[jnp.asarray(num_seqs).reshape(-1)[0]]

@@ -61,7 +61,13 @@ def check_pools(op: str, q: jax.Array, k_pages, v_pages) -> tuple[jax.Array, jax
 
 
 def check_call(
-  op: str, arrays, lengths_name: str, scale, logits_soft_cap, batch: Optional[int] = None
+  op: str,
+  arrays,
+  lengths_name: str,
+  scale,
+  logits_soft_cap,
+  batch: Optional[int] = None,
+  used: Optional[int] = None,
 ) -> tuple:
   """The arguments an attention op over a paged cache shares, checked; ``(*arrays, scale, cap)``.
 
@@ -70,7 +76,8 @@ def check_call(
   (``paged_attention``: one query row a sequence); ``page_indices`` ``(S,
   pages_per_sequence)``. ``scale`` defaults to ``1 / sqrt(H)``, a soft
   cap must be > 0. Concrete lengths and page indices are checked
-  (``check_page_table``).
+  (``check_page_table``): the first ``used`` sequences' when given (the
+  others are unused slots that may hold anything).
   """
   q, k_pages, v_pages, lengths, page_indices = arrays
   q = array(op, "q", q, 3)
@@ -95,7 +102,8 @@ def check_call(
   _, total_pages, page_size, _ = k_pages.shape
   if total_pages == 0 and page_indices.shape[1] * page_size:
     raise ValueError(f"{op}: k_pages of shape {k_pages.shape} holds no page")
-  check_page_table(op, lengths, page_indices, page_size, total_pages, lengths_name)
+  in_use = slice(None) if used is None else slice(0, used)
+  check_page_table(op, lengths[in_use], page_indices[in_use], page_size, total_pages, lengths_name)
   return q, k_pages, v_pages, lengths, page_indices, float(scale), cap
 
 

@@ -136,9 +136,10 @@ def ragged_paged_attention(
   ``softmax(soft_cap(scale * q k^T)) v``, logits and statistics in float32
   (float64 for float64 inputs). Tokens past ``cu_q_lens[num_seqs]`` give 0.
 
-  Values known at trace time are checked; traced ones are clamped (lengths
+  Values known at trace time are checked (for the ``num_seqs`` sequences in
+  use: the other slots may hold anything); traced ones are clamped (lengths
   into the page table, page indices into the pool, offsets into ``[0, T]``
-  and made non-decreasing).
+  from 0 and made non-decreasing).
 
   Args:
     q: ``(T, N, H)``, floating: the batch's query tokens.
@@ -167,8 +168,10 @@ def ragged_paged_attention(
     NotImplementedError: under ``grad``, ``jvp`` and the like: an inference op.
   """
   validation.check_config(_OP, config, RaggedPagedAttentionConfig)
+  known = validation.concrete(num_seqs)  # the slots in use, when known: only theirs are checked
+  used = int(np.clip(known.reshape(-1)[0], 0, None)) if known is not None and known.size else None
   q, k_pages, v_pages, kv_lens, page_indices, scale, cap = paging.check_call(
-    _OP, (q, k_pages, v_pages, kv_lens, page_indices), "kv_lens", scale, logits_soft_cap
+    _OP, (q, k_pages, v_pages, kv_lens, page_indices), "kv_lens", scale, logits_soft_cap, None, used
   )
   t, n, h = q.shape
   kv_heads, total_pages, page_size, _ = k_pages.shape
@@ -200,7 +203,7 @@ def ragged_paged_attention(
   if 0 in (t, n, seqs, max_len):  # no query, no sequence or no cache: nothing to attend to
     return jnp.zeros((t, n, hv), q.dtype)
   kv_lens, page_indices = paging.clamped(kv_lens, page_indices, page_size, total_pages)
-  cu_q_lens = lax.cummax(jnp.clip(cu_q_lens, 0, t).astype(jnp.int32))
+  cu_q_lens = lax.cummax(jnp.clip(cu_q_lens, 0, t).astype(jnp.int32).at[0].set(0))
   num_seqs = jnp.clip(num_seqs.reshape(1), 0, seqs).astype(jnp.int32)
   out, lse = ragged_paged_attention_op(
     q.reshape(t, kv_heads, n // kv_heads, h),
@@ -217,5 +220,7 @@ def ragged_paged_attention(
   )
   out, lse = out.reshape(t, n, hv), lse.reshape(t, n)
   if sinks is not None:  # exp(lse) / (exp(lse) + exp(sink)): the sink's share left out
-    out = (out * jax.nn.sigmoid(lse - sinks.astype(lse.dtype))[..., None]).astype(q.dtype)
+    share = jax.nn.sigmoid(lse - sinks.astype(lse.dtype))
+    share = jnp.where(lse == -jnp.inf, 0.0, share)  # no key seen (a -inf sink too): 0
+    out = (out * share[..., None]).astype(q.dtype)
   return out

@@ -25,6 +25,7 @@ from typing import Any, Optional
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from pallax import validation
 from pallax.custom_op import custom_op
@@ -83,10 +84,13 @@ def _scaling(scaling: Optional[Mapping[str, Any]]):
   if not isinstance(scaling, Mapping):
     raise TypeError(f"{_OP}: scaling must be a dict or None, got {type(scaling).__name__}")
   kind = scaling.get("rope_type", scaling.get("type"))
+  if kind == "default":  # transformers' name for no scaling
+    return None
   need = {"llama3": _LLAMA3, "linear": ("factor",)}.get(kind)
   if need is None:
     raise ValueError(
-      f"{_OP}: scaling's rope_type must be 'llama3' or 'linear', got {kind!r} ({dict(scaling)})"
+      f"{_OP}: scaling's rope_type must be 'llama3', 'linear' or 'default', got {kind!r} "
+      f"({dict(scaling)})"
     )
   missing = [k for k in need if k not in scaling]
   if missing:
@@ -143,9 +147,12 @@ def apply_rotary(
       f"{_OP}: positions of shape {positions.shape} must broadcast to x's leading dims {lead} "
       f"(x {x.shape})"
     ) from None
+  if rotary_dim is None and h % 2:
+    raise ValueError(f"{_OP}: x's head dim H = {h} must be even to rotate it whole (x {x.shape})")
   d = h if rotary_dim is None else rotary_dim
-  if isinstance(d, bool) or not isinstance(d, int) or d < 2 or d % 2 or d > h:
+  if isinstance(d, bool) or not isinstance(d, (int, np.integer)) or d < 2 or d % 2 or d > h:
     raise ValueError(f"{_OP}: rotary_dim must be an even int in [2, H] = [2, {h}], got {d!r}")
+  d = int(d)
   theta = validation.check_positive_float(_OP, "theta", theta)
   if not isinstance(interleaved, bool):
     raise TypeError(f"{_OP}: interleaved must be a bool, got {type(interleaved).__name__}")

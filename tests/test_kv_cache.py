@@ -22,6 +22,35 @@ def _numpy_slots(table, kv_lens, cu, num, page_size, tokens):
   return slots
 
 
+def test_slots_without_sequences_or_pages_skip_every_token():
+  z = jnp.zeros((0,), jnp.int32)
+  got = pallax.kv_cache_slots(jnp.zeros((0, 3), jnp.int32), z, jnp.zeros((1,), jnp.int32), 0, 4, 5)
+  np.testing.assert_array_equal(got, -1)
+
+
+@pytest.mark.parametrize(
+  "kwargs, word",
+  [
+    (dict(page_size=0), "page_size"),
+    (dict(tokens=-1), "tokens"),
+    (dict(cu_q_lens=jnp.zeros((2,), jnp.int32)), "must agree"),
+    (dict(kv_lens=jnp.zeros((2,))), "kv_lens"),
+  ],
+  ids=["page size", "tokens", "shapes", "float lengths"],
+)
+def test_slots_bad_input(kwargs, word):
+  call = dict(
+    page_indices=jnp.zeros((2, 3), jnp.int32),
+    kv_lens=jnp.zeros((2,), jnp.int32),
+    cu_q_lens=jnp.zeros((3,), jnp.int32),
+    num_seqs=2,
+    page_size=4,
+    tokens=5,
+  )
+  with pytest.raises((ValueError, TypeError), match=word):
+    pallax.kv_cache_slots(**{**call, **kwargs})
+
+
 def test_slots_of_a_mixed_batch():
   q, k_pages, _, kv_lens, table, cu, num = inputs(Batch())
   got = pallax.kv_cache_slots(table, kv_lens, cu, num, k_pages.shape[2], q.shape[0])

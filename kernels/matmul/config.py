@@ -184,7 +184,8 @@ def _cublas_preferred(avals: Sequence[Any], target: str, params: dict) -> bool:
   """Whether XLA's GEMM is the heuristic's choice for this call (``_CUBLAS_DEVICES``)."""
   plain = len(avals) == 2 and params["activation"] is None and not params["save_preactivation"]
   sixteen_bit = all(jnp.dtype(a.dtype).itemsize == 2 for a in avals)
-  return plain and sixteen_bit and getattr(target, "device_kind", "") in _CUBLAS_DEVICES
+  hopper = getattr(target, "device_kind", "") in _CUBLAS_DEVICES and not interpreted(target)
+  return plain and sixteen_bit and hopper
 
 
 def heuristic(avals: Sequence[Any], target: str, **params) -> MatmulConfig:

@@ -39,7 +39,7 @@ class RaggedPagedAttentionConfig(KernelConfig):
   """
 
   block_q: int = 1
-  block_k: int = 64
+  block_k: int = 32
   num_splits: int = 1
   num_warps: int = 4
   num_stages: int = 2
@@ -166,8 +166,6 @@ def supports(
     return (
       f"page_size {p.page_size} is not a multiple of {pu.sublanes(p.dtype)} rows: one page a step"
     )
-  if config.pages_per_block > p.pages_per_sequence:
-    return f"pages_per_block={config.pages_per_block} > {p.pages_per_sequence} pages a sequence"
   if interpreted(target):
     return None
   if tpu_vmem(p, config) > pu.TPU_VMEM_BUDGET:

@@ -76,7 +76,8 @@ def test_xla(name):
     dict(logits_soft_cap=1.5, scale=0.9),
     dict(sliding_window=1),
     dict(sliding_window=7, logits_soft_cap=4.0),
-    dict(sinks=np.asarray([0.5, -1.0, 2.0, 0.0], np.float32)),
+    # -inf: no sink for that head (and no NaN for tokens that see no key).
+    dict(sinks=np.asarray([0.5, -np.inf, 2.0, 0.0], np.float32)),
   ],
   ids=["cap-scale", "window-1", "window-7-cap", "sinks"],
 )
@@ -220,6 +221,33 @@ def test_traced_values_are_clamped():
   got = jax.jit(pallax.ragged_paged_attention)(q, k, v, wild_kv, wild_table, cu, num + 5)
   want = reference(q, k, v, np.minimum(wild_kv, full), table, cu, num + 1)  # every slot used
   assert_close(got, want, jnp.float32, "clamped")
+
+
+def test_unused_slots_may_hold_anything():
+  """Only the num_seqs slots in use are checked when concrete, as when traced."""
+  q, k, v, kv_lens, table, cu, num = _small()
+  wild_kv = kv_lens.at[-1].set(10**6)  # the spare slot
+  wild_table = table.at[-1].set(-5)
+  got = pallax.ragged_paged_attention(q, k, v, wild_kv, wild_table, cu, num)
+  assert_close(got, reference(q, k, v, kv_lens, table, cu, num), jnp.float32)
+
+
+def test_traced_offsets_start_at_zero_unbatched_and_vmapped():
+  q, k, v, kv_lens, table, cu, num = _small()
+  shifted = cu.at[0].set(1)  # invalid: clamped to 0, alike with and without vmap
+  one = jax.jit(pallax.ragged_paged_attention)(q, k, v, kv_lens, table, shifted, num)
+  many = jax.jit(jax.vmap(pallax.ragged_paged_attention))(
+    *(x[None] for x in (q, k, v, kv_lens, table, shifted, num))
+  )
+  assert_close(many[0], one, jnp.float32)
+  assert_close(one, reference(q, k, v, kv_lens, table, cu, num), jnp.float32)
+
+
+def test_a_config_pinning_only_block_q_runs_float32_on_triton():
+  with on_path("triton"):
+    config = Config(block_q=2)
+    got = pallax.ragged_paged_attention(*_small(), config=config)
+  assert_close(got, reference(*_small()), jnp.float32)
 
 
 _T, _POOL = (8, 4, 32), (2, 12, 4, 32)

@@ -90,7 +90,7 @@ def test_forward(name, dtype):
 def test_positions_broadcast_and_features_past_rotary_dim_pass_through():
   rng = np.random.default_rng(1)
   x = rand(rng, (3, 7, 2, 10))
-  got = pallax.apply_rotary(x, jnp.arange(7), rotary_dim=6)
+  got = pallax.apply_rotary(x, jnp.arange(7), rotary_dim=np.int64(6))
   assert_close(got, reference(x, np.arange(7), rotary_dim=6), jnp.float32)
   np.testing.assert_array_equal(got[..., 6:], x[..., 6:])
 
@@ -150,7 +150,16 @@ BAD = {
   "scaling missing": (dict(scaling={"rope_type": "llama3", "factor": 8.0}), "missing"),
   "scaling order": (dict(scaling={**LLAMA3, "high_freq_factor": 0.5}), "high_freq_factor"),
   "interleaved string": (dict(interleaved="yes"), "interleaved"),
+  "odd head dim": (dict(x=jnp.ones((2, 2, 7))), "must be even"),
 }
+
+
+def test_transformers_default_rope_type_is_no_scaling():
+  x = rand(np.random.default_rng(5), (4, 2, 8))
+  plain = pallax.apply_rotary(x, jnp.arange(4))
+  np.testing.assert_array_equal(
+    pallax.apply_rotary(x, jnp.arange(4), scaling={"rope_type": "default"}), plain
+  )
 
 
 @pytest.mark.parametrize("name", BAD)
