@@ -39,8 +39,8 @@ from pallax.primitives.ragged_paged_attention import (
   RaggedPagedAttentionConfig,
   ragged_paged_attention,
 )
-from pallax.primitives.rotary import apply_rotary
 from pallax.primitives.softmax import SoftmaxConfig, log_softmax, softmax
+from pallax.rotary import apply_rotary
 from pallax.sequence_layout import SequenceLayout, context_parallel
 
 __version__ = "0.1.0"

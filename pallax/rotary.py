@@ -15,6 +15,9 @@ and optional frequency scaling (Llama 3's, or linear position scaling).
   rotation (JAX transposes it), and ``jvp``,
   ``vmap`` (folded into ``L``) and sharding (tokens and heads shard) work as
   for any pallax op.
+
+It lives in ``pallax/`` rather than ``primitives/``: an op without kernels
+has no kernel family (self-check, verify sweep) to register.
 """
 
 from __future__ import annotations
