@@ -40,9 +40,18 @@ def pytest_addoption(parser):
 
 def pytest_configure(config):
   config.addinivalue_line("markers", "peer: a peer's case, run with --peers")
+  config.addinivalue_line("markers", "nvidia_gpu: a device bench, collected on an NVIDIA GPU only")
 
 
 def pytest_collection_modifyitems(config, items):
+  """Deselects the device benches off an NVIDIA GPU, and the peers' cases without ``--peers``."""
+  from side_by_side import on_nvidia_gpu
+
+  if not on_nvidia_gpu():
+    device = [item for item in items if item.get_closest_marker("nvidia_gpu")]
+    if device:
+      config.hook.pytest_deselected(items=device)
+      items[:] = [item for item in items if not item.get_closest_marker("nvidia_gpu")]
   if config.getoption("--peers"):
     return
   peers = [item for item in items if item.get_closest_marker("peer")]

@@ -32,7 +32,7 @@ import jax.numpy as jnp
 import modes
 import numpy as np
 import pytest
-from side_by_side import compare, on_nvidia_gpu, rel_err
+from side_by_side import compare, rel_err
 from test_attention import CHECK_ROWS, Case, attention_work, reference_rows
 
 import pallax
@@ -50,7 +50,7 @@ CASES = [
 IMPLS = ("pallax", "pallax-triton", "cudnn")
 
 
-pytestmark = pytest.mark.skipif(not on_nvidia_gpu(), reason="needs an NVIDIA GPU")
+pytestmark = pytest.mark.nvidia_gpu  # deselected off an NVIDIA GPU (bench/conftest.py)
 
 
 def _inputs(case):

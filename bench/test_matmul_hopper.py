@@ -21,7 +21,7 @@ of ``side_by_side.ROUNDS`` calls after a warm-up). ``extra_info``: each one's
 ``tflop_per_s`` (``pallax.roofline.matmul_work``), ``fraction_of_peak_flops``
 and ``ratio_to_cublas`` (cuBLAS's time over the implementation's: above 1 is
 faster), and its max error on the first rows against a float64 product.
-Without an NVIDIA GPU the cases are not collected: nothing here runs on a CPU.
+Without an NVIDIA GPU the cases are deselected: nothing here runs on a CPU.
 """
 
 import dataclasses
@@ -32,7 +32,7 @@ import jax.numpy as jnp
 import modes
 import numpy as np
 import pytest
-from side_by_side import compare, on_nvidia_gpu, rel_err
+from side_by_side import compare, rel_err
 
 import pallax
 from pallax import roofline
@@ -48,7 +48,7 @@ SHAPES = [(4096, 4096, 4096), (8192, 8192, 8192)]
 IMPLS = ("pallax", "pallax-triton", "pallax-mosaic-gpu", "cublas")
 
 
-pytestmark = pytest.mark.skipif(not on_nvidia_gpu(), reason="needs an NVIDIA GPU")
+pytestmark = pytest.mark.nvidia_gpu  # deselected off an NVIDIA GPU (bench/conftest.py)
 
 
 def _inputs(m, k, n):

@@ -20,6 +20,19 @@ import numpy as np
 from pallax import validation
 
 
+def no_derivatives(op: str):
+  """The ``jvp`` of an inference op over a paged cache: raises, naming the op and what to do."""
+
+  def jvp(primals, tangents, out, **params):
+    raise NotImplementedError(
+      f"pallax.{op} is an inference op: it has no derivatives (grad, jvp, vjp, linearize); "
+      "differentiate pallax.dot_product_attention on the gathered keys and values instead, "
+      "or stop_gradient its inputs"
+    )
+
+  return jvp
+
+
 def array(op: str, name: str, x, ndim: int) -> jax.Array:
   """``x`` as an array of ``ndim`` dims (ValueError naming ``name`` otherwise)."""
   x = jnp.asarray(x)

@@ -41,14 +41,6 @@ def _out_shape(q, k_pages, v_pages, lengths, page_indices, **params) -> jax.Shap
   return jax.ShapeDtypeStruct((*q.shape[:3], v_pages.shape[3]), q.dtype)
 
 
-def _no_derivatives(primals, tangents, out, **params):
-  raise NotImplementedError(
-    "pallax.paged_attention is an inference op: it has no derivatives (grad, jvp, vjp, "
-    "linearize); differentiate pallax.dot_product_attention on the gathered keys and values "
-    "instead, or stop_gradient its inputs"
-  )
-
-
 # Declared as a user declares an op (``pallax.custom_op``): the pools' pages,
 # the page table's columns and the head dims are replicated; vmap has a rule
 # of its own (the per-example pools concatenated along the pages).
@@ -61,7 +53,7 @@ paged_attention_op = custom_op(
   kernels=kernels.KERNEL.impls,
   config=kernels.KERNEL.space,
   batching=paged_batching.fold_into_batch,
-  jvp=_no_derivatives,
+  jvp=paging.no_derivatives(_OP),
 )
 paged_attention_p = paged_attention_op.primitive
 

@@ -49,14 +49,6 @@ def _out_shapes(q, k_pages, v_pages, *_, **params):
   )
 
 
-def _no_derivatives(primals, tangents, out, **params):
-  raise NotImplementedError(
-    "pallax.ragged_paged_attention is an inference op: it has no derivatives (grad, jvp, vjp, "
-    "linearize); differentiate pallax.dot_product_attention on the gathered keys and values "
-    "instead, or stop_gradient its inputs"
-  )
-
-
 ragged_paged_attention_op = custom_op(
   _OP,
   reference=ragged_xla.ragged_paged_attention,
@@ -67,7 +59,7 @@ ragged_paged_attention_op = custom_op(
   kernels=kernels.KERNEL.impls,
   config=kernels.KERNEL.space,
   batching=ragged_batching.fold_into_tokens,
-  jvp=_no_derivatives,
+  jvp=paging.no_derivatives(_OP),
 )
 ragged_paged_attention_p = ragged_paged_attention_op.primitive
 

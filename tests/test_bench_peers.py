@@ -2,7 +2,7 @@
 each case's memory; a case's own summary line.
 
 Runs pytest-benchmark on a small bench file next to copies of
-``bench/conftest.py``, ``bench/modes.py`` and ``bench/peak_memory.py``, with a
+``bench/conftest.py`` and the modules it imports, with a
 ``custom_vjp`` function (as tokamax's ops are) as the peer under ``jvp``.
 """
 
@@ -52,7 +52,7 @@ def test_ours_failing_is_a_failure(bench):
 
 
 def test_a_raising_peer_is_reported(tmp_path):
-  for name in ("conftest.py", "modes.py", "peak_memory.py"):
+  for name in ("conftest.py", "modes.py", "peak_memory.py", "side_by_side.py"):
     shutil.copy(BENCH / name, tmp_path / name)
   (tmp_path / "test_cases.py").write_text(CASES)
   args = ["-p", "no:xdist", "--benchmark-json", "out.json", "test_cases.py"]

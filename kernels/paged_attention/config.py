@@ -16,14 +16,14 @@ from pallax.kernels.paged_attention.common import Problem
 
 
 @dataclasses.dataclass(frozen=True)
-class PagedAttentionConfig(KernelConfig):
-  """Blocks of the paged-attention kernels.
+class PagedKernelConfig(KernelConfig):
+  """Blocks of every kernel over a paged cache (paged and ragged paged attention).
 
   block_k: Triton: tokens per inner step (a power of two >= 16; pages are
     gathered token by token, so it need not be a multiple of the page size).
-  num_splits: Triton: programs per (sequence, kv head), each walking its
-    share of the page table (flash-decoding); their partial softmaxes are
-    combined afterwards.
+  num_splits: Triton: programs per query block and kv head, each walking its
+    share of the keys (flash-decoding); their partial softmaxes are combined
+    afterwards.
   pages_per_block: TPU: pages fetched per grid step (each its own pipelined
     block).
   num_warps, num_stages: Triton launch parameters.
@@ -34,6 +34,11 @@ class PagedAttentionConfig(KernelConfig):
   pages_per_block: int = 1
   num_warps: int = 4
   num_stages: int = 2
+
+
+@dataclasses.dataclass(frozen=True)
+class PagedAttentionConfig(PagedKernelConfig):
+  """Blocks of the paged-attention kernels (``PagedKernelConfig``'s; a query block: a sequence)."""
 
 
 CONFIG_CLS = PagedAttentionConfig

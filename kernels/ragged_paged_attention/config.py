@@ -10,11 +10,11 @@ from typing import Any, Optional
 import jax.numpy as jnp
 
 from pallax import pallas_utils as pu
-from pallax.executor.config import KernelConfig
 from pallax.executor.registry import interpreted, kernel_backend
 from pallax.kernels.paged_attention.config import (
   MAX_TRITON_HEAD,
   TPU_SMEM_BUDGET,
+  PagedKernelConfig,
   split_space,
   splits_for,
   tpu_pages,
@@ -23,27 +23,17 @@ from pallax.kernels.ragged_paged_attention.common import Problem, items_bound
 
 
 @dataclasses.dataclass(frozen=True)
-class RaggedPagedAttentionConfig(KernelConfig):
-  """Blocks of the ragged-paged-attention kernels.
+class RaggedPagedAttentionConfig(PagedKernelConfig):
+  """Blocks of the ragged-paged-attention kernels: ``PagedKernelConfig``'s and ``block_q``.
 
   block_q: query tokens per item of the work list (``common.work_list``): an
     item's ``block_q * G`` rows (its tokens times the kv head's query heads)
     read its sequence's keys once. 1 suits decode, more suits prefill chunks.
-  block_k: Triton: tokens per inner step (gathered token by token through
-    the page table).
-  num_splits: Triton: programs per (item, kv head), each walking its share
-    of the item's keys (flash-decoding), their partial softmaxes combined
-    afterwards.
-  num_warps, num_stages: Triton launch parameters.
-  pages_per_block: TPU: pages fetched per grid step.
+    Triton's splits divide an item's keys.
   """
 
+  block_k: int = 32  # 64 spills with float32 operands (``_triton_blocks``)
   block_q: int = 1
-  block_k: int = 32
-  num_splits: int = 1
-  num_warps: int = 4
-  num_stages: int = 2
-  pages_per_block: int = 1
 
 
 CONFIG_CLS = RaggedPagedAttentionConfig
