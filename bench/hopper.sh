@@ -2,14 +2,24 @@
 # One short session on an H100 or H200: the Hopper benches, then the kernel
 # tests un-interpreted, within a deadline (the device time is short).
 #
-#   OUT=results bash bench/hopper.sh [seconds, default 480]
+#   OUT=results [STEPS="tune ragged_bench ..."] bash bench/hopper.sh [seconds, default 480]
 #
-# 1. bench/test_attention_hopper.py: Mosaic GPU attention vs Pallas-Triton vs cuDNN.
-# 2. bench/test_matmul_hopper.py: Mosaic GPU matmul vs the executor's choice vs cuBLAS.
-# 3. bench/test_paged_attention.py, the full-context decode case (HBM bandwidth).
-# 4. The attention, matmul and paged attention tests under PALLAX_TEST_PLATFORM=gpu
-#    (the executor's own kernels compiled and run; the TPU kernels' interpreted
-#    cases are left to the CPU run).
+# Steps, in this order (STEPS picks some; default all):
+# - tune: bench/hopper_tune.py, every candidate of the benches' kernel calls
+#   timed (what the heuristics should pick), the winners exported to tuned.json.
+# - attention_bench: bench/test_attention_hopper.py, Mosaic GPU attention vs
+#   Pallas-Triton vs cuDNN.
+# - matmul_bench: bench/test_matmul_hopper.py, Mosaic GPU matmul vs the
+#   executor's choice vs cuBLAS.
+# - paged_bench: bench/test_paged_attention.py, the full-context decode case
+#   (HBM bandwidth).
+# - ragged_bench: bench/test_ragged_paged_attention.py, a mixed serving step
+#   and a decode step (tokens/s, HBM bandwidth).
+# - tests: the attention, matmul and paged attention tests under
+#   PALLAX_TEST_PLATFORM=gpu (the executor's own kernels compiled and run; the
+#   TPU kernels' interpreted cases are left to the CPU run).
+# - serving_tests: the same for ragged paged attention, the KV-cache write,
+#   rotary embeddings and the continuous-batching loop.
 # Each step's log and JSON land in $OUT; each step gets what is left of the
 # deadline, capped, so a hang in one leaves time for the rest.
 set -u
@@ -21,9 +31,11 @@ export XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYT
 
 left() { echo $((deadline - $(date +%s))); }
 budget() { local l; l=$(left); echo $((l < $1 ? l : $1)); }
+steps=" ${STEPS:-tune attention_bench matmul_bench paged_bench ragged_bench tests serving_tests} "
 step() {  # step NAME CAP_SECONDS COMMAND...: the command under the smaller of the cap and what is left
   local name=$1 cap=$2 s
   shift 2
+  [[ $steps == *" $name "* ]] || return 0
   s=$(budget "$cap")
   echo "=== $name: ${s}s of $(left)s left"
   if ((s < 20)); then
@@ -32,7 +44,7 @@ step() {  # step NAME CAP_SECONDS COMMAND...: the command under the smaller of t
   fi
   timeout "$s" "$@" >"$out/$name.log" 2>&1
   echo "=== $name: rc $?"
-  grep -E "^(hopper|FAILED|ERROR)|passed|failed" "$out/$name.log" | tail -40
+  grep -E "^(hopper|FAILED|ERROR)|passed|failed" "$out/$name.log" | tail -60
 }
 
 nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv,noheader
@@ -41,15 +53,23 @@ python3 -m pip install --no-build-isolation --no-deps -q -e . >"$out/install.log
 python3 -c "import jax, pallax; print('jax', jax.__version__, jax.devices(), pallax.__file__)"
 
 bench=(python3 -m pytest -n 0 -p no:cacheprovider -q --tb=long)
+tests=(env PALLAX_TEST_PLATFORM=gpu python3 -m pytest -n 0 -p no:cacheprovider -q --tb=short
+  --durations=10 -k "not mosaic_tpu")
+# Tuned into a cache of its own: the benches time the heuristics' picks.
+step tune 240 env PALLAX_CACHE_DIR="$out/tune_cache" python3 bench/hopper_tune.py "$out" \
+  paged ragged attention
 step attention_bench 260 "${bench[@]}" bench/test_attention_hopper.py \
   --benchmark-json "$out/attention_bench.json"
 step matmul_bench 80 "${bench[@]}" bench/test_matmul_hopper.py \
   --benchmark-json "$out/matmul_bench.json"
 step paged_bench 70 "${bench[@]}" bench/test_paged_attention.py -k full \
   --benchmark-json "$out/paged_bench.json"
-step tests 600 env PALLAX_TEST_PLATFORM=gpu python3 -m pytest -n 0 -p no:cacheprovider -q \
-  --tb=short --durations=10 -k "not mosaic_tpu" \
-  tests/primitives/test_attention.py tests/primitives/test_attention_features.py \
+step ragged_bench 90 "${bench[@]}" bench/test_ragged_paged_attention.py \
+  --benchmark-json "$out/ragged_bench.json"
+step tests 600 "${tests[@]}" tests/primitives/test_attention.py \
+  tests/primitives/test_attention_features.py \
   tests/primitives/test_paged_attention.py tests/kernels/test_paged_attention.py \
   tests/primitives/test_matmul.py tests/kernels/test_matmul.py
+step serving_tests 300 "${tests[@]}" tests/primitives/test_ragged_paged_attention.py \
+  tests/test_kv_cache.py tests/primitives/test_rotary.py tests/test_serving.py
 echo "=== done, $(left)s before the deadline"

@@ -146,3 +146,20 @@ def clamped(lengths, page_indices, page_size: int, total_pages: int):
   max_len = page_indices.shape[1] * page_size
   lengths = jnp.clip(lengths, 0, max_len).astype(jnp.int32)
   return lengths, jnp.clip(page_indices, 0, max(total_pages - 1, 0)).astype(jnp.int32)
+
+
+def full_cache_inputs(avals, seed: int) -> list[jax.Array]:
+  """Autotuning operands ``q, k_pages, v_pages, lengths, page_indices``: every cache full.
+
+  A kernel's timing depends on the lengths and the page table, not only on
+  the shapes: random small integers (the executor's default) would time a
+  few tokens a sequence. Full caches through a shuffled page table over the
+  pool are the longest reads of the call's shapes, its worst case.
+  """
+  rng = np.random.default_rng(seed)
+  floats = [jnp.asarray(rng.standard_normal(a.shape), a.dtype) for a in avals[:3]]
+  total_pages, page_size = avals[1].shape[1:3]
+  seqs, pages = avals[4].shape
+  lengths = jnp.full(avals[3].shape, pages * page_size, avals[3].dtype)
+  table = rng.permutation(np.resize(np.arange(total_pages), seqs * pages)).reshape(seqs, pages)
+  return [*floats, lengths, jnp.asarray(table, avals[4].dtype)]

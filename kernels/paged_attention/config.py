@@ -8,6 +8,7 @@ from typing import Any, Optional
 
 import jax.numpy as jnp
 
+from pallax import paging
 from pallax import pallas_utils as pu
 from pallax.executor import facts
 from pallax.executor.config import KernelConfig
@@ -115,8 +116,12 @@ def splits_for(programs: int, keys: int, block_k: int) -> int:
 
 
 def split_space(splits: int) -> tuple[int, ...]:
-  """The autotuning space around ``splits``: half, it, double (within the cap)."""
-  return tuple(dict.fromkeys((splits, max(1, splits // 2), min(_MAX_SPLITS, 2 * splits))))
+  """The autotuning space around ``splits``: half, it, double, four times (within the cap).
+
+  More splits than fill the GPU once keep more loads in flight a multiprocessor.
+  """
+  more = (min(_MAX_SPLITS, f * splits) for f in (2, 4))
+  return tuple(dict.fromkeys((splits, max(1, splits // 2), *more)))
 
 
 def tpu_pages(p: Problem) -> int:
@@ -155,7 +160,7 @@ def heuristic(avals: Sequence[Any], target: str, **params) -> PagedAttentionConf
 
 
 def candidates(avals: Sequence[Any], target: str, **params) -> list[PagedAttentionConfig]:
-  """The autotuning space: blocks, splits and warps (Triton), pages per step (TPU)."""
+  """The autotuning space: blocks, splits, warps and stages (Triton), pages per step (TPU)."""
   p = Problem.of(avals, **params)
   base = heuristic(avals, target, **params)
   if interpreted(target):
@@ -165,11 +170,20 @@ def candidates(avals: Sequence[Any], target: str, **params) -> list[PagedAttenti
     for bk in _TRITON_BLOCKS:
       bk = min(bk, max(16, pu.next_pow2(p.max_len)))
       for s in split_space(splits_for(p.batch * p.kv_heads, p.max_len, bk)):
-        out += [PagedAttentionConfig(block_k=bk, num_splits=s, num_warps=w) for w in (4, 8)]
+        out += [
+          PagedAttentionConfig(block_k=bk, num_splits=s, num_warps=w, num_stages=st)
+          for w in (4, 8)
+          for st in (2, 3)
+        ]
   else:
     out = [PagedAttentionConfig(pages_per_block=n) for n in (1, 2, 4, 8, 16)]
   legal = [c for c in out if supports(avals, target, c, **params) is None]
   return list(dict.fromkeys([base, *legal]))
+
+
+def tune_inputs(avals: Sequence[Any], seed: int, **params) -> list[Any]:
+  """The operands autotuning times candidates on: full caches (``ConfigSpace.inputs``)."""
+  return paging.full_cache_inputs(avals, seed)
 
 
 def supports(

@@ -8,7 +8,9 @@ from collections.abc import Sequence
 from typing import Any, Optional
 
 import jax.numpy as jnp
+import numpy as np
 
+from pallax import paging
 from pallax import pallas_utils as pu
 from pallax.executor.registry import interpreted, kernel_backend
 from pallax.kernels.paged_attention.config import (
@@ -134,6 +136,27 @@ def tpu_vmem(p: Problem, config: RaggedPagedAttentionConfig) -> int:
       pu.VmemBuffer((rows, tokens), 4, copies=2),  # logits and probabilities
     ]
   )
+
+
+def tune_inputs(avals: Sequence[Any], seed: int, **params) -> list[Any]:
+  """The operands autotuning times candidates on (``ConfigSpace.inputs``).
+
+  Every slot a sequence with a full cache (``paging.full_cache_inputs``) and
+  the tokens shared out evenly among them, each at most its cache.
+  """
+  tokens, seqs = avals[0].shape[0], avals[3].shape[0]
+  q, k, v, kv_lens, table = paging.full_cache_inputs(avals[:5], seed)
+  q_lens = np.minimum(np.diff(np.linspace(0, tokens, seqs + 1).astype(np.int64)), kv_lens[0])
+  cu_q_lens = np.concatenate([[0], np.cumsum(q_lens)])
+  return [
+    q,
+    k,
+    v,
+    kv_lens,
+    table,
+    jnp.asarray(cu_q_lens, avals[5].dtype),
+    jnp.full((1,), seqs, avals[6].dtype),
+  ]
 
 
 def supports(

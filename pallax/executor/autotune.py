@@ -86,20 +86,27 @@ def median_time(fn: Callable, args: Sequence[Any], *, warmup: int = 2, repeats: 
 
 
 def wall_clock_benchmark(
-  make_fn: Callable[[KernelConfig], Callable], avals: Sequence[Any], *, seed: int = 0
+  make_fn: Callable[[KernelConfig], Callable],
+  avals: Sequence[Any],
+  *,
+  seed: int = 0,
+  inputs: Optional[Callable[[Sequence[Any], int], Sequence[Any]]] = None,
 ) -> Benchmark:
   """The default ``Benchmark``: ``make_fn(config)`` compiled for ``avals``, then ``median_time``.
 
   Args:
     make_fn: ``config -> function of the operands`` running the kernel with that config.
     avals: the operands' avals.
-    seed: seeds the random inputs, drawn once per tuning call.
+    seed: seeds the inputs, drawn once per tuning call.
+    inputs: ``(avals, seed) -> operands`` (the kernel's ``ConfigSpace.inputs``);
+      default ``random_inputs``.
   """
   structs = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in avals]
+  draw = inputs or random_inputs
   return Benchmark(
     compile=lambda config: jax.jit(make_fn(config)).lower(*structs).compile(),
     time=median_time,
-    inputs=lambda: random_inputs(avals, seed),
+    inputs=lambda: [jnp.asarray(x) for x in draw(avals, seed)],
   )
 
 

@@ -497,7 +497,8 @@ class Executor:
     if self.timer is not None:
       benchmark = autotune_lib.timer_benchmark(self.timer)
     else:
-      benchmark = autotune_lib.wall_clock_benchmark(make_fn, avals)
+      inputs = spec.inputs and (lambda avals, seed: spec.inputs(avals, seed, **params))
+      benchmark = autotune_lib.wall_clock_benchmark(make_fn, avals, inputs=inputs)
     result = autotune_lib.tune(spec.op, candidates, benchmark)
     result = dataclasses.replace(result, failures=tuple(failures) + result.failures)
     chosen = Selection(

@@ -77,6 +77,10 @@ class ConfigSpace:
       ``config`` cannot run this call, if it cannot; None: every config can.
     version: bump when a config's meaning changes (stale cached configs are
       then ignored).
+    inputs: ``(avals, seed, **params) -> [array]``: the operands autotuning
+      times the candidates on, for a kernel whose integer operands are
+      structure (lengths, offsets, page tables) that random ones would not
+      stand for; None: random ones (``autotune.random_inputs``).
 
   It is a custom op's config space (``pallax.custom_op``) and the space of an
   implementation added to a registered kernel (``register_kernel_implementation``).
@@ -87,6 +91,7 @@ class ConfigSpace:
   candidates: Optional[Callable[..., Sequence[KernelConfig]]] = None
   supports: Optional[Callable[..., Optional[str]]] = None
   version: int = 1
+  inputs: Optional[Callable[..., Sequence[Any]]] = None
 
   def __post_init__(self):
     if not (isinstance(self.config_cls, type) and issubclass(self.config_cls, KernelConfig)):
@@ -94,7 +99,7 @@ class ConfigSpace:
         "ConfigSpace: config_cls must be a subclass of pallax.KernelConfig, "
         f"got {self.config_cls!r}"
       )
-    for name in ("heuristic", "candidates", "supports"):
+    for name in ("heuristic", "candidates", "supports", "inputs"):
       value = getattr(self, name)
       if (value is not None or name == "heuristic") and not callable(value):
         raise TypeError(f"ConfigSpace: {name} must be callable, got {type(value).__name__}")
@@ -133,6 +138,7 @@ class KernelSpec:
     more of the Pallas implementations), ``"triton_raw"`` where it has a raw
     Triton kernel, and any added with ``register_kernel_implementation``.
   spaces: implementation name -> its own ``ConfigSpace``, where it has one.
+  inputs: the operands autotuning times candidates on (``ConfigSpace.inputs``).
   """
 
   op: str
@@ -143,6 +149,7 @@ class KernelSpec:
   version: int = 1
   implementations: tuple[str, ...] = (PALLAS,)
   spaces: Mapping[str, ConfigSpace] = dataclasses.field(default_factory=dict)
+  inputs: Optional[Callable[..., Sequence[Any]]] = None
 
   def space(self, name: str) -> Any:
     """The config space of implementation ``name``: its own, or the kernel's."""

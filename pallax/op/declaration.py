@@ -261,7 +261,9 @@ class Declaration:
         )
       return space.reason(self._kernel_avals(avals, batched), target, config, **params)
 
-    return ConfigSpace(space.config_cls, heuristic, candidates, supports, space.version)
+    return ConfigSpace(
+      space.config_cls, heuristic, candidates, supports, space.version, space.inputs
+    )
 
   def spec(self) -> PrimitiveSpec:
     """The ``PrimitiveSpec`` that ``define_primitive`` builds the primitive from."""

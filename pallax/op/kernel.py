@@ -61,7 +61,8 @@ class Kernel:
     Args:
       name: the kernel function's name in each backend module.
       config: the family's ``config`` module: ``CONFIG_CLS``, ``heuristic``,
-        ``candidates``, ``supports`` (and optionally ``VERSION``).
+        ``candidates``, ``supports`` (and optionally ``VERSION`` and
+        ``tune_inputs``, ``ConfigSpace.inputs``).
       backends: implementation name -> the family's module for it; an
         implementation whose module lacks ``name`` has no kernel for it (a raw
         Triton module, ``triton_raw.LazyKernels``, may have some stages only).
@@ -83,12 +84,14 @@ class Kernel:
       return functools.wraps(f)(lambda *args, **kw: f(*args, **space_params, **kw))
 
     def space(module) -> ConfigSpace:
+      inputs = getattr(module, "tune_inputs", None)
       return ConfigSpace(
         module.CONFIG_CLS,
         given(module.heuristic),
         given(module.candidates),
         given(module.supports),
         getattr(module, "VERSION", 1),
+        inputs and given(inputs),
       )
 
     spaces = {b: space(m) for b, m in own_configs.items() if b in impls}

@@ -128,6 +128,7 @@ def define_primitive(name: str, spec: PrimitiveSpec) -> KernelPrimitive:
         k.space.version,
         k.implementations,
         dict(k.spaces),
+        k.space.inputs,
       ),
       k.impls,
     )
