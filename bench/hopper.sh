@@ -2,10 +2,11 @@
 # One short session on an H100 or H200: the Hopper benches, then the kernel
 # tests un-interpreted, within a deadline (the device time is short).
 #
-#   OUT=results [STEPS="tune ragged_bench ..."] bash bench/hopper.sh [seconds, default 480]
+#   OUT=results [STEPS="tune ragged_bench ..."] [TUNE="ragged attention"] \
+#     bash bench/hopper.sh [seconds, default 480]
 #
 # Steps, in this order (STEPS picks some; default all):
-# - tune: bench/hopper_tune.py, every candidate of the benches' kernel calls
+# - tune: bench/hopper_tune.py (its cases: TUNE), every candidate of the benches' kernel calls
 #   timed (what the heuristics should pick), the winners exported to tuned.json.
 # - attention_bench: bench/test_attention_hopper.py, Mosaic GPU attention vs
 #   Pallas-Triton vs cuDNN.
@@ -56,8 +57,9 @@ bench=(python3 -m pytest -n 0 -p no:cacheprovider -q --tb=long)
 tests=(env PALLAX_TEST_PLATFORM=gpu python3 -m pytest -n 0 -p no:cacheprovider -q --tb=short
   --durations=10 -k "not mosaic_tpu")
 # Tuned into a cache of its own: the benches time the heuristics' picks.
+# shellcheck disable=SC2086  # TUNE: the cases, words
 step tune 240 env PALLAX_CACHE_DIR="$out/tune_cache" python3 bench/hopper_tune.py "$out" \
-  paged ragged attention
+  ${TUNE:-paged ragged attention}
 step attention_bench 260 "${bench[@]}" bench/test_attention_hopper.py \
   --benchmark-json "$out/attention_bench.json"
 step matmul_bench 80 "${bench[@]}" bench/test_matmul_hopper.py \
