@@ -20,7 +20,7 @@ writes without the op; and, for ``decode``, ``pallax.paged_attention`` (the
 decode op it must not be slower than).
 
 ``extra_info``: ``flops``, ``bytes`` (``pallax.roofline.ragged_paged_work``:
-every query's visible keys; the keys each item reads), the achieved rates and,
+every query's visible keys; each sequence's cache read once, the floor), the achieved rates and,
 on a device ``pallax.roofline`` knows, their fractions of its peaks;
 ``tokens_per_s`` (query tokens a second); ``max_rel_err`` against a float64
 NumPy reference on the first sequences.

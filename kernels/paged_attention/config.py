@@ -115,13 +115,13 @@ def splits_for(programs: int, keys: int, block_k: int) -> int:
   return max(1, min(want, most, _MAX_SPLITS))
 
 
-def split_space(splits: int) -> tuple[int, ...]:
-  """The autotuning space around ``splits``: half, it, double, four times (within the cap).
+def split_space(splits: int, more: tuple[int, ...] = (2, 4)) -> tuple[int, ...]:
+  """The autotuning space around ``splits``: half, it, and ``more`` times it (within the cap).
 
   More splits than fill the GPU once keep more loads in flight a multiprocessor.
   """
-  more = (min(_MAX_SPLITS, f * splits) for f in (2, 4))
-  return tuple(dict.fromkeys((splits, max(1, splits // 2), *more)))
+  larger = (min(_MAX_SPLITS, f * splits) for f in more)
+  return tuple(dict.fromkeys((splits, max(1, splits // 2), *larger)))
 
 
 def tpu_pages(p: Problem) -> int:
@@ -166,14 +166,19 @@ def candidates(avals: Sequence[Any], target: str, **params) -> list[PagedAttenti
   if interpreted(target):
     return [base]
   if kernel_backend(target) == "triton":
+    # 16-bit operands also try 4x the splits and 3 stages: the verify sweep
+    # saw float32 spill with 8 splits at head dim 128 (and never compiled
+    # float32 with 3 stages).
+    narrow = jnp.dtype(p.dtype).itemsize == 2
     out = []
     for bk in _TRITON_BLOCKS:
       bk = min(bk, max(16, pu.next_pow2(p.max_len)))
-      for s in split_space(splits_for(p.batch * p.kv_heads, p.max_len, bk)):
+      splits = splits_for(p.batch * p.kv_heads, p.max_len, bk)
+      for s in split_space(splits, (2, 4) if narrow else (2,)):
         out += [
           PagedAttentionConfig(block_k=bk, num_splits=s, num_warps=w, num_stages=st)
           for w in (4, 8)
-          for st in (2, 3)
+          for st in ((2, 3) if narrow else (2,))
         ]
   else:
     out = [PagedAttentionConfig(pages_per_block=n) for n in (1, 2, 4, 8, 16)]

@@ -18,24 +18,19 @@ from pallax.roofline import Work, nbytes
 __all__ = ["TOOLS", "ragged_paged_work"]
 
 
-def ragged_paged_work(
-  q_lens, kv_lens, heads: int, kv_heads: int, head_dim: int, dtype, block_q: int = 1
-) -> Work:
-  """A mixed batch against a paged KV cache: every query's visible keys, each item's reads.
+def ragged_paged_work(q_lens, kv_lens, heads: int, kv_heads: int, head_dim: int, dtype) -> Work:
+  """A mixed batch against a paged KV cache: every query's visible keys; the traffic floor.
 
   ``q_lens``, ``kv_lens``: the sequences'. FLOPs ``4 N H`` per (query,
-  visible key) pair, bottom-right causal; bytes: each item of ``block_q``
-  queries reads its sequence's keys and values up to its last query
-  (``kernels/ragged_paged_attention/common.py``), plus ``q`` read and ``o``
+  visible key) pair, bottom-right causal; bytes: each sequence's keys and
+  values read once (``paged_decode_work``'s floor: the items of a prefill
+  chunk read the same keys again, from the cache), plus ``q`` read and ``o``
   written. Forward only: an inference op.
   """
-  pairs, keys = 0, 0
+  pairs = 0
   for q_len, kv_len in zip(np.asarray(q_lens).tolist(), np.asarray(kv_lens).tolist()):
-    positions = kv_len - q_len + np.arange(q_len) + 1  # keys each query sees
-    pairs += int(positions.sum())
-    ends = positions[np.minimum(np.arange(0, q_len, block_q) + block_q, q_len) - 1]
-    keys += int(ends.sum())
-  tokens = int(np.sum(q_lens))
+    pairs += int((kv_len - q_len + np.arange(q_len) + 1).sum())  # keys each query sees
+  tokens, keys = int(np.sum(q_lens)), int(np.sum(kv_lens))
   elements = 2 * keys * kv_heads * head_dim + 2 * tokens * heads * head_dim
   return Work(4 * heads * head_dim * pairs, nbytes(elements, dtype))
 
