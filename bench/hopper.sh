@@ -16,6 +16,8 @@
 #   (HBM bandwidth).
 # - ragged_bench: bench/test_ragged_paged_attention.py, a mixed serving step
 #   and a decode step (tokens/s, HBM bandwidth).
+# - ragged_breakdown: bench/ragged_breakdown.py, a decode step's time by piece
+#   and the device's kernels, ragged paged attention beside paged attention.
 # - tests: the attention, matmul and paged attention tests under
 #   PALLAX_TEST_PLATFORM=gpu (the executor's own kernels compiled and run; the
 #   TPU kernels' interpreted cases are left to the CPU run).
@@ -32,7 +34,8 @@ export XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYT
 
 left() { echo $((deadline - $(date +%s))); }
 budget() { local l; l=$(left); echo $((l < $1 ? l : $1)); }
-steps=" ${STEPS:-tune attention_bench matmul_bench paged_bench ragged_bench tests serving_tests} "
+all="tune attention_bench matmul_bench paged_bench ragged_bench ragged_breakdown tests serving_tests"
+steps=" ${STEPS:-$all} "
 step() {  # step NAME CAP_SECONDS COMMAND...: the command under the smaller of the cap and what is left
   local name=$1 cap=$2 s
   shift 2
@@ -45,7 +48,8 @@ step() {  # step NAME CAP_SECONDS COMMAND...: the command under the smaller of t
   fi
   timeout "$s" "$@" >"$out/$name.log" 2>&1
   echo "=== $name: rc $?"
-  grep -E "^(hopper|FAILED|ERROR)|passed|failed" "$out/$name.log" | tail -60
+  grep -E "^(hopper|ragged-breakdown|  .* us  |FAILED|ERROR)|passed|failed" "$out/$name.log" |
+    tail -60
 }
 
 nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv,noheader
@@ -68,6 +72,7 @@ step paged_bench 70 "${bench[@]}" bench/test_paged_attention.py -k full \
   --benchmark-json "$out/paged_bench.json"
 step ragged_bench 90 "${bench[@]}" bench/test_ragged_paged_attention.py \
   --benchmark-json "$out/ragged_bench.json"
+step ragged_breakdown 60 python3 bench/ragged_breakdown.py
 step tests 600 "${tests[@]}" tests/primitives/test_attention.py \
   tests/primitives/test_attention_features.py \
   tests/primitives/test_paged_attention.py tests/kernels/test_paged_attention.py \

@@ -31,7 +31,10 @@ what one writes without a paged kernel.
   itemsize``), plus ``q`` read and ``o`` written: the traffic floor of a
   decode step, which is bandwidth-bound. ``gbyte_per_s`` and ``tflop_per_s``
   over the median time, and on a device ``pallax.roofline`` knows
-  ``fraction_of_peak_bandwidth`` (``bench/throughput.py``).
+  ``fraction_of_peak_bandwidth`` (``bench/throughput.py``). On a GPU also
+  ``kernel_us`` and ``kernel_gbyte_per_s``, ``kernel_fraction_of_peak_bandwidth``:
+  the device's own time a call from a profiler trace, without the host's
+  dispatch that the wall-clock median includes (``record_kernel_throughput``).
 - ``peak_rss_mib``, ``call_peak_rss_mib``, ``baseline_rss_mib``,
   ``call_growth_mib`` (and ``device_*`` on a GPU): ``bench/peak_memory.py``
   in a fresh process; ``xla_temp_mib``: XLA's temporaries for the call.
@@ -47,7 +50,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from peak_memory import record, record_compiled
-from throughput import record_throughput
+from throughput import record_kernel_throughput, record_throughput
 
 import pallax
 from pallax import roofline
@@ -165,3 +168,4 @@ def test_paged_attention(benchmark, case, impl):
   info.update(op="paged_attention", mode="fwd", dtype=case.dtype, shape=shape, variant=variant)
   work = roofline.paged_decode_work(inputs[3], case.heads, case.kv_heads, case.head_dim, case.dtype)
   record_throughput(benchmark, work, case.dtype)
+  record_kernel_throughput(benchmark, compiled, inputs, work, case.dtype)

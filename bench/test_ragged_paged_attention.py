@@ -20,7 +20,9 @@ writes without the op; and, for ``decode``, ``pallax.paged_attention`` (the
 decode op it must not be slower than).
 
 ``extra_info``: ``flops``, ``bytes`` (``pallax.roofline.ragged_paged_work``:
-every query's visible keys; each sequence's cache read once, the floor), the achieved rates and,
+every query's visible keys; each sequence's cache read once, the floor),
+the achieved rates (on a GPU also the device's own time, ``kernel_*``:
+``bench/throughput.py``) and,
 on a device ``pallax.roofline`` knows, their fractions of its peaks;
 ``tokens_per_s`` (query tokens a second); ``max_rel_err`` against a float64
 NumPy reference on the first sequences.
@@ -32,7 +34,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from throughput import record_throughput
+from throughput import record_kernel_throughput, record_throughput
 
 import pallax
 from pallax import roofline
@@ -154,5 +156,6 @@ def test_ragged_paged_attention(benchmark, bench, case, impl):
     case.q_lens, case.kv_lens, case.heads, case.kv_heads, case.head_dim, case.dtype
   )
   record_throughput(benchmark, work, case.dtype)
+  record_kernel_throughput(benchmark, jax.jit(fn), inputs, work, case.dtype)
   if benchmark.stats is not None:
     info["tokens_per_s"] = sum(case.q_lens) / benchmark.stats.stats.median
