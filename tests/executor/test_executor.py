@@ -241,6 +241,28 @@ def test_progress_on_stderr_only_for_long_runs():
   assert "5/5" in lines[-1] and "best" in lines[-1]
 
 
+def test_back_to_back_time_is_a_calls_time_with_calls_waited_for_once():
+  waits = []
+
+  class Result:  # what block_until_ready waits for
+    def block_until_ready(self):
+      waits.append(len(calls))
+      return self
+
+  calls = []
+
+  def call():
+    calls.append(time.perf_counter())
+    time.sleep(2e-4)
+    return Result()
+
+  seconds = autotune_lib.back_to_back_time(call, (), repeats=3)
+  assert 2e-4 <= seconds < 1e-3  # a call's time, not a sample's
+  samples = len(calls) - 2  # a warm-up call and the calibrating one
+  assert samples % 3 == 0 and samples // 3 > 1, "several calls a sample"
+  assert waits[2:] == [2 + samples // 3 * (i + 1) for i in range(3)], "one wait a sample"
+
+
 def test_random_inputs_are_random_and_nonzero():
   avals = [jax.ShapeDtypeStruct((64, 8), jnp.bfloat16), jax.ShapeDtypeStruct((5,), jnp.int32)]
   a, b = autotune_lib.random_inputs(avals, seed=0)
@@ -310,12 +332,12 @@ def test_wall_clock_tuning_compiles_everything_first_then_times_on_the_same_inpu
 
     return fn
 
-  def median_time(fn, args):
+  def back_to_back_time(fn, args):
     events.append(("time", args))
     jax.block_until_ready(fn(*args))
     return 1e-3 * len(events)
 
-  monkeypatch.setattr(autotune_lib, "median_time", median_time)
+  monkeypatch.setattr(autotune_lib, "back_to_back_time", back_to_back_time)
   ex = Executor(policy="autotune", cache_dir=False)
   chosen = ex.select("kernel_only_op", AVALS, "cpu", PARAMS, make_fn=make_fn)
   ((_, result),) = ex.tune_log
