@@ -13,9 +13,7 @@ each public op (``throughput.kernel_times``: without the host's dispatch).
 import dataclasses
 import functools
 import os
-import statistics
 import sys
-import time
 from pathlib import Path
 
 import jax
@@ -26,6 +24,7 @@ from test_ragged_paged_attention import CASES, Case, program  # noqa: E402
 from throughput import kernel_times  # noqa: E402
 
 import pallax  # noqa: E402
+from pallax.executor.autotune import median_time  # noqa: E402
 from pallax.kernels.paged_attention import config as paged_config  # noqa: E402
 from pallax.kernels.paged_attention import triton as paged_triton  # noqa: E402
 from pallax.kernels.ragged_paged_attention import common  # noqa: E402
@@ -33,16 +32,6 @@ from pallax.kernels.ragged_paged_attention import config as ragged_config  # noq
 from pallax.kernels.ragged_paged_attention import triton as ragged_triton  # noqa: E402
 
 SMALL = bool(os.environ.get("SMALL"))
-
-
-def median_us(fn, *args, calls=50) -> float:
-  jax.block_until_ready(fn(*args))
-  times = []
-  for _ in range(calls):
-    start = time.perf_counter()
-    jax.block_until_ready(fn(*args))
-    times.append(time.perf_counter() - start)
-  return statistics.median(times) * 1e6
 
 
 def main() -> None:
@@ -100,7 +89,8 @@ def main() -> None:
   }
   print("device", jax.devices()[0].device_kind, "items", len(items.seq))
   for name, (fn, args) in rows.items():
-    print(f"ragged-breakdown {median_us(fn, *args):9.1f} us  {name}", flush=True)
+    seconds = median_time(fn, args, warmup=1, repeats=50)
+    print(f"ragged-breakdown {seconds * 1e6:9.1f} us  {name}", flush=True)
   for name in ("op ragged_paged_attention", "op paged_attention"):
     times = kernel_times(*rows[name])
     print(f"ragged-breakdown kernels of {name}: {sum(times.values()) * 1e6:.1f} us in all")

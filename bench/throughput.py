@@ -34,9 +34,11 @@ def kernel_times(fn, args, calls: int = 20) -> dict[str, float]:
   The mean over ``calls`` calls of each kernel's duration on the device's
   streams: what the device itself spends, without the host's dispatch and
   the wait for the result, which a wall-clock median of one call includes
-  (about 100 us a call on an H200 with jax 0.11, more than a decode step's
-  kernels). Empty off a GPU (the trace has no device plane).
+  (about 170 us a call on an H200 with jax 0.11, more than a decode step's
+  kernels). Empty off a GPU (not traced there).
   """
+  if jax.devices()[0].platform != "gpu":
+    return {}
   jax.block_until_ready(fn(*args))
   with tempfile.TemporaryDirectory() as trace:
     with jax.profiler.trace(trace):

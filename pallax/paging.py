@@ -154,10 +154,11 @@ def full_cache_inputs(avals, seed: int) -> list[jax.Array]:
   A kernel's timing depends on the lengths and the page table, not only on
   the shapes: random small integers (the executor's default) would time a
   few tokens a sequence. Full caches through a shuffled page table over the
-  pool are the longest reads of the call's shapes, its worst case.
+  pool are the longest reads of the call's shapes (a pool smaller than the
+  table gives pages to several sequences, so that some reads repeat).
   """
   rng = np.random.default_rng(seed)
-  floats = [jnp.asarray(rng.standard_normal(a.shape), a.dtype) for a in avals[:3]]
+  floats = [jnp.asarray(rng.standard_normal(a.shape, dtype=np.float32), a.dtype) for a in avals[:3]]
   total_pages, page_size = avals[1].shape[1:3]
   seqs, pages = avals[4].shape
   lengths = jnp.full(avals[3].shape, pages * page_size, avals[3].dtype)

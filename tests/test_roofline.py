@@ -81,6 +81,13 @@ def test_paged_decode_work():
   assert work == Work(4 * 4 * 8 * 8, (2 * 8 * 2 * 8 + 2 * 2 * 4 * 8) * 2)
 
 
+def test_ragged_paged_work_reads_each_cache_with_queries_once():
+  # q_lens 1, 2, 0 over caches of 3, 4 and 6 tokens, N=4, K=2, H=8: queries see
+  # 3, then 3 and 4 keys; sequences 0 and 1 read 7 tokens of keys and values.
+  work = roofline.ragged_paged_work([1, 2, 0], [3, 4, 6], 4, 2, 8, BF16)
+  assert work == Work(4 * 4 * 8 * 10, (2 * 7 * 2 * 8 + 2 * 3 * 4 * 8) * 2)
+
+
 @pytest.mark.parametrize(
   "kind, name",
   [

@@ -115,7 +115,7 @@ def splits_for(programs: int, keys: int, block_k: int) -> int:
   return max(1, min(want, most, _MAX_SPLITS))
 
 
-def split_space(splits: int, more: tuple[int, ...] = (2, 4)) -> tuple[int, ...]:
+def split_space(splits: int, more: tuple[int, ...] = (2,)) -> tuple[int, ...]:
   """The autotuning space around ``splits``: half, it, and ``more`` times it (within the cap).
 
   More splits than fill the GPU once keep more loads in flight a multiprocessor.

@@ -96,11 +96,12 @@ def work_list(p: Problem, block_q: int, kv_lens, cu_q_lens, num_seqs) -> Items:
   chunks = -(-q_lens // block_q)
   ends = jnp.cumsum(chunks)
   item = jnp.arange(items_bound(p, block_q), dtype=jnp.int32)
-  # The sequence of each item: how many sequences' items end at or before it.
-  # Compared all at once (I x S booleans), not searched: a binary search is a
-  # loop, whose every step costs a GPU a round trip to the host.
-  seq = jnp.minimum(jnp.sum(ends[None, :] <= item[:, None], axis=1), p.max_seqs - 1)
-  seq = seq.astype(jnp.int32)
+  # The sequence of each item: how many sequences' items end at or before it,
+  # compared all at once (I x S booleans). The default binary search is a loop
+  # of dependent steps, each its own kernels on a GPU: with it, a decode step
+  # of 32 sequences took 479 us on an H200, without it 271 us.
+  seq = jnp.searchsorted(ends, item, side="right", method="compare_all")
+  seq = jnp.minimum(seq, p.max_seqs - 1).astype(jnp.int32)
   used = item < ends[-1]
   q0 = (item - (ends[seq] - chunks[seq])) * block_q
   return Items(

@@ -94,11 +94,10 @@ def _triton_config(p: Problem, block_q: int, block_k: int, **kw) -> RaggedPagedA
 def heuristic(avals: Sequence[Any], target: str, **params) -> RaggedPagedAttentionConfig:
   p = Problem.of(avals, **params)
   rows = max_rows(p, target)
-  block_q = block_q_for(p, min(rows, _TRITON_ROWS) if kernel_backend(target) == "triton" else rows)
   if kernel_backend(target) == "triton":
     block_k = min(max(_triton_blocks(p)), max(16, pu.next_pow2(p.max_len)))
-    return _triton_config(p, block_q, block_k)
-  return RaggedPagedAttentionConfig(block_q=block_q, pages_per_block=tpu_pages(p))
+    return _triton_config(p, block_q_for(p, min(rows, _TRITON_ROWS)), block_k)
+  return RaggedPagedAttentionConfig(block_q=block_q_for(p, rows), pages_per_block=tpu_pages(p))
 
 
 def candidates(avals: Sequence[Any], target: str, **params) -> list[RaggedPagedAttentionConfig]:
@@ -109,10 +108,11 @@ def candidates(avals: Sequence[Any], target: str, **params) -> list[RaggedPagedA
     return [base]
   qs = {base.block_q, max(1, base.block_q // 2), 2 * base.block_q}
   if kernel_backend(target) == "triton":
+    more = () if _wide(p) else (4,)  # 4x the splits: 16-bit operands up to head dim 128
     out = []
     for bq, bk, w in itertools.product(sorted(qs), _triton_blocks(p), (4, 8)):
-      splits = _triton_config(p, bq, bk).num_splits
-      out += [_triton_config(p, bq, bk, num_warps=w, num_splits=s) for s in split_space(splits)]
+      splits = split_space(_triton_config(p, bq, bk).num_splits, (2, *more))
+      out += [_triton_config(p, bq, bk, num_warps=w, num_splits=s) for s in splits]
   else:
     out = [
       RaggedPagedAttentionConfig(block_q=bq, pages_per_block=n)
@@ -150,7 +150,8 @@ def tune_inputs(avals: Sequence[Any], seed: int, **params) -> list[Any]:
   """
   tokens, seqs = avals[0].shape[0], avals[3].shape[0]
   q, k, v, kv_lens, table = paging.full_cache_inputs(avals[:5], seed)
-  q_lens = np.minimum(np.diff(np.linspace(0, tokens, seqs + 1).astype(np.int64)), kv_lens[0])
+  cache = avals[4].shape[1] * avals[1].shape[2]  # pages a sequence x page size
+  q_lens = np.minimum(np.diff(np.linspace(0, tokens, seqs + 1).astype(np.int64)), cache)
   cu_q_lens = np.concatenate([[0], np.cumsum(q_lens)])
   return [
     q,

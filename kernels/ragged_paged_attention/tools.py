@@ -22,15 +22,16 @@ def ragged_paged_work(q_lens, kv_lens, heads: int, kv_heads: int, head_dim: int,
   """A mixed batch against a paged KV cache: every query's visible keys; the traffic floor.
 
   ``q_lens``, ``kv_lens``: the sequences'. FLOPs ``4 N H`` per (query,
-  visible key) pair, bottom-right causal; bytes: each sequence's keys and
-  values read once (``paged_decode_work``'s floor: the items of a prefill
-  chunk read the same keys again, from the cache), plus ``q`` read and ``o``
-  written. Forward only: an inference op.
+  visible key) pair, bottom-right causal; bytes: the keys and values of each
+  sequence with queries, read once (``paged_decode_work``'s floor: the items
+  of a prefill chunk read the same keys again, from the cache), plus ``q``
+  read and ``o`` written. Forward only: an inference op.
   """
-  pairs = 0
+  pairs, keys = 0, 0
   for q_len, kv_len in zip(np.asarray(q_lens).tolist(), np.asarray(kv_lens).tolist()):
     pairs += int((kv_len - q_len + np.arange(q_len) + 1).sum())  # keys each query sees
-  tokens, keys = int(np.sum(q_lens)), int(np.sum(kv_lens))
+    keys += kv_len if q_len else 0
+  tokens = int(np.sum(q_lens))
   elements = 2 * keys * kv_heads * head_dim + 2 * tokens * heads * head_dim
   return Work(4 * heads * head_dim * pairs, nbytes(elements, dtype))
 

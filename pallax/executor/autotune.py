@@ -1,11 +1,13 @@
 """Timing kernel candidates on this device.
 
-One tuning call draws random inputs of the call's avals once (never the
-user's data, never zeros), compiles every candidate config in a thread pool
-(compiles dominate tuning time, and XLA releases the GIL while it compiles),
-then times the compiled candidates one at a time, so that timings never
-overlap, all on those same inputs: the median of several runs after warm-up is
-a candidate's time. Candidates that fail to compile or run are skipped and the
+One tuning call draws inputs of the call's avals once (random ones, never
+the user's data, never zeros; or the kernel's own, ``ConfigSpace.inputs``),
+compiles every candidate config in a thread pool (compiles dominate tuning
+time, and XLA releases the GIL while it compiles), then times the compiled
+candidates one at a time, so that timings never overlap, all on those same
+inputs: the median of several samples after warm-up is a candidate's time,
+each sample as many calls dispatched back to back as take about 2 ms
+(``back_to_back_time``). Candidates that fail to compile or run are skipped and the
 reason recorded. Tuning runs in a worker thread, so that it is outside any JAX
 trace even when it is triggered from inside a lowering.
 """
@@ -81,6 +83,8 @@ def median_time(
   Each sample dispatches ``calls`` calls back to back and waits for the last
   (a device runs them in order): the seconds of a sample over ``calls``.
   """
+  if calls < 1:
+    raise ValueError(f"median_time: calls must be at least 1, got {calls}")
   for _ in range(warmup):
     jax.block_until_ready(fn(*args))
   times = []
@@ -98,22 +102,31 @@ _SAMPLE_S = 2e-3
 _MOST_CALLS = 64
 
 
-def back_to_back_time(fn: Callable, args: Sequence[Any], *, repeats: int = 7) -> float:
-  """``median_time`` with as many calls a sample as take about 2 ms (at most 64).
+def back_to_back_time(
+  fn: Callable, args: Sequence[Any], *, repeats: int = 7, calls: Optional[int] = None
+) -> float:
+  """``median_time`` of ``calls`` calls a sample, by default as many as take about 2 ms.
 
   A call timed alone includes the host's dispatch and the wait for its
-  result: on a GPU about 100-200 us, more than a decode step's kernels,
-  which would hide the differences between their configs. Calls dispatched
-  back to back overlap the host's work with the device's, as the steps of
-  a model do, so a sample measures the device's time a call where the
-  device is the bottleneck.
+  result: about 170 us a call on an H200, more than a decode step's
+  kernels, which would hide the differences between their configs. Calls
+  dispatched back to back overlap the host's work with the device's, as the
+  steps of a model do, so a sample measures the device's time a call where
+  the device is the bottleneck. ``calls``: None counts them from one call
+  (at most 64); a tuning call counts once, for all its candidates alike.
   """
   jax.block_until_ready(fn(*args))  # warm up
+  if calls is None:
+    calls = calls_per_sample(fn, args)
+  return median_time(fn, args, warmup=0, repeats=repeats, calls=calls)
+
+
+def calls_per_sample(fn: Callable, args: Sequence[Any]) -> int:
+  """How many calls of ``fn(*args)`` take about 2 ms (at least 1, at most 64), from one call."""
   start = time.perf_counter()
   jax.block_until_ready(fn(*args))
   once = time.perf_counter() - start
-  calls = max(1, min(_MOST_CALLS, int(_SAMPLE_S / max(once, 1e-9))))
-  return median_time(fn, args, warmup=0, repeats=repeats, calls=calls)
+  return max(1, min(_MOST_CALLS, int(_SAMPLE_S / max(once, 1e-9))))
 
 
 def wall_clock_benchmark(
@@ -133,12 +146,32 @@ def wall_clock_benchmark(
       default ``random_inputs``.
   """
   structs = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in avals]
-  draw = inputs or random_inputs
+  counted: list[int] = []  # calls a sample: counted on the first candidate, for all
+
+  def timed(fn, args):
+    if not counted:
+      jax.block_until_ready(fn(*args))  # warm up
+      counted.append(calls_per_sample(fn, args))
+    return back_to_back_time(fn, args, calls=counted[0])
+
   return Benchmark(
     compile=lambda config: jax.jit(make_fn(config)).lower(*structs).compile(),
-    time=lambda fn, args: back_to_back_time(fn, args),
-    inputs=lambda: [jnp.asarray(x) for x in draw(avals, seed)],
+    time=timed,
+    inputs=lambda: _drawn(inputs or random_inputs, structs, seed),
   )
+
+
+def _drawn(draw: Callable, structs: Sequence[jax.ShapeDtypeStruct], seed: int) -> list:
+  """``draw(structs, seed)`` as arrays, checked against the operands' shapes and dtypes."""
+  arrays = [jnp.asarray(x) for x in draw(structs, seed)]
+  got = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in arrays]
+  if got != list(structs):
+    describe = lambda xs: ", ".join(f"{jnp.dtype(x.dtype).name}{list(x.shape)}" for x in xs)
+    raise ValueError(
+      f"autotuning inputs: the kernel's inputs gave ({describe(got)}) for its operands "
+      f"({describe(structs)})"
+    )
+  return arrays
 
 
 def timer_benchmark(timer: Timer) -> Benchmark:

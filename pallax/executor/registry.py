@@ -78,9 +78,11 @@ class ConfigSpace:
     version: bump when a config's meaning changes (stale cached configs are
       then ignored).
     inputs: ``(avals, seed, **params) -> [array]``: the operands autotuning
-      times the candidates on, for a kernel whose integer operands are
-      structure (lengths, offsets, page tables) that random ones would not
-      stand for; None: random ones (``autotune.random_inputs``).
+      times the candidates on (of the avals and params the kernel is called
+      with), for a kernel whose integer operands are structure (lengths,
+      offsets, page tables) that random ones would not stand for; None:
+      random ones (``autotune.random_inputs``). A kernel's own space's: an
+      added implementation is timed on the kernel's operands.
 
   It is a custom op's config space (``pallax.custom_op``) and the space of an
   implementation added to a registered kernel (``register_kernel_implementation``).
@@ -217,6 +219,10 @@ def register_kernel_implementation(
   implementation(name)
   if name == PALLAS or name in ("xla",):
     raise ValueError(f"{op}: {name!r} is not an implementation a kernel can be added as")
+  if space is not None and space.inputs is not None:
+    raise ValueError(
+      f"{op}: an added implementation is timed on the kernel's operands; its space takes no inputs"
+    )
   spaces = dict(spec.spaces)
   if space is not None:
     spaces[name] = space

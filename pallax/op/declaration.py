@@ -261,9 +261,17 @@ class Declaration:
         )
       return space.reason(self._kernel_avals(avals, batched), target, config, **params)
 
-    return ConfigSpace(
-      space.config_cls, heuristic, candidates, supports, space.version, space.inputs
-    )
+    inputs = None
+    if space.inputs is not None:
+      if own:
+        raise ValueError(f"{self.name}: an implementation's own space takes no inputs")
+
+      @functools.wraps(space.inputs)
+      def inputs(avals, seed, **params):  # the operands as the kernel is called, batched or not
+        params.pop(BATCHED, False)
+        return space.inputs(avals, seed, **params)
+
+    return ConfigSpace(space.config_cls, heuristic, candidates, supports, space.version, inputs)
 
   def spec(self) -> PrimitiveSpec:
     """The ``PrimitiveSpec`` that ``define_primitive`` builds the primitive from."""

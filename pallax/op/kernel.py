@@ -62,7 +62,8 @@ class Kernel:
       name: the kernel function's name in each backend module.
       config: the family's ``config`` module: ``CONFIG_CLS``, ``heuristic``,
         ``candidates``, ``supports`` (and optionally ``VERSION`` and
-        ``tune_inputs``, ``ConfigSpace.inputs``).
+        ``tune_inputs``, ``ConfigSpace.inputs``, which ``own_configs``'
+        modules do not take).
       backends: implementation name -> the family's module for it; an
         implementation whose module lacks ``name`` has no kernel for it (a raw
         Triton module, ``triton_raw.LazyKernels``, may have some stages only).
@@ -83,8 +84,7 @@ class Kernel:
     def given(f):
       return functools.wraps(f)(lambda *args, **kw: f(*args, **space_params, **kw))
 
-    def space(module) -> ConfigSpace:
-      inputs = getattr(module, "tune_inputs", None)
+    def space(module, inputs=None) -> ConfigSpace:
       return ConfigSpace(
         module.CONFIG_CLS,
         given(module.heuristic),
@@ -95,7 +95,7 @@ class Kernel:
       )
 
     spaces = {b: space(m) for b, m in own_configs.items() if b in impls}
-    return cls(impls, space(config), spaces)
+    return cls(impls, space(config, getattr(config, "tune_inputs", None)), spaces)
 
   @classmethod
   def of_stage(cls, stage: str, **family: Any) -> Kernel:

@@ -332,12 +332,15 @@ def test_wall_clock_tuning_compiles_everything_first_then_times_on_the_same_inpu
 
     return fn
 
-  def back_to_back_time(fn, args):
+  def back_to_back_time(fn, args, calls):
+    assert calls == counted, "every candidate timed with the first one's count of calls"
     events.append(("time", args))
     jax.block_until_ready(fn(*args))
     return 1e-3 * len(events)
 
+  counted = 5
   monkeypatch.setattr(autotune_lib, "back_to_back_time", back_to_back_time)
+  monkeypatch.setattr(autotune_lib, "calls_per_sample", lambda fn, args: counted)
   ex = Executor(policy="autotune", cache_dir=False)
   chosen = ex.select("kernel_only_op", AVALS, "cpu", PARAMS, make_fn=make_fn)
   ((_, result),) = ex.tune_log

@@ -12,8 +12,16 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
-from pallax.executor import Executor, KernelConfig, KernelSpec, register_kernel
+from pallax.executor import (
+  ConfigSpace,
+  Executor,
+  KernelConfig,
+  KernelSpec,
+  register_kernel,
+  register_kernel_implementation,
+)
 from pallax.executor import autotune as autotune_lib
 from pallax.executor.registry import kernel_spec
 
@@ -52,6 +60,13 @@ def test_wall_clock_benchmark_draws_the_given_inputs_else_random_ones():
   assert isinstance(n, jax.Array) and n.tolist() == [7, 7, 7, 7] and float(x.sum()) == 32.0
   x, n = autotune_lib.wall_clock_benchmark(lambda c: None, AVALS).inputs()
   assert float(jnp.std(x)) > 0.5
+
+
+def test_inputs_of_the_wrong_shape_or_dtype_raise_naming_both():
+  wrong = lambda avals, seed: [np.ones((4, 8), np.float32), np.ones((5,), np.int32)]
+  benchmark = autotune_lib.wall_clock_benchmark(lambda c: None, AVALS, inputs=wrong)
+  with pytest.raises(ValueError, match=r"gave \(float32\[4, 8\], int32\[5\]\) for its operands"):
+    benchmark.inputs()
 
 
 def test_the_executor_times_every_candidate_on_the_kernels_inputs():
@@ -109,3 +124,9 @@ def test_ragged_paged_attention_tunes_on_every_slot_with_tokens_shared_out():
   q_lens = np.diff(np.asarray(cu_q_lens))
   assert cu_q_lens[0] == 0 and cu_q_lens[-1] == tokens and sorted(q_lens) == [12, 12, 13, 13]
   assert np.asarray(table).max() < 8
+
+
+def test_an_added_implementations_space_takes_no_inputs():
+  space = ConfigSpace(_Config, lambda avals, target, **p: _Config(), inputs=_lengths_inputs)
+  with pytest.raises(ValueError, match="timed on the kernel's operands"):
+    register_kernel_implementation("tune_inputs_op", "triton_raw", lambda *a, **k: a, space)

@@ -5,7 +5,8 @@ Before issue 27, ``kernels/attention/config.py`` held three tables of
 ``kernels/matmul/config.py`` a spill rule and
 ``kernels/paged_attention/config.py`` a largest-block rule; they are data now
 (``pallax/executor/defaults/{h100,a100}/*.json``). The tables and rules are
-copied here as they were, and the candidates and ``supports`` of the configs
+copied here as they were (the attention backward's order of preference
+since updated from an H200 run), and the candidates and ``supports`` of the configs
 built from the data must match them on ``cuda`` (which takes the verdicts of
 both GPUs).
 """
