@@ -108,9 +108,11 @@ def candidates(avals: Sequence[Any], target: str, **params) -> list[RaggedPagedA
     return [base]
   qs = {base.block_q, max(1, base.block_q // 2), 2 * base.block_q}
   if kernel_backend(target) == "triton":
-    more = () if _wide(p) else (4,)  # 4x the splits: 16-bit operands up to head dim 128
+    # Wide blocks (16 rows) take 4 warps (8 spilled at head dim 256 in the
+    # verify --exhaustive sweep); 4x the splits: 16-bit operands up to head dim 128.
+    warps, more = ((4,), ()) if _wide(p) else ((4, 8), (4,))
     out = []
-    for bq, bk, w in itertools.product(sorted(qs), _triton_blocks(p), (4, 8)):
+    for bq, bk, w in itertools.product(sorted(qs), _triton_blocks(p), warps):
       splits = split_space(_triton_config(p, bq, bk).num_splits, (2, *more))
       out += [_triton_config(p, bq, bk, num_warps=w, num_splits=s) for s in splits]
   else:
