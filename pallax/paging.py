@@ -148,7 +148,7 @@ def clamped(lengths, page_indices, page_size: int, total_pages: int):
   return lengths, jnp.clip(page_indices, 0, max(total_pages - 1, 0)).astype(jnp.int32)
 
 
-def full_cache_inputs(avals, seed: int) -> list[jax.Array]:
+def full_cache_inputs(avals, seed: int, **params) -> list[jax.Array]:
   """Autotuning operands ``q, k_pages, v_pages, lengths, page_indices``: every cache full.
 
   A kernel's timing depends on the lengths and the page table, not only on
@@ -156,6 +156,7 @@ def full_cache_inputs(avals, seed: int) -> list[jax.Array]:
   few tokens a sequence. Full caches through a shuffled page table over the
   pool are the longest reads of the call's shapes (a pool smaller than the
   table gives pages to several sequences, so that some reads repeat).
+  ``params``: the call's, which the operands do not depend on.
   """
   rng = np.random.default_rng(seed)
   floats = [jnp.asarray(rng.standard_normal(a.shape, dtype=np.float32), a.dtype) for a in avals[:3]]

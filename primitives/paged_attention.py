@@ -108,6 +108,7 @@ def paged_attention(
     ``(B, N, Hv)`` in q's dtype.
 
   Raises:
+    ValueError: concrete lengths or page indices out of range, naming the argument.
     NotImplementedError: under ``grad``, ``jvp`` and the like: an inference op.
   """
   validation.check_config(_OP, config, PagedAttentionConfig)

@@ -157,6 +157,9 @@ def ragged_paged_attention(
     ``(T, N, Hv)`` in q's dtype.
 
   Raises:
+    ValueError: concrete offsets, counts, lengths or page indices that break
+      the rules above (offsets decreasing, a sequence with more queries than
+      cached tokens, lengths past the page table), naming the argument.
     NotImplementedError: under ``grad``, ``jvp`` and the like: an inference op.
   """
   validation.check_config(_OP, config, RaggedPagedAttentionConfig)

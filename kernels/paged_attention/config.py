@@ -13,7 +13,7 @@ from pallax import pallas_utils as pu
 from pallax.executor import facts
 from pallax.executor.config import KernelConfig
 from pallax.executor.registry import interpreted, kernel_backend
-from pallax.kernels.paged_attention.common import Problem
+from pallax.kernels.paged_attention.common import PagedFacts, Problem
 
 
 @dataclasses.dataclass(frozen=True)
@@ -186,9 +186,32 @@ def candidates(avals: Sequence[Any], target: str, **params) -> list[PagedAttenti
   return list(dict.fromkeys([base, *legal]))
 
 
-def tune_inputs(avals: Sequence[Any], seed: int, **params) -> list[Any]:
-  """The operands autotuning times candidates on: full caches (``ConfigSpace.inputs``)."""
-  return paging.full_cache_inputs(avals, seed)
+# The operands autotuning times candidates on (``ConfigSpace.inputs``): full caches.
+tune_inputs = paging.full_cache_inputs
+
+
+def paged_reason(
+  p: PagedFacts, target: str, config: PagedKernelConfig, kernel: str
+) -> Optional[str]:
+  """What every kernel over a paged cache refuses, if anything.
+
+  float64; on TPU a dtype Mosaic lacks, and several pages a step that do
+  not stack on whole sublane tiles. ``kernel``: its name in the reasons.
+  """
+  if p.dtype == jnp.float64:
+    return f"float64 has no {kernel} kernel"
+  if kernel_backend(target) != "mosaic_tpu":
+    return None
+  reason = pu.mosaic_dtype_reason([p.dtype], target)
+  if reason:
+    return reason
+  stacks = config.pages_per_block > 1 and p.page_size % pu.sublanes(p.dtype)
+  if stacks and not interpreted(target):  # Mosaic's layouts; the interpreter stacks any
+    return (
+      f"page_size={p.page_size} is not a multiple of {pu.sublanes(p.dtype)} sublanes: "
+      "one page per step on TPU"
+    )
+  return None
 
 
 def supports(
@@ -196,18 +219,10 @@ def supports(
 ) -> Optional[str]:
   """Why the kernel cannot run this call on ``target`` with ``config``, if it cannot."""
   p = Problem.of(avals, **params)
-  if p.dtype == jnp.float64:
-    return "float64 has no paged-attention kernel"
+  reason = paged_reason(p, target, config, "paged-attention")
+  if reason is not None:
+    return reason
   if kernel_backend(target) == "mosaic_tpu":
-    reason = pu.mosaic_dtype_reason([p.dtype], target)
-    if reason:
-      return reason
-    stacks = config.pages_per_block > 1 and p.page_size % pu.sublanes(p.dtype)
-    if stacks and not interpreted(target):  # Mosaic's layouts; the interpreter stacks any
-      return (
-        f"page_size={p.page_size} is not a multiple of {pu.sublanes(p.dtype)} sublanes: "
-        "one page per step on TPU"
-      )
     if config.pages_per_block > p.pages_per_sequence:
       return f"pages_per_block={config.pages_per_block} > {p.pages_per_sequence} pages a sequence"
     if not interpreted(target):

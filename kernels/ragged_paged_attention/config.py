@@ -17,6 +17,7 @@ from pallax.kernels.paged_attention.config import (
   MAX_TRITON_HEAD,
   TPU_SMEM_BUDGET,
   PagedKernelConfig,
+  paged_reason,
   split_space,
   splits_for,
   tpu_pages,
@@ -171,21 +172,14 @@ def supports(
 ) -> Optional[str]:
   """Why the kernel cannot run this call on ``target`` with ``config``, if it cannot."""
   p = Problem.of(avals, **params)
-  if p.dtype == jnp.float64:
-    return "float64 has no ragged-paged-attention kernel"
+  reason = paged_reason(p, target, config, "ragged-paged-attention")
+  if reason is not None:
+    return reason
   rows, most = config.block_q * p.groups, max_rows(p, target)
   if rows > most:
     return f"block_q {config.block_q} x {p.groups} query heads a kv head > {most} rows"
   if kernel_backend(target) == "triton":
     return _triton_reason(p, config)
-  reason = pu.mosaic_dtype_reason([p.dtype], target)
-  if reason:
-    return reason
-  stacks = config.pages_per_block > 1 and p.page_size % pu.sublanes(p.dtype)
-  if stacks and not interpreted(target):  # Mosaic's layouts; the interpreter stacks any
-    return (
-      f"page_size {p.page_size} is not a multiple of {pu.sublanes(p.dtype)} rows: one page a step"
-    )
   if interpreted(target):
     return None
   if tpu_vmem(p, config) > pu.TPU_VMEM_BUDGET:
