@@ -203,6 +203,18 @@ class Form:
       return plgpu.broadcasted_iota(jnp.int32, shape, dim, layout=plgpu.Layout.WGMMA)
     return lax.broadcasted_iota(jnp.int32, shape, dim)
 
+  def positions(self, n: int, dim: int) -> jax.Array:
+    """int32 positions ``0..n-1`` along ``dim`` of a ``wgmma`` accumulator's tile, as a vector.
+
+    Broadcast to the tile (``broadcast_in_dim`` to ``[dim]``), its values are
+    shared by the tile's elements: a mask compared from two of them held
+    fewer registers than one from two ``iota`` tiles (compiled for H100).
+    """
+    if self.hopper:
+      layout = plgpu.Layout.WGMMA.reduce(1 - dim)
+      return plgpu.broadcasted_iota(jnp.int32, (n,), 0, layout=layout)
+    return lax.broadcasted_iota(jnp.int32, (n,), 0)
+
   def vector(self, ref: Any, dim: int) -> jax.Array:
     """A 1-D SMEM ref's value indexing ``dim`` of a ``wgmma`` accumulator's tile.
 

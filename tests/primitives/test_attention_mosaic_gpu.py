@@ -45,8 +45,8 @@ FWD, BWD, JVP = (f"dot_product_attention_{s}" for s in ("fwd", "bwd", "jvp"))
 MOSAIC = mosaic_gpu.IMPLEMENTATION
 
 # name -> (case, the backward's implementation): Mosaic GPU's takes masks
-# (windows, lengths, segment ids) up to head dim 64 (config.feature_reason),
-# Triton's the rest.
+# (windows, lengths, segment ids) with a soft cap up to head dim 64
+# (config.feature_reason), Triton's the rest.
 CASES = {
   "causal-gqa": (Case(b=1, t=130, s=150, n=4, k=2, h=64, is_causal=True), MOSAIC),
   # Rows t >= 238 see no key; head dim 80 padded to 128; large capped logits.
@@ -71,6 +71,14 @@ CASES = {
       kv_len=(130, 70),
       segments="packed",
       is_causal=True,
+    ),
+    MOSAIC,
+  ),
+  # Head dim 128 masked: the dk/dv kernel's masked and unmasked steps in one
+  # loop, queries past q_len hidden by their lse alone.
+  "h128-lengths-packed-causal": (
+    Case(
+      b=1, t=100, s=130, n=2, k=1, h=128, q_len=(70,), kv_len=(110,), segments="packed", is_causal=True
     ),
     MOSAIC,
   ),
@@ -201,8 +209,9 @@ def test_the_executor_prefers_mosaic_gpu_on_hopper_only():
   assert _selection("cuda")[FWD].implementation == "pallas"  # no device known: Triton
   grad = _selection(h100, grad=True)
   assert grad[FWD].implementation == grad[BWD].implementation == MOSAIC
-  causal = _selection(h100, grad=True, is_causal=True)[BWD]
-  assert causal.implementation == "pallas" and "up to head dim 64" in causal.note
+  assert _selection(h100, grad=True, is_causal=True)[BWD].implementation == MOSAIC
+  capped = _selection(h100, grad=True, is_causal=True, logits_soft_cap=30.0)[BWD]
+  assert capped.implementation == "pallas" and "soft cap with masks" in capped.note
   q, kv = jnp.zeros((2, 256, 4, 128), jnp.bfloat16), jnp.zeros((2, 256, 2, 128), jnp.bfloat16)
   tangent = lambda q: jax.jvp(lambda q: pallax.dot_product_attention(q, kv, kv), (q,), (q,))
   picks = {r.op: r for r in pallax.explain_on(h100, tangent, q)}
@@ -249,11 +258,14 @@ def test_supports_and_the_ring_in_shared_memory():
   # 229888 bytes of buffers: Mosaic GPU's barriers and alignment take it over 227 KiB.
   assert "SMEM" in supports(config(block_k=128, num_stages=3), stage="fwd", **PARAMS)
   causal = {**PARAMS, "window_right": 0}
-  assert "masks (window, lengths, segments) up to head dim 64" in supports(
-    config(64, 64), stage="bwd", **causal
-  )
+  assert supports(config(64, 64), stage="bwd", **causal) is None
+  # Masked dk/dv steps at head dim 128 fit in registers with a 2-slot ring only.
+  assert "2 slots with masks" in supports(config(64, 64, 4), stage="bwd", **causal)
+  assert supports(config(64, 64, 4), stage="bwd", **PARAMS) is None
+  capped = {**causal, "logits_soft_cap": 30.0}
+  assert "soft cap with masks up to head dim 64" in supports(config(), stage="bwd", **capped)
   lengths = {**PARAMS, "has_lengths": True}
-  assert "up to head dim 64" in supports(config(), stage="bwd", **lengths)
+  assert supports(config(), stage="bwd", **lengths) is None
   assert supports(config(), stage="fwd", **lengths) is None
   assert supports(config(), stage="fwd", **causal) is None
   assert "up to 64 in the Mosaic GPU jvp kernel" in supports(config(), stage="jvp", **PARAMS)
@@ -264,7 +276,7 @@ def test_supports_and_the_ring_in_shared_memory():
   # With segment ids the forward holds a block's key ids in registers too.
   segments = {**PARAMS, "has_segments": True}
   with_ids = functools.partial(mosaic_gpu.supports, _avals(segments=True), h100)
-  assert "up to head dim 64" in with_ids(config(), stage="bwd", **segments)
+  assert with_ids(config(), stage="bwd", **segments) is None
   assert "head dim + block_k <= 192" in with_ids(config(), stage="fwd", **segments)
   assert with_ids(config(block_k=64), stage="fwd", **segments) is None
   assert mosaic_gpu.heuristic(_avals(segments=True), h100, stage="fwd", **segments).block_k == 64

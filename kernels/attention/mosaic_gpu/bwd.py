@@ -44,6 +44,7 @@ from pallax.kernels.attention.mosaic_gpu.config import (
   MosaicGpuAttentionConfig,
   call_of,
   dkdv_consumers,
+  has_masks,
   head,
   round_up,
 )
@@ -138,9 +139,14 @@ class _Kernels:
     p, form, blocks, h = self.p, self.form, self.blocks, self.h
     bq, bk, stages = blocks.bq, blocks.bk, self.stages
     consumers = dkdv_consumers(p)
+    # Above head dim 64 dK and dV take 128 registers a thread: masked and
+    # unmasked steps share one loop (in loops of their own, ptxas spilled).
+    one_loop = consumers == 1 and has_masks(p)
     rows = consumers * bk
     q_t, do_t = self._transposed(queries["q"], 3), self._transposed(queries["do"], 3)
-    operands = [keys["k"], keys["v"]] + [queries[n] for n in ("q", "do", "lse", "delta")]
+    # dP^T's accumulator starts from -delta broadcast over the keys: no delta
+    # column (16 registers a thread) next to the tiles (a masked head dim 128 spilled).
+    operands = [keys["k"], keys["v"], queries["q"], queries["do"], queries["lse"], -queries["delta"]]
     transposed = [] if form.hopper else [q_t, do_t]
     segs = tiles.padded_segments(self.ops, queries["q"].shape[3], sp)
     seg_ops = [] if segs is None else list(segs)
@@ -183,24 +189,29 @@ class _Kernels:
             ring.skip(base + i)
             return carry
 
-          def step(i, carry, masked: bool):
+          def step(i, carry, masked):
             dk, dv = carry
             u = base + i
             s = ring.slot(u)
             ring.wait(0, u)
             x = scores(k_smem.at[wg], self._t(q_smem, qt_smem, s), (bk, bq))
             z, slope = tiles.logits2(p, x, cap_grad=True)
-            if masked:
-              ids = None if k_seg is None else (k_seg, form.vector(seg_smem[1].at[s], 1))
-              z = tiles.masked(z, blocks.keep_queries(form, s0, i, ids))
+            if masked is not False:  # True, or traced in one loop
+
+              def hide(z):
+                ids = None if k_seg is None else (k_seg, form.vector(seg_smem[1].at[s], 1))
+                return tiles.masked(z, blocks.keep_queries(form, s0, i, ids))
+
+              z = hide(z) if masked is True else lax.cond(masked, hide, lambda z: z, z)
             # dP^T before the probabilities: S^T, dP^T and the accumulators are
             # all that is live (the mask is gone), which keeps head dim 128 in registers.
             ring.wait(1, u)
-            dp = scores(v_smem.at[wg], self._t(do_smem, dot_smem, s), (bk, bq))
             ring.wait(2, u)
-            lse, delta = form.vector(lse_smem.at[s], 1), form.vector(delta_smem.at[s], 1)
-            probs = jnp.exp2(z - broadcast(lse, z.shape, 1))
-            ds = probs * (dp - broadcast(delta, dp.shape, 1))
+            column = lambda ref: broadcast(form.vector(ref.at[s], 1), (bk, bq), 1)
+            do_t = self._t(do_smem, dot_smem, s)
+            dp = form.accumulate(column(delta_smem), lambda acc: plgpu.wgmma(acc, v_smem.at[wg], do_t))
+            probs = jnp.exp2(z - column(lse_smem))
+            ds = probs * dp  # P (dP - delta)
             ring.release(2, u)
             ds = ds if slope is None else ds * slope
             weights = form.operand(probs.astype(p.dtype), st_smem, wg)
@@ -211,7 +222,7 @@ class _Kernels:
             ring.release(0, u)
             return dk, dv
 
-          return tiles.over_steps(lo, own, unmasked, hi, skip, step, carry)
+          return tiles.over_steps(lo, own, unmasked, hi, skip, step, carry, one_loop)
 
         zeros = lambda: form.layout(jnp.zeros((bk, h), jnp.float32), plgpu.Layout.WGMMA)
         dk, dv = lax.fori_loop(0, p.groups, per_group, (zeros(), zeros()))

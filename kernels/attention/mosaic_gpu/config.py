@@ -67,6 +67,11 @@ def head(p: Problem) -> int:
 _MAX_HEAD = {"fwd": 256, "bwd": 128, "jvp": 64}
 
 
+def has_masks(p: Problem) -> bool:
+  """Whether a call's blocks can be partly hidden (causal, windows, lengths, segment ids)."""
+  return p.left is not None or p.right is not None or p.has_lengths or p.has_segments
+
+
 def feature_reason(p: Problem, stage: str = "fwd") -> Optional[str]:
   """Why the kernels cannot run a call's features, if they cannot (the Triton kernels then do)."""
   if stage not in STAGES:
@@ -80,12 +85,11 @@ def feature_reason(p: Problem, stage: str = "fwd") -> Optional[str]:
     return f"head dims up to {_MAX_HEAD[stage]} in the Mosaic GPU {stage} kernel, got {head(p)}"
   if stage == "fwd" and p.has_segments and head(p) + 64 > _SEGMENT_REGISTERS:
     return f"segment ids in the Mosaic GPU forward up to head dim {_SEGMENT_REGISTERS - 64}"
-  masks = p.left is not None or p.right is not None or p.has_lengths or p.has_segments
-  if stage == "bwd" and head(p) > 64 and masks:
+  if stage == "bwd" and head(p) > 64 and has_masks(p) and p.soft_cap is not None:
     # Compiled for H100 (pallax.verify), the dk/dv kernel's masked blocks spill
-    # at head dim 128: its dK, dV, S^T and dP^T tiles and the mask's positions
-    # or ids do not fit in 255 registers a thread.
-    return "the Mosaic GPU backward takes masks (window, lengths, segments) up to head dim 64"
+    # at head dim 128 with a soft cap: its dK, dV, S^T and dP^T tiles, the
+    # cap's slope and the mask do not fit in 255 registers a thread.
+    return "the Mosaic GPU backward takes a soft cap with masks up to head dim 64"
   if p.t == 0 or p.s == 0:
     return "no queries or no keys"
   return None
@@ -164,6 +168,9 @@ def _stages_reason(p: Problem, stage: str, stages: int) -> Optional[str]:
   """Why a ring of ``stages`` slots cannot serve the stage's kernels, if it cannot."""
   if stages < 2:
     return f"num_stages={stages}: the ring needs at least 2 slots"
+  if stage == "bwd" and head(p) > 64 and has_masks(p) and stages > 2:
+    # Compiled for H100: 4 slots spill 36 bytes in the causal dk/dv kernel at head dim 128.
+    return f"num_stages={stages}: the backward takes 2 slots with masks above head dim 64"
   if stage != "fwd" and head(p) > 64 and stages & (stages - 1):
     # Compiled for H100: 3 slots spill 112 bytes in the dk/dv kernel at head
     # dim 128, where 2 and 4 do not (a slot index mod 3 takes registers).

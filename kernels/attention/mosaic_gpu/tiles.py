@@ -194,11 +194,15 @@ class Tiles:
     """Which (key, query) pairs of keys ``[s0, s0 + bk)`` and query block ``i`` are visible.
 
     ``segs``: the keys' and the block's queries' segment id vectors (with segments).
+    Queries past their length are left visible: they saw no key in the
+    forward, and their lse of -inf makes their probabilities 0 here (a mask
+    column less to hold: at head dim 128 its registers spilled).
     """
     shape = (self.bk, self.bq)
-    s_pos, t_pos = s0 + form.iota(shape, 0), i * self.bq + form.iota(shape, 1)
+    s_pos = broadcast(s0 + form.positions(self.bk, 0), shape, 0)
+    t_pos = broadcast(i * self.bq + form.positions(self.bq, 1), shape, 1)
     kv_seg, q_seg = _tiles(segs, shape)
-    return common.visible(self.p, t_pos, s_pos, self.q_len, self.kv_len, q_seg, kv_seg)
+    return common.visible(self.p, t_pos, s_pos, None, self.kv_len, q_seg, kv_seg)
 
 
 def padded_segments(ops, tp: int, sp: int) -> Optional[tuple[jax.Array, jax.Array]]:
@@ -262,11 +266,28 @@ def lse2(lse: jax.Array) -> jax.Array:
 
 
 def over_steps(
-  lo, own: tuple[Any, Any], unmasked: tuple[Any, Any], hi, skip: Callable, step: Callable, carry
+  lo,
+  own: tuple[Any, Any],
+  unmasked: tuple[Any, Any],
+  hi,
+  skip: Callable,
+  step: Callable,
+  carry,
+  one_loop: bool = False,
 ):
-  """Steps ``[lo, hi)``: ``skip(j, carry)`` outside ``own``, ``step(j, carry, masked=)`` in it."""
+  """Steps ``[lo, hi)``: ``skip(j, carry)`` outside ``own``, ``step(j, carry, masked=)`` in it.
+
+  ``masked`` is a Python bool: the masked and the unmasked steps of ``own``
+  run in loops of their own. With ``one_loop`` they share one, ``masked`` a
+  traced bool: a kernel whose accumulators leave no registers to move them
+  between loops (ptxas spilled at the loops' edges) takes that.
+  """
   (own_lo, own_hi), (u_lo, u_hi) = own, unmasked
   carry = lax.fori_loop(lo, own_lo, skip, carry)
+  if one_loop:
+    body = lambda j, carry: step(j, carry, masked=(j < u_lo) | (j >= u_hi))
+    carry = lax.fori_loop(own_lo, own_hi, body, carry)
+    return lax.fori_loop(own_hi, hi, skip, carry)
   carry = lax.fori_loop(own_lo, u_lo, functools.partial(step, masked=True), carry)
   carry = lax.fori_loop(u_lo, u_hi, functools.partial(step, masked=False), carry)
   carry = lax.fori_loop(u_hi, own_hi, functools.partial(step, masked=True), carry)
