@@ -78,7 +78,16 @@ CASES = {
   # loop, queries past q_len hidden by their lse alone.
   "h128-lengths-packed-causal": (
     Case(
-      b=1, t=100, s=130, n=2, k=1, h=128, q_len=(70,), kv_len=(110,), segments="packed", is_causal=True
+      b=1,
+      t=100,
+      s=130,
+      n=2,
+      k=1,
+      h=128,
+      q_len=(70,),
+      kv_len=(110,),
+      segments="packed",
+      is_causal=True,
     ),
     MOSAIC,
   ),

@@ -146,7 +146,8 @@ class _Kernels:
     q_t, do_t = self._transposed(queries["q"], 3), self._transposed(queries["do"], 3)
     # dP^T's accumulator starts from -delta broadcast over the keys: no delta
     # column (16 registers a thread) next to the tiles (a masked head dim 128 spilled).
-    operands = [keys["k"], keys["v"], queries["q"], queries["do"], queries["lse"], -queries["delta"]]
+    stats = [queries["lse"], -queries["delta"]]
+    operands = [keys["k"], keys["v"], queries["q"], queries["do"], *stats]
     transposed = [] if form.hopper else [q_t, do_t]
     segs = tiles.padded_segments(self.ops, queries["q"].shape[3], sp)
     seg_ops = [] if segs is None else list(segs)
@@ -209,7 +210,8 @@ class _Kernels:
             ring.wait(2, u)
             column = lambda ref: broadcast(form.vector(ref.at[s], 1), (bk, bq), 1)
             do_t = self._t(do_smem, dot_smem, s)
-            dp = form.accumulate(column(delta_smem), lambda acc: plgpu.wgmma(acc, v_smem.at[wg], do_t))
+            dp_t = lambda acc_ref: plgpu.wgmma(acc_ref, v_smem.at[wg], do_t)
+            dp = form.accumulate(column(delta_smem), dp_t)
             probs = jnp.exp2(z - column(lse_smem))
             ds = probs * dp  # P (dP - delta)
             ring.release(2, u)
