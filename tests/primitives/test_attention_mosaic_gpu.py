@@ -142,8 +142,14 @@ JVP_CASES = [
   CASES["sinks-hv-T<S"][0],
   # Windows: the forward and backward case has them (the default run leaves this one).
   pytest.param(Case(b=1, t=64, s=150, n=2, k=1, h=64, window=(70, 10)), marks=pytest.mark.slow),
-  # Unsorted ids from {0, 1, 2}: blocks of the segments' run that need a mask.
-  Case(b=2, t=100, s=150, n=2, k=1, h=64, q_len=(100, 70), kv_len=(150, 90), segments="random"),
+  # Unsorted ids from {0, 1, 2}: blocks of the segments' run that need a mask
+  # (the default run has them at head dim 128).
+  pytest.param(
+    Case(b=2, t=100, s=150, n=2, k=1, h=64, q_len=(100, 70), kv_len=(150, 90), segments="random"),
+    marks=pytest.mark.slow,
+  ),
+  # Head dim 128: one consumer, masked and unmasked steps in one loop.
+  Case(b=2, t=100, s=150, n=2, k=1, h=128, q_len=(100, 70), kv_len=(150, 90), segments="random"),
 ]
 
 
@@ -221,11 +227,12 @@ def test_the_executor_prefers_mosaic_gpu_on_hopper_only():
   assert _selection(h100, grad=True, is_causal=True)[BWD].implementation == MOSAIC
   capped = _selection(h100, grad=True, is_causal=True, logits_soft_cap=30.0)[BWD]
   assert capped.implementation == "pallas" and "soft cap with masks" in capped.note
-  q, kv = jnp.zeros((2, 256, 4, 128), jnp.bfloat16), jnp.zeros((2, 256, 2, 128), jnp.bfloat16)
-  tangent = lambda q: jax.jvp(lambda q: pallax.dot_product_attention(q, kv, kv), (q,), (q,))
-  picks = {r.op: r for r in pallax.explain_on(h100, tangent, q)}
-  assert picks[FWD].implementation == MOSAIC and picks[JVP].implementation == "pallas"
-  assert "up to 64 in the Mosaic GPU jvp kernel" in picks[JVP].note
+  for h, tangent_on in ((128, MOSAIC), (256, "pallas")):
+    q, kv = jnp.zeros((2, 256, 4, h), jnp.bfloat16), jnp.zeros((2, 256, 2, h), jnp.bfloat16)
+    tangent = lambda q: jax.jvp(lambda q: pallax.dot_product_attention(q, kv, kv), (q,), (q,))
+    picks = {r.op: r for r in pallax.explain_on(h100, tangent, q)}
+    assert picks[FWD].implementation == MOSAIC and picks[JVP].implementation == tangent_on
+  assert "up to 128 in the Mosaic GPU jvp kernel" in picks[JVP].note
   assert _selection(a100, grad=True)[BWD].implementation == "pallas"
   # What it refuses goes to the Triton kernel, and explain says why.
   refused = _selection(h100, jnp.float32)[FWD]
@@ -277,7 +284,9 @@ def test_supports_and_the_ring_in_shared_memory():
   assert supports(config(), stage="bwd", **lengths) is None
   assert supports(config(), stage="fwd", **lengths) is None
   assert supports(config(), stage="fwd", **causal) is None
-  assert "up to 64 in the Mosaic GPU jvp kernel" in supports(config(), stage="jvp", **PARAMS)
+  assert supports(config(), stage="jvp", **PARAMS) is None
+  h256 = functools.partial(mosaic_gpu.supports, _avals(h=256), h100)
+  assert "up to 128 in the Mosaic GPU jvp kernel" in h256(config(), stage="jvp", **PARAMS)
   small = functools.partial(mosaic_gpu.supports, _avals(h=64), h100)
   assert small(config(), stage="jvp", **PARAMS) is None
   assert "SMEM" in supports(config(block_k=256, num_stages=4), stage="fwd", **PARAMS)

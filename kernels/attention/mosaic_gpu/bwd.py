@@ -12,7 +12,7 @@ forward's softmax statistics nor using atomics:
   ``dQ += dS K``;
 * the dk/dv kernel: one block of threads per (kv head, ``block_k`` keys a
   consumer, batch), two consumers up to head dim 64, one above
-  (``config.dkdv_consumers``); each keeps its keys' K and V and streams, for every query
+  (``config.wide_consumers``); each keeps its keys' K and V and streams, for every query
   head of the kv head (GQA sums in the accumulators, never a partial per
   query head), the blocks of Q, dO, lse and delta that see its keys:
   ``P^T``, ``dV += P^T dO``, ``dP^T = V dO^T``, ``dK += dS^T Q``.
@@ -43,10 +43,10 @@ from pallax.kernels.attention.mosaic_gpu.config import (
   DQ_ROWS,
   MosaicGpuAttentionConfig,
   call_of,
-  dkdv_consumers,
   has_masks,
   head,
   round_up,
+  wide_consumers,
 )
 from pallax.kernels.attention.mosaic_gpu.query_side import QueryKernel, scores
 from pallax.kernels.attention.mosaic_gpu.tiles import broadcast
@@ -60,7 +60,7 @@ def bwd(*operands, config: MosaicGpuAttentionConfig, interpret: Any, **params) -
   h = head(p)
   bq, bk = BWD_BLOCKS
   tp = round_up(p.t, math.lcm(DQ_ROWS, bq))
-  sp = round_up(p.s, dkdv_consumers(p) * bk)
+  sp = round_up(p.s, wide_consumers(p) * bk)
   delta = common.bwd_delta(p.stat, ops.out, ops.dout, ops.dlse).astype(jnp.float32)
   queries = {
     "q": tiles.pad(ops.q, {3: tp, 4: h}),
@@ -117,10 +117,10 @@ class _Kernels:
       name="dot_product_attention_dq",
     )
 
-    def step(ctx, j, dq, keep):
+    def step(ctx, j, dq, hide):
       x = scores(ctx.own["q"], ctx.tile_t("k"), (DQ_ROWS, bk))
       z, slope = tiles.logits2(p, x, cap_grad=True)
-      probs = jnp.exp2(tiles.masked(z, keep) - broadcast(ctx.stats["lse"], z.shape, 0))
+      probs = jnp.exp2(hide(z) - broadcast(ctx.stats["lse"], z.shape, 0))
       ctx.ring.wait(1, j)
       dp = scores(ctx.own["do"], ctx.tile_t("v"), (DQ_ROWS, bk))
       ctx.ring.release(1, j)
@@ -138,7 +138,7 @@ class _Kernels:
     """``dk, dv (B, K, Sp, h)``: per key tile, every query head's query blocks that see it."""
     p, form, blocks, h = self.p, self.form, self.blocks, self.h
     bq, bk, stages = blocks.bq, blocks.bk, self.stages
-    consumers = dkdv_consumers(p)
+    consumers = wide_consumers(p)
     # Above head dim 64 dK and dV take 128 registers a thread: masked and
     # unmasked steps share one loop (in loops of their own, ptxas spilled).
     one_loop = consumers == 1 and has_masks(p)
@@ -197,13 +197,12 @@ class _Kernels:
             ring.wait(0, u)
             x = scores(k_smem.at[wg], self._t(q_smem, qt_smem, s), (bk, bq))
             z, slope = tiles.logits2(p, x, cap_grad=True)
-            if masked is not False:  # True, or traced in one loop
 
-              def hide(z):
-                ids = None if k_seg is None else (k_seg, form.vector(seg_smem[1].at[s], 1))
-                return tiles.masked(z, blocks.keep_queries(form, s0, i, ids))
+            def keep():
+              ids = None if k_seg is None else (k_seg, form.vector(seg_smem[1].at[s], 1))
+              return blocks.keep_queries(form, s0, i, ids)
 
-              z = hide(z) if masked is True else lax.cond(masked, hide, lambda z: z, z)
+            z = tiles.hiding(masked, keep)(z)
             # dP^T before the probabilities: S^T, dP^T and the accumulators are
             # all that is live (the mask is gone), which keeps head dim 128 in registers.
             ring.wait(1, u)

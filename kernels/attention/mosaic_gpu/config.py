@@ -64,7 +64,7 @@ def head(p: Problem) -> int:
 # The largest padded head dim a stage's accumulators fit in registers: the
 # backward's dk and dv (or dq, dS and dP) take twice the forward's; the
 # tangent's output, S, P and dS spilled 12 bytes at 128 with 255 registers.
-_MAX_HEAD = {"fwd": 256, "bwd": 128, "jvp": 64}
+_MAX_HEAD = {"fwd": 256, "bwd": 128, "jvp": 128}
 
 
 def has_masks(p: Problem) -> bool:
@@ -133,8 +133,11 @@ _SEGMENT_REGISTERS = 192
 BWD_BLOCKS = (64, 64)
 
 
-def dkdv_consumers(p: Problem) -> int:
-  """Consumer warpgroups of the dk/dv kernel: two up to head dim 64, else one."""
+def wide_consumers(p: Problem) -> int:
+  """Consumer warpgroups of the dk/dv and the tangent kernels: two up to head dim 64, else one.
+
+  Their accumulators and tiles take more than a third of 255 registers a thread above 64.
+  """
   return CONSUMERS if head(p) <= 64 else 1
 
 
@@ -152,8 +155,7 @@ def smem_bytes(p: Problem, config: MosaicGpuAttentionConfig, stage: str) -> int:
     "jvp": (DQ_ROWS, c.block_k),
     "k": (c.block_k, c.block_q),
   }
-  consumers = {"q": CONSUMERS, "dq": DQ_CONSUMERS, "jvp": CONSUMERS}
-  consumers["k"] = dkdv_consumers(p)
+  consumers = {"q": CONSUMERS, "dq": DQ_CONSUMERS, "jvp": wide_consumers(p), "k": wide_consumers(p)}
   sizes = []
   for k in _SMEM[stage]:
     (own, ring), n = shapes[k.own], consumers[k.own]

@@ -22,12 +22,12 @@ from jax.experimental import pallas as pl
 from pallax.kernels.attention.mosaic_gpu import tiles
 from pallax.kernels.attention.mosaic_gpu.config import (
   BWD_BLOCKS,
-  CONSUMERS,
   DQ_ROWS,
   MosaicGpuAttentionConfig,
   call_of,
   head,
   round_up,
+  wide_consumers,
 )
 from pallax.kernels.attention.mosaic_gpu.query_side import QueryKernel, scores
 from pallax.kernels.attention.mosaic_gpu.tiles import broadcast
@@ -39,7 +39,8 @@ def jvp(*operands, config: MosaicGpuAttentionConfig, interpret: Any, **params) -
   c, p, form = call_of("jvp", operands, params, interpret)
   ops = c.ops
   h, bk = head(p), BWD_BLOCKS[1]
-  tp, sp = round_up(p.t, CONSUMERS * DQ_ROWS), round_up(p.s, bk)
+  consumers = wide_consumers(p)
+  tp, sp = round_up(p.t, consumers * DQ_ROWS), round_up(p.s, bk)
   rows = lambda x: tiles.pad(x, {3: tp, 4: h})
   keys = lambda x: tiles.pad(x, {2: sp, 3: h})
   lse = tiles.pad(tiles.lse2(ops.lse.astype(jnp.float32)), {3: tp}, jnp.inf)
@@ -49,7 +50,7 @@ def jvp(*operands, config: MosaicGpuAttentionConfig, interpret: Any, **params) -
     form,
     config.num_stages,
     bk,
-    CONSUMERS,
+    consumers,
     own_tiles={"q": rows(ops.q), "dq": rows(ops.q_dot.astype(p.dtype))},
     own_stats={"lse": lse},
     ring={
@@ -61,13 +62,14 @@ def jvp(*operands, config: MosaicGpuAttentionConfig, interpret: Any, **params) -
     transposed=("k", "dk"),
     outs={"a": (jnp.float32, True), "r": (jnp.float32, False)},
     name="dot_product_attention_jvp",
+    one_loop=consumers == 1,  # its accumulators and tiles spilled in two loops at head dim 128
   )
   shape = (DQ_ROWS, bk)
 
-  def step(ctx, j, carry, keep):
+  def step(ctx, j, carry, hide):
     a, r = carry
     z, slope = tiles.logits2(p, scores(ctx.own["q"], ctx.tile_t("k"), shape), cap_grad=True)
-    probs = jnp.exp2(tiles.masked(z, keep) - broadcast(ctx.stats["lse"], shape, 0))
+    probs = jnp.exp2(hide(z) - broadcast(ctx.stats["lse"], shape, 0))
     ctx.ring.wait(2, j)
 
     def tangent_logits(acc_ref):

@@ -88,6 +88,7 @@ class QueryKernel:
     outs: name -> (dtype, tile?): the outputs, a ``(Tp, h)`` tile or a
       ``(Tp,)`` vector per query head, written through SMEM.
     name: the kernel's name.
+    one_loop: masked and unmasked steps in one loop (``tiles.over_steps``).
   """
 
   p: Problem
@@ -102,6 +103,7 @@ class QueryKernel:
   transposed: Sequence[str]
   outs: Mapping[str, tuple[Any, bool]]
   name: str
+  one_loop: bool = False
 
   def _tile(self, lead: int, rows: int, cols: int, dtype=None):
     dtype = self.p.dtype if dtype is None else dtype
@@ -115,10 +117,10 @@ class QueryKernel:
     tp: int,
     h: int,
   ) -> list[jax.Array]:
-    """Runs the kernel: ``step(ctx, j, carry, keep)`` a key block, ``finish`` its outputs.
+    """Runs the kernel: ``step(ctx, j, carry, hide)`` a key block, ``finish`` its outputs.
 
     The first ring group (the keys) is in its slot when ``step`` runs;
-    ``keep`` is the block's mask (None: every pair visible). ``finish(ctx,
+    ``hide(z)`` masks the block's logits (``tiles.hiding``). ``finish(ctx,
     carry)`` returns the consumer's outputs by name (float32 values, cast to
     their dtypes here).
     """
@@ -179,15 +181,18 @@ class QueryKernel:
           ring.skip(j)
           return carry
 
-        def run(j, carry, masked: bool):
+        def run(j, carry, masked):
           ring.wait(0, j)
-          keep = None
-          if masked:
-            ids = None if q_seg is None else (q_seg, form.vector(seg_smem[1].at[ring.slot(j)], 1))
-            keep = blocks.keep_keys(form, t0, j, ids)
-          return step(dataclasses.replace(ctx, slot=ring.slot(j)), j, carry, keep)
 
-        carry = tiles.over_steps(lo, own, blocks.unmasked_keys(t0, *own), hi, skip, run, init(ctx))
+          def keep():
+            ids = None if q_seg is None else (q_seg, form.vector(seg_smem[1].at[ring.slot(j)], 1))
+            return blocks.keep_keys(form, t0, j, ids)
+
+          hide = tiles.hiding(masked, keep)
+          return step(dataclasses.replace(ctx, slot=ring.slot(j)), j, carry, hide)
+
+        unmasked = blocks.unmasked_keys(t0, *own)
+        carry = tiles.over_steps(lo, own, unmasked, hi, skip, run, init(ctx), self.one_loop)
         results = finish(ctx, carry)
         for buf, name in zip(out_smem, out_names):
           buf.at[wg][...] = results[name].astype(self.outs[name][0])

@@ -252,6 +252,20 @@ def masked(z: jax.Array, keep: Optional[jax.Array]) -> jax.Array:
   return z if keep is None else jnp.where(keep, z, NEG_INF)
 
 
+def hiding(
+  step_masked, keep: Callable[[], Optional[jax.Array]]
+) -> Callable[[jax.Array], jax.Array]:
+  """A step's ``z -> z`` with -inf where ``keep()`` hides a pair: the identity on unmasked steps.
+
+  ``step_masked``: a Python bool (``over_steps``' loops of masked or unmasked
+  steps), or a traced one in its one loop: then ``lax.cond`` picks.
+  """
+  hide = lambda z: masked(z, keep())
+  if isinstance(step_masked, bool):
+    return hide if step_masked else lambda z: z
+  return lambda z: lax.cond(step_masked, hide, lambda z: z, z)
+
+
 def broadcast(x: jax.Array, shape, dim: int) -> jax.Array:
   """A row (``dim`` 0) or column (``dim`` 1) statistic broadcast to a tile."""
   return lax.broadcast_in_dim(x, shape, [dim])
