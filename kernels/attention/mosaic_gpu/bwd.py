@@ -62,10 +62,12 @@ def bwd(*operands, config: MosaicGpuAttentionConfig, interpret: Any, **params) -
   tp = round_up(p.t, math.lcm(DQ_ROWS, bq))
   sp = round_up(p.s, wide_consumers(p) * bk)
   delta = common.bwd_delta(p.stat, ops.out, ops.dout, ops.dlse).astype(jnp.float32)
+  # Rows past their length get an lse of +inf: the dk/dv kernel's mask leaves them.
+  lse = tiles.lse2(ops.lse.astype(jnp.float32), ops.q_len if p.has_lengths else None)
   queries = {
     "q": tiles.pad(ops.q, {3: tp, 4: h}),
     "do": tiles.pad(ops.dout.astype(p.dtype), {3: tp, 4: h}),
-    "lse": tiles.pad(tiles.lse2(ops.lse.astype(jnp.float32)), {3: tp}, jnp.inf),
+    "lse": tiles.pad(lse, {3: tp}, jnp.inf),
     "delta": tiles.pad(delta, {3: tp}),
   }
   keys = {"k": tiles.pad(ops.k, {2: sp, 3: h}), "v": tiles.pad(ops.v, {2: sp, 3: h})}
@@ -155,11 +157,11 @@ class _Kernels:
     operands += transposed + seg_ops + facts
     n_tr, n_seg = len(transposed), len(seg_ops)
 
-    def body(k_ref, v_ref, q_ref, do_ref, lse_ref, delta_ref, *rest):
+    def body(k_ref, v_ref, q_ref, do_ref, lse_ref, neg_delta_ref, *rest):
       transposed, seg_refs = rest[:n_tr], rest[n_tr : n_tr + n_seg]
       *fact_refs, dk_ref, dv_ref, scoped = rest[n_tr + n_seg :]
       smem, own_full, (full, consumed) = scoped
-      k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, *transposed_smem = smem
+      k_smem, v_smem, q_smem, do_smem, lse_smem, neg_delta_smem, *transposed_smem = smem
       qt_smem, dot_smem, st_smem, seg_smem = transposed_smem
       kh, b, wg = lax.axis_index("heads"), lax.axis_index("batch"), lax.axis_index("wg")
       s_tile = lax.axis_index("k") * rows
@@ -210,7 +212,7 @@ class _Kernels:
             column = lambda ref: broadcast(form.vector(ref.at[s], 1), (bk, bq), 1)
             do_t = self._t(do_smem, dot_smem, s)
             dp_t = lambda acc_ref: plgpu.wgmma(acc_ref, v_smem.at[wg], do_t)
-            dp = form.accumulate(column(delta_smem), dp_t)
+            dp = form.accumulate(column(neg_delta_smem), dp_t)
             probs = jnp.exp2(z - column(lse_smem))
             ds = probs * dp  # P (dP - delta)
             ring.release(2, u)
@@ -246,7 +248,7 @@ class _Kernels:
             [(do_ref.at[b, kh, g, block], do_smem.at[s])],
             [(lse_ref.at[b, kh, g, block], lse_smem.at[s])],
           ]
-          groups[2].append((delta_ref.at[b, kh, g, block], delta_smem.at[s]))
+          groups[2].append((neg_delta_ref.at[b, kh, g, block], neg_delta_smem.at[s]))
           if seg_refs:  # the queries' segment ids, with the queries
             groups[0].append((seg_refs[0].at[b, block], seg_smem[1].at[s]))
           for group, ref, buf in zip(groups, transposed, (qt_smem, dot_smem)):

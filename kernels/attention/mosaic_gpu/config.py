@@ -23,7 +23,7 @@ CONSUMERS = 2  # consumer warpgroups a block of threads; a producer warpgroup be
 # (65536 / 384), ``setmaxnreg`` notwithstanding (checked with pallax.verify);
 # two warpgroups get 255. The backward's accumulators need more than 168 at
 # head dim 128: its dq kernel has one consumer of 64 queries, its dk/dv
-# kernel two consumers up to head dim 64 and one above.
+# kernel (and the tangent's) two consumers up to head dim 64 and one above.
 DQ_CONSUMERS, DQ_ROWS = 1, 64
 
 
@@ -63,7 +63,8 @@ def head(p: Problem) -> int:
 
 # The largest padded head dim a stage's accumulators fit in registers: the
 # backward's dk and dv (or dq, dS and dP) take twice the forward's; the
-# tangent's output, S, P and dS spilled 12 bytes at 128 with 255 registers.
+# tangent's output, S, P and dS fit 255 registers at 128 with one consumer
+# and one loop (two consumers spilled 12 bytes).
 _MAX_HEAD = {"fwd": 256, "bwd": 128, "jvp": 128}
 
 

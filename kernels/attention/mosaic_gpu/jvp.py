@@ -1,8 +1,9 @@
 """The attention tangent (``jvp``) on Pallas Mosaic GPU (Hopper): one pass from the saved ``lse``.
 
-A query-side kernel (``query_side.QueryKernel``), head dims up to 64: each of
-two consumers keeps its 64 queries' Q, their tangent dQ and lse, and the
-producer streams K, V and their tangents dK, dV. Per key block:
+A query-side kernel (``query_side.QueryKernel``), head dims up to 128: each of
+its consumers (two up to head dim 64, one above: ``config.wide_consumers``)
+keeps its 64 queries' Q, their tangent dQ and lse, and the producer streams
+K, V and their tangents dK, dV. Per key block:
 ``P = exp2(S - lse)``, the logits' tangent ``dS = scale (dQ K^T + Q dK^T)``
 (two ``wgmma`` into one accumulator, times the soft cap's slope), and
 ``A += (P dS) V + P dV``, ``r += rowsum(P dS)``. Then ``out_dot = A - r out``

@@ -21,7 +21,7 @@ import dataclasses
 import functools
 import math
 from collections.abc import Callable
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
 import jax
 import jax.numpy as jnp
@@ -194,9 +194,9 @@ class Tiles:
     """Which (key, query) pairs of keys ``[s0, s0 + bk)`` and query block ``i`` are visible.
 
     ``segs``: the keys' and the block's queries' segment id vectors (with segments).
-    Queries past their length are left visible: they saw no key in the
-    forward, and their lse of -inf makes their probabilities 0 here (a mask
-    column less to hold: at head dim 128 its registers spilled).
+    Queries past their length are left visible: ``lse2`` gives them an lse
+    of +inf, their probabilities 0 (a mask column less to hold: at head dim
+    128 its registers spilled).
     """
     shape = (self.bk, self.bq)
     s_pos = broadcast(s0 + form.positions(self.bk, 0), shape, 0)
@@ -253,17 +253,17 @@ def masked(z: jax.Array, keep: Optional[jax.Array]) -> jax.Array:
 
 
 def hiding(
-  step_masked, keep: Callable[[], Optional[jax.Array]]
+  is_masked: Union[bool, jax.Array], keep: Callable[[], Optional[jax.Array]]
 ) -> Callable[[jax.Array], jax.Array]:
   """A step's ``z -> z`` with -inf where ``keep()`` hides a pair: the identity on unmasked steps.
 
-  ``step_masked``: a Python bool (``over_steps``' loops of masked or unmasked
+  ``is_masked``: a Python bool (``over_steps``' loops of masked or unmasked
   steps), or a traced one in its one loop: then ``lax.cond`` picks.
   """
   hide = lambda z: masked(z, keep())
-  if isinstance(step_masked, bool):
-    return hide if step_masked else lambda z: z
-  return lambda z: lax.cond(step_masked, hide, lambda z: z, z)
+  if isinstance(is_masked, bool):
+    return hide if is_masked else lambda z: z
+  return lambda z: lax.cond(is_masked, hide, lambda z: z, z)
 
 
 def broadcast(x: jax.Array, shape, dim: int) -> jax.Array:
@@ -271,12 +271,17 @@ def broadcast(x: jax.Array, shape, dim: int) -> jax.Array:
   return lax.broadcast_in_dim(x, shape, [dim])
 
 
-def lse2(lse: jax.Array) -> jax.Array:
-  """The forward's ``lse`` in base 2 for the backward: +inf where a row saw no key.
+def lse2(lse: jax.Array, q_len: Optional[jax.Array] = None) -> jax.Array:
+  """The forward's ``lse (B, K, G, T)`` in base 2 for the backward: +inf where a row saw no key.
 
-  ``exp2(z - lse2)`` is then the probability, 0 on such rows.
+  ``exp2(z - lse2)`` is then the probability, 0 on such rows. With ``q_len
+  (B,)`` also +inf past each example's length, whatever the forward's lse
+  there (sinks make it finite: the sink's logit).
   """
-  return jnp.where(lse == NEG_INF, jnp.inf, lse) * LOG2E
+  out = jnp.where(lse == NEG_INF, jnp.inf, lse) * LOG2E
+  if q_len is None:
+    return out
+  return jnp.where(jnp.arange(lse.shape[-1]) < q_len[:, None, None, None], out, jnp.inf)
 
 
 def over_steps(
