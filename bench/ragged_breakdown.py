@@ -73,6 +73,7 @@ def main() -> None:
       jax.jit(lambda *a: dataclasses.astuple(common.work_list(p, bq, *a))),
       (kv_lens, cu, num_seqs),
     ),
+    # The Triton kernel reads items of up to 16 rows from q's tokens: no gather then.
     "item_queries + table rows": (
       jax.jit(lambda q, table: (common.item_queries(q, items, bq), table[items.seq])),
       (ops[0], table),

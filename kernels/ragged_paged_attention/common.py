@@ -24,7 +24,8 @@ belongs to no sequence (past ``cu_q_lens[num_seqs]``), gives 0 and ``-inf``.
 Every implementation works on a *work list*: each sequence's queries cut
 into items of ``block_q`` tokens (``work_list``), so that an item's rows share
 one sequence's keys, read once for all of them. The items' queries are
-gathered into aligned blocks (``item_queries``) and the results scattered
+gathered into aligned blocks (``item_queries``, or read by the kernel: the
+Triton one) and the results scattered
 back to their tokens (``scatter_tokens``): ``run_items`` does all three around
 an implementation's item kernel. The logits are ``paged_attention``'s.
 """
@@ -163,19 +164,26 @@ def visible(p: Problem, positions, live, keys, kv_len):
   return keep
 
 
-def run_items(p: Problem, block_q: int, operands: Sequence[jax.Array], item_kernel) -> list:
+def run_items(
+  p: Problem,
+  block_q: int,
+  operands: Sequence[jax.Array],
+  item_kernel,
+  gather_queries: bool = True,
+) -> list:
   """``[out, lse]`` of the call: ``item_kernel`` on the work list, results back at the tokens.
 
   ``item_kernel(q_items, k_pages, v_pages, items, table_items)`` gets the
-  items' query rows ``(I, K, block_q * G, H)`` and page-table rows ``(I,
+  items' query rows ``(I, K, block_q * G, H)`` (``item_queries``; without
+  ``gather_queries`` the tokens' ``q (T, K, G, H)`` itself, for a kernel
+  that reads an item's rows from ``items.start``) and page-table rows ``(I,
   pages_per_sequence)`` and returns their ``out (I, K, rows, Hv)`` (q's dtype)
   and ``lse (I, K, rows)``.
   """
   q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_seqs = operands
   items = work_list(p, block_q, kv_lens, cu_q_lens, num_seqs)
-  out, lse = item_kernel(
-    item_queries(q, items, block_q), k_pages, v_pages, items, page_indices[items.seq]
-  )
+  queries = item_queries(q, items, block_q) if gather_queries else q
+  out, lse = item_kernel(queries, k_pages, v_pages, items, page_indices[items.seq])
   return [
     scatter_tokens(out, items, block_q, p.tokens, 0),
     scatter_tokens(lse, items, block_q, p.tokens, -jnp.inf),

@@ -126,6 +126,12 @@ def test_kernel(path, name):
   _run(batch, jnp.float32, path, PINNED[path], seed=4, **statics)
 
 
+def test_triton_wide_items_read_a_gathered_copy():
+  """Items of more than 16 rows read an XLA-gathered copy of their queries, not q's tokens."""
+  config = Config(block_q=16, block_k=16, num_splits=2)  # 16 tokens x 2 heads: 32 rows
+  _run(Batch(), jnp.bfloat16, "triton", config, seed=8, sliding_window=6)  # 16-bit: wide rows
+
+
 @pytest.mark.parametrize("path", KERNEL_PATHS)
 def test_kernel_default_config(path):
   """The executor's own config on the kernels."""
