@@ -24,8 +24,8 @@ belongs to no sequence (past ``cu_q_lens[num_seqs]``), gives 0 and ``-inf``.
 Every implementation works on a *work list*: each sequence's queries cut
 into items of ``block_q`` tokens (``work_list``), so that an item's rows share
 one sequence's keys, read once for all of them. The items' queries are
-gathered into aligned blocks (``item_queries``, or read by the kernel: the
-Triton one) and the results scattered
+gathered into aligned blocks (``item_queries``; the Triton kernel reads
+decode-sized items from the tokens instead) and the results scattered
 back to their tokens (``scatter_tokens``): ``run_items`` does all three around
 an implementation's item kernel. The logits are ``paged_attention``'s.
 """

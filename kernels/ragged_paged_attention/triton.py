@@ -2,7 +2,8 @@
 
 One program per (item of the work list, kv head, split): the item's
 ``block_q`` queries times the kv head's ``G`` query heads are one block of
-rows (padded to a power of two >= 16), which walks its split's share of the
+rows (padded to a power of two >= 16: up to 16, a decode item's, read
+straight from q's tokens, more from a gathered copy), which walks its split's share of the
 keys the item sees (``common.key_range``) in blocks of ``block_k`` tokens with
 the online softmax, gathering each block token by token through the
 sequence's page table (``paged_attention``'s ``gather_tokens``): a prefill
@@ -45,12 +46,15 @@ def ragged_paged_attention(*operands, config, interpret: Any, **params):
   splits = config.num_splits
   # Decode-sized items read their rows straight from q's tokens (on an H200
   # the XLA gather of a copy took 4.3 us of a 32-sequence decode step's 89);
-  # larger ones read that copy (the direct read's pointers spilled at 64 rows
-  # on A100).
+  # larger ones read that copy: the direct read's pointers spilled at 64 rows
+  # on A100, and 32 are not measured (verify --exhaustive is clean with 16).
   direct = rp <= _DIRECT_ROWS
 
   def queries(q_ref, start, live, r_ok, h_ok):
-    """The item's query rows ``(rp, hp)``, 0 where not ``live``."""
+    """The item's query rows ``(rp, hp)``; rows not ``live`` are the mask's to drop.
+
+    ``start``: the token of the item's first query (read by the direct form only).
+    """
     if not direct:
       return load(q_ref, tile_mask(r_ok, h_ok))
     # Row j G + g is query head g of token start + j.
@@ -61,8 +65,9 @@ def ragged_paged_attention(*operands, config, interpret: Any, **params):
     at = q_ref.at[token, head, cols]
     return pltriton.load(at, mask=tile_mask(live[:, 0], h_ok), other=0)
 
-  def kernel(q_ref, k_ref, v_ref, start_ref, q0_ref, qlen_ref, kvlen_ref, table_ref, *outs):
-    m_ref, l_ref, acc_ref = outs
+  def kernel(
+    q_ref, k_ref, v_ref, start_ref, q0_ref, qlen_ref, kvlen_ref, table_ref, m_ref, l_ref, acc_ref
+  ):
     r_ok, h_ok, hv_ok = padded_ok(rp, rows), padded_ok(hp, p.head_dim), padded_ok(hvp, p.value_dim)
     q0, q_len, kv_len = q0_ref[0], qlen_ref[0], kvlen_ref[0]
     positions, live = common.row_positions(q0, q_len, kv_len, rp, p.groups)

@@ -20,6 +20,7 @@ import numpy as np
 import pytest
 
 import pallax
+from pallax.kernels.ragged_paged_attention import triton as ragged_triton
 from tests.helpers import (
   CALL_TARGET,
   FLOAT_DTYPES,
@@ -129,7 +130,9 @@ def test_kernel(path, name):
 def test_triton_wide_items_read_a_gathered_copy():
   """Items of more than 16 rows read an XLA-gathered copy of their queries, not q's tokens."""
   config = Config(block_q=16, block_k=16, num_splits=2)  # 16 tokens x 2 heads: 32 rows
-  _run(Batch(), jnp.bfloat16, "triton", config, seed=8, sliding_window=6)  # 16-bit: wide rows
+  assert 16 * Batch().n // Batch().k > ragged_triton._DIRECT_ROWS
+  # bfloat16: float32 items are held to 16 rows (``max_rows``).
+  _run(Batch(), jnp.bfloat16, "triton", config, seed=8, sliding_window=6)
 
 
 @pytest.mark.parametrize("path", KERNEL_PATHS)
