@@ -63,7 +63,10 @@ def jvp(*operands, config: MosaicGpuAttentionConfig, interpret: Any, **params) -
     transposed=("k", "dk"),
     outs={"a": (jnp.float32, True), "r": (jnp.float32, False)},
     name="dot_product_attention_jvp",
-    one_loop=consumers == 1,  # its accumulators and tiles spilled in two loops at head dim 128
+    # One loop with one consumer even without masks (unlike the dk/dv
+    # kernel's rule): a ragged last key block is masked, and the two loops
+    # spilled 4 bytes at head dim 128 for that alone.
+    one_loop=consumers == 1,
   )
   shape = (DQ_ROWS, bk)
 
