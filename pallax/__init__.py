@@ -36,6 +36,7 @@ from pallax.primitives.paged_attention import PagedAttentionConfig, paged_attent
 from pallax.primitives.ragged_dot import MosaicGpuRaggedDotConfig, RaggedDotConfig, ragged_dot
 from pallax.primitives.ragged_dot_general import ragged_dot_general
 from pallax.primitives.ragged_paged_attention import (
+  MosaicGpuRaggedPagedAttentionConfig,
   RaggedPagedAttentionConfig,
   ragged_paged_attention,
 )
@@ -69,6 +70,7 @@ __all__ = [
   "ragged_dot_general",
   "RaggedDotConfig",
   "MosaicGpuRaggedDotConfig",
+  "MosaicGpuRaggedPagedAttentionConfig",
   "moe",
   "route",
   "Routing",

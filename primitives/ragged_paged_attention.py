@@ -21,7 +21,7 @@ kv heads (with their query heads) shard, everything else is replicated.
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Optional, Union
 
 import jax
 import jax.numpy as jnp
@@ -34,8 +34,13 @@ from pallax.custom_op import custom_op
 from pallax.kernels import ragged_paged_attention as kernels
 from pallax.kernels.ragged_paged_attention import RaggedPagedAttentionConfig
 from pallax.kernels.ragged_paged_attention import xla as ragged_xla
+from pallax.kernels.ragged_paged_attention.mosaic_gpu import MosaicGpuRaggedPagedAttentionConfig
 
-__all__ = ["ragged_paged_attention", "RaggedPagedAttentionConfig"]
+__all__ = [
+  "ragged_paged_attention",
+  "RaggedPagedAttentionConfig",
+  "MosaicGpuRaggedPagedAttentionConfig",
+]
 
 _OP = "ragged_paged_attention"
 
@@ -58,6 +63,7 @@ ragged_paged_attention_op = custom_op(
   replicated=("t", "h", "p", "ps", "hv", "s", "pp", "s1", "n"),
   kernels=kernels.KERNEL.impls,
   config=kernels.KERNEL.space,
+  own_configs=kernels.KERNEL.spaces,
   batching=ragged_batching.fold_into_tokens,
   jvp=paging.no_derivatives(_OP),
 )
@@ -114,7 +120,7 @@ def ragged_paged_attention(
   logits_soft_cap: Optional[float] = None,
   sliding_window: Optional[int] = None,
   sinks: Optional[jax.Array] = None,
-  config: Optional[RaggedPagedAttentionConfig] = None,
+  config: Optional[Union[RaggedPagedAttentionConfig, MosaicGpuRaggedPagedAttentionConfig]] = None,
 ) -> jax.Array:
   """Attention of a batch mixing prefill chunks and decode tokens over a paged KV cache.
 
@@ -151,7 +157,8 @@ def ragged_paged_attention(
     sinks: ``(N,)`` floating: a logit per head that joins every softmax's
       denominator and adds no value (attention sinks); None: none.
     config: pin the kernel's ``RaggedPagedAttentionConfig`` (or
-      ``RaggedPagedAttentionConfig(implementation="xla")``).
+      ``RaggedPagedAttentionConfig(implementation="xla")``), or the Hopper
+      kernel's ``MosaicGpuRaggedPagedAttentionConfig``.
 
   Returns:
     ``(T, N, Hv)`` in q's dtype.
@@ -162,7 +169,9 @@ def ragged_paged_attention(
       cached tokens, lengths past the page table), naming the argument.
     NotImplementedError: under ``grad``, ``jvp`` and the like: an inference op.
   """
-  validation.check_config(_OP, config, RaggedPagedAttentionConfig)
+  validation.check_config(
+    _OP, config, (RaggedPagedAttentionConfig, MosaicGpuRaggedPagedAttentionConfig)
+  )
   known = validation.concrete(num_seqs)  # the slots in use, when known: only theirs are checked
   used = int(np.clip(known.reshape(-1)[0], 0, None)) if known is not None and known.size else None
   q, k_pages, v_pages, kv_lens, page_indices, scale, cap = paging.check_call(
