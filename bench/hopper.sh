@@ -21,8 +21,9 @@
 # - tests: the attention, matmul and paged attention tests under
 #   PALLAX_TEST_PLATFORM=gpu (the executor's own kernels compiled and run; the
 #   TPU kernels' interpreted cases are left to the CPU run).
-# - serving_tests: the same for ragged paged attention, the KV-cache write,
-#   rotary embeddings and the continuous-batching loop.
+# - serving_tests: the same for ragged paged attention (its Mosaic GPU kernel
+#   pinned, compiled), the KV-cache write, rotary embeddings and the
+#   continuous-batching loop.
 # Each step's log and JSON land in $OUT; each step gets what is left of the
 # deadline, capped, so a hang in one leaves time for the rest.
 set -u
@@ -78,5 +79,6 @@ step tests 600 "${tests[@]}" tests/primitives/test_attention.py \
   tests/primitives/test_paged_attention.py tests/kernels/test_paged_attention.py \
   tests/primitives/test_matmul.py tests/kernels/test_matmul.py
 step serving_tests 300 "${tests[@]}" tests/primitives/test_ragged_paged_attention.py \
-  tests/test_kv_cache.py tests/primitives/test_rotary.py tests/test_serving.py
+  tests/primitives/test_ragged_paged_attention_mosaic_gpu.py tests/test_kv_cache.py \
+  tests/primitives/test_rotary.py tests/test_serving.py
 echo "=== done, $(left)s before the deadline"

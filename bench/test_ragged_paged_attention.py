@@ -16,8 +16,10 @@ Implementations, each its own benchmark in the case's group:
 ``pallax.ragged_paged_attention``; ``gather+jax.nn``: every sequence's pages
 gathered into dense keys and values, its queries padded to the longest, and
 ``jax.nn.dot_product_attention`` with the bottom-right causal mask, what one
-writes without the op; and, for ``decode``, ``pallax.paged_attention`` (the
-decode op it must not be slower than).
+writes without the op; for ``decode``, ``pallax.paged_attention`` (the
+decode op it must not be slower than); and on a Hopper GPU ``mosaic_gpu``,
+the op with the Mosaic GPU kernel pinned (``MOSAIC_CONFIGS``: until it is
+measured, the executor's heuristic runs the Triton kernel there).
 
 ``extra_info``: ``flops``, ``bytes`` (``pallax.roofline.ragged_paged_work``:
 every query's visible keys; each sequence's cache read once, the floor),
@@ -29,6 +31,7 @@ NumPy reference on the first sequences.
 """
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -67,7 +70,18 @@ CASES = [
   ),
   Case("decode", q_lens=(1,) * 32, kv_lens=(2048,) * 32),
 ]
-IMPLS = {"mixed": ["pallax", "gather+jax.nn"], "decode": ["pallax", "gather+jax.nn", "paged"]}
+IMPLS = {
+  "mixed": ["pallax", "gather+jax.nn", "mosaic_gpu"],
+  "decode": ["pallax", "gather+jax.nn", "paged", "mosaic_gpu"],
+}
+# The Mosaic GPU kernel's pinned configs: 64 rows an item of the mixed batch
+# (16 tokens x 4 query heads), one token an item of the decode batch; each
+# item's keys in two splits (512 blocks of threads for the decode batch's 256
+# items x kv heads on 132 SMs).
+MOSAIC_CONFIGS = {
+  "mixed": pallax.MosaicGpuRaggedPagedAttentionConfig(block_q=16, num_stages=4, num_splits=2),
+  "decode": pallax.MosaicGpuRaggedPagedAttentionConfig(block_q=1, num_stages=4, num_splits=2),
+}
 
 
 def program(case: Case):
@@ -133,7 +147,14 @@ def reference(case: Case, inputs, sequences=CHECK_SEQUENCES):
 
 
 PARAMS = [
-  pytest.param(case, impl, id=f"{case.name}-{impl}") for case in CASES for impl in IMPLS[case.name]
+  pytest.param(
+    case,
+    impl,
+    id=f"{case.name}-{impl}",
+    marks=[pytest.mark.nvidia_gpu] if impl == "mosaic_gpu" else [],
+  )
+  for case in CASES
+  for impl in IMPLS[case.name]
 ]
 
 
@@ -141,7 +162,10 @@ PARAMS = [
 def test_ragged_paged_attention(benchmark, bench, case, impl):
   benchmark.group = case.name
   inputs = jax.block_until_ready(program(case))
-  fn = {"pallax": pallax.ragged_paged_attention, "paged": _paged}.get(impl)
+  if impl == "mosaic_gpu" and jax.devices()[0].compute_capability.split(".")[0] != "9":
+    pytest.skip("the Mosaic GPU kernel runs on Hopper (sm_90a) only")
+  mosaic = functools.partial(pallax.ragged_paged_attention, config=MOSAIC_CONFIGS[case.name])
+  fn = {"pallax": pallax.ragged_paged_attention, "paged": _paged, "mosaic_gpu": mosaic}.get(impl)
   fn = fn or _gather_then_jax_nn(case)
   tokens = int(sum(case.q_lens[:CHECK_SEQUENCES]))
   got = np.asarray(jax.jit(fn)(*inputs)[:tokens].astype(jnp.float32), np.float64)
