@@ -74,6 +74,11 @@ def _causal_reference(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
   return jax.nn.dot_product_attention(q, k, v, is_causal=True)
 
 
+def _capped(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
+  """Causal with Gemma 2's soft cap (its global layers)."""
+  return dot_product_attention(q, k, v, is_causal=True, logits_soft_cap=50.0)
+
+
 def _packed_documents(q, k, v, sinks, q_segment_ids, kv_segment_ids) -> jax.Array:
   """Packed documents with Gemma 2's soft cap and sinks: causal within each segment."""
   return dot_product_attention(
@@ -126,6 +131,9 @@ TOOLS = (
       # packed-documents case below (the same blocks, with segments, a soft cap
       # and sinks on top of the causal mask) stand for them.
       "attention_causal": SweepOp(_causal, _qkv, SIZES[:4], QUICK, candidates=False),
+      # The heuristic's blocks with a soft cap on the causal mask: above head
+      # dim 64 the Mosaic GPU backward takes a cap with no other mask.
+      "attention_capped": SweepOp(_capped, _qkv, QUICK, QUICK, candidates=False),
       # The two trailing int32 arrays are the query's and key's segment ids.
       "attention_features": SweepOp(
         _packed_documents,

@@ -44,9 +44,9 @@ PATH = "mosaic_gpu"
 FWD, BWD, JVP = (f"dot_product_attention_{s}" for s in ("fwd", "bwd", "jvp"))
 MOSAIC = mosaic_gpu.IMPLEMENTATION
 
-# name -> (case, the backward's implementation): Mosaic GPU's takes masks
-# (windows, lengths, segment ids) with a soft cap up to head dim 64
-# (config.feature_reason), Triton's the rest.
+# name -> (case, the backward's implementation): Mosaic GPU's takes a soft
+# cap with masks beyond causal (windows, lengths, segment ids) up to head dim
+# 64 (config.feature_reason), Triton's the rest.
 CASES = {
   "causal-gqa": (Case(b=1, t=130, s=150, n=4, k=2, h=64, is_causal=True), MOSAIC),
   # Rows t >= 238 see no key; head dim 80 padded to 128; large capped logits.
@@ -55,8 +55,12 @@ CASES = {
     "pallas",
   ),
   "sinks-hv-T<S": (Case(b=1, t=64, s=130, n=2, k=2, h=64, hv=32, sinks=True), MOSAIC),
-  # Head dim 128: the dk/dv kernel with one consumer warpgroup.
-  "h128-mqa-cap": (Case(b=1, t=100, s=130, n=2, k=1, h=128, soft_cap=5.0), MOSAIC),
+  # Head dim 128: the dk/dv kernel with one consumer warpgroup; causal with a
+  # soft cap (Gemma 2's global layers), the cap's slope from the logits.
+  "h128-causal-mqa-cap": (
+    Case(b=1, t=100, s=130, n=2, k=1, h=128, is_causal=True, soft_cap=5.0),
+    MOSAIC,
+  ),
   # A padded batch of packed documents: per-example lengths (rows past q_len
   # see nothing, keys past kv_len are hidden) and segment ids, causal, GQA.
   "lengths-packed-causal": (
@@ -233,8 +237,11 @@ def test_the_executor_prefers_mosaic_gpu_on_hopper_only():
   grad = _selection(h100, grad=True)
   assert grad[FWD].implementation == grad[BWD].implementation == MOSAIC
   assert _selection(h100, grad=True, is_causal=True)[BWD].implementation == MOSAIC
-  capped = _selection(h100, grad=True, is_causal=True, logits_soft_cap=30.0)[BWD]
-  assert capped.implementation == "pallas" and "soft cap with masks" in capped.note
+  assert _selection(h100, grad=True, is_causal=True, logits_soft_cap=30.0)[BWD].implementation == (
+    MOSAIC
+  )
+  capped = _selection(h100, grad=True, local_window_size=(64, 0), logits_soft_cap=30.0)[BWD]
+  assert capped.implementation == "pallas" and "soft cap with masks beyond causal" in capped.note
   for h, tangent_on in ((128, MOSAIC), (256, "pallas")):
     q, kv = jnp.zeros((2, 256, 4, h), jnp.bfloat16), jnp.zeros((2, 256, 2, h), jnp.bfloat16)
     tangent = lambda q: jax.jvp(lambda q: pallax.dot_product_attention(q, kv, kv), (q,), (q,))
@@ -287,7 +294,9 @@ def test_supports_and_the_ring_in_shared_memory():
   assert "2 slots with masks" in supports(config(64, 64, 4), stage="bwd", **causal)
   assert supports(config(64, 64, 4), stage="bwd", **PARAMS) is None
   capped = {**causal, "logits_soft_cap": 30.0}
-  assert "soft cap with masks up to head dim 64" in supports(config(), stage="bwd", **capped)
+  assert supports(config(), stage="bwd", **capped) is None
+  capped_lengths = {**capped, "has_lengths": True}
+  assert "soft cap with masks beyond causal" in supports(config(), stage="bwd", **capped_lengths)
   lengths = {**PARAMS, "has_lengths": True}
   assert supports(config(), stage="bwd", **lengths) is None
   assert supports(config(), stage="fwd", **lengths) is None

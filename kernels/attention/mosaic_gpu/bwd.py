@@ -198,7 +198,7 @@ class _Kernels:
             s = ring.slot(u)
             ring.wait(0, u)
             x = scores(k_smem.at[wg], self._t(q_smem, qt_smem, s), (bk, bq))
-            z, slope = tiles.logits2(p, x, cap_grad=True)
+            z = tiles.logits2(p, x)
 
             def keep():
               ids = None if k_seg is None else (k_seg, form.vector(seg_smem[1].at[s], 1))
@@ -216,6 +216,7 @@ class _Kernels:
             probs = jnp.exp2(z - column(lse_smem))
             ds = probs * dp  # P (dP - delta)
             ring.release(2, u)
+            slope = tiles.cap_slope(p, z)
             ds = ds if slope is None else ds * slope
             weights = form.operand(probs.astype(p.dtype), st_smem, wg)
             dv = form.accumulate(dv, lambda acc_ref: plgpu.wgmma(acc_ref, weights, do_smem.at[s]))

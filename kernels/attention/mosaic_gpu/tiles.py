@@ -248,6 +248,20 @@ def logits2(p: Problem, x: jax.Array, cap_grad: bool = False):
   return (z, slope) if cap_grad else z
 
 
+def cap_slope(p: Problem, z: jax.Array) -> Optional[jax.Array]:
+  """The soft cap's slope ``1 - tanh^2`` from ``logits2``'s capped logits (None without a cap).
+
+  Hidden logits (-inf) give 0. For a kernel where ``z`` stays live anyway:
+  the slope is then not held beside it (at head dim 128 the dk/dv kernel's
+  masked steps spilled with both).
+  """
+  if p.soft_cap is None:
+    return None
+  bound = p.soft_cap * LOG2E
+  t = jnp.maximum(z, -bound) * (1.0 / bound)
+  return 1.0 - t * t
+
+
 def masked(z: jax.Array, keep: Optional[jax.Array]) -> jax.Array:
   return z if keep is None else jnp.where(keep, z, NEG_INF)
 
