@@ -25,8 +25,8 @@ Every implementation works on a *work list*: each sequence's queries cut
 into items of ``block_q`` tokens (``work_list``), so that an item's rows share
 one sequence's keys, read once for all of them. The items' queries are
 gathered into aligned blocks (``item_queries``; the Triton kernel reads
-decode-sized items from the tokens instead) and the results scattered
-back to their tokens (``scatter_tokens``): ``run_items`` does all three around
+decode-sized items from the tokens instead) and each token gathers its
+result from its item (``token_results``): ``run_items`` does all three around
 an implementation's item kernel. The logits are ``paged_attention``'s.
 """
 
@@ -90,25 +90,35 @@ class Items:
   start: jax.Array
 
 
+def _chunks(block_q: int, cu_q_lens, num_seqs):
+  """Per sequence slot: its items (0 for slots not in use) and the index of its first."""
+  live = jnp.arange(cu_q_lens.shape[0] - 1) < num_seqs[0]
+  chunks = -(-jnp.where(live, cu_q_lens[1:] - cu_q_lens[:-1], 0) // block_q)
+  return chunks, jnp.cumsum(chunks) - chunks
+
+
+def _owner(ends, at, bound: int) -> jax.Array:
+  """The slot whose ``[start, end)`` range holds each of ``at``: ends ``<= at`` counted.
+
+  Compared all at once (``len(at) x S`` booleans). The default binary search
+  is a loop of dependent steps, each its own kernels on a GPU: with it, a
+  decode step of 32 sequences took 479 us on an H200, without it 271 us.
+  """
+  owner = jnp.searchsorted(ends, at, side="right", method="compare_all")
+  return jnp.minimum(owner, bound - 1).astype(jnp.int32)
+
+
 def work_list(p: Problem, block_q: int, kv_lens, cu_q_lens, num_seqs) -> Items:
   """Each sequence's queries cut into items of ``block_q`` tokens, in sequence order."""
-  live = jnp.arange(p.max_seqs) < num_seqs[0]
-  q_lens = jnp.where(live, cu_q_lens[1:] - cu_q_lens[:-1], 0)
-  chunks = -(-q_lens // block_q)
-  ends = jnp.cumsum(chunks)
+  chunks, first = _chunks(block_q, cu_q_lens, num_seqs)
   item = jnp.arange(items_bound(p, block_q), dtype=jnp.int32)
-  # The sequence of each item: how many sequences' items end at or before it,
-  # compared all at once (I x S booleans). The default binary search is a loop
-  # of dependent steps, each its own kernels on a GPU: with it, a decode step
-  # of 32 sequences took 479 us on an H200, without it 271 us.
-  seq = jnp.searchsorted(ends, item, side="right", method="compare_all")
-  seq = jnp.minimum(seq, p.max_seqs - 1).astype(jnp.int32)
-  used = item < ends[-1]
-  q0 = (item - (ends[seq] - chunks[seq])) * block_q
+  seq = _owner(first + chunks, item, p.max_seqs)
+  used = item < jnp.sum(chunks)
+  q0 = (item - first[seq]) * block_q
   return Items(
     seq=seq,
     q0=jnp.where(used, q0, 0),
-    q_len=jnp.where(used, q_lens[seq], 0),
+    q_len=jnp.where(used, cu_q_lens[seq + 1] - cu_q_lens[seq], 0),
     kv_len=jnp.where(used, kv_lens[seq], 0),
     start=cu_q_lens[seq] + jnp.where(used, q0, 0),
   )
@@ -122,19 +132,25 @@ def item_queries(q, items: Items, block_q: int) -> jax.Array:
   return jnp.swapaxes(x, 1, 2).reshape(x.shape[0], kh, block_q * g, h)
 
 
-def scatter_tokens(x, items: Items, block_q: int, tokens: int, fill) -> jax.Array:
-  """Items' results ``(I, K, block_q * G, ...)`` back at their tokens ``(T, K, G, ...)``.
+def token_results(x, block_q: int, tokens: int, cu_q_lens, num_seqs, fill) -> jax.Array:
+  """Items' results ``(I, K, block_q * G, ...)`` at their tokens ``(T, K, G, ...)``.
 
-  Rows past an item's queries are dropped; tokens no item holds get ``fill``.
+  Each token gathers its row of its item (token ``t`` of sequence ``s`` is row
+  ``(t - start) % block_q`` of the sequence's item ``(t - start) // block_q``):
+  one pass writing every token once, where a scatter of the items' rows first
+  fills the tokens that no item holds. Those (past ``cu_q_lens[num_seqs]``) get
+  ``fill``.
   """
   i, kh, rows = x.shape[:3]
-  g = rows // block_q
-  x = jnp.swapaxes(x.reshape(i, kh, block_q, g, *x.shape[3:]), 1, 2)
-  j = jnp.arange(block_q)
-  live = items.q0[:, None] + j < items.q_len[:, None]
-  where = jnp.where(live, items.start[:, None] + j, tokens)  # row ``tokens``: dropped
-  out = jnp.full((tokens, kh, g, *x.shape[4:]), fill, x.dtype)
-  return out.at[where.reshape(-1)].set(x.reshape(-1, *x.shape[2:]), mode="drop")
+  x = x.reshape(i, kh, block_q, rows // block_q, *x.shape[3:])
+  token = jnp.arange(tokens, dtype=jnp.int32)
+  _, first = _chunks(block_q, cu_q_lens, num_seqs)
+  seqs = cu_q_lens.shape[0] - 1
+  seq = _owner(cu_q_lens[1:], token, seqs)
+  offset = token - cu_q_lens[seq]
+  out = x[first[seq] + offset // block_q, :, offset % block_q]  # (T, K, G, ...)
+  live = token < cu_q_lens[jnp.clip(num_seqs[0], 0, seqs)]
+  return jnp.where(live.reshape(-1, *[1] * (out.ndim - 1)), out, jnp.asarray(fill, x.dtype))
 
 
 def row_positions(q0, q_len, kv_len, rows: int, groups: int):
@@ -184,7 +200,5 @@ def run_items(
   items = work_list(p, block_q, kv_lens, cu_q_lens, num_seqs)
   queries = item_queries(q, items, block_q) if gather_queries else q
   out, lse = item_kernel(queries, k_pages, v_pages, items, page_indices[items.seq])
-  return [
-    scatter_tokens(out, items, block_q, p.tokens, 0),
-    scatter_tokens(lse, items, block_q, p.tokens, -jnp.inf),
-  ]
+  at_tokens = lambda x, fill: token_results(x, block_q, p.tokens, cu_q_lens, num_seqs, fill)
+  return [at_tokens(out, 0), at_tokens(lse, -jnp.inf)]

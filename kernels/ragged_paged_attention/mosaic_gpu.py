@@ -21,8 +21,9 @@ overhanging the sequence's cache holds rows of no token of it (another
 sequence's, or unwritten: NaN in the tests), whose values would poison
 ``P V`` even at probability 0: the consumer zeroes them in SMEM first. The
 splits' partial softmaxes (flash-decoding's split of a few long items) are
-combined by XLA (``paged_attention``'s ``combine_splits``), and the items'
-rows are gathered and scattered around the kernel (``common.run_items``).
+combined by XLA (``paged_attention``'s ``combine_splits``), the items' query
+rows gathered before the kernel and each token's result after it
+(``common.run_items``).
 
 Interpreted (the CPU check), the kernel takes the key pool transposed in
 GMEM and stages ``P`` through SMEM (``pallax.pallas_mosaic_gpu.Form``).
