@@ -132,7 +132,7 @@ TOOLS = (
       # and sinks on top of the causal mask) stand for them.
       "attention_causal": SweepOp(_causal, _qkv, SIZES[:4], QUICK, candidates=False),
       # The heuristic's blocks with a soft cap on the causal mask: above head
-      # dim 64 the Mosaic GPU backward takes a cap with no other mask.
+      # dim 64 the Mosaic GPU backward takes a cap with no mask beyond the causal one.
       "attention_capped": SweepOp(_capped, _qkv, QUICK, QUICK, candidates=False),
       # The two trailing int32 arrays are the query's and key's segment ids.
       "attention_features": SweepOp(

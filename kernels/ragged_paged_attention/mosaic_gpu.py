@@ -36,6 +36,7 @@ checked interpreted and compiled for H100, and has not run on a GPU yet.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from collections.abc import Sequence
 from typing import Any, Optional
 
@@ -51,6 +52,7 @@ from pallax.kernels.attention.common import NEG_INF
 from pallax.kernels.attention.mosaic_gpu import tiles
 from pallax.kernels.attention.mosaic_gpu.tiles import LN2, broadcast
 from pallax.kernels.paged_attention.common import combine_splits
+from pallax.kernels.paged_attention.config import split_space, splits_for
 from pallax.kernels.ragged_paged_attention import common
 from pallax.pallas_mosaic_gpu import plgpu
 
@@ -61,6 +63,8 @@ _PAGE_QUANTUM = 8
 # Columns of the float32 output tile that leave SMEM at a time: a whole one
 # at head dim 256 took SMEM the ring needs.
 _OUT_COLS = 128
+# The head dims it takes (each a whole number of ``_OUT_COLS`` or less).
+_HEAD_DIMS = (64, 128, 256)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -68,8 +72,8 @@ class MosaicGpuRaggedPagedAttentionConfig(KernelConfig):
   """Blocks of the Mosaic GPU ragged-paged-attention kernel.
 
   block_q: query tokens per item of the work list; ``block_q * G`` rows at most 64.
-  block_k: keys a step, a multiple of 64 that is a multiple of the page size
-    or divides it.
+  block_k: keys a step, a multiple of 64 up to 256 that is a multiple of the
+    page size or divides it.
   num_stages: slots of the producer's SMEM ring (at least 2).
   num_splits: parts of an item's keys run by blocks of their own, combined after.
   """
@@ -98,12 +102,9 @@ def call_reason(p: common.Problem) -> Optional[str]:
   """Why the kernel cannot run this call whatever its blocks, if it cannot."""
   if jnp.dtype(p.dtype) not in mgpu.GEMM_INPUTS:
     return f"the Mosaic GPU kernel takes bfloat16 and float16, not {jnp.dtype(p.dtype)}"
-  if p.head_dim % 64 or p.value_dim % 64 or max(p.head_dim, p.value_dim) > 256:
+  if p.head_dim not in _HEAD_DIMS or p.value_dim not in _HEAD_DIMS:
     # Padding a head dim would copy the whole page pool.
-    return (
-      f"head dims (q/k {p.head_dim}, v {p.value_dim}) must be multiples of 64 up to 256 on "
-      "Mosaic GPU"
-    )
+    return f"head dims (q/k {p.head_dim}, v {p.value_dim}) must be 64, 128 or 256 on Mosaic GPU"
   if p.page_size % _PAGE_QUANTUM:
     return f"page_size {p.page_size} must be a multiple of {_PAGE_QUANTUM} on Mosaic GPU (TMA rows)"
   if p.groups > ROWS:
@@ -152,14 +153,14 @@ def candidates(
     return []
   mean = -(-p.tokens // max(1, p.max_seqs))
   qs = {1, max(1, min(pu.next_pow2(mean), ROWS // p.groups))}
-  splits = {1, 4, 16}
-  out = [
-    MosaicGpuRaggedPagedAttentionConfig(block_q=bq, block_k=bk, num_stages=st, num_splits=sp)
-    for bq in sorted(qs)
-    for bk in (64, 128)
-    for st in (2, 4)
-    for sp in sorted(splits)
-  ]
+  out = []
+  for bq, bk, st in itertools.product(sorted(qs), (64, 128), (2, 4)):
+    # Splits filling the GPU, as the Triton kernel's (the items counted as T / block_q).
+    items = -(-p.tokens // bq) * p.kv_heads
+    for sp in split_space(splits_for(items, p.max_len, bk)):
+      out.append(
+        MosaicGpuRaggedPagedAttentionConfig(block_q=bq, block_k=bk, num_stages=st, num_splits=sp)
+      )
   return [c for c in out if _config_reason(p, c) is None]
 
 
@@ -174,6 +175,9 @@ def ragged_paged_attention(
   form = mgpu.Form.of(interpret)
   bq, bk, stages, splits = config.block_q, config.block_k, config.num_stages, config.num_splits
   rows, ps, h, hv = bq * p.groups, p.page_size, p.head_dim, p.value_dim
+  # The rows that leave the kernel: the item's, rounded up to whole 32-byte
+  # TMA rows of the float32 statistics (the 64 the consumer computes are padding past them).
+  kept = mgpu.round_up(rows, 8)
   # Each step's keys arrive as ``copies`` TMA copies of ``span`` rows of one page.
   span = min(bk, ps)
   copies = bk // span
@@ -208,7 +212,7 @@ def ragged_paged_attention(
       # Key blocks every row sees whole: below the first query's position,
       # within the last's window and the cache.
       u_hi = jnp.minimum(kv_len - q_len + q0 + 1, kv_len)
-      u_lo = lo if p.window is None else kv_len - q_len + jnp.minimum(q0 + bq, q_len) - p.window
+      u_lo = lo if p.window is None else hi - p.window
 
       def keep(j):
         keys = broadcast(j * bk + form.positions(bk, 1), (ROWS, bk), 1)
@@ -262,9 +266,9 @@ def ragged_paged_attention(
         o_smem[...] = acc[:, c0 : c0 + o_smem.shape[1]]
         plgpu.commit_smem()
         part = pl.ds(c0, o_smem.shape[1])
-        plgpu.copy_smem_to_gmem(o_smem, acc_ref.at[i, kh, split, :, part])
-      plgpu.copy_smem_to_gmem(stat_smem.at[0], m_ref.at[i, kh, split])
-      plgpu.copy_smem_to_gmem(stat_smem.at[1], l_ref.at[i, kh, split])
+        plgpu.copy_smem_to_gmem(o_smem.at[:kept], acc_ref.at[i, kh, split, :, part])
+      plgpu.copy_smem_to_gmem(stat_smem.at[0, :kept], m_ref.at[i, kh, split])
+      plgpu.copy_smem_to_gmem(stat_smem.at[1, :kept], l_ref.at[i, kh, split])
       plgpu.wait_smem_to_gmem(0)
 
     @pl.when(wg == 1)
@@ -304,11 +308,11 @@ def ragged_paged_attention(
       plgpu.Barrier(num_arrivals=1),
       mgpu.Ring.barriers((copies, copies), stages, 1),
     ]
-    stats = jax.ShapeDtypeStruct((n, p.kv_heads, splits, ROWS), jnp.float32)
+    stats = jax.ShapeDtypeStruct((n, p.kv_heads, splits, kept), jnp.float32)
     m, denom, acc = form.launch(
       body,
       (facts, table, q, k, v_pages),
-      (stats, stats, jax.ShapeDtypeStruct((n, p.kv_heads, splits, ROWS, hv), jnp.float32)),
+      (stats, stats, jax.ShapeDtypeStruct((n, p.kv_heads, splits, kept, hv), jnp.float32)),
       grid=(n, p.kv_heads, splits),
       grid_names=("item", "kv", "split"),
       scratch=scratch,

@@ -40,9 +40,12 @@ CASES = {
   # MQA (4 query heads a kv head), 8-token pages: 8 TMA copies a 64-key step;
   # sequence 0's 70 keys in two blocks, one a split, the second overhanging
   # its cache into NaN rows; sequence 1's 6 queries in two items of 4 tokens,
-  # their causal edge inside a block within the cache.
+  # their causal edge inside a block within the cache; sequence 2's 30 keys
+  # in one block, its second split empty.
   "mqa-small-pages-splits": (
-    Batch(q_lens=(1, 6), kv_lens=(70, 130), n=4, k=1, h=64, pages_per_sequence=17, pad_tokens=1),
+    Batch(
+      q_lens=(1, 6, 1), kv_lens=(70, 130, 30), n=4, k=1, h=64, pages_per_sequence=17, pad_tokens=1
+    ),
     jnp.bfloat16,
     Config(block_q=4, block_k=64, num_stages=2, num_splits=2),
     {},
@@ -113,14 +116,15 @@ def _avals(dtype=jnp.bfloat16, h=128, page_size=16, n=32, k=8):
   "change, config, match",
   [
     (dict(dtype=jnp.float32), Config(), "bfloat16 and float16"),
-    (dict(h=80), Config(), "multiples of 64"),
+    (dict(h=80), Config(), "64, 128 or 256"),
+    (dict(h=192), Config(), "64, 128 or 256"),
     (dict(page_size=4), Config(), "page_size 4"),
     ({}, Config(block_k=96), "block_k=96"),
     (dict(page_size=48), Config(block_k=64), "one must divide the other"),
     ({}, Config(block_q=32), "64 rows"),
     (dict(h=256), Config(block_k=256, num_stages=4), "bytes of SMEM"),
   ],
-  ids=["float32", "head-80", "page-4", "block-96", "page-48", "rows", "smem"],
+  ids=["float32", "head-80", "head-192", "page-4", "block-96", "page-48", "rows", "smem"],
 )
 def test_refusals_name_the_reason(change, config, match):
   avals, params = _avals(**change)

@@ -251,14 +251,15 @@ def logits2(p: Problem, x: jax.Array, cap_grad: bool = False):
 def cap_slope(p: Problem, z: jax.Array) -> Optional[jax.Array]:
   """The soft cap's slope ``1 - tanh^2`` from ``logits2``'s capped logits (None without a cap).
 
-  Hidden logits (-inf) give 0. For a kernel where ``z`` stays live anyway:
+  Hidden logits (-inf) give 0, and so do the saturated ends (``|t|`` clipped
+  to 1: ``z / bound`` rounds a few ulps past it). For a kernel where ``z`` stays live anyway:
   the slope is then not held beside it (at head dim 128 the dk/dv kernel's
   masked steps spilled with both).
   """
   if p.soft_cap is None:
     return None
   bound = p.soft_cap * LOG2E
-  t = jnp.maximum(z, -bound) * (1.0 / bound)
+  t = jnp.clip(z * (1.0 / bound), -1.0, 1.0)
   return 1.0 - t * t
 
 
