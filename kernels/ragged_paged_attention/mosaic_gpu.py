@@ -3,16 +3,16 @@
 One block of threads per (item of the work list, kv head, split), two
 warpgroups:
 
-* a producer warpgroup streams the
-  item's key blocks of ``block_k`` tokens into a ``num_stages``-deep SMEM
-  ring (``pallax.pallas_mosaic_gpu.Ring``), each block gathered through the
-  sequence's page table as one TMA copy per page it spans (or one slice of a
-  page larger than the block);
+* a producer warpgroup streams the item's key blocks of ``block_k`` tokens
+  into a ``num_stages``-deep SMEM ring (``pallax.pallas_mosaic_gpu.Ring``),
+  each block gathered through the sequence's page table as one TMA copy per
+  page it spans (or one slice of a page larger than the block);
 * a consumer warpgroup holds the item's rows (``block_q`` tokens times the kv
-  head's ``G`` query heads, padded to ``wgmma``'s 64) and issues ``S = Q K^T``
-  and ``O += P V`` on the tensor cores with asynchronous ``wgmma``, the
-  online softmax (in base 2) in between, waiting for the next block's keys
-  while its ``P V`` runs.
+  head's ``G`` query heads, padded to ``wgmma``'s 64: one TMA copy of 64
+  consecutive rows of the kv head's query rows, which XLA lays out
+  token-major once a call) and issues ``S = Q K^T`` and ``O += P V`` on the
+  tensor cores with asynchronous ``wgmma``, the online softmax (in base 2)
+  in between, waiting for the next block's keys while its ``P V`` runs.
 
 Blocks the item's queries cannot see (``common.key_range``) are never
 loaded; the causal (bottom-right) and window masks apply to the blocks at
@@ -21,9 +21,8 @@ overhanging the sequence's cache holds rows of no token of it (another
 sequence's, or unwritten: NaN in the tests), whose values would poison
 ``P V`` even at probability 0: the consumer zeroes them in SMEM first. The
 splits' partial softmaxes (flash-decoding's split of a few long items) are
-combined by XLA (``paged_attention``'s ``combine_splits``), the items' query
-rows gathered before the kernel and each token's result after it
-(``common.run_items``).
+combined by XLA (``paged_attention``'s ``combine_splits``), and each token
+gathers its result from its item's (``common.run_items``).
 
 Interpreted (the CPU check), the kernel takes the key pool transposed in
 GMEM and stages ``P`` through SMEM (``pallax.pallas_mosaic_gpu.Form``).
@@ -187,7 +186,7 @@ def ragged_paged_attention(
     q_smem, k_smem, v_smem, o_smem, stat_smem, p_smem = smem
     i, kh, split = lax.axis_index("item"), lax.axis_index("kv"), lax.axis_index("split")
     wg = lax.axis_index("wg")
-    q0, q_len, kv_len = (facts_ref[f, i] for f in range(3))
+    q0, q_len, kv_len, start = (facts_ref[f, i] for f in range(4))
     lo, hi = common.key_range(p, q0, q_len, kv_len, bq)
     # This split's share of the item's key blocks.
     first, last = lax.div(lo, jnp.int32(bk)), lax.div(hi + (bk - 1), jnp.int32(bk))
@@ -205,7 +204,9 @@ def ragged_paged_attention(
 
     @pl.when(wg == 0)
     def _consumer():
-      plgpu.copy_gmem_to_smem(q_ref.at[i, kh], q_smem, q_full)
+      # Row r is query head r % G of token start + r // G: row start * G + r
+      # of the kv head's rows, the 64 from there in one copy.
+      plgpu.copy_gmem_to_smem(q_ref.at[kh, pl.ds(start * p.groups, ROWS)], q_smem, q_full)
       plgpu.barrier_wait(q_full)
       # Row r is query q0 + r // G; rows past the item's are dropped after.
       positions = kv_len - q_len + q0 + lax.div(form.positions(ROWS, 0), jnp.int32(p.groups))
@@ -289,11 +290,15 @@ def ragged_paged_attention(
 
       ring.produce(step_copies)
 
-  def items_kernel(q_items, k_pages, v_pages, items, table):
-    n = q_items.shape[0]
-    q = jnp.pad(q_items, ((0, 0), (0, 0), (0, ROWS - rows), (0, 0)))
+  def items_kernel(q, k_pages, v_pages, items, table):
+    n = items.q0.shape[0]
+    # Each kv head's query rows token-major, (K, T * G + 64, H): every item's
+    # 64 rows one box, past the last token zeros (a copy of q, not of the
+    # items' padded rows).
+    q = jnp.swapaxes(q, 0, 1).reshape(p.kv_heads, p.tokens * p.groups, h)
+    q = jnp.pad(q, ((0, 0), (0, ROWS), (0, 0)))
     k = k_pages if form.hopper else jnp.swapaxes(k_pages, 2, 3)  # no transposed wgmma operand
-    facts = jnp.stack([items.q0, items.q_len, items.kv_len]).astype(jnp.int32)
+    facts = jnp.stack([items.q0, items.q_len, items.kv_len, items.start]).astype(jnp.int32)
     swizzled = mgpu.swizzle_transforms(p.dtype)
     k_tile = (bk, h) if form.hopper else (h, bk)
     scratch = [
@@ -323,7 +328,7 @@ def ragged_paged_attention(
     live = slice(0, rows)
     return combine_splits(m[..., live], denom[..., live], acc[..., live, :], p.dtype)
 
-  return common.run_items(p, bq, operands, items_kernel)
+  return common.run_items(p, bq, operands, items_kernel, gather_queries=False)
 
 
 def _zero_past(form: mgpu.Form, v_ref, start, kv_len) -> None:
