@@ -9,7 +9,8 @@
 # - tune: bench/hopper_tune.py (its cases: TUNE), every candidate of the benches' kernel calls
 #   timed (what the heuristics should pick), the winners exported to tuned.json.
 # - attention_bench: bench/test_attention_hopper.py, Mosaic GPU attention vs
-#   Pallas-Triton vs cuDNN.
+#   Pallas-Triton vs cuDNN (forward, forward+backward), and vs XLA under jvp
+#   (where cuDNN's custom_vjp raises).
 # - matmul_bench: bench/test_matmul_hopper.py, Mosaic GPU matmul vs the
 #   executor's choice vs cuBLAS.
 # - paged_bench: bench/test_paged_attention.py, the full-context decode case
@@ -65,7 +66,7 @@ tests=(env PALLAX_TEST_PLATFORM=gpu python3 -m pytest -n 0 -p no:cacheprovider -
 # shellcheck disable=SC2086  # TUNE: the cases, words
 step tune 240 env PALLAX_CACHE_DIR="$out/tune_cache" python3 bench/hopper_tune.py "$out" \
   ${TUNE:-paged ragged attention}
-step attention_bench 260 "${bench[@]}" bench/test_attention_hopper.py \
+step attention_bench 340 "${bench[@]}" bench/test_attention_hopper.py \
   --benchmark-json "$out/attention_bench.json"
 step matmul_bench 80 "${bench[@]}" bench/test_matmul_hopper.py \
   --benchmark-json "$out/matmul_bench.json"

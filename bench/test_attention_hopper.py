@@ -6,14 +6,20 @@ Run on an H100 or H200 (issue 28's table)::
       --benchmark-json hopper.json
 
 Cases: bfloat16, N = 16 query and key/value heads, H = 128, B = 4 at S = 4096
-and B = 2 at S = 8192, causal or not, ``fwd`` and ``fwd+bwd`` (``bench/modes.py``).
-Each case times, in one process and one test, three implementations:
+and B = 2 at S = 8192, causal or not, ``fwd``, ``fwd+bwd`` and ``jvp``
+(``bench/modes.py``). Each case times, in one process and one test, three
+implementations:
 
 * ``pallax``: the executor's choice, on Hopper the Mosaic GPU kernels
   (``pallax.explain``'s picks are recorded in ``pallax_kernels``);
 * ``pallax-triton``: the same call with the Pallas-Triton kernels' own
   heuristic configs pinned (an executor overlay);
-* ``cudnn``: ``jax.nn.dot_product_attention(implementation="cudnn")``.
+* ``cudnn``: ``jax.nn.dot_product_attention(implementation="cudnn")``; under
+  ``jvp``, where cuDNN's ``custom_vjp`` raises, ``xla``: the same with
+  ``implementation="xla"`` (what JAX users get for a tangent).
+
+``jvp`` counts 3x the forward's FLOPs (``Q K^T``, ``P V`` and, for the
+tangent, ``dQ K^T``, ``Q dK^T``, ``(P dS) V`` and ``P dV``) and twice its bytes.
 
 The benchmark itself is pallax's; the other two are timed the same way (median
 of ``side_by_side.ROUNDS`` calls after a warm-up). ``extra_info``: ``tflop_per_s`` of each
@@ -25,7 +31,9 @@ the first 128 query rows. Without an NVIDIA GPU the cases are not collected:
 nothing here runs on a CPU.
 """
 
+import dataclasses
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -47,28 +55,63 @@ CASES = [
   for batch, seq in ((4, 4096), (2, 8192))
   for causal in (False, True)
 ]
-IMPLS = ("pallax", "pallax-triton", "cudnn")
+IMPLS = {"fwd": "cudnn", "fwd+bwd": "cudnn", "jvp": "xla"}  # mode -> the baseline
 
 
 pytestmark = pytest.mark.nvidia_gpu  # deselected off an NVIDIA GPU (bench/conftest.py)
 
 
-def _inputs(case):
-  keys = jax.random.split(jax.random.key(0), 4)
+def _inputs(case, mode):
+  """``q, k, v`` and the mode's extras: the output's cotangent, or the inputs' tangents."""
+  keys = jax.random.split(jax.random.key(0), 6)
   b, t, n, h = case.batch, case.seq, case.heads, case.head_dim
   shape = (b, t, n, h)
-  q, k, v = (jax.random.normal(key, shape, jnp.float32).astype(jnp.bfloat16) for key in keys[:3])
-  return q, k, v, jax.random.normal(keys[3], shape, jnp.float32)
+  normal = lambda key: jax.random.normal(key, shape, jnp.float32).astype(jnp.bfloat16)
+  if mode == "jvp":
+    return tuple(normal(key) for key in keys)
+  return (*(normal(key) for key in keys[:3]), jax.random.normal(keys[3], shape, jnp.float32))
 
 
 def _function(impl, case, mode):
-  if impl == "cudnn":
+  if impl in ("cudnn", "xla"):
     f = lambda q, k, v: jax.nn.dot_product_attention(
-      q, k, v, is_causal=case.causal, implementation="cudnn"
+      q, k, v, is_causal=case.causal, implementation=impl
     )
   else:
     f = lambda q, k, v: pallax.dot_product_attention(q, k, v, is_causal=case.causal)
+  if mode == "jvp":
+    return lambda q, k, v, dq, dk, dv: jax.jvp(f, (q, k, v), (dq, dk, dv))
   return f if mode == "fwd" else modes.fwd_bwd(f, 3)
+
+
+def _tangent_rows(case, inputs, rows=CHECK_ROWS):
+  """Float64 tangent of the output of the first ``rows`` queries (``jvp``)."""
+  q, k, v, dq, dk, dv = (np.asarray(x.astype(jnp.float32), np.float64) for x in inputs)
+  q, dq = q[:, :rows], dq[:, :rows]
+  scale = 1 / math.sqrt(case.head_dim)
+  s = np.einsum("brnh,bsnh->bnrs", q, k, optimize=True) * scale
+  ds = np.einsum("brnh,bsnh->bnrs", dq, k, optimize=True) + np.einsum(
+    "brnh,bsnh->bnrs", q, dk, optimize=True
+  )
+  ds = ds * scale
+  if case.causal:
+    visible = np.arange(k.shape[1])[None, :] <= np.arange(rows)[:, None]
+    s = np.where(visible, s, -np.inf)
+    ds = np.where(visible, ds, 0.0)
+  p = np.exp(s - s.max(-1, keepdims=True))
+  p /= p.sum(-1, keepdims=True)
+  dp = p * (ds - np.sum(p * ds, -1, keepdims=True))
+  return np.einsum("bnrs,bsnh->brnh", dp, v, optimize=True) + np.einsum(
+    "bnrs,bsnh->brnh", p, dv, optimize=True
+  )
+
+
+def _work(case, mode):
+  """The case's FLOPs and bytes (``jvp``: the module docstring's estimate)."""
+  if mode != "jvp":
+    return attention_work(case, mode)
+  fwd = attention_work(case, "fwd")
+  return dataclasses.replace(fwd, flops=3 * fwd.flops, bytes=2 * fwd.bytes)
 
 
 def _triton_pins(fn, inputs) -> dict:
@@ -91,22 +134,23 @@ def _compiled(impl, case, mode, inputs):
 
 
 def _checked(mode, result):
-  out = result if mode == "fwd" else result[1][0]
+  out = {"fwd": result, "fwd+bwd": result[1][0], "jvp": result[1]}[mode]
   return np.asarray(out[:, :CHECK_ROWS].astype(jnp.float32), np.float64)
 
 
-@pytest.mark.parametrize("mode", ["fwd", "fwd+bwd"])
+@pytest.mark.parametrize("mode", list(IMPLS))
 @pytest.mark.parametrize("case", CASES, ids=lambda c: f"B{c.batch}-{c.id}")
 def test_hopper_attention(benchmark, request, case, mode):
   benchmark.group = f"hopper-B{case.batch}-{case.id}-{mode}"
-  inputs = jax.block_until_ready(_inputs(case))
-  want = reference_rows(case, mode, inputs)
-  compiled = {impl: _compiled(impl, case, mode, inputs) for impl in IMPLS}
+  inputs = jax.block_until_ready(_inputs(case, mode))
+  want = _tangent_rows(case, inputs) if mode == "jvp" else reference_rows(case, mode, inputs)
+  baseline = IMPLS[mode]
+  impls = ("pallax", "pallax-triton", baseline)
+  compiled = {impl: _compiled(impl, case, mode, inputs) for impl in impls}
   picks = pallax.explain(_function("pallax", case, mode), *compiled["pallax"][1])
   benchmark.extra_info["pallax_kernels"] = [
     f"{s.op}: {s.implementation} ({s.source})" for s in picks
   ]
   calls = {impl: functools.partial(exe, *args) for impl, (exe, args) in compiled.items()}
   error = lambda result: rel_err(_checked(mode, result), want)
-  work = attention_work(case, mode)
-  compare(benchmark, request, calls, error, TOLERANCE, work, case.dtype, "cudnn")
+  compare(benchmark, request, calls, error, TOLERANCE, _work(case, mode), case.dtype, baseline)
