@@ -5,8 +5,8 @@ CPU, interpreted, checks the script only). It times, median of 50 calls
 each, for ``bench/test_ragged_paged_attention.py``'s decode case: the
 public ops; the Triton kernels' implementations at the heuristic's configs
 (what the op's primitive runs); and the pieces of the ragged one around its
-kernel (the work list, the items' queries and page-table rows, the scatter
-back to the tokens); then, from a profiler trace, the device's kernels of
+kernel (the work list, the items' queries and page-table rows, each token's
+result gathered from its item); then, from a profiler trace, the device's kernels of
 each public op (``throughput.kernel_times``: without the host's dispatch).
 """
 
@@ -78,14 +78,14 @@ def main() -> None:
       jax.jit(lambda q, table: (common.item_queries(q, items, bq), table[items.seq])),
       (ops[0], table),
     ),
-    "scatter_tokens out + lse": (
+    "token_results out + lse": (
       jax.jit(
-        lambda x: (
-          common.scatter_tokens(x, items, bq, t, 0),
-          common.scatter_tokens(x[..., 0], items, bq, t, -np.inf),
+        lambda x, cu, num: (
+          common.token_results(x, bq, t, cu, num, 0),
+          common.token_results(x[..., 0], bq, t, cu, num, -np.inf),
         )
       ),
-      (item_out,),
+      (item_out, cu, num_seqs),
     ),
   }
   print("device", jax.devices()[0].device_kind, "items", len(items.seq))

@@ -25,7 +25,8 @@ The benchmark itself is pallax's; the other two are timed the same way (median
 of ``side_by_side.ROUNDS`` calls after a warm-up). ``extra_info``: ``tflop_per_s`` of each
 (``pallax.roofline.attention_work``'s FLOPs, causal counting the visible half),
 ``fraction_of_peak_flops`` (989 TFLOP/s dense bf16 on an H100 SXM) and
-``ratio_to_cudnn`` (cuDNN's time over the implementation's: above 1 is faster).
+``ratio_to_cudnn`` (cuDNN's time over the implementation's: above 1 is faster;
+``ratio_to_xla`` under ``jvp``).
 Each implementation's first call is checked against a float64 reference on
 the first 128 query rows. Without an NVIDIA GPU the cases are not collected:
 nothing here runs on a CPU.
@@ -88,6 +89,8 @@ def _tangent_rows(case, inputs, rows=CHECK_ROWS):
   """Float64 tangent of the output of the first ``rows`` queries (``jvp``)."""
   q, k, v, dq, dk, dv = (np.asarray(x.astype(jnp.float32), np.float64) for x in inputs)
   q, dq = q[:, :rows], dq[:, :rows]
+  group = case.heads // case.kv_heads  # query head i uses key/value head i // group, as jax.nn
+  k, v, dk, dv = (np.repeat(x, group, axis=2) for x in (k, v, dk, dv))
   scale = 1 / math.sqrt(case.head_dim)
   s = np.einsum("brnh,bsnh->bnrs", q, k, optimize=True) * scale
   ds = np.einsum("brnh,bsnh->bnrs", dq, k, optimize=True) + np.einsum(

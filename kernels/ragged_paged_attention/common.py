@@ -25,7 +25,8 @@ Every implementation works on a *work list*: each sequence's queries cut
 into items of ``block_q`` tokens (``work_list``), so that an item's rows share
 one sequence's keys, read once for all of them. The items' queries are
 gathered into aligned blocks (``item_queries``; the Triton kernel reads
-decode-sized items from the tokens instead) and each token gathers its
+decode-sized items from the tokens instead, the Mosaic GPU kernel every
+item's) and each token gathers its
 result from its item (``token_results``): ``run_items`` does all three around
 an implementation's item kernel. The logits are ``paged_attention``'s.
 """
@@ -146,10 +147,13 @@ def token_results(x, block_q: int, tokens: int, cu_q_lens, num_seqs, fill) -> ja
   token = jnp.arange(tokens, dtype=jnp.int32)
   _, first = _chunks(block_q, cu_q_lens, num_seqs)
   seqs = cu_q_lens.shape[0] - 1
-  seq = _owner(cu_q_lens[1:], token, seqs)
+  used = jnp.clip(num_seqs[0], 0, seqs)
+  # The slots in use end where their ranges do, the others all at the last's end.
+  seq = _owner(cu_q_lens[jnp.minimum(jnp.arange(1, seqs + 1), used)], token, seqs)
   offset = token - cu_q_lens[seq]
-  out = x[first[seq] + offset // block_q, :, offset % block_q]  # (T, K, G, ...)
-  live = token < cu_q_lens[jnp.clip(num_seqs[0], 0, seqs)]
+  # (T, K, G, ...); tokens past the sequences' (replaced below) may point past the items.
+  out = x.at[first[seq] + offset // block_q, :, offset % block_q].get(mode="clip")
+  live = token < cu_q_lens[used]
   return jnp.where(live.reshape(-1, *[1] * (out.ndim - 1)), out, jnp.asarray(fill, x.dtype))
 
 

@@ -47,7 +47,6 @@ from jax.experimental import pallas as pl
 from pallax import pallas_mosaic_gpu as mgpu
 from pallax import pallas_utils as pu
 from pallax.executor.config import KernelConfig
-from pallax.kernels.attention.common import NEG_INF
 from pallax.kernels.attention.mosaic_gpu import tiles
 from pallax.kernels.attention.mosaic_gpu.tiles import LN2, broadcast
 from pallax.kernels.paged_attention.common import combine_splits
@@ -220,7 +219,6 @@ def ragged_paged_attention(
         return common.visible(p, broadcast(positions, (ROWS, bk), 0), True, keys, kv_len)
 
       def step(j, carry):
-        acc, m, denom = carry
         s = ring.slot(j)
         keys = plgpu.transpose_ref(k_smem.at[s], (1, 0)) if form.hopper else k_smem.at[s]
 
@@ -233,32 +231,16 @@ def ragged_paged_attention(
         ring.release(0, j)
         is_masked = (j * bk < u_lo) | ((j + 1) * bk > u_hi)
         z = tiles.hiding(is_masked, lambda: keep(j))(tiles.logits2(p, qk))
-        m_new = jnp.maximum(m, z.max(axis=1))
-        m_use = jnp.where(m_new == NEG_INF, 0.0, m_new)
-        alpha = jnp.exp2(m - m_use)
-        e = jnp.exp2(z - broadcast(m_use, z.shape, 0))
-        acc = acc * broadcast(alpha, acc.shape, 0)
-        denom = denom * alpha + e.sum(axis=1)
+        e, acc, m_new, denom = tiles.softmax_step(carry, z)
         weights = form.operand(e.astype(p.dtype), p_smem)
         ring.wait(1, j)
         pl.when((j + 1) * bk > kv_len)(lambda: _zero_past(form, v_smem.at[s], j * bk, kv_len))
-
-        def values(acc_ref):
-          plgpu.wgmma(acc_ref, weights, v_smem.at[s])
-          wait_keys(j + 1)
-
-        acc = form.accumulate(acc, values)
+        acc = tiles.add_values(form, acc, weights, v_smem.at[s], lambda: wait_keys(j + 1))
         ring.release(1, j)
         return acc, m_new, denom
 
-      wgmma = plgpu.Layout.WGMMA
-      init = (
-        form.layout(jnp.zeros((ROWS, hv), jnp.float32), wgmma),
-        form.layout(jnp.full((ROWS,), NEG_INF, jnp.float32), wgmma.reduce(1)),
-        form.layout(jnp.zeros((ROWS,), jnp.float32), wgmma.reduce(1)),
-      )
       wait_keys(j_lo)
-      acc, m, denom = lax.fori_loop(j_lo, j_hi, step, init)
+      acc, m, denom = lax.fori_loop(j_lo, j_hi, step, tiles.softmax_init(form, ROWS, hv))
       stat_smem.at[0][...] = m * LN2  # the natural log's max, as combine_splits takes
       stat_smem.at[1][...] = denom
       for c0 in range(0, hv, o_smem.shape[1]):

@@ -106,7 +106,6 @@ def fwd(*operands, config: MosaicGpuAttentionConfig, interpret: Any, **params) -
         return carry
 
       def step(j, carry, masked: bool):
-        acc, m, denom = carry
         s = ring.slot(j)
         keys = plgpu.transpose_ref(k_smem.at[s], (1, 0)) if form.hopper else k_smem.at[s]
 
@@ -123,33 +122,18 @@ def fwd(*operands, config: MosaicGpuAttentionConfig, interpret: Any, **params) -
           keep = blocks.keep_keys(form, t0, j, ids)
         ring.release(0, j)
         z = tiles.masked(tiles.logits2(p, qk), keep)
-        m_new = jnp.maximum(m, z.max(axis=1))
-        m_use = jnp.where(m_new == NEG_INF, 0.0, m_new) if keep is not None else m_new
-        alpha = jnp.exp2(m - m_use)
-        e = jnp.exp2(z - broadcast(m_use, z.shape, 0))
-        acc = acc * broadcast(alpha, acc.shape, 0)
-        denom = denom * alpha + e.sum(axis=1)
+        e, acc, m_new, denom = tiles.softmax_step(carry, z, hidden=keep is not None)
         e16 = e.astype(p.dtype)
         acc, denom, m_new, e16 = form.barrier((acc, denom, m_new, e16))
         plgpu.barrier_arrive(schedule)  # done with the softmax
         ring.wait(1, j)
         plgpu.barrier_wait(schedule)  # the tensor cores are ours
         weights = form.operand(e16, p_smem, wg)
-
-        def values(acc_ref):
-          plgpu.wgmma(acc_ref, weights, v_smem.at[s])
-          wait_keys(j + 1)
-
-        acc = form.accumulate(acc, values)
+        acc = tiles.add_values(form, acc, weights, v_smem.at[s], lambda: wait_keys(j + 1))
         ring.release(1, j)
         return acc, m_new, denom
 
-      wgmma = plgpu.Layout.WGMMA
-      init = (
-        form.layout(jnp.zeros((bq, h), jnp.float32), wgmma),
-        form.layout(jnp.full((bq,), NEG_INF, jnp.float32), wgmma.reduce(1)),
-        form.layout(jnp.zeros((bq,), jnp.float32), wgmma.reduce(1)),
-      )
+      init = tiles.softmax_init(form, bq, h)
       wait_keys(lo)
       pl.when(wg == 1)(take_turn)
       unmasked = blocks.unmasked_keys(t0, *own)

@@ -263,6 +263,45 @@ def cap_slope(p: Problem, z: jax.Array) -> Optional[jax.Array]:
   return 1.0 - t * t
 
 
+def softmax_init(form: mgpu.Form, rows: int, width: int) -> tuple[jax.Array, ...]:
+  """The online softmax's start in ``wgmma`` layouts: output accumulator, row maxima, row sums.
+
+  A float32 ``(rows, width)`` tile of zeros, maxima -inf and sums 0.
+  """
+  wgmma = plgpu.Layout.WGMMA
+  return (
+    form.layout(jnp.zeros((rows, width), jnp.float32), wgmma),
+    form.layout(jnp.full((rows,), NEG_INF, jnp.float32), wgmma.reduce(1)),
+    form.layout(jnp.zeros((rows,), jnp.float32), wgmma.reduce(1)),
+  )
+
+
+def softmax_step(carry: tuple[jax.Array, ...], z: jax.Array, hidden: bool = True) -> tuple:
+  """One block of base-2 logits ``z`` into the online softmax ``carry = (acc, m, denom)``.
+
+  Returns the block's unnormalised probabilities ``e``, the accumulator
+  rescaled to the new maxima, the new maxima and the new sums. ``hidden``:
+  ``z`` may hide a whole row (-inf), whose maximum is then taken as 0.
+  """
+  acc, m, denom = carry
+  m_new = jnp.maximum(m, z.max(axis=1))
+  m_use = jnp.where(m_new == NEG_INF, 0.0, m_new) if hidden else m_new
+  alpha = jnp.exp2(m - m_use)
+  e = jnp.exp2(z - broadcast(m_use, z.shape, 0))
+  acc = acc * broadcast(alpha, acc.shape, 0)
+  return e, acc, m_new, denom * alpha + e.sum(axis=1)
+
+
+def add_values(form: mgpu.Form, acc, weights, values, overlap: Callable[[], None]) -> jax.Array:
+  """``acc + weights @ values`` on ``wgmma`` (``P V``), ``overlap()`` issued while it runs."""
+
+  def product(acc_ref):
+    plgpu.wgmma(acc_ref, weights, values)
+    overlap()
+
+  return form.accumulate(acc, product)
+
+
 def masked(z: jax.Array, keep: Optional[jax.Array]) -> jax.Array:
   return z if keep is None else jnp.where(keep, z, NEG_INF)
 
