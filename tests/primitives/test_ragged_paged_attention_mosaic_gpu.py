@@ -38,14 +38,14 @@ H100 = Target("cuda", "h100")
 # name -> (batch, dtype, config, statics)
 CASES = {
   # MQA (4 query heads a kv head), 16-token pages: 4 TMA copies a 64-key step;
-  # sequence 0's 70 keys in two blocks, one a split, the second overhanging
-  # its cache into NaN rows; sequence 1's 6 queries in two items of 4 tokens,
-  # their causal edge inside a block within the cache; sequence 2's 30 keys
-  # in one block, its second split empty.
+  # sequence 0's 6 queries in two items of 4 tokens, each over 130 keys in
+  # two splits: their causal edge inside a block within the cache, the last
+  # block overhanging it into NaN rows; sequence 1's 30 keys in one block,
+  # its second split empty.
   "mqa-small-pages-splits": (
     Batch(
-      q_lens=(1, 6, 1),
-      kv_lens=(70, 130, 30),
+      q_lens=(6, 1),
+      kv_lens=(130, 30),
       n=4,
       k=1,
       h=64,
@@ -66,7 +66,7 @@ CASES = {
       q_lens=(3, 1),
       kv_lens=(200, 40),
       n=2,
-      k=2,
+      k=1,
       h=64,
       hv=128,
       page_size=128,
