@@ -45,8 +45,7 @@ FWD, BWD, JVP = (f"dot_product_attention_{s}" for s in ("fwd", "bwd", "jvp"))
 MOSAIC = mosaic_gpu.IMPLEMENTATION
 
 # name -> (case, the backward's implementation): Mosaic GPU's takes a soft
-# cap with masks beyond causal (windows, lengths, segment ids) up to head dim
-# 64 (config.feature_reason), Triton's the rest.
+# cap up to head dim 64 (config.feature_reason), Triton's the rest.
 CASES = {
   "causal-gqa": (Case(b=1, t=130, s=150, n=4, k=2, h=64, is_causal=True), MOSAIC),
   # Rows t >= 238 see no key; head dim 80 padded to 128; large capped logits.
@@ -55,12 +54,9 @@ CASES = {
     "pallas",
   ),
   "sinks-hv-T<S": (Case(b=1, t=64, s=130, n=2, k=2, h=64, hv=32, sinks=True), MOSAIC),
-  # Head dim 128: the dk/dv kernel with one consumer warpgroup; causal with a
-  # soft cap (Gemma 2's global layers), the cap's slope from the logits.
-  "h128-causal-mqa-cap": (
-    Case(b=1, t=100, s=130, n=2, k=1, h=128, is_causal=True, soft_cap=5.0),
-    MOSAIC,
-  ),
+  # Causal with a soft cap (Gemma 2's global layers): the dk/dv kernel's two
+  # consumers take the cap's slope from the logits.
+  "causal-mqa-cap": (Case(b=1, t=100, s=130, n=2, k=1, h=64, is_causal=True, soft_cap=5.0), MOSAIC),
   # A padded batch of packed documents: per-example lengths (rows past q_len
   # see nothing, keys past kv_len are hidden) and segment ids, causal, GQA.
   "lengths-packed-causal": (
@@ -78,8 +74,9 @@ CASES = {
     ),
     MOSAIC,
   ),
-  # Head dim 128 masked: the dk/dv kernel's masked and unmasked steps in one
-  # loop, queries past q_len hidden by their lse alone.
+  # Head dim 128 masked: the dk/dv kernel's masked and unmasked steps of
+  # both query heads (MQA) in one loop, queries past q_len hidden by their
+  # lse alone.
   "h128-lengths-packed-causal": (
     Case(
       b=1,
@@ -237,11 +234,9 @@ def test_the_executor_prefers_mosaic_gpu_on_hopper_only():
   grad = _selection(h100, grad=True)
   assert grad[FWD].implementation == grad[BWD].implementation == MOSAIC
   assert _selection(h100, grad=True, is_causal=True)[BWD].implementation == MOSAIC
-  assert _selection(h100, grad=True, is_causal=True, logits_soft_cap=30.0)[BWD].implementation == (
-    MOSAIC
-  )
-  capped = _selection(h100, grad=True, local_window_size=(64, 0), logits_soft_cap=30.0)[BWD]
-  assert capped.implementation == "pallas" and "soft cap with masks beyond causal" in capped.note
+  capped = _selection(h100, grad=True, is_causal=True, logits_soft_cap=30.0)
+  assert capped[FWD].implementation == MOSAIC and capped[BWD].implementation == "pallas"
+  assert "soft cap up to head dim 64" in capped[BWD].note
   for h, tangent_on in ((128, MOSAIC), (256, "pallas")):
     q, kv = jnp.zeros((2, 256, 4, h), jnp.bfloat16), jnp.zeros((2, 256, 2, h), jnp.bfloat16)
     tangent = lambda q: jax.jvp(lambda q: pallax.dot_product_attention(q, kv, kv), (q,), (q,))
@@ -293,10 +288,11 @@ def test_supports_and_the_ring_in_shared_memory():
   # Masked dk/dv steps at head dim 128 fit in registers with a 2-slot ring only.
   assert "2 slots with masks" in supports(config(64, 64, 4), stage="bwd", **causal)
   assert supports(config(64, 64, 4), stage="bwd", **PARAMS) is None
-  capped = {**causal, "logits_soft_cap": 30.0}
-  assert supports(config(), stage="bwd", **capped) is None
-  capped_lengths = {**capped, "has_lengths": True}
-  assert "soft cap with masks beyond causal" in supports(config(), stage="bwd", **capped_lengths)
+  capped = {**PARAMS, "logits_soft_cap": 30.0}
+  assert "soft cap up to head dim 64" in supports(config(), stage="bwd", **capped)
+  assert supports(config(), stage="fwd", **capped) is None
+  assert supports(config(), stage="jvp", **capped) is None
+  assert mosaic_gpu.supports(_avals(h=64), h100, config(), stage="bwd", **capped) is None
   lengths = {**PARAMS, "has_lengths": True}
   assert supports(config(), stage="bwd", **lengths) is None
   assert supports(config(), stage="fwd", **lengths) is None

@@ -141,9 +141,6 @@ class _Kernels:
     p, form, blocks, h = self.p, self.form, self.blocks, self.h
     bq, bk, stages = blocks.bq, blocks.bk, self.stages
     consumers = wide_consumers(p)
-    # Above head dim 64 dK and dV take 128 registers a thread: masked and
-    # unmasked steps share one loop (in loops of their own, ptxas spilled).
-    one_loop = consumers == 1 and has_masks(p)
     rows = consumers * bk
     q_t, do_t = self._transposed(queries["q"], 3), self._transposed(queries["do"], 3)
     # dP^T's accumulator starts from -delta broadcast over the keys: no delta
@@ -185,6 +182,39 @@ class _Kernels:
         own = tiles.own_range(lo, hi, blocks.query_blocks(s0, bk))
         unmasked = blocks.unmasked_queries(s0, *own)
 
+        def step(u, i, carry, masked):
+          dk, dv = carry
+          s = ring.slot(u)
+          ring.wait(0, u)
+          x = scores(k_smem.at[wg], self._t(q_smem, qt_smem, s), (bk, bq))
+          z = tiles.logits2(p, x)
+
+          def keep():
+            ids = None if k_seg is None else (k_seg, form.vector(seg_smem[1].at[s], 1))
+            return blocks.keep_queries(form, s0, i, ids)
+
+          z = tiles.hiding(masked, keep)(z) if has_masks(p) else z
+          # dP^T before the probabilities: S^T, dP^T and the accumulators are
+          # all that is live (the mask is gone), which keeps head dim 128 in registers.
+          ring.wait(1, u)
+          ring.wait(2, u)
+          column = lambda ref: broadcast(form.vector(ref.at[s], 1), (bk, bq), 1)
+          do_t = self._t(do_smem, dot_smem, s)
+          dp_t = lambda acc_ref: plgpu.wgmma(acc_ref, v_smem.at[wg], do_t)
+          dp = form.accumulate(column(neg_delta_smem), dp_t)
+          probs = jnp.exp2(z - column(lse_smem))
+          ds = probs * dp  # P (dP - delta)
+          ring.release(2, u)
+          slope = tiles.cap_slope(p, z)
+          ds = ds if slope is None else ds * slope
+          weights = form.operand(probs.astype(p.dtype), st_smem, wg)
+          dv = form.accumulate(dv, lambda acc_ref: plgpu.wgmma(acc_ref, weights, do_smem.at[s]))
+          ring.release(1, u)
+          ds = form.operand(ds.astype(p.dtype), st_smem, wg)
+          dk = form.accumulate(dk, lambda acc_ref: plgpu.wgmma(acc_ref, ds, q_smem.at[s]))
+          ring.release(0, u)
+          return dk, dv
+
         def per_group(g, carry):
           base = g * count - lo
 
@@ -192,44 +222,22 @@ class _Kernels:
             ring.skip(base + i)
             return carry
 
-          def step(i, carry, masked):
-            dk, dv = carry
-            u = base + i
-            s = ring.slot(u)
-            ring.wait(0, u)
-            x = scores(k_smem.at[wg], self._t(q_smem, qt_smem, s), (bk, bq))
-            z = tiles.logits2(p, x)
+          group_step = lambda i, carry, masked: step(base + i, i, carry, masked)
+          return tiles.over_steps(lo, own, unmasked, hi, skip, group_step, carry)
 
-            def keep():
-              ids = None if k_seg is None else (k_seg, form.vector(seg_smem[1].at[s], 1))
-              return blocks.keep_queries(form, s0, i, ids)
-
-            z = tiles.hiding(masked, keep)(z)
-            # dP^T before the probabilities: S^T, dP^T and the accumulators are
-            # all that is live (the mask is gone), which keeps head dim 128 in registers.
-            ring.wait(1, u)
-            ring.wait(2, u)
-            column = lambda ref: broadcast(form.vector(ref.at[s], 1), (bk, bq), 1)
-            do_t = self._t(do_smem, dot_smem, s)
-            dp_t = lambda acc_ref: plgpu.wgmma(acc_ref, v_smem.at[wg], do_t)
-            dp = form.accumulate(column(neg_delta_smem), dp_t)
-            probs = jnp.exp2(z - column(lse_smem))
-            ds = probs * dp  # P (dP - delta)
-            ring.release(2, u)
-            slope = tiles.cap_slope(p, z)
-            ds = ds if slope is None else ds * slope
-            weights = form.operand(probs.astype(p.dtype), st_smem, wg)
-            dv = form.accumulate(dv, lambda acc_ref: plgpu.wgmma(acc_ref, weights, do_smem.at[s]))
-            ring.release(1, u)
-            ds = form.operand(ds.astype(p.dtype), st_smem, wg)
-            dk = form.accumulate(dk, lambda acc_ref: plgpu.wgmma(acc_ref, ds, q_smem.at[s]))
-            ring.release(0, u)
-            return dk, dv
-
-          return tiles.over_steps(lo, own, unmasked, hi, skip, step, carry, one_loop)
+        def flat(u, carry):
+          i = lo + lax.rem(u, count)
+          return step(u, i, carry, (i < unmasked[0]) | (i >= unmasked[1]))
 
         zeros = lambda: form.layout(jnp.zeros((bk, h), jnp.float32), plgpu.Layout.WGMMA)
-        dk, dv = lax.fori_loop(0, p.groups, per_group, (zeros(), zeros()))
+        if consumers == 1:
+          # Above head dim 64 dK and dV take 128 registers a thread: one loop
+          # over every query head's blocks, masked or not (the consumer owns
+          # its block of threads' range). Loops per query head and per kind of
+          # step spilled at their edges (with GQA, compiled for H100).
+          dk, dv = lax.fori_loop(0, p.groups * count, flat, (zeros(), zeros()))
+        else:
+          dk, dv = lax.fori_loop(0, p.groups, per_group, (zeros(), zeros()))
         k_smem.at[wg][...] = (dk * p.scale).astype(p.dtype)
         v_smem.at[wg][...] = dv.astype(p.dtype)
         plgpu.commit_smem()
