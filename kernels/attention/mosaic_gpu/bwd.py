@@ -19,8 +19,9 @@ forward's softmax statistics nor using atomics:
 
 Blocks hidden entirely (causal, window, lengths, outside the segments' runs)
 are not loaded; partly hidden ones are masked. The soft cap's slope scales
-``dS``. Padded queries carry an lse of +inf (probability 0); padded keys give
-gradients that are cut off.
+``dS`` (a cap up to head dim 64: ``config.feature_reason``). Padded queries
+carry an lse of +inf (probability 0); padded keys give gradients that are
+cut off.
 """
 
 from __future__ import annotations

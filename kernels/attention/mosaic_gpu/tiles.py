@@ -253,8 +253,7 @@ def cap_slope(p: Problem, z: jax.Array) -> Optional[jax.Array]:
 
   Hidden logits (-inf) give 0, and so do the saturated ends (``|t|`` clipped
   to 1: ``z / bound`` rounds a few ulps past it). For a kernel where ``z`` stays live anyway:
-  the slope is then not held beside it (at head dim 128 the dk/dv kernel's
-  masked steps spilled with both).
+  the slope is then not held beside it (the dk/dv kernel's registers).
   """
   if p.soft_cap is None:
     return None
@@ -312,7 +311,8 @@ def hiding(
   """A step's ``z -> z`` with -inf where ``keep()`` hides a pair: the identity on unmasked steps.
 
   ``is_masked``: a Python bool (``over_steps``' loops of masked or unmasked
-  steps), or a traced one in its one loop: then ``lax.cond`` picks.
+  steps), or a traced one in one loop of both (``over_steps``' or the dk/dv
+  kernel's): then ``lax.cond`` picks.
   """
   hide = lambda z: masked(z, keep())
   if isinstance(is_masked, bool):
