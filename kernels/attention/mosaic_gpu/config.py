@@ -90,7 +90,8 @@ def feature_reason(p: Problem, stage: str = "fwd") -> Optional[str]:
     # Compiled for H100 with a batch of 2 (a batch of 1 folds the grid's batch
     # index away, and with it the registers that tip the kernels over), the
     # dk/dv kernel at head dim 128 spills with a soft cap, masked or not:
-    # 16-176 bytes (its exact tanh, as ``approx_math`` is off with a cap).
+    # 16-176 bytes. Not the exact tanh's (``approx_math`` is off with a cap):
+    # a tanh from ex2.approx and rsqrt.approx under approx_math spilled as much.
     return "the Mosaic GPU backward takes a soft cap up to head dim 64"
   if p.t == 0 or p.s == 0:
     return "no queries or no keys"
