@@ -24,9 +24,13 @@ import pytest
 import pallax
 from pallax import pallas_mosaic_gpu as mgpu
 from pallax.executor import Target
+from pallax.executor.tools import kernel_calls
 from pallax.kernels.attention import mosaic_gpu
 from pallax.kernels.attention.common import Problem
 from pallax.kernels.attention.mosaic_gpu import tiles
+from pallax.verify.compile import _arguments, compile_kernels, judge
+from pallax.verify.sweep import configs_for
+from pallax.verify.targets import TARGETS
 from tests.helpers import assert_close, rand, to64, x64
 from tests.primitives.attention_reference import reference
 from tests.primitives.test_attention_features import (
@@ -378,3 +382,34 @@ def test_segment_runs_bound_the_blocks_and_the_unmasked_ones(queries_own):
     want = _runs_by_brute_force(q_seg, kv_seg, bq, bk, queries_own)
     np.testing.assert_array_equal(np.asarray(got), want, err_msg=f"{bq}x{bk}")
   assert np.any(want[0, :, 3] > want[0, :, 2])  # some blocks need no segment mask
+
+
+@pytest.mark.compilers
+@pytest.mark.parametrize("features", ["causal", "causal-lengths-segments"])
+def test_the_head_dim_128_backward_compiles_spill_free_for_a_batch(features):
+  """The executor's Mosaic GPU backward at head dim 128 with GQA, compiled for H100 at batch 2.
+
+  With a batch of one the kernels' grid has no batch index, and the dk/dv
+  kernel fit its registers there while spilling 12 (causal) and 96 bytes
+  (causal with lengths and segment ids) from a batch of two up, until its
+  steps ran in one loop over the query heads.
+  """
+  b, t, h = 2, 1000, 128
+  q, kv = jnp.zeros((b, t, 8, h), jnp.bfloat16), jnp.zeros((b, t, 2, h), jnp.bfloat16)
+  lens, ids = jnp.full((b,), t, jnp.int32), jnp.zeros((b, t), jnp.int32)
+  extra = {"is_causal": True}
+  if features != "causal":
+    extra.update(query_seq_lengths=lens, key_value_seq_lengths=lens)
+    extra.update(q_segment_ids=ids, kv_segment_ids=ids)
+  loss = lambda q, k, v: jnp.sum(pallax.dot_product_attention(q, k, v, **extra).astype(jnp.float32))
+  jaxpr = jax.make_jaxpr(jax.grad(loss, argnums=(0, 1, 2)))(q, kv, kv).jaxpr
+  (eqn,) = [e for e in kernel_calls(jaxpr) if e.primitive.name == BWD]
+  h100 = TARGETS["h100"]
+  (config,) = [c for source, c in configs_for(eqn, h100, heuristic_only=True)]
+  assert config.implementation == MOSAIC
+  call = lambda *args: eqn.primitive.bind(*args, **{**eqn.params, "config": config})
+  kernels = compile_kernels(call, _arguments(eqn), h100, MOSAIC)
+  assert {k["name"] for k in kernels} == {
+    f"dot_product_attention_{n}_mosaic_gpu_kernel" for n in ("dq", "dkdv")
+  }
+  assert judge(kernels, h100) == {"status": "ok"}, kernels
