@@ -41,23 +41,27 @@ def pytest_addoption(parser):
 def pytest_configure(config):
   config.addinivalue_line("markers", "peer: a peer's case, run with --peers")
   config.addinivalue_line("markers", "nvidia_gpu: a device bench, collected on an NVIDIA GPU only")
+  config.addinivalue_line("markers", "hopper_gpu: a device bench, collected on a Hopper GPU only")
+
+
+def _deselect(config, items, marker: str) -> None:
+  """Drops the items marked ``marker``, reported as deselected."""
+  gone = [item for item in items if item.get_closest_marker(marker)]
+  if gone:
+    config.hook.pytest_deselected(items=gone)
+    items[:] = [item for item in items if not item.get_closest_marker(marker)]
 
 
 def pytest_collection_modifyitems(config, items):
-  """Deselects the device benches off an NVIDIA GPU, and the peers' cases without ``--peers``."""
-  from side_by_side import on_nvidia_gpu
+  """Deselects the device benches off their GPUs, and the peers' cases without ``--peers``."""
+  from side_by_side import on_hopper_gpu, on_nvidia_gpu
 
   if not on_nvidia_gpu():
-    device = [item for item in items if item.get_closest_marker("nvidia_gpu")]
-    if device:
-      config.hook.pytest_deselected(items=device)
-      items[:] = [item for item in items if not item.get_closest_marker("nvidia_gpu")]
-  if config.getoption("--peers"):
-    return
-  peers = [item for item in items if item.get_closest_marker("peer")]
-  if peers:
-    config.hook.pytest_deselected(items=peers)
-    items[:] = [item for item in items if not item.get_closest_marker("peer")]
+    _deselect(config, items, "nvidia_gpu")
+  if not on_hopper_gpu():
+    _deselect(config, items, "hopper_gpu")
+  if not config.getoption("--peers"):
+    _deselect(config, items, "peer")
 
 
 def pytest_runtest_setup(item):

@@ -28,6 +28,11 @@ def on_nvidia_gpu() -> bool:
   return device.platform == "gpu" and "nvidia" in device.device_kind.lower()
 
 
+def on_hopper_gpu() -> bool:
+  """Whether JAX's default device is a Hopper GPU (sm_90a: where the Mosaic GPU kernels run)."""
+  return on_nvidia_gpu() and jax.devices()[0].compute_capability.startswith("9")
+
+
 def median_s(call) -> float:
   """The median seconds of ``ROUNDS`` calls of ``call`` after a warm-up, each waited for."""
   jax.block_until_ready(call())

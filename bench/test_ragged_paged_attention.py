@@ -146,21 +146,15 @@ def reference(case: Case, inputs, sequences=CHECK_SEQUENCES):
   return np.concatenate(out)
 
 
-def _on_hopper() -> bool:
-  """Whether JAX's default device is a Hopper GPU (sm_90a), where the Mosaic GPU kernel runs."""
-  device = jax.devices()[0]
-  return device.platform == "gpu" and getattr(device, "compute_capability", "").startswith("9")
-
-
 PARAMS = [
   pytest.param(
     case,
     impl,
     id=f"{case.name}-{impl}",
+    marks=[pytest.mark.hopper_gpu] if impl == "mosaic_gpu" else [],
   )
   for case in CASES
   for impl in IMPLS[case.name]
-  if impl != "mosaic_gpu" or _on_hopper()
 ]
 
 

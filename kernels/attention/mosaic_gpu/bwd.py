@@ -194,7 +194,7 @@ class _Kernels:
             ids = None if k_seg is None else (k_seg, form.vector(seg_smem[1].at[s], 1))
             return blocks.keep_queries(form, s0, i, ids)
 
-          z = tiles.hiding(masked, keep)(z) if has_masks(p) else z
+          z = tiles.hiding(masked, keep)(z)
           # dP^T before the probabilities: S^T, dP^T and the accumulators are
           # all that is live (the mask is gone), which keeps head dim 128 in registers.
           ring.wait(1, u)
@@ -228,7 +228,9 @@ class _Kernels:
 
         def flat(u, carry):
           i = lo + lax.rem(u, count)
-          return step(u, i, carry, (i < unmasked[0]) | (i >= unmasked[1]))
+          # Without masks no step is masked: no lax.cond of two identities.
+          masked = tiles.masked_step(i, unmasked) if has_masks(p) else False
+          return step(u, i, carry, masked)
 
         zeros = lambda: form.layout(jnp.zeros((bk, h), jnp.float32), plgpu.Layout.WGMMA)
         if consumers == 1:

@@ -358,13 +358,18 @@ def over_steps(
   (own_lo, own_hi), (u_lo, u_hi) = own, unmasked
   carry = lax.fori_loop(lo, own_lo, skip, carry)
   if one_loop:
-    body = lambda j, carry: step(j, carry, masked=(j < u_lo) | (j >= u_hi))
+    body = lambda j, carry: step(j, carry, masked=masked_step(j, unmasked))
     carry = lax.fori_loop(own_lo, own_hi, body, carry)
     return lax.fori_loop(own_hi, hi, skip, carry)
   carry = lax.fori_loop(own_lo, u_lo, functools.partial(step, masked=True), carry)
   carry = lax.fori_loop(u_lo, u_hi, functools.partial(step, masked=False), carry)
   carry = lax.fori_loop(u_hi, own_hi, functools.partial(step, masked=True), carry)
   return lax.fori_loop(own_hi, hi, skip, carry)
+
+
+def masked_step(j, unmasked: tuple[Any, Any]) -> jax.Array:
+  """Whether step ``j`` is outside the unmasked steps ``[u_lo, u_hi)``: ``hiding``'s flag."""
+  return (j < unmasked[0]) | (j >= unmasked[1])
 
 
 def own_range(lo, hi, own):
