@@ -19,6 +19,8 @@
 #   and a decode step (tokens/s, HBM bandwidth).
 # - ragged_breakdown: bench/ragged_breakdown.py, a decode step's time by piece
 #   and the device's kernels, ragged paged attention beside paged attention.
+# - mosaic_tests: tests/primitives/test_attention_mosaic_gpu.py, every case
+#   (-m slow too) with its Mosaic GPU kernels compiled and run on the GPU.
 # - tests: the attention, matmul and paged attention tests under
 #   PALLAX_TEST_PLATFORM=gpu (the executor's own kernels compiled and run; the
 #   TPU kernels' interpreted cases are left to the CPU run).
@@ -36,7 +38,8 @@ export XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYT
 
 left() { echo $((deadline - $(date +%s))); }
 budget() { local l; l=$(left); echo $((l < $1 ? l : $1)); }
-all="tune attention_bench matmul_bench paged_bench ragged_bench ragged_breakdown tests serving_tests"
+all="tune attention_bench matmul_bench paged_bench ragged_bench ragged_breakdown"
+all+=" mosaic_tests tests serving_tests"
 steps=" ${STEPS:-$all} "
 step() {  # step NAME CAP_SECONDS COMMAND...: the command under the smaller of the cap and what is left
   local name=$1 cap=$2 s
@@ -75,6 +78,7 @@ step paged_bench 70 "${bench[@]}" bench/test_paged_attention.py -k full \
 step ragged_bench 90 "${bench[@]}" bench/test_ragged_paged_attention.py \
   --benchmark-json "$out/ragged_bench.json"
 step ragged_breakdown 60 python3 bench/ragged_breakdown.py
+step mosaic_tests 300 "${tests[@]}" -m "not compilers" tests/primitives/test_attention_mosaic_gpu.py
 step tests 600 "${tests[@]}" tests/primitives/test_attention.py \
   tests/primitives/test_attention_features.py \
   tests/primitives/test_paged_attention.py tests/kernels/test_paged_attention.py \

@@ -24,14 +24,28 @@ TOL = {"float32": 1e-5, "bfloat16": 1e-2, "float16": 1e-2, "float64": 1e-12}
 FLOAT_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
 
 
-# Under PALLAX_TEST_PLATFORM=gpu/tpu (tests/conftest.py) ops run on that device,
-# where the executor picks its compiled kernel: that kernel path runs for real.
-NATIVE_KERNEL = {"gpu": "triton", "tpu": "mosaic_tpu"}.get(PLATFORM)
+def _native_kernels() -> tuple[str, ...]:
+  """The kernel paths that run compiled under ``PALLAX_TEST_PLATFORM`` (tests/conftest.py).
+
+  Ops run on that device, where the executor picks its compiled kernels: on
+  a GPU the Triton ones, and on a Hopper GPU (sm_90) the Mosaic GPU ones
+  where they take the call (what ``pallax.interpret("mosaic_gpu")`` makes a
+  CPU run interpreted).
+  """
+  if PLATFORM == "tpu":
+    return ("mosaic_tpu",)
+  if PLATFORM == "gpu":
+    hopper = jax.devices()[0].compute_capability.startswith("9")
+    return ("triton", "mosaic_gpu") if hopper else ("triton",)
+  return ()
+
+
+NATIVE_KERNELS = _native_kernels()
 
 
 def on_path(path: str):
   """Context manager selecting the XLA path or a kernel (interpreted unless native)."""
-  if path in ("xla", NATIVE_KERNEL):
+  if path == "xla" or path in NATIVE_KERNELS:
     return contextlib.nullcontext()
   return pallax.interpret(path)
 

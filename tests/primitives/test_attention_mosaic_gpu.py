@@ -31,7 +31,7 @@ from pallax.kernels.attention.mosaic_gpu import tiles
 from pallax.verify.compile import _arguments, compile_kernels, judge
 from pallax.verify.sweep import configs_for
 from pallax.verify.targets import TARGETS
-from tests.helpers import assert_close, rand, to64, x64
+from tests.helpers import assert_close, on_path, rand, to64, x64
 from tests.primitives.attention_reference import reference
 from tests.primitives.test_attention_features import (
   Case,
@@ -96,6 +96,24 @@ CASES = {
     ),
     MOSAIC,
   ),
+  # A batch of two with four query heads per kv head, causal, lengths and
+  # segment ids: the dk/dv kernel's one loop over every query head's blocks
+  # (its loops per query head spilled here, compiled for H100).
+  "h128-gqa-lengths-packed-causal": (
+    Case(
+      b=2,
+      t=100,
+      s=130,
+      n=4,
+      k=1,
+      h=128,
+      q_len=(100, 60),
+      kv_len=(130, 70),
+      segments="packed",
+      is_causal=True,
+    ),
+    MOSAIC,
+  ),
   # Sinks make the forward's lse of a row past q_len finite (the sink's
   # logit): the backward must still give that row no probability.
   "h128-lengths-sinks": (Case(b=1, t=64, s=64, n=1, k=1, h=128, q_len=(40,), sinks=True), MOSAIC),
@@ -106,7 +124,7 @@ def _chosen(case: Case, dtype) -> dict[str, str]:
   """Kernel -> implementation of the gradient of ``case`` under the Mosaic GPU switch."""
   ops, statics = inputs(case, dtype)
   loss = lambda q: jnp.sum(_call(_pallax(), statics, {**ops, "query": q}).astype(jnp.float32))
-  with pallax.interpret(PATH):
+  with on_path(PATH):
     report = pallax.explain(jax.grad(loss), ops["query"])
   return {r.op: r.implementation for r in report}
 
@@ -115,7 +133,7 @@ def _chosen(case: Case, dtype) -> dict[str, str]:
 # plain causal GQA, in the padded batches' cases too, and the padded batch at
 # head dim 64, whose features the head dim 128 case and the race test (at 64:
 # lengths, segment ids, numerics) run.
-SLOW_CASES = ("causal-gqa", "lengths-packed-causal")
+SLOW_CASES = ("causal-gqa", "lengths-packed-causal", "h128-gqa-lengths-packed-causal")
 
 
 @pytest.mark.parametrize(
@@ -173,7 +191,7 @@ def test_jvp(case):
   rng = np.random.default_rng(5)
   tangents = {n: rand(rng, ops[n].shape, jnp.bfloat16) for n in _diff_names(ops)}
   jvp = functools.partial(_jvp, _pallax(), statics)
-  with pallax.interpret(PATH):
+  with on_path(PATH):
     report = pallax.explain(jvp, ops, tangents)
     y, y_dot = jax.jit(jvp)(ops, tangents)
   assert {r.op: r.implementation for r in report} == {FWD: MOSAIC, JVP: MOSAIC}
@@ -190,7 +208,7 @@ def test_vmap_is_one_kernel_and_matches_a_loop():
   rng = np.random.default_rng(6)
   qs = rand(rng, (2, *ops["query"].shape), jnp.bfloat16)
   f = lambda q: _call(_pallax(), statics, {**ops, "query": q})
-  with pallax.interpret(PATH):
+  with on_path(PATH):
     batched = jax.jit(jax.vmap(f))(qs)
     looped = [jax.jit(f)(q) for q in qs]
     report = pallax.explain(jax.vmap(f), qs)
@@ -212,7 +230,7 @@ def test_no_data_races_with_segments_lengths_and_a_refilled_ring():
     ops, statics = inputs(case, jnp.bfloat16, seed=9)
     rng = np.random.default_rng(10)
     tangents = {n: rand(rng, ops[n].shape, jnp.bfloat16) for n in _diff_names(ops)}
-    with pallax.interpret(PATH):
+    with on_path(PATH):
       jax.block_until_ready(jax.jit(functools.partial(_jvp, _pallax(), statics))(ops, tangents))
 
 
