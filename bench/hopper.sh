@@ -11,6 +11,8 @@
 # - attention_bench: bench/test_attention_hopper.py, Mosaic GPU attention vs
 #   Pallas-Triton vs cuDNN (forward, forward+backward), and vs XLA under jvp
 #   (where cuDNN's custom_vjp raises).
+# - attention_breakdown: bench/attention_breakdown.py, the device's kernels of
+#   pallax's, cuDNN's and JAX's Mosaic GPU attention at B=4, S=4096.
 # - matmul_bench: bench/test_matmul_hopper.py, Mosaic GPU matmul vs the
 #   executor's choice vs cuBLAS.
 # - paged_bench: bench/test_paged_attention.py, the full-context decode case
@@ -38,7 +40,7 @@ export XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYT
 
 left() { echo $((deadline - $(date +%s))); }
 budget() { local l; l=$(left); echo $((l < $1 ? l : $1)); }
-all="tune attention_bench matmul_bench paged_bench ragged_bench ragged_breakdown"
+all="tune attention_bench attention_breakdown matmul_bench paged_bench ragged_bench ragged_breakdown"
 all+=" mosaic_tests tests serving_tests"
 steps=" ${STEPS:-$all} "
 step() {  # step NAME CAP_SECONDS COMMAND...: the command under the smaller of the cap and what is left
@@ -53,7 +55,7 @@ step() {  # step NAME CAP_SECONDS COMMAND...: the command under the smaller of t
   fi
   timeout "$s" "$@" >"$out/$name.log" 2>&1
   echo "=== $name: rc $?"
-  grep -E "^(hopper|ragged-breakdown|  .* us  |FAILED|ERROR)|passed|failed" "$out/$name.log" |
+  grep -E "^(hopper|ragged-breakdown|attention-breakdown|  .* us  |FAILED|ERROR)|passed|failed" "$out/$name.log" |
     tail -60
 }
 
@@ -71,6 +73,7 @@ step tune 240 env PALLAX_CACHE_DIR="$out/tune_cache" python3 bench/hopper_tune.p
   ${TUNE:-paged ragged attention}
 step attention_bench 340 "${bench[@]}" bench/test_attention_hopper.py \
   --benchmark-json "$out/attention_bench.json"
+step attention_breakdown 150 python3 bench/attention_breakdown.py
 step matmul_bench 80 "${bench[@]}" bench/test_matmul_hopper.py \
   --benchmark-json "$out/matmul_bench.json"
 step paged_bench 70 "${bench[@]}" bench/test_paged_attention.py -k full \
