@@ -74,7 +74,7 @@ def bwd(*operands, config: MosaicGpuAttentionConfig, interpret: Any, **params) -
   keys = {"k": tiles.pad(ops.k, {2: sp, 3: h}), "v": tiles.pad(ops.v, {2: sp, 3: h})}
   kernels = _Kernels(p, ops, form, tiles.Tiles(p, bq, bk), config.num_stages)
   dq = kernels.dq(queries, keys, tp)
-  dk, dv = kernels.dkdv(queries, keys, sp)
+  dk, dv = kernels.dkdv(queries, keys, tp, sp)
   cut = lambda x, n, d: x[..., :n, :d]
   named = {"dq": cut(dq, p.t, p.head_dim), "dk": cut(dk, p.s, p.head_dim)}
   return c.results({**named, "dv": cut(dv, p.s, p.value_dim), "dbias": None})
@@ -92,9 +92,9 @@ class _Kernels:
       (lead, rows, cols), self.p.dtype, transforms=mgpu.swizzle_transforms(self.p.dtype, cols)
     )
 
-  def _transposed(self, x: jax.Array, rows_axis: int):
-    """``x`` with its rows and head dim swapped, for the interpreted form (None on a GPU)."""
-    return None if self.form.hopper else jnp.swapaxes(x, rows_axis, rows_axis + 1)
+  def _transposed(self, x: jax.Array):
+    """``(B, K, G, h, Tp)``: ``x``'s tiles transposed, for the interpreted form (None on a GPU)."""
+    return None if self.form.hopper else jnp.swapaxes(x, 3, 4)
 
   def _t(self, tiles_ref, transposed_ref, slot):
     """Ring slot ``slot``'s tile transposed for ``wgmma``: a view on a GPU, else its copy."""
@@ -137,19 +137,20 @@ class _Kernels:
     (dq,) = kernel(init, step, lambda ctx, dq: {"dq": dq * p.scale}, tp, h)
     return dq
 
-  def dkdv(self, queries: dict, keys: dict, sp: int) -> tuple[jax.Array, jax.Array]:
+  def dkdv(self, queries: dict, keys: dict, tp: int, sp: int) -> tuple[jax.Array, jax.Array]:
     """``dk, dv (B, K, Sp, h)``: per key tile, every query head's query blocks that see it."""
     p, form, blocks, h = self.p, self.form, self.blocks, self.h
     bq, bk, stages = blocks.bq, blocks.bk, self.stages
     consumers = wide_consumers(p)
     rows = consumers * bk
-    q_t, do_t = self._transposed(queries["q"], 3), self._transposed(queries["do"], 3)
+    q_t, do_t = self._transposed(queries["q"]), self._transposed(queries["do"])
     # dP^T's accumulator starts from -delta broadcast over the keys: no delta
     # column (16 registers a thread) next to the tiles (a masked head dim 128 spilled).
     stats = [queries["lse"], -queries["delta"]]
-    operands = [keys["k"], keys["v"], queries["q"], queries["do"], *stats]
+    tensors = [keys["k"], keys["v"], queries["q"], queries["do"]]
+    operands = [tiles.sequence_first(x) for x in tensors] + stats
     transposed = [] if form.hopper else [q_t, do_t]
-    segs = tiles.padded_segments(self.ops, queries["q"].shape[3], sp)
+    segs = tiles.padded_segments(self.ops, tp, sp)
     seg_ops = [] if segs is None else list(segs)
     facts = blocks.inputs(self.ops, segs, (rows, bk), queries_own=False)
     operands += transposed + seg_ops + facts
@@ -174,8 +175,8 @@ class _Kernels:
         form.consumer_registers(consumers)
         s0 = s_tile + wg * bk
         mine = pl.ds(s0, bk)
-        plgpu.copy_gmem_to_smem(k_ref.at[b, kh, mine], k_smem.at[wg], own_full.at[wg])
-        plgpu.copy_gmem_to_smem(v_ref.at[b, kh, mine], v_smem.at[wg], own_full.at[wg])
+        plgpu.copy_gmem_to_smem(k_ref.at[b, mine, kh], k_smem.at[wg], own_full.at[wg])
+        plgpu.copy_gmem_to_smem(v_ref.at[b, mine, kh], v_smem.at[wg], own_full.at[wg])
         if seg_refs:  # the keys' segment ids
           plgpu.copy_gmem_to_smem(seg_refs[1].at[b, mine], seg_smem[0].at[wg], own_full.at[wg])
         plgpu.barrier_wait(own_full.at[wg])
@@ -244,8 +245,8 @@ class _Kernels:
         k_smem.at[wg][...] = (dk * p.scale).astype(p.dtype)
         v_smem.at[wg][...] = dv.astype(p.dtype)
         plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(k_smem.at[wg], dk_ref.at[b, kh, mine])
-        plgpu.copy_smem_to_gmem(v_smem.at[wg], dv_ref.at[b, kh, mine])
+        plgpu.copy_smem_to_gmem(k_smem.at[wg], dk_ref.at[b, mine, kh])
+        plgpu.copy_smem_to_gmem(v_smem.at[wg], dv_ref.at[b, mine, kh])
         plgpu.wait_smem_to_gmem(0)
 
       @pl.when(wg == consumers)
@@ -256,8 +257,8 @@ class _Kernels:
           g = lax.div(u, count)
           block = pl.ds((lo + lax.rem(u, count)) * bq, bq)
           groups = [
-            [(q_ref.at[b, kh, g, block], q_smem.at[s])],
-            [(do_ref.at[b, kh, g, block], do_smem.at[s])],
+            [(q_ref.at[b, block, kh, g], q_smem.at[s])],
+            [(do_ref.at[b, block, kh, g], do_smem.at[s])],
             [(lse_ref.at[b, kh, g, block], lse_smem.at[s])],
           ]
           groups[2].append((neg_delta_ref.at[b, kh, g, block], neg_delta_smem.at[s]))
@@ -286,8 +287,8 @@ class _Kernels:
       plgpu.Barrier(num_arrivals=2 + bool(segs), num_barriers=consumers),
       mgpu.Ring.barriers((copies + bool(segs), copies, 2), stages, consumers),
     ]
-    shape = jax.ShapeDtypeStruct((p.batch, p.kv_heads, sp, h), p.dtype)
-    return form.launch(
+    shape = jax.ShapeDtypeStruct((p.batch, sp, p.kv_heads, h), p.dtype)
+    dk, dv = form.launch(
       body,
       operands,
       (shape, shape),
@@ -298,3 +299,4 @@ class _Kernels:
       approx_math=p.soft_cap is None,
       consumers=consumers,
     )
+    return tiles.heads_first(dk), tiles.heads_first(dv)

@@ -16,9 +16,10 @@ Blocks that causality, a window, the lengths or the segment ids hide entirely
 are never loaded (segment ids: outside the run of blocks a tile's segments
 meet); those that are partly hidden, and the block overhanging the keys' end,
 are masked; the rest run without a mask (``tiles.over_steps``). GQA reads the
-kv head of the query head (never repeated). Head dims are padded to a multiple
-of 64 and the query and key lengths to whole tiles, by XLA, where they are
-not.
+kv head of the query head (never repeated). Q, K, V and the output are read
+and written sequence first, in the caller's layout (``tiles.sequence_first``:
+no transposes run around the kernel). Head dims are padded to a multiple of
+64 and the query and key lengths to whole tiles, by XLA, where they are not.
 
 Interpreted (the CPU check), the kernel takes K transposed in GMEM and stages
 ``P`` through SMEM (``pallax.pallas_mosaic_gpu.Form``); the tile maths, the
@@ -54,11 +55,11 @@ def fwd(*operands, config: MosaicGpuAttentionConfig, interpret: Any, **params) -
   bq, bk, stages = config.block_q, config.block_k, config.num_stages
   h, rows = head(p), CONSUMERS * bq
   tp, sp = round_up(p.t, rows), round_up(p.s, bk)
-  q = tiles.pad(c.ops.q, {3: tp, 4: h})
+  q = tiles.sequence_first(tiles.pad(c.ops.q, {3: tp, 4: h}))
   k = tiles.pad(c.ops.k, {2: sp, 3: h})
-  v = tiles.pad(c.ops.v, {2: sp, 3: h})
-  if not form.hopper:
-    k = jnp.swapaxes(k, 2, 3)  # the interpreter's wgmma takes no transposed operand
+  v = tiles.sequence_first(tiles.pad(c.ops.v, {2: sp, 3: h}))
+  # The interpreter's wgmma takes no transposed operand: K^T (B, K, h, Sp) there.
+  k = tiles.sequence_first(k) if form.hopper else jnp.swapaxes(k, 2, 3)
   segs = tiles.padded_segments(c.ops, tp, sp)
   seg_ops = [] if segs is None else list(segs)
   call_tiles = tiles.Tiles(p, bq, bk)
@@ -89,7 +90,7 @@ def fwd(*operands, config: MosaicGpuAttentionConfig, interpret: Any, **params) -
       t0 = t_tile + wg * bq
       q_smem = qo_smem.at[wg]
       mine = pl.ds(t0, bq)
-      plgpu.copy_gmem_to_smem(q_ref.at[b, kh, g, mine], q_smem, q_full.at[wg])
+      plgpu.copy_gmem_to_smem(q_ref.at[b, mine, kh, g], q_smem, q_full.at[wg])
       if seg_refs:  # the queries' segment ids
         plgpu.copy_gmem_to_smem(seg_refs[0].at[b, mine], seg_smem[0].at[wg], q_full.at[wg])
       plgpu.barrier_wait(q_full.at[wg])
@@ -146,7 +147,7 @@ def fwd(*operands, config: MosaicGpuAttentionConfig, interpret: Any, **params) -
       q_smem[...] = acc.astype(p.dtype)
       lse_smem.at[wg][...] = jnp.where(empty, NEG_INF, m * LN2 + jnp.log(denom))
       plgpu.commit_smem()
-      plgpu.copy_smem_to_gmem(q_smem, out_ref.at[b, kh, g, pl.ds(t0, bq)])
+      plgpu.copy_smem_to_gmem(q_smem, out_ref.at[b, mine, kh, g])
       plgpu.copy_smem_to_gmem(lse_smem.at[wg], lse_ref.at[b, kh, g, pl.ds(t0, bq)])
       plgpu.wait_smem_to_gmem(0)
 
@@ -156,11 +157,11 @@ def fwd(*operands, config: MosaicGpuAttentionConfig, interpret: Any, **params) -
 
       def copies(j, s):
         keys = pl.ds(j * bk, bk)
-        k_block = k_ref.at[b, kh, keys] if form.hopper else k_ref.at[b, kh, :, keys]
+        k_block = k_ref.at[b, keys, kh] if form.hopper else k_ref.at[b, kh, :, keys]
         key_copies = [(k_block, k_smem.at[s])]
         if seg_refs:  # and their segment ids
           key_copies.append((seg_refs[1].at[b, keys], seg_smem[1].at[s]))
-        return [key_copies, [(v_ref.at[b, kh, keys], v_smem.at[s])]]
+        return [key_copies, [(v_ref.at[b, keys, kh], v_smem.at[s])]]
 
       ring.produce(copies)
 
@@ -179,15 +180,17 @@ def fwd(*operands, config: MosaicGpuAttentionConfig, interpret: Any, **params) -
     mgpu.Ring.barriers((1 + bool(seg_ops), 1), stages, CONSUMERS),
     plgpu.Barrier(num_arrivals=CONSUMERS),
   ]
-  lead = (p.batch, p.kv_heads, p.groups, tp)
+  out_type = jax.ShapeDtypeStruct((p.batch, tp, p.kv_heads, p.groups, h), p.dtype)
+  lse_type = jax.ShapeDtypeStruct((p.batch, p.kv_heads, p.groups, tp), jnp.float32)
   out, lse = form.launch(
     body,
     (q, k, v, *seg_ops, *facts),
-    (jax.ShapeDtypeStruct((*lead, h), p.dtype), jax.ShapeDtypeStruct(lead, jnp.float32)),
+    (out_type, lse_type),
     grid=(p.kv_heads * p.groups, tp // rows, p.batch),
     grid_names=("heads", "q", "batch"),
     scratch=scratch,
     name="dot_product_attention_fwd",
     approx_math=p.soft_cap is None,  # tanh.approx errs by 2^-11 relative
   )
-  return c.results({"out": out[..., : p.t, : p.value_dim], "lse": lse[..., : p.t]})
+  out = tiles.heads_first(out)[..., : p.t, : p.value_dim]
+  return c.results({"out": out, "lse": lse[..., : p.t]})

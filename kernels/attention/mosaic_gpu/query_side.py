@@ -81,9 +81,10 @@ class QueryKernel:
     ops: the call's operands by name (its lengths and segment ids).
     bk: keys a ring step.
     consumers: consumer warpgroups (of 64 queries each).
-    own_tiles: name -> ``(B, K, G, Tp, h)`` operand each consumer keeps.
+    own_tiles: name -> ``(B, K, G, Tp, h)`` operand each consumer keeps (read
+      sequence first: ``tiles.sequence_first``).
     own_stats: name -> ``(B, K, G, Tp)`` float32 statistic each keeps.
-    ring: name -> ``(B, K, Sp, h)`` operand streamed, one ring group each;
+    ring: name -> ``(B, K, Sp, h)`` operand streamed (likewise), one ring group each;
       ``transposed``: those of them a step reads transposed.
     outs: name -> (dtype, tile?): the outputs, a ``(Tp, h)`` tile or a
       ``(Tp,)`` vector per query head, written through SMEM.
@@ -128,7 +129,11 @@ class QueryKernel:
     bq, rows = DQ_ROWS, self.consumers * DQ_ROWS
     own_names, stat_names = list(self.own_tiles), list(self.own_stats)
     ring_names, out_names = list(self.ring), list(self.outs)
-    operands = [*self.own_tiles.values(), *self.own_stats.values(), *self.ring.values()]
+    operands = [
+      *map(tiles.sequence_first, self.own_tiles.values()),
+      *self.own_stats.values(),
+      *map(tiles.sequence_first, self.ring.values()),
+    ]
     if not form.hopper:
       operands += [jnp.swapaxes(self.ring[n], 2, 3) for n in self.transposed]
     n_t = len(operands)
@@ -160,7 +165,8 @@ class QueryKernel:
         mine = pl.ds(t0, bq)
         bufs = dict(zip(own_names + stat_names, (*own_smem, *stat_smem)))
         for name, ref in own_refs.items():
-          plgpu.copy_gmem_to_smem(ref.at[b, kh, g, mine], bufs[name].at[wg], own_full.at[wg])
+          at = (b, mine, kh, g) if name in own_names else (b, kh, g, mine)
+          plgpu.copy_gmem_to_smem(ref.at[at], bufs[name].at[wg], own_full.at[wg])
         if seg_refs:  # the queries' segment ids
           plgpu.copy_gmem_to_smem(seg_refs[0].at[b, mine], seg_smem[0].at[wg], own_full.at[wg])
         plgpu.barrier_wait(own_full.at[wg])
@@ -197,8 +203,9 @@ class QueryKernel:
         for buf, name in zip(out_smem, out_names):
           buf.at[wg][...] = results[name].astype(self.outs[name][0])
         plgpu.commit_smem()
-        for buf, ref in zip(out_smem, outs):
-          plgpu.copy_smem_to_gmem(buf.at[wg], ref.at[b, kh, g, mine])
+        for buf, ref, (_, is_tile) in zip(out_smem, outs, self.outs.values()):
+          at = (b, mine, kh, g) if is_tile else (b, kh, g, mine)
+          plgpu.copy_smem_to_gmem(buf.at[wg], ref.at[at])
         plgpu.wait_smem_to_gmem(0)
 
       @pl.when(wg == self.consumers)
@@ -209,7 +216,7 @@ class QueryKernel:
           block = pl.ds(j * bk, bk)
           groups = []
           for name in ring_names:
-            group = [(ring_gmem[name].at[b, kh, block], ring_refs[name].at[s])]
+            group = [(ring_gmem[name].at[b, block, kh], ring_refs[name].at[s])]
             if name in t_gmem:
               group.append((t_gmem[name].at[b, kh, :, block], t_refs[name].at[s]))
             groups.append(group)
@@ -243,12 +250,12 @@ class QueryKernel:
         c,
       ),
     ]
-    lead = (p.batch, p.kv_heads, p.groups, tp)
+    heads = (p.kv_heads, p.groups)
     out_types = [
-      jax.ShapeDtypeStruct((*lead, h) if is_tile else lead, dtype)
+      jax.ShapeDtypeStruct((p.batch, tp, *heads, h) if is_tile else (p.batch, *heads, tp), dtype)
       for dtype, is_tile in self.outs.values()
     ]
-    return form.launch(
+    results = form.launch(
       body,
       operands,
       out_types,
@@ -259,3 +266,5 @@ class QueryKernel:
       approx_math=p.soft_cap is None,
       consumers=self.consumers,
     )
+    tile_outs = [is_tile for _, is_tile in self.outs.values()]
+    return [tiles.heads_first(x) if t else x for x, t in zip(results, tile_outs)]

@@ -382,3 +382,19 @@ def pad(x: jax.Array, sizes: dict[int, int], value: float = 0.0) -> jax.Array:
   """``x`` padded at the end of each axis in ``sizes`` to that size."""
   widths = [(0, sizes[i] - d if i in sizes else 0) for i, d in enumerate(x.shape)]
   return jnp.pad(x, widths, constant_values=value)
+
+
+# The kernels read and write the sequences' tiles in the layout JAX's arrays
+# have, positions before heads: q (B, T, K, G, h), k (B, S, K, h); TMA copies
+# a tile's rows with the heads' stride. The primitive's operands are
+# (B, K, G, T, h) and (B, K, S, h), transposes of the caller's arrays, and XLA
+# folds a transpose of a transpose away: no copy runs around the kernels (the
+# copies took 16% of a forward's time on an H200).
+def sequence_first(x: jax.Array) -> jax.Array:
+  """``(B, K, [G,] T, h)`` -> ``(B, T, K, [G,] h)``."""
+  return jnp.moveaxis(x, x.ndim - 2, 1)
+
+
+def heads_first(x: jax.Array) -> jax.Array:
+  """``(B, T, K, [G,] h)`` -> ``(B, K, [G,] T, h)``: ``sequence_first``'s inverse."""
+  return jnp.moveaxis(x, 1, x.ndim - 2)
