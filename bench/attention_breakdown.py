@@ -8,8 +8,9 @@ device's time a call in each kernel (``throughput.kernel_times``: without
 the host's dispatch) of:
 
 * ``pallax``: the executor's choice (the Mosaic GPU kernels) and the XLA
-  programs around them (the layout transposes of q, k, v and the results:
-  the primitive takes ``(batch, kv heads, group, sequence, head dim)``);
+  programs around them (the backward's ``delta``; the layout transposes the
+  primitive's ``(batch, kv heads, group, sequence, head dim)`` operands would
+  need are folded away: ``tiles.sequence_first``);
 * ``cudnn``: ``jax.nn.dot_product_attention(implementation="cudnn")``;
 * ``jax-mgpu`` (``fwd``): JAX's own Mosaic GPU kernel
   (``jax.experimental.pallas.ops.gpu.attention_mgpu``, float16: its scratch

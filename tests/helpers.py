@@ -14,6 +14,8 @@ import jax.numpy as jnp
 import numpy as np
 
 import pallax
+from pallax.executor.executor import device_target
+from pallax.executor.implementation import implementation
 from tests.conftest import PLATFORM
 
 # Every op is checked on its XLA program and on both interpreted kernels.
@@ -28,14 +30,15 @@ def _native_kernels() -> tuple[str, ...]:
   """The kernel paths that run compiled under ``PALLAX_TEST_PLATFORM`` (tests/conftest.py).
 
   Ops run on that device, where the executor picks its compiled kernels: on
-  a GPU the Triton ones, and on a Hopper GPU (sm_90) the Mosaic GPU ones
-  where they take the call (what ``pallax.interpret("mosaic_gpu")`` makes a
-  CPU run interpreted).
+  a GPU the Triton ones, and on the devices the Mosaic GPU implementation
+  serves (H100, H200) its kernels where they take the call (what
+  ``pallax.interpret("mosaic_gpu")`` makes a CPU run interpreted).
   """
   if PLATFORM == "tpu":
     return ("mosaic_tpu",)
   if PLATFORM == "gpu":
-    hopper = jax.devices()[0].compute_capability.startswith("9")
+    kind = device_target("cuda").device_kind
+    hopper = kind in implementation("pallas_mosaic_gpu").device_kinds
     return ("triton", "mosaic_gpu") if hopper else ("triton",)
   return ()
 

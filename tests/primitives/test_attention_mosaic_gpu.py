@@ -3,7 +3,10 @@
 Under ``pallax.interpret("mosaic_gpu")`` the executor makes an H100's choice:
 the Mosaic GPU forward, backward and tangent kernels (run by JAX's GPU
 interpreter, in their interpreted form: docs/mosaic_gpu.md) for the calls
-they take, and the Triton kernels, interpreted, for what they refuse.
+they take, and the Triton kernels, interpreted, for what they refuse. On an
+H100 or H200 under ``PALLAX_TEST_PLATFORM=gpu`` the same cases run the
+compiled kernels (``tests.helpers.on_path``; ``bash bench/hopper.sh``'s
+``mosaic_tests`` step).
 Everything is compared with the float64 reference of attention_reference.py at
 the 16-bit tolerances; the sizes give two query tiles (the last padded),
 several key blocks (the last ragged), blocks skipped and masked under causal
@@ -129,10 +132,11 @@ def _chosen(case: Case, dtype) -> dict[str, str]:
   return {r.op: r.implementation for r in report}
 
 
-# The default run leaves two cases to ``-m slow`` (a minute each interpreted):
-# plain causal GQA, in the padded batches' cases too, and the padded batch at
+# The default run leaves three cases to ``-m slow`` (a minute each interpreted):
+# plain causal GQA, in the padded batches' cases too; the padded batch at
 # head dim 64, whose features the head dim 128 case and the race test (at 64:
-# lengths, segment ids, numerics) run.
+# lengths, segment ids, numerics) run; and the GQA batch of two at head dim
+# 128, whose loop the MQA head dim 128 case runs (its spills: a compilers test).
 SLOW_CASES = ("causal-gqa", "lengths-packed-causal", "h128-gqa-lengths-packed-causal")
 
 
@@ -221,7 +225,8 @@ def test_no_data_races_with_segments_lengths_and_a_refilled_ring():
 
   Keys span more blocks than the ring has slots, so the producer refills
   slots a consumer has released: reading a slot's segment ids after releasing
-  it (as the forward once did) is a race, and the interpreter raises.
+  it (as the forward once did) is a race, and the interpreter raises. On a
+  Hopper GPU the kernels run compiled: there it checks their numerics alone.
   """
   case = Case(b=1, t=128, s=320, n=2, k=1, h=64, q_len=(120,), kv_len=(290,), segments="packed")
   assert _chosen(case, jnp.bfloat16) == {FWD: MOSAIC, BWD: MOSAIC}

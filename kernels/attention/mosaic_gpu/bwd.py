@@ -21,7 +21,8 @@ Blocks hidden entirely (causal, window, lengths, outside the segments' runs)
 are not loaded; partly hidden ones are masked. The soft cap's slope scales
 ``dS`` (a cap up to head dim 64: ``config.feature_reason``). Padded queries
 carry an lse of +inf (probability 0); padded keys give gradients that are
-cut off.
+cut off. Q, K, V, dO, dq, dk and dv are read and written sequence first, in
+the caller's layout (``tiles.sequence_first``), as in the forward.
 """
 
 from __future__ import annotations

@@ -19,7 +19,8 @@ are masked; the rest run without a mask (``tiles.over_steps``). GQA reads the
 kv head of the query head (never repeated). Q, K, V and the output are read
 and written sequence first, in the caller's layout (``tiles.sequence_first``:
 no transposes run around the kernel). Head dims are padded to a multiple of
-64 and the query and key lengths to whole tiles, by XLA, where they are not.
+64 and the query and key lengths to whole tiles, by XLA, where they are not
+(one copy each then).
 
 Interpreted (the CPU check), the kernel takes K transposed in GMEM and stages
 ``P`` through SMEM (``pallax.pallas_mosaic_gpu.Form``); the tile maths, the
@@ -148,7 +149,7 @@ def fwd(*operands, config: MosaicGpuAttentionConfig, interpret: Any, **params) -
       lse_smem.at[wg][...] = jnp.where(empty, NEG_INF, m * LN2 + jnp.log(denom))
       plgpu.commit_smem()
       plgpu.copy_smem_to_gmem(q_smem, out_ref.at[b, mine, kh, g])
-      plgpu.copy_smem_to_gmem(lse_smem.at[wg], lse_ref.at[b, kh, g, pl.ds(t0, bq)])
+      plgpu.copy_smem_to_gmem(lse_smem.at[wg], lse_ref.at[b, kh, g, mine])
       plgpu.wait_smem_to_gmem(0)
 
     @pl.when(wg == CONSUMERS)

@@ -266,5 +266,4 @@ class QueryKernel:
       approx_math=p.soft_cap is None,
       consumers=self.consumers,
     )
-    tile_outs = [is_tile for _, is_tile in self.outs.values()]
-    return [tiles.heads_first(x) if t else x for x, t in zip(results, tile_outs)]
+    return [tiles.heads_first(x) if t else x for x, (_, t) in zip(results, self.outs.values())]
