@@ -15,6 +15,9 @@ import jax
 import numpy as np
 
 from pallax import roofline
+from pallax.executor.executor import device_target
+from pallax.executor.implementation import implementation
+from pallax.pallas_mosaic_gpu import IMPLEMENTATION as MOSAIC_GPU
 
 ROUNDS = 20  # timed calls per implementation, after one warm-up call
 
@@ -29,8 +32,8 @@ def on_nvidia_gpu() -> bool:
 
 
 def on_hopper_gpu() -> bool:
-  """Whether JAX's default device is a Hopper GPU (sm_90a: where the Mosaic GPU kernels run)."""
-  return on_nvidia_gpu() and jax.devices()[0].compute_capability.startswith("9")
+  """Whether the executor prefers the Mosaic GPU kernels on this device (an H100 or H200)."""
+  return on_nvidia_gpu() and implementation(MOSAIC_GPU).prefers(device_target("cuda"))
 
 
 def median_s(call) -> float:

@@ -37,8 +37,7 @@ def _native_kernels() -> tuple[str, ...]:
   if PLATFORM == "tpu":
     return ("mosaic_tpu",)
   if PLATFORM == "gpu":
-    kind = device_target("cuda").device_kind
-    hopper = kind in implementation("pallas_mosaic_gpu").device_kinds
+    hopper = implementation("pallas_mosaic_gpu").prefers(device_target("cuda"))
     return ("triton", "mosaic_gpu") if hopper else ("triton",)
   return ()
 

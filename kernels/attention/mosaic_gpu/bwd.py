@@ -95,7 +95,7 @@ class _Kernels:
 
   def _transposed(self, x: jax.Array):
     """``(B, K, G, h, Tp)``: ``x``'s tiles transposed, for the interpreted form (None on a GPU)."""
-    return None if self.form.hopper else jnp.swapaxes(x, 3, 4)
+    return None if self.form.hopper else tiles.transposed(x)
 
   def _t(self, tiles_ref, transposed_ref, slot):
     """Ring slot ``slot``'s tile transposed for ``wgmma``: a view on a GPU, else its copy."""

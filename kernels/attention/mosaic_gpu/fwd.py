@@ -59,8 +59,7 @@ def fwd(*operands, config: MosaicGpuAttentionConfig, interpret: Any, **params) -
   q = tiles.sequence_first(tiles.pad(c.ops.q, {3: tp, 4: h}))
   k = tiles.pad(c.ops.k, {2: sp, 3: h})
   v = tiles.sequence_first(tiles.pad(c.ops.v, {2: sp, 3: h}))
-  # The interpreter's wgmma takes no transposed operand: K^T (B, K, h, Sp) there.
-  k = tiles.sequence_first(k) if form.hopper else jnp.swapaxes(k, 2, 3)
+  k = tiles.sequence_first(k) if form.hopper else tiles.transposed(k)
   segs = tiles.padded_segments(c.ops, tp, sp)
   seg_ops = [] if segs is None else list(segs)
   call_tiles = tiles.Tiles(p, bq, bk)

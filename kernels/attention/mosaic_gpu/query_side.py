@@ -135,7 +135,7 @@ class QueryKernel:
       *map(tiles.sequence_first, self.ring.values()),
     ]
     if not form.hopper:
-      operands += [jnp.swapaxes(self.ring[n], 2, 3) for n in self.transposed]
+      operands += [tiles.transposed(self.ring[n]) for n in self.transposed]
     n_t = len(operands)
     segs = tiles.padded_segments(self.ops, tp, next(iter(self.ring.values())).shape[2])
     seg_ops = [] if segs is None else list(segs)

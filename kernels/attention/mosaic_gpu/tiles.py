@@ -398,3 +398,12 @@ def sequence_first(x: jax.Array) -> jax.Array:
 def heads_first(x: jax.Array) -> jax.Array:
   """``(B, T, K, [G,] h)`` -> ``(B, K, [G,] T, h)``: ``sequence_first``'s inverse."""
   return jnp.moveaxis(x, 1, x.ndim - 2)
+
+
+def transposed(x: jax.Array) -> jax.Array:
+  """``(B, K, [G,] T, h)`` -> ``(B, K, [G,] h, T)``: the interpreted form's transposed tiles.
+
+  The GPU interpreter's ``wgmma`` takes no transposed operand, so a tile read
+  transposed (``plgpu.transpose_ref`` on a GPU) is copied from this there.
+  """
+  return jnp.swapaxes(x, -2, -1)
