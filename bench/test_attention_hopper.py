@@ -27,6 +27,9 @@ of ``side_by_side.ROUNDS`` calls after a warm-up). ``extra_info``: ``tflop_per_s
 ``fraction_of_peak_flops`` (989 TFLOP/s dense bf16 on an H100 SXM) and
 ``ratio_to_cudnn`` (cuDNN's time over the implementation's: above 1 is faster;
 ``ratio_to_xla`` under ``jvp``).
+``test_hopper_split_backward`` times forward+backward at head dim 256 (B = 2,
+S = 4096): the executor's choice (the Triton backward), ``pallax-mosaic``
+(the Mosaic GPU backward, an autotuning candidate there, pinned) and cuDNN.
 Each implementation's first call is checked against a float64 reference on
 the first 128 query rows. Without an NVIDIA GPU the cases are not collected:
 nothing here runs on a CPU.
@@ -48,6 +51,7 @@ import pallax
 from pallax.executor.executor import device_target
 from pallax.executor.registry import kernel_spec
 from pallax.executor.tools import kernel_calls, local_target
+from pallax.kernels.attention.mosaic_gpu import MosaicGpuAttentionConfig
 from pallax.op import op_params
 
 TOLERANCE = 5e-2  # bfloat16 against float64, max error over max value
@@ -57,6 +61,15 @@ CASES = [
   for causal in (False, True)
 ]
 IMPLS = {"fwd": "cudnn", "fwd+bwd": "cudnn", "jvp": "xla"}  # mode -> the baseline
+# Head dim 256, forward+backward: the executor runs the Triton backward there,
+# and the Mosaic GPU one (blocks of threads splitting dQ's, dK's and dV's
+# columns) is an autotuning candidate until timed here: ``pallax-mosaic`` pins
+# it (``test_hopper_split_backward``).
+SPLIT_CASES = [
+  Case(4096, causal=causal, heads=16, kv_heads=16, batch=2, head_dim=256, dtype="bfloat16")
+  for causal in (False, True)
+]
+MOSAIC_PIN = MosaicGpuAttentionConfig(block_k=64, num_stages=2)
 
 
 pytestmark = pytest.mark.nvidia_gpu  # deselected off an NVIDIA GPU (bench/conftest.py)
@@ -127,11 +140,19 @@ def _triton_pins(fn, inputs) -> dict:
   return pins
 
 
+def _mosaic_pins(fn, inputs) -> dict:
+  """Every kernel call of ``fn`` on the Mosaic GPU kernels (``MOSAIC_PIN``)."""
+  return {e.primitive.name: MOSAIC_PIN for e in kernel_calls(jax.make_jaxpr(fn)(*inputs).jaxpr)}
+
+
+_PINS = {"pallax-triton": _triton_pins, "pallax-mosaic": _mosaic_pins}
+
+
 def _compiled(impl, case, mode, inputs):
   fn = _function(impl, case, mode)
   args = inputs[:3] if mode == "fwd" else inputs
-  if impl == "pallax-triton":
-    with pallax.default_executor().overlay(_triton_pins(fn, args)):
+  if impl in _PINS:
+    with pallax.default_executor().overlay(_PINS[impl](fn, args)):
       return jax.jit(fn).lower(*args).compile(), args
   return jax.jit(fn).lower(*args).compile(), args
 
@@ -157,3 +178,17 @@ def test_hopper_attention(benchmark, request, case, mode):
   calls = {impl: functools.partial(exe, *args) for impl, (exe, args) in compiled.items()}
   error = lambda result: rel_err(_checked(mode, result), want)
   compare(benchmark, request, calls, error, TOLERANCE, _work(case, mode), case.dtype, baseline)
+
+
+@pytest.mark.parametrize("case", SPLIT_CASES, ids=lambda c: f"B{c.batch}-H256-{c.id}")
+def test_hopper_split_backward(benchmark, request, case):
+  """Forward+backward at head dim 256: the executor's choice, the Mosaic GPU backward, cuDNN."""
+  mode = "fwd+bwd"
+  benchmark.group = f"hopper-B{case.batch}-H256-{case.id}-{mode}"
+  inputs = jax.block_until_ready(_inputs(case, mode))
+  want = reference_rows(case, mode, inputs)
+  compiled = {impl: _compiled(impl, case, mode, inputs) for impl in ("pallax", "pallax-mosaic")}
+  compiled["cudnn"] = _compiled("cudnn", case, mode, inputs)
+  calls = {impl: functools.partial(exe, *args) for impl, (exe, args) in compiled.items()}
+  error = lambda result: rel_err(_checked(mode, result), want)
+  compare(benchmark, request, calls, error, TOLERANCE, _work(case, mode), case.dtype, "cudnn")

@@ -134,9 +134,12 @@ TOOLS = (
       # packed-documents case below (the same blocks, with segments, a soft cap
       # and sinks on top of the causal mask) stand for them.
       "attention_causal": SweepOp(_causal, _qkv, SIZES[:4], QUICK, candidates=False),
-      # The heuristic's blocks with a soft cap on the causal mask: above head
-      # dim 64 its backward runs on Triton (the Mosaic GPU one spills with a cap).
-      "attention_capped": SweepOp(_capped, _qkv, QUICK, QUICK, candidates=False),
+      # The heuristic's blocks with a soft cap on the causal mask (above head
+      # dim 64 the Mosaic GPU backward, an autotuning candidate there, splits
+      # dK's and dV's columns: compiled at every size as preferred candidates are).
+      "attention_capped": SweepOp(
+        _capped, _qkv, QUICK + ((2, 2048, 4, 4, 256),), QUICK, candidates=False
+      ),
       # The two trailing int32 arrays are the query's and key's segment ids.
       "attention_features": SweepOp(
         _packed_documents,

@@ -173,6 +173,7 @@ def heuristic_choice(
     space = spec.spaces[name]
     config = space.heuristic(avals, target, **params)
     if config is None:  # the space leaves this call to timing (autotuning) alone
+      refusals.append(f"{name} (preferred on {where}) leaves this call to autotuning")
       continue
     config = _named(config, name)
     reason = space.reason(avals, target, config, **params)

@@ -51,15 +51,21 @@ PATH = "mosaic_gpu"
 FWD, BWD, JVP = (f"dot_product_attention_{s}" for s in ("fwd", "bwd", "jvp"))
 MOSAIC = mosaic_gpu.IMPLEMENTATION
 
-# name -> (case, the backward's implementation): Mosaic GPU's takes a soft
-# cap up to head dim 64 (config.feature_reason), Triton's the rest.
+# name -> (case, the backward's implementation by the heuristic). A backward
+# that splits its results' columns (head dim 256, a soft cap above 64) is an
+# autotuning candidate only (config.heuristic): its cases pin a Mosaic GPU config.
 CASES = {
   "causal-gqa": (Case(b=1, t=130, s=150, n=4, k=2, h=64, is_causal=True), MOSAIC),
-  # Rows t >= 238 see no key; head dim 80 padded to 128; large capped logits.
+  # Rows t >= 238 see no key; head dim 80 padded to 128; large capped logits:
+  # the dk/dv kernel's blocks of threads split dK's and dV's columns in two.
   "window-mqa-h80-cap": (
     Case(b=1, t=260, s=200, n=2, k=1, h=80, window=(40, 30), soft_cap=20.0, logit_scale=4.0),
     "pallas",
   ),
+  # Head dim 256: dQ's columns in two shares, dK's and dV's in four.
+  "h256-window": (Case(b=1, t=128, s=130, n=2, k=2, h=256, window=(60, 0)), "pallas"),
+  # With a soft cap and GQA, unmasked (the forward takes a cap at 256 without masks).
+  "h256-cap-gqa": (Case(b=2, t=70, s=100, n=4, k=2, h=256, soft_cap=10.0), "pallas"),
   "sinks-hv-T<S": (Case(b=1, t=64, s=130, n=2, k=2, h=64, hv=32, sinks=True), MOSAIC),
   # Causal with a soft cap (Gemma 2's global layers): the dk/dv kernel's two
   # consumers take the cap's slope from the logits.
@@ -123,10 +129,11 @@ CASES = {
 }
 
 
-def _chosen(case: Case, dtype) -> dict[str, str]:
+def _chosen(case: Case, dtype, config=None) -> dict[str, str]:
   """Kernel -> implementation of the gradient of ``case`` under the Mosaic GPU switch."""
   ops, statics = inputs(case, dtype)
-  loss = lambda q: jnp.sum(_call(_pallax(), statics, {**ops, "query": q}).astype(jnp.float32))
+  fn = _pallax(config)
+  loss = lambda q: jnp.sum(_call(fn, statics, {**ops, "query": q}).astype(jnp.float32))
   with on_path(PATH):
     report = pallax.explain(jax.grad(loss), ops["query"])
   return {r.op: r.implementation for r in report}
@@ -137,7 +144,15 @@ def _chosen(case: Case, dtype) -> dict[str, str]:
 # head dim 64, whose features the head dim 128 case and the race test (at 64:
 # lengths, segment ids, numerics) run; and the GQA batch of two at head dim
 # 128, whose loop the MQA head dim 128 case runs (its spills: a compilers test).
-SLOW_CASES = ("causal-gqa", "lengths-packed-causal", "h128-gqa-lengths-packed-causal")
+SLOW_CASES = (
+  "causal-gqa",
+  "lengths-packed-causal",
+  "h128-gqa-lengths-packed-causal",
+  "h256-window",
+  "h256-cap-gqa",
+)
+# The autotuning candidate a case pins where the heuristic leaves its backward to Triton.
+PIN = mosaic_gpu.MosaicGpuAttentionConfig(block_k=64, num_stages=2)
 
 
 @pytest.mark.parametrize(
@@ -146,7 +161,10 @@ SLOW_CASES = ("causal-gqa", "lengths-packed-causal", "h128-gqa-lengths-packed-ca
 def test_forward_lse_and_grad(name):
   case, backward = CASES[name]
   assert _chosen(case, jnp.bfloat16) == {FWD: MOSAIC, BWD: backward}
-  _run_case(case, jnp.bfloat16, PATH, seed=1)
+  pin = None if backward == MOSAIC else PIN
+  if pin is not None:
+    assert _chosen(case, jnp.bfloat16, pin) == {FWD: MOSAIC, BWD: MOSAIC}
+  _run_case(case, jnp.bfloat16, PATH, config=pin, seed=1)
 
 
 @pytest.mark.slow  # float16 compiles in the H100 sweep; interpreted, it takes a minute
@@ -155,13 +173,6 @@ def test_float16_causal_t_below_s():
   case = Case(b=1, t=128, s=192, n=2, k=1, h=64, is_causal=True)
   assert _chosen(case, jnp.float16) == {FWD: MOSAIC, BWD: MOSAIC}
   _run_case(case, jnp.float16, PATH, seed=2)
-
-
-@pytest.mark.slow
-def test_head_dim_256_backward_on_triton():
-  case = Case(b=1, t=128, s=130, n=2, k=2, h=256, window=(60, 0))
-  assert _chosen(case, jnp.bfloat16) == {FWD: MOSAIC, BWD: "pallas"}
-  _run_case(case, jnp.bfloat16, PATH, seed=3)
 
 
 def _jvp(fn, statics, ops, tangents):
@@ -263,9 +274,10 @@ def test_the_executor_prefers_mosaic_gpu_on_hopper_only():
   grad = _selection(h100, grad=True)
   assert grad[FWD].implementation == grad[BWD].implementation == MOSAIC
   assert _selection(h100, grad=True, is_causal=True)[BWD].implementation == MOSAIC
+  # A backward that splits its results' columns: Triton, Mosaic GPU an autotuning candidate.
   capped = _selection(h100, grad=True, is_causal=True, logits_soft_cap=30.0)
   assert capped[FWD].implementation == MOSAIC and capped[BWD].implementation == "pallas"
-  assert "soft cap up to head dim 64" in capped[BWD].note
+  assert "leaves this call to autotuning" in capped[BWD].note
   for h, tangent_on in ((128, MOSAIC), (256, "pallas")):
     q, kv = jnp.zeros((2, 256, 4, h), jnp.bfloat16), jnp.zeros((2, 256, 2, h), jnp.bfloat16)
     tangent = lambda q: jax.jvp(lambda q: pallax.dot_product_attention(q, kv, kv), (q,), (q,))
@@ -318,7 +330,7 @@ def test_supports_and_the_ring_in_shared_memory():
   assert "2 slots with masks" in supports(config(64, 64, 4), stage="bwd", **causal)
   assert supports(config(64, 64, 4), stage="bwd", **PARAMS) is None
   capped = {**PARAMS, "logits_soft_cap": 30.0}
-  assert "soft cap up to head dim 64" in supports(config(), stage="bwd", **capped)
+  assert supports(config(), stage="bwd", **capped) is None
   assert supports(config(), stage="fwd", **capped) is None
   assert supports(config(), stage="jvp", **capped) is None
   assert mosaic_gpu.supports(_avals(h=64), h100, config(), stage="bwd", **capped) is None
@@ -329,6 +341,16 @@ def test_supports_and_the_ring_in_shared_memory():
   assert supports(config(), stage="jvp", **PARAMS) is None
   h256 = functools.partial(mosaic_gpu.supports, _avals(h=256), h100)
   assert "up to 128 in the Mosaic GPU jvp kernel" in h256(config(), stage="jvp", **PARAMS)
+  assert h256(config(), stage="bwd", **capped) is None
+  assert h256(config(block_k=64), stage="fwd", **capped) is None
+  capped_causal = {**capped, "window_right": 0}
+  assert "soft cap with masks" in h256(config(block_k=64), stage="fwd", **capped_causal)
+  # The backward at head dim 256: its dq kernel's Q, dO and half of dQ, and a
+  # 2-slot ring of K and V; the dk/dv kernel takes less (a quarter of dK, dV).
+  p = Problem.of(_avals(h=256), **PARAMS)
+  want = (2 * 256 + 128) * 64 * 2 + 2 * 2 * 64 * 256 * 2 + 2 * 64 * 4
+  assert mosaic_gpu.smem_bytes(p, config(64, 64), "bwd") == want
+  assert "SMEM" in h256(config(64, 64, 4), stage="bwd", **PARAMS)
   small = functools.partial(mosaic_gpu.supports, _avals(h=64), h100)
   assert small(config(), stage="jvp", **PARAMS) is None
   assert "SMEM" in supports(config(block_k=256, num_stages=4), stage="fwd", **PARAMS)
@@ -343,6 +365,9 @@ def test_supports_and_the_ring_in_shared_memory():
   h256 = functools.partial(mosaic_gpu.supports, _avals(h=256, segments=True), h100)
   assert "segment ids in the Mosaic GPU forward up to head dim 128" in h256(
     config(block_k=64), stage="fwd", **segments
+  )
+  assert "segment ids in the Mosaic GPU backward up to head dim 128" in h256(
+    config(), stage="bwd", **segments
   )
   p = Problem.of(_avals(), **PARAMS)
   # Q/O (2 x 64 x 128), K and V (2 slots x 128 x 128), lse (2 x 64) floats.
@@ -410,28 +435,46 @@ def test_segment_runs_bound_the_blocks_and_the_unmasked_ones(queries_own):
 
 
 @pytest.mark.compilers
-@pytest.mark.parametrize("features", ["causal", "causal-lengths-segments"])
-def test_the_head_dim_128_backward_compiles_spill_free_for_a_batch(features):
-  """The executor's Mosaic GPU backward at head dim 128 with GQA, compiled for H100 at batch 2.
+@pytest.mark.parametrize(
+  "h, features",
+  [
+    (128, "causal"),
+    (128, "causal-lengths-segments"),
+    (128, "causal-lengths-segments-cap"),
+    (256, "causal-lengths"),
+    (256, "window-cap"),
+  ],
+)
+def test_the_wide_backward_compiles_spill_free_for_a_batch(h, features):
+  """The executor's Mosaic GPU backward above head dim 64 with GQA, compiled for H100 at batch 2.
 
   With a batch of one the kernels' grid has no batch index, and the dk/dv
   kernel fit its registers there while spilling 12 (causal) and 96 bytes
   (causal with lengths and segment ids) from a batch of two up, until its
-  steps ran in one loop over the query heads.
+  steps ran in one loop over the query heads. With a soft cap, and at head
+  dim 256, its blocks of threads split dK's and dV's columns (spilling 16-176
+  bytes whole at 128 with a cap, 108-148 in halves at 256).
   """
-  b, t, h = 2, 1000, 128
+  b, t = 2, 1000
   q, kv = jnp.zeros((b, t, 8, h), jnp.bfloat16), jnp.zeros((b, t, 2, h), jnp.bfloat16)
   lens, ids = jnp.full((b,), t, jnp.int32), jnp.zeros((b, t), jnp.int32)
-  extra = {"is_causal": True}
-  if features != "causal":
+  extra = {"is_causal": True} if "causal" in features else {"local_window_size": (100, 20)}
+  if "lengths" in features:
     extra.update(query_seq_lengths=lens, key_value_seq_lengths=lens)
+  if "segments" in features:
     extra.update(q_segment_ids=ids, kv_segment_ids=ids)
+  if "cap" in features:
+    extra.update(logits_soft_cap=30.0)
   loss = lambda q, k, v: jnp.sum(pallax.dot_product_attention(q, k, v, **extra).astype(jnp.float32))
   jaxpr = jax.make_jaxpr(jax.grad(loss, argnums=(0, 1, 2)))(q, kv, kv).jaxpr
   (eqn,) = [e for e in kernel_calls(jaxpr) if e.primitive.name == BWD]
   h100 = TARGETS["h100"]
-  (config,) = [c for source, c in configs_for(eqn, h100, heuristic_only=True)]
-  assert config.implementation == MOSAIC
+  # The heuristic's config, or with split columns the autotuning candidate.
+  (config,) = {
+    c
+    for source, c in configs_for(eqn, h100, heuristic_only=True, preferred=True)
+    if c.implementation == MOSAIC and c.num_stages == 2
+  }
   call = lambda *args: eqn.primitive.bind(*args, **{**eqn.params, "config": config})
   kernels = compile_kernels(call, _arguments(eqn), h100, MOSAIC)
   assert {k["name"] for k in kernels} == {

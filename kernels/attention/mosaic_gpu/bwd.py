@@ -17,9 +17,17 @@ forward's softmax statistics nor using atomics:
   query head), the blocks of Q, dO, lse and delta that see its keys:
   ``P^T``, ``dV += P^T dO``, ``dP^T = V dO^T``, ``dK += dS^T Q``.
 
+Above head dim 128 (and in the dk/dv kernel above 64 with a soft cap) a
+block of threads computes a share of its results' columns
+(``config.out_cols``: 128 of dQ's, 64 of dK's and dV's): S and dP over the
+whole head dim, then ``dQ``'s (or ``dK``'s and ``dV``'s) columns from the
+same columns of K (of Q and dO), a column slice of the tile in SMEM as
+``wgmma``'s operand. The shares' blocks of threads are adjacent on the
+grid's heads axis.
+
 Blocks hidden entirely (causal, window, lengths, outside the segments' runs)
 are not loaded; partly hidden ones are masked. The soft cap's slope scales
-``dS`` (a cap up to head dim 64: ``config.feature_reason``). Padded queries
+``dS``. Padded queries
 carry an lse of +inf (probability 0); padded keys give gradients that are
 cut off. Q, K, V, dO, dq, dk and dv are read and written sequence first, in
 the caller's layout (``tiles.sequence_first``), as in the forward.
@@ -47,6 +55,7 @@ from pallax.kernels.attention.mosaic_gpu.config import (
   call_of,
   has_masks,
   head,
+  out_cols,
   round_up,
   wide_consumers,
 )
@@ -62,7 +71,7 @@ def bwd(*operands, config: MosaicGpuAttentionConfig, interpret: Any, **params) -
   h = head(p)
   bq, bk = BWD_BLOCKS
   tp = round_up(p.t, math.lcm(DQ_ROWS, bq))
-  sp = round_up(p.s, wide_consumers(p) * bk)
+  sp = round_up(p.s, wide_consumers(h) * bk)
   delta = common.bwd_delta(p.stat, ops.out, ops.dout, ops.dlse).astype(jnp.float32)
   # Rows past their length get an lse of +inf: the dk/dv kernel's mask leaves them.
   lse = tiles.lse2(ops.lse.astype(jnp.float32), ops.q_len if p.has_lengths else None)
@@ -119,6 +128,7 @@ class _Kernels:
       transposed=("k", "v"),
       outs={"dq": (p.dtype, True)},
       name="dot_product_attention_dq",
+      cols=out_cols(p, "dq"),
     )
 
     def step(ctx, j, dq, hide):
@@ -130,11 +140,12 @@ class _Kernels:
       ctx.ring.release(1, j)
       ds = probs * (dp - broadcast(ctx.stats["delta"], dp.shape, 0))
       ds = ctx.operand((ds if slope is None else ds * slope).astype(p.dtype))
-      dq = form.accumulate(dq, lambda acc_ref: plgpu.wgmma(acc_ref, ds, ctx.tile("k")))
+      dq = form.accumulate(dq, lambda acc_ref: plgpu.wgmma(acc_ref, ds, ctx.out_tile("k")))
       ctx.ring.release(0, j)
       return dq
 
-    init = lambda ctx: form.layout(jnp.zeros((DQ_ROWS, h), jnp.float32), plgpu.Layout.WGMMA)
+    cols = out_cols(p, "dq")
+    init = lambda ctx: form.layout(jnp.zeros((DQ_ROWS, cols), jnp.float32), plgpu.Layout.WGMMA)
     (dq,) = kernel(init, step, lambda ctx, dq: {"dq": dq * p.scale}, tp, h)
     return dq
 
@@ -142,7 +153,8 @@ class _Kernels:
     """``dk, dv (B, K, Sp, h)``: per key tile, every query head's query blocks that see it."""
     p, form, blocks, h = self.p, self.form, self.blocks, self.h
     bq, bk, stages = blocks.bq, blocks.bk, self.stages
-    consumers = wide_consumers(p)
+    cols = out_cols(p, "dkdv")
+    chunks, consumers = h // cols, wide_consumers(h)
     rows = consumers * bk
     q_t, do_t = self._transposed(queries["q"]), self._transposed(queries["do"])
     # dP^T's accumulator starts from -delta broadcast over the keys: no delta
@@ -162,8 +174,10 @@ class _Kernels:
       *fact_refs, dk_ref, dv_ref, scoped = rest[n_tr + n_seg :]
       smem, own_full, (full, consumed) = scoped
       k_smem, v_smem, q_smem, do_smem, lse_smem, neg_delta_smem, *transposed_smem = smem
-      qt_smem, dot_smem, st_smem, seg_smem = transposed_smem
+      qt_smem, dot_smem, st_smem, seg_smem, out_smem = transposed_smem
       kh, b, wg = lax.axis_index("heads"), lax.axis_index("batch"), lax.axis_index("wg")
+      kh, share = tiles.column_share(kh, chunks, cols)
+      columns = lambda ref: ref if share is None else ref.at[:, share]
       s_tile = lax.axis_index("k") * rows
       blocks = self.blocks.at(fact_refs, b, (rows, bk))
       lo, hi = blocks.query_blocks(s_tile, rows)
@@ -211,10 +225,12 @@ class _Kernels:
           slope = tiles.cap_slope(p, z)
           ds = ds if slope is None else ds * slope
           weights = form.operand(probs.astype(p.dtype), st_smem, wg)
-          dv = form.accumulate(dv, lambda acc_ref: plgpu.wgmma(acc_ref, weights, do_smem.at[s]))
+          dv = form.accumulate(
+            dv, lambda acc_ref: plgpu.wgmma(acc_ref, weights, columns(do_smem.at[s]))
+          )
           ring.release(1, u)
           ds = form.operand(ds.astype(p.dtype), st_smem, wg)
-          dk = form.accumulate(dk, lambda acc_ref: plgpu.wgmma(acc_ref, ds, q_smem.at[s]))
+          dk = form.accumulate(dk, lambda acc_ref: plgpu.wgmma(acc_ref, ds, columns(q_smem.at[s])))
           ring.release(0, u)
           return dk, dv
 
@@ -234,7 +250,7 @@ class _Kernels:
           masked = tiles.masked_step(i, unmasked) if has_masks(p) else False
           return step(u, i, carry, masked)
 
-        zeros = lambda: form.layout(jnp.zeros((bk, h), jnp.float32), plgpu.Layout.WGMMA)
+        zeros = lambda: form.layout(jnp.zeros((bk, cols), jnp.float32), plgpu.Layout.WGMMA)
         if consumers == 1:
           # Above head dim 64 dK and dV take 128 registers a thread: one loop
           # over every query head's blocks, masked or not (the consumer owns
@@ -243,12 +259,20 @@ class _Kernels:
           dk, dv = lax.fori_loop(0, p.groups * count, flat, (zeros(), zeros()))
         else:
           dk, dv = lax.fori_loop(0, p.groups, per_group, (zeros(), zeros()))
-        k_smem.at[wg][...] = (dk * p.scale).astype(p.dtype)
-        v_smem.at[wg][...] = dv.astype(p.dtype)
-        plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(k_smem.at[wg], dk_ref.at[b, mine, kh])
-        plgpu.copy_smem_to_gmem(v_smem.at[wg], dv_ref.at[b, mine, kh])
-        plgpu.wait_smem_to_gmem(0)
+        results = ((dk * p.scale, dk_ref, k_smem), (dv, dv_ref, v_smem))
+        if share is None:  # through K's and V's SMEM
+          for result, _, buf in results:
+            buf.at[wg][...] = result.astype(p.dtype)
+          plgpu.commit_smem()
+          for _, ref, buf in results:
+            plgpu.copy_smem_to_gmem(buf.at[wg], ref.at[b, mine, kh])
+          plgpu.wait_smem_to_gmem(0)
+        else:  # through one tile of the share's columns, dK's then dV's
+          for result, ref, _ in results:
+            out_smem.at[wg][...] = result.astype(p.dtype)
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(out_smem.at[wg], ref.at[b, mine, kh, share])
+            plgpu.wait_smem_to_gmem(0)
 
       @pl.when(wg == consumers)
       def _producer():
@@ -284,6 +308,7 @@ class _Kernels:
         None if form.hopper else self._tile(stages, h, bq),
         form.staging((consumers, bk, bq), p.dtype),
         tiles.segment_smem(segs, (consumers, bk), (stages, bq)),
+        None if chunks == 1 else self._tile(consumers, bk, cols),
       ],
       plgpu.Barrier(num_arrivals=2 + bool(segs), num_barriers=consumers),
       mgpu.Ring.barriers((copies + bool(segs), copies, 2), stages, consumers),
@@ -293,7 +318,7 @@ class _Kernels:
       body,
       operands,
       (shape, shape),
-      grid=(p.kv_heads, sp // rows, p.batch),
+      grid=(p.kv_heads * chunks, sp // rows, p.batch),
       grid_names=("heads", "k", "batch"),
       scratch=scratch,
       name="dot_product_attention_dkdv",

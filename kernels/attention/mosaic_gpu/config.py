@@ -22,8 +22,8 @@ CONSUMERS = 2  # consumer warpgroups a block of threads; a producer warpgroup be
 # ptxas compiles a kernel of three warpgroups within 168 registers a thread
 # (65536 / 384), ``setmaxnreg`` notwithstanding (checked with pallax.verify);
 # two warpgroups get 255. The backward's accumulators need more than 168 at
-# head dim 128: its dq kernel has one consumer of 64 queries, its dk/dv
-# kernel (and the tangent's) two consumers up to head dim 64 and one above.
+# 128 columns: its dq kernel has one consumer of 64 queries, its dk/dv
+# kernel (and the tangent's) two consumers up to 64 columns and one above.
 DQ_CONSUMERS, DQ_ROWS = 1, 64
 
 
@@ -61,11 +61,13 @@ def head(p: Problem) -> int:
   return round_up(max(p.head_dim, p.value_dim), 64)
 
 
-# The largest padded head dim a stage's accumulators fit in registers: the
-# backward's dk and dv (or dq, dS and dP) take twice the forward's; the
-# tangent's output, S, P and dS fit 255 registers at 128 with one consumer
-# and one loop (two consumers spilled 12 bytes).
-_MAX_HEAD = {"fwd": 256, "bwd": 128, "jvp": 128}
+# The largest padded head dim a stage's kernels take. The backward splits its
+# results' columns (``out_cols``); the tangent's output, S, P and dS fit 255
+# registers at 128 with one consumer and one loop (two consumers spilled 12
+# bytes), and at 256 its Q and dQ (64 KiB) and a 2-slot ring of K, V, dK and
+# dV (256 KiB) are over a block's SMEM.
+_MAX_HEAD = {"fwd": 256, "bwd": 256, "jvp": 128}
+_HEAD_REASON = {"jvp": " (at 256 its Q, dQ and ring of K, V, dK, dV are over a block's SMEM)"}
 
 
 def has_masks(p: Problem) -> bool:
@@ -83,16 +85,20 @@ def feature_reason(p: Problem, stage: str = "fwd") -> Optional[str]:
   if jnp.dtype(p.dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
     return f"the Mosaic GPU attention kernels take bfloat16 and float16, not {jnp.dtype(p.dtype)}"
   if head(p) > _MAX_HEAD[stage]:
-    return f"head dims up to {_MAX_HEAD[stage]} in the Mosaic GPU {stage} kernel, got {head(p)}"
+    why = _HEAD_REASON.get(stage, "")
+    return (
+      f"head dims up to {_MAX_HEAD[stage]} in the Mosaic GPU {stage} kernel{why}, got {head(p)}"
+    )
   if stage == "fwd" and p.has_segments and head(p) + 64 > _SEGMENT_REGISTERS:
     return f"segment ids in the Mosaic GPU forward up to head dim {_SEGMENT_REGISTERS - 64}"
-  if stage == "bwd" and head(p) > 64 and p.soft_cap is not None:
-    # Compiled for H100 with a batch of 2 (a batch of 1 folds the grid's batch
-    # index away, and with it the registers that tip the kernels over), the
-    # dk/dv kernel at head dim 128 spills with a soft cap, masked or not:
-    # 16-176 bytes. Not the exact tanh's (``approx_math`` is off with a cap):
-    # a tanh from ex2.approx and rsqrt.approx under approx_math spilled as much.
-    return "the Mosaic GPU backward takes a soft cap up to head dim 64"
+  if stage == "fwd" and p.soft_cap is not None and has_masks(p) and head(p) > 128:
+    # Compiled for H100 (a batch of 2): causal with a soft cap at head dim 256
+    # spilled 12 bytes (its 168 registers hold O's 128 a thread).
+    return "a soft cap with masks in the Mosaic GPU forward up to head dim 128"
+  if stage == "bwd" and p.has_segments and head(p) > 128:
+    # Compiled for H100: at head dim 256 the dq kernel spilled 8 bytes with
+    # lengths and segment ids (68 with a soft cap), the dk/dv kernel 8 with a cap.
+    return "segment ids in the Mosaic GPU backward up to head dim 128"
   if p.t == 0 or p.s == 0:
     return "no queries or no keys"
   return None
@@ -103,8 +109,10 @@ class _Smem(NamedTuple):
 
   With segment ids each side has one int32 row vector more (its ids).
 
-  own: the side whose rows each of its ``consumers`` owns (``"q"``, ``"k"``,
-  or ``"dq"``: 64 queries); the ring streams the other.
+  own: the side whose rows each of its consumers owns (``"q"``, ``"k"``,
+  ``"dq"`` or ``"jvp"``: 64 queries); the ring streams the other.
+  out_tiles: tiles of the results' columns (``out_cols``) besides, when the
+  kernel splits its results' columns (whole, they go through own tiles).
   """
 
   own: str
@@ -112,13 +120,14 @@ class _Smem(NamedTuple):
   ring_tiles: int
   own_stats: int
   ring_stats: int
+  out_tiles: int = 0
 
 
 _SMEM = {
   "fwd": [_Smem("q", 1, 2, 1, 0)],  # Q (then O), lse; K, V
-  # dq kernel: Q (then dQ), dO, lse, delta; K, V. dk/dv kernel: K, V (then dK,
-  # dV); Q, dO, lse, delta.
-  "bwd": [_Smem("dq", 3, 2, 2, 0), _Smem("k", 2, 2, 0, 2)],
+  # dq kernel: Q, dO, lse, delta, dQ; K, V. dk/dv kernel: K, V (then dK and dV
+  # whole, or one tile for their columns, one after the other); Q, dO, lse, delta.
+  "bwd": [_Smem("dq", 2, 2, 2, 0, 1), _Smem("k", 2, 2, 0, 2, 1)],
   # The tangent: Q, dQ and the float32 output tile (two 16-bit tiles' worth),
   # lse and the row sums; K, V, dK, dV.
   "jvp": [_Smem("jvp", 4, 4, 2, 0)],
@@ -136,12 +145,35 @@ _SEGMENT_REGISTERS = 192
 BWD_BLOCKS = (64, 64)
 
 
-def wide_consumers(p: Problem) -> int:
+def out_cols(p: Problem, kernel: str) -> int:
+  """Columns of its results a block of threads of the backward's ``kernel`` computes.
+
+  ``kernel``: ``"dq"`` or ``"dkdv"``. A block of threads that computes a share
+  of the columns computes S and dP over the whole head dim for it; the shares
+  split over blocks of threads (a grid axis). Compiled for H100 with a batch
+  of 2 (pallax.verify): dQ takes 128 columns (256 whole is twice the
+  registers), 64 with a window at head dim 256 (128 spilled 8-216 bytes); dK
+  and dV take their whole head dim up to 128, and 64 columns above it or with
+  a soft cap: at head dim 256, 128 columns spilled 108-148 bytes, and whole
+  at 128 a soft cap spilled 16-176 bytes, masked or not (the exact tanh's
+  registers or not: one from ex2.approx and rsqrt.approx spilled as much).
+  """
+  h = head(p)
+  if kernel == "dkdv" and (h > 128 or p.soft_cap is not None):
+    return min(h, 64)
+  if h > 128 and p.left is not None:  # a window's two edges
+    return 64
+  return min(h, 128)
+
+
+def wide_consumers(h: int) -> int:
   """Consumer warpgroups of the dk/dv and the tangent kernels: two up to head dim 64, else one.
 
-  Their accumulators and tiles take more than a third of 255 registers a thread above 64.
+  Their accumulators and tiles take more than a third of 255 registers a
+  thread above 64 (two consumers over 64 of head dim 128's columns, with a
+  soft cap, spilled 48 bytes).
   """
-  return CONSUMERS if head(p) <= 64 else 1
+  return CONSUMERS if h <= 64 else 1
 
 
 def smem_bytes(p: Problem, config: MosaicGpuAttentionConfig, stage: str) -> int:
@@ -158,11 +190,19 @@ def smem_bytes(p: Problem, config: MosaicGpuAttentionConfig, stage: str) -> int:
     "jvp": (DQ_ROWS, c.block_k),
     "k": (c.block_k, c.block_q),
   }
-  consumers = {"q": CONSUMERS, "dq": DQ_CONSUMERS, "jvp": wide_consumers(p), "k": wide_consumers(p)}
+  h_out = {"q": h, "jvp": h, "dq": out_cols(p, "dq"), "k": out_cols(p, "dkdv")}
+  consumers = {
+    "q": CONSUMERS,
+    "dq": DQ_CONSUMERS,
+    "jvp": wide_consumers(h),
+    "k": wide_consumers(h),
+  }
   sizes = []
   for k in _SMEM[stage]:
-    (own, ring), n = shapes[k.own], consumers[k.own]
-    elements = n * k.own_tiles * own * h + c.num_stages * k.ring_tiles * ring * h
+    (own, ring), n, cols = shapes[k.own], consumers[k.own], h_out[k.own]
+    # dK and dV whole go through K's and V's SMEM; dQ has a tile of its own.
+    out = k.out_tiles if k.own == "dq" or cols < h else 0
+    elements = n * (k.own_tiles * h + out * cols) * own + c.num_stages * k.ring_tiles * ring * h
     seg = int(p.has_segments)
     stats = n * (k.own_stats + seg) * own + c.num_stages * (k.ring_stats + seg) * ring
     sizes.append(elements * item + 4 * stats)
@@ -212,16 +252,27 @@ def _space(p: Problem, stage: str) -> list[MosaicGpuAttentionConfig]:
   return [c for c in configs if _config_reason(p, c, stage) is None]
 
 
+def splits_columns(p: Problem) -> bool:
+  """Whether the backward's blocks of threads split their results' columns (``out_cols``)."""
+  return min(out_cols(p, "dq"), out_cols(p, "dkdv")) < head(p)
+
+
 def heuristic(avals: Sequence[Any], target: str, *, stage: str, **params):
   """Forward: 128-key blocks in a 2-slot ring where they are legal, else 64; backward: 64 x 64.
 
   128-key blocks are legal up to head dim 128 (SMEM), with segment ids up to
-  64 (registers: ``_config_reason``).
+  64 (registers: ``_config_reason``). None (the Triton kernels by default,
+  these an autotuning candidate) for a backward that splits its results'
+  columns (head dim 256, a soft cap above 64): its blocks of threads compute
+  S and dP once a share (at 256, 15 products' work against 7) and have not
+  been timed against the Triton backward on a GPU.
   """
   p = Problem.of(avals, **params)
   if stage == "fwd":
     configs = [MosaicGpuAttentionConfig(block_k=bk) for bk in (128, 64)]
     return next((c for c in configs if _config_reason(p, c, stage) is None), configs[-1])
+  if stage == "bwd" and splits_columns(p):
+    return None
   return MosaicGpuAttentionConfig(*BWD_BLOCKS)
 
 
@@ -229,7 +280,7 @@ def candidates(avals: Sequence[Any], target: str, *, stage: str, **params):
   """The heuristic's config and every ring shape that fits SMEM."""
   p = Problem.of(avals, **params)
   base = heuristic(avals, target, stage=stage, **params)
-  return list(dict.fromkeys([base, *_space(p, stage)]))
+  return list(dict.fromkeys([*([] if base is None else [base]), *_space(p, stage)]))
 
 
 def supports(

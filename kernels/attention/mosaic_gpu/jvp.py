@@ -40,7 +40,7 @@ def jvp(*operands, config: MosaicGpuAttentionConfig, interpret: Any, **params) -
   c, p, form = call_of("jvp", operands, params, interpret)
   ops = c.ops
   h, bk = head(p), BWD_BLOCKS[1]
-  consumers = wide_consumers(p)
+  consumers = wide_consumers(h)
   tp, sp = round_up(p.t, consumers * DQ_ROWS), round_up(p.s, bk)
   rows = lambda x: tiles.pad(x, {3: tp, 4: h})
   keys = lambda x: tiles.pad(x, {2: sp, 3: h})

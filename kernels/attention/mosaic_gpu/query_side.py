@@ -7,14 +7,15 @@ they write. One block of threads per (query head, ``consumers * 64``
 queries, batch); each consumer loads its 64 queries' tiles and statistics
 once, walks the key blocks its block of threads sees (``tiles.over_steps``:
 blocks its own rows do not see are released without computing) and writes
-its outputs through SMEM.
+its outputs through SMEM. A kernel may split its tile outputs' columns over
+blocks of threads (``cols``: the backward's dq above head dim 128).
 """
 
 from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import Any, Optional
 
 import jax
 import jax.numpy as jnp
@@ -46,7 +47,8 @@ class Step:
   own: name -> the consumer's SMEM tile of that own operand; stats: name ->
   its row statistic's value (broadcast along dim 0). ``tile(name)`` is the
   ring's slot of a streamed operand, ``tile_t(name)`` the same transposed
-  (a view on a GPU, the transposed copy interpreted).
+  (a view on a GPU, the transposed copy interpreted), ``out_tile(name)`` its
+  columns of the block of threads' outputs (``cols``: a slice, or None for all).
   """
 
   kernel: QueryKernel
@@ -58,9 +60,13 @@ class Step:
   staging: Any
   ring: mgpu.Ring = None
   slot: Any = None
+  cols: Any = None
 
   def tile(self, name: str):
     return self.ring_refs[name].at[self.slot]
+
+  def out_tile(self, name: str):
+    return self.tile(name) if self.cols is None else self.tile(name).at[:, self.cols]
 
   def tile_t(self, name: str):
     if self.kernel.form.hopper:
@@ -90,6 +96,8 @@ class QueryKernel:
       ``(Tp,)`` vector per query head, written through SMEM.
     name: the kernel's name.
     one_loop: masked and unmasked steps in one loop (``tiles.over_steps``).
+    cols: columns of the tile outputs a block of threads computes (a divisor
+      of the head dim; None: all), its share chosen by the grid's heads axis.
   """
 
   p: Problem
@@ -105,6 +113,7 @@ class QueryKernel:
   outs: Mapping[str, tuple[Any, bool]]
   name: str
   one_loop: bool = False
+  cols: Optional[int] = None
 
   def _tile(self, lead: int, rows: int, cols: int, dtype=None):
     dtype = self.p.dtype if dtype is None else dtype
@@ -127,6 +136,8 @@ class QueryKernel:
     """
     p, form, stages, bk = self.p, self.form, self.stages, self.bk
     bq, rows = DQ_ROWS, self.consumers * DQ_ROWS
+    cols = h if self.cols is None else self.cols
+    chunks = h // cols
     own_names, stat_names = list(self.own_tiles), list(self.own_stats)
     ring_names, out_names = list(self.ring), list(self.outs)
     operands = [
@@ -152,6 +163,7 @@ class QueryKernel:
       t_gmem = dict(zip(self.transposed, ins[len(own_refs) + len(ring_names) :]))
       ring_refs, t_refs = dict(zip(ring_names, ring_smem)), dict(zip(self.transposed, t_smem))
       n, b, wg = lax.axis_index("heads"), lax.axis_index("batch"), lax.axis_index("wg")
+      n, out_cols = tiles.column_share(n, chunks, cols)
       kh, g = lax.div(n, jnp.int32(p.groups)), lax.rem(n, jnp.int32(p.groups))
       t_tile = lax.axis_index("q") * rows
       blocks = tiles.Tiles(p, bq, bk).at(fact_refs, b, (rows, bq))
@@ -180,6 +192,7 @@ class QueryKernel:
           t_refs,
           staging,
           ring,
+          cols=out_cols,
         )
         own = tiles.own_range(lo, hi, blocks.key_blocks(t0, bq))
 
@@ -205,6 +218,8 @@ class QueryKernel:
         plgpu.commit_smem()
         for buf, ref, (_, is_tile) in zip(out_smem, outs, self.outs.values()):
           at = (b, mine, kh, g) if is_tile else (b, kh, g, mine)
+          if is_tile and out_cols is not None:
+            at = (*at, out_cols)
           plgpu.copy_smem_to_gmem(buf.at[wg], ref.at[at])
         plgpu.wait_smem_to_gmem(0)
 
@@ -234,7 +249,7 @@ class QueryKernel:
         [self._tile(stages, bk, h) for _ in ring_names],
         [] if form.hopper else [self._tile(stages, h, bk) for _ in self.transposed],
         [
-          self._tile(c, bq, h, dtype) if is_tile else plgpu.SMEM((c, bq), dtype)
+          self._tile(c, bq, cols, dtype) if is_tile else plgpu.SMEM((c, bq), dtype)
           for dtype, is_tile in self.outs.values()
         ],
         form.staging((c, bq, bk), p.dtype),
@@ -259,7 +274,7 @@ class QueryKernel:
       body,
       operands,
       out_types,
-      grid=(p.kv_heads * p.groups, tp // rows, p.batch),
+      grid=(p.kv_heads * p.groups * chunks, tp // rows, p.batch),
       grid_names=("heads", "q", "batch"),
       scratch=scratch,
       name=self.name,

@@ -26,6 +26,7 @@ from typing import Any, Optional, Union
 import jax
 import jax.numpy as jnp
 from jax import lax
+from jax.experimental import pallas as pl
 
 from pallax import pallas_mosaic_gpu as mgpu
 from pallax.kernels.attention import common
@@ -47,6 +48,20 @@ def _clamp(u_lo, u_hi, lo, hi):
   """``[u_lo, u_hi)`` clamped inside ``[lo, hi)`` (empty where it does not meet it)."""
   u_hi = jnp.maximum(jnp.minimum(u_hi, hi), lo)
   return jnp.minimum(jnp.maximum(u_lo, lo), u_hi), u_hi
+
+
+def column_share(axis, chunks: int, cols: int):
+  """A grid axis's index over ``chunks`` blocks of threads a tile, and their result columns.
+
+  Blocks of threads that split a tile's result columns (``config.out_cols``)
+  are adjacent on the axis (they read the same operands from L2). Returns the
+  axis's index without the split and the block's ``cols`` columns (a slice),
+  or ``(axis, None)`` when one block of threads computes them all.
+  """
+  if chunks == 1:
+    return axis, None
+  share = lax.rem(axis, jnp.int32(chunks))
+  return _div(axis, chunks), pl.ds(pl.multiple_of(share * cols, cols), cols)
 
 
 # Columns of a ``segment_runs`` row: the blocks a tile's segments meet, and
