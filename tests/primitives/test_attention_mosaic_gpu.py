@@ -62,7 +62,7 @@ CASES = {
     Case(b=1, t=260, s=200, n=2, k=1, h=80, window=(40, 30), soft_cap=20.0, logit_scale=4.0),
     "pallas",
   ),
-  # Head dim 256: dQ's columns in two shares, dK's and dV's in four.
+  # Head dim 256 with a window: dQ's, dK's and dV's columns in four shares.
   "h256-window": (Case(b=1, t=128, s=130, n=2, k=2, h=256, window=(60, 0)), "pallas"),
   # With a soft cap and GQA, unmasked (the forward takes a cap at 256 without masks).
   "h256-cap-gqa": (Case(b=2, t=70, s=100, n=4, k=2, h=256, soft_cap=10.0), "pallas"),
@@ -139,11 +139,12 @@ def _chosen(case: Case, dtype, config=None) -> dict[str, str]:
   return {r.op: r.implementation for r in report}
 
 
-# The default run leaves three cases to ``-m slow`` (a minute each interpreted):
+# The default run leaves five cases to ``-m slow`` (a minute each interpreted):
 # plain causal GQA, in the padded batches' cases too; the padded batch at
 # head dim 64, whose features the head dim 128 case and the race test (at 64:
-# lengths, segment ids, numerics) run; and the GQA batch of two at head dim
-# 128, whose loop the MQA head dim 128 case runs (its spills: a compilers test).
+# lengths, segment ids, numerics) run; the GQA batch of two at head dim
+# 128, whose loop the MQA head dim 128 case runs (its spills: a compilers
+# test); and head dim 256, whose split columns the capped head dim 80 case runs.
 SLOW_CASES = (
   "causal-gqa",
   "lengths-packed-causal",
@@ -291,6 +292,19 @@ def test_the_executor_prefers_mosaic_gpu_on_hopper_only():
   bias = jnp.zeros((2, 4, 256, 256), jnp.bfloat16)
   refused = _selection(h100, bias=bias)[FWD]
   assert refused.implementation == "pallas" and "take no bias" in refused.note
+
+
+@pytest.mark.parametrize("h", [64, 128, 192, 256])
+def test_the_backwards_column_shares_divide_the_head_dim(h):
+  """Every share of a split backward's columns is a whole number of 64-column tiles."""
+  for features in ({}, {"window_left": 60, "window_right": 0}, {"logits_soft_cap": 30.0}):
+    p = Problem.of(_avals(h=h), **{**PARAMS, **features})
+    for kernel in ("dq", "dkdv"):
+      cols = mosaic_gpu.config.out_cols(p, kernel)
+      assert cols % 64 == 0 and h % cols == 0 and cols <= 128, (h, features, kernel, cols)
+    assert mosaic_gpu.config.splits_columns(p) == (
+      h > 128 or (h > 64 and "logits_soft_cap" in features)
+    )
 
 
 def _avals(t=256, s=256, h=128, dtype=jnp.bfloat16, segments=False):
@@ -446,7 +460,10 @@ def test_segment_runs_bound_the_blocks_and_the_unmasked_ones(queries_own):
   ],
 )
 def test_the_wide_backward_compiles_spill_free_for_a_batch(h, features):
-  """The executor's Mosaic GPU backward above head dim 64 with GQA, compiled for H100 at batch 2.
+  """The Mosaic GPU backward above head dim 64 with GQA, compiled for H100 at batch 2.
+
+  The heuristic's config, or where the blocks of threads split the results'
+  columns (a soft cap, head dim 256) the autotuning candidate.
 
   With a batch of one the kernels' grid has no batch index, and the dk/dv
   kernel fit its registers there while spilling 12 (causal) and 96 bytes

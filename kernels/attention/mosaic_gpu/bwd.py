@@ -19,7 +19,7 @@ forward's softmax statistics nor using atomics:
 
 Above head dim 128 (and in the dk/dv kernel above 64 with a soft cap) a
 block of threads computes a share of its results' columns
-(``config.out_cols``: 128 of dQ's, 64 of dK's and dV's): S and dP over the
+(``config.out_cols``: 128 or 64 of dQ's, 64 of dK's and dV's): S and dP over the
 whole head dim, then ``dQ``'s (or ``dK``'s and ``dV``'s) columns from the
 same columns of K (of Q and dO), a column slice of the tile in SMEM as
 ``wgmma``'s operand. The shares' blocks of threads are adjacent on the
@@ -155,6 +155,7 @@ class _Kernels:
     bq, bk, stages = blocks.bq, blocks.bk, self.stages
     cols = out_cols(p, "dkdv")
     chunks, consumers = h // cols, wide_consumers(h)
+    assert chunks * cols == h, f"{cols} columns a share do not divide head dim {h}"
     rows = consumers * bk
     q_t, do_t = self._transposed(queries["q"]), self._transposed(queries["do"])
     # dP^T's accumulator starts from -delta broadcast over the keys: no delta
@@ -252,7 +253,7 @@ class _Kernels:
 
         zeros = lambda: form.layout(jnp.zeros((bk, cols), jnp.float32), plgpu.Layout.WGMMA)
         if consumers == 1:
-          # Above head dim 64 dK and dV take 128 registers a thread: one loop
+          # Above head dim 64 dK and dV take up to 128 registers a thread: one loop
           # over every query head's blocks, masked or not (the consumer owns
           # its block of threads' range). Loops per query head and per kind of
           # step spilled at their edges (with GQA, compiled for H100).

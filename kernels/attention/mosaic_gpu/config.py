@@ -152,7 +152,8 @@ def out_cols(p: Problem, kernel: str) -> int:
   of the columns computes S and dP over the whole head dim for it; the shares
   split over blocks of threads (a grid axis). Compiled for H100 with a batch
   of 2 (pallax.verify): dQ takes 128 columns (256 whole is twice the
-  registers), 64 with a window at head dim 256 (128 spilled 8-216 bytes); dK
+  registers), 64 at head dim 192 (shares divide the head dim) and with a
+  window at 256 (128 spilled 8-216 bytes); dK
   and dV take their whole head dim up to 128, and 64 columns above it or with
   a soft cap: at head dim 256, 128 columns spilled 108-148 bytes, and whole
   at 128 a soft cap spilled 16-176 bytes, masked or not (the exact tanh's
@@ -161,7 +162,7 @@ def out_cols(p: Problem, kernel: str) -> int:
   h = head(p)
   if kernel == "dkdv" and (h > 128 or p.soft_cap is not None):
     return min(h, 64)
-  if h > 128 and p.left is not None:  # a window's two edges
+  if h > 128 and (p.left is not None or h % 128):  # a window's two edges; shares divide h
     return 64
   return min(h, 128)
 
@@ -271,7 +272,7 @@ def heuristic(avals: Sequence[Any], target: str, *, stage: str, **params):
   if stage == "fwd":
     configs = [MosaicGpuAttentionConfig(block_k=bk) for bk in (128, 64)]
     return next((c for c in configs if _config_reason(p, c, stage) is None), configs[-1])
-  if stage == "bwd" and splits_columns(p):
+  if stage == "bwd" and splits_columns(p) and feature_reason(p, stage) is None:
     return None
   return MosaicGpuAttentionConfig(*BWD_BLOCKS)
 

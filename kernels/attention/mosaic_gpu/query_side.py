@@ -138,6 +138,7 @@ class QueryKernel:
     bq, rows = DQ_ROWS, self.consumers * DQ_ROWS
     cols = h if self.cols is None else self.cols
     chunks = h // cols
+    assert chunks * cols == h, f"{cols} columns a share do not divide head dim {h}"
     own_names, stat_names = list(self.own_tiles), list(self.own_stats)
     ring_names, out_names = list(self.ring), list(self.outs)
     operands = [
