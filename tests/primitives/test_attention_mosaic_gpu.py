@@ -251,6 +251,19 @@ def test_no_data_races_with_segments_lengths_and_a_refilled_ring():
       jax.block_until_ready(jax.jit(functools.partial(_jvp, _pallax(), statics))(ops, tangents))
 
 
+@pytest.mark.slow  # a minute interpreted under race detection
+def test_no_data_races_in_the_split_columns_backward():
+  """The dk/dv kernel's one staging tile for dK's share, then dV's, under race detection.
+
+  A soft cap above head dim 64 splits dK's and dV's columns in two (the
+  autotuning candidate, pinned); either side spans more blocks than the ring has slots.
+  """
+  case = Case(b=1, t=200, s=320, n=2, k=1, h=80, kv_len=(290,), soft_cap=20.0)
+  assert _chosen(case, jnp.bfloat16, PIN) == {FWD: MOSAIC, BWD: MOSAIC}
+  with mgpu.detecting_races():
+    _run_case(case, jnp.bfloat16, PATH, config=PIN, seed=11)
+
+
 def _selection(target, dtype=jnp.bfloat16, grad: bool = False, **features):
   q = jnp.zeros((2, 256, 4, 128), dtype)
   kv = jnp.zeros((2, 256, 2, 128), dtype)
