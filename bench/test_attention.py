@@ -100,6 +100,7 @@ import math
 import os
 import statistics
 import time
+from typing import Optional
 
 import jax
 import jax.numpy as jnp
@@ -129,6 +130,7 @@ class Case:
   heads: int = 8
   batch: int = 1
   head_dim: int = 64
+  soft_cap: Optional[float] = None
 
   @property
   def id(self):
@@ -138,7 +140,8 @@ class Case:
       self.dtype,
       f"S{self.seq}",
     ]
-    return "-".join(parts + (["slow"] if self.slow else []))
+    cap = [] if self.soft_cap is None else [f"cap{self.soft_cap:g}"]
+    return "-".join(parts + cap + (["slow"] if self.slow else []))
 
 
 CASES = [
@@ -227,18 +230,31 @@ def reference_rows(case, mode, inputs, rows=CHECK_ROWS):
   k, v = np.repeat(k, group, axis=2), np.repeat(v, group, axis=2)
   scale = 1 / math.sqrt(case.head_dim)
   logits = np.einsum("brnh,bsnh->bnrs", q, k, optimize=True) * scale
+  slope = 1.0  # d capped logits / d logits
+  if case.soft_cap is not None:
+    tanh = np.tanh(logits / case.soft_cap)
+    logits, slope = case.soft_cap * tanh, 1 - tanh**2
   if case.causal:
     visible = np.arange(k.shape[1])[None, :] <= np.arange(q.shape[1])[:, None]
     logits = np.where(visible, logits, -np.inf)
+  dout = None if mode == "fwd" else np.asarray(inputs[3], np.float64)[:, :rows]
+  return _softmax_rows(logits, k, v, dout, scale, slope)
+
+
+def _softmax_rows(logits, k, v, dout, scale, slope=1.0):
+  """The rows' float64 output from masked logits, or with ``dout`` given their dL/dquery.
+
+  ``slope``: the logits' derivative through a soft cap (1 without).
+  """
   p = np.exp(logits - logits.max(-1, keepdims=True))
   p /= p.sum(-1, keepdims=True)
   out = np.einsum("bnrs,bsnh->brnh", p, v, optimize=True)
-  if mode == "fwd":
+  if dout is None:
     return out
-  dout = np.asarray(inputs[3], np.float64)[:, :rows]
   dp = np.einsum("brnh,bsnh->bnrs", dout, v, optimize=True)
   delta = np.einsum("brnh,brnh->bnr", dout, out)
-  return np.einsum("bnrs,bsnh->brnh", p * (dp - delta[..., None]), k, optimize=True) * scale
+  ds = p * (dp - delta[..., None]) * slope
+  return np.einsum("bnrs,bsnh->brnh", ds, k, optimize=True) * scale
 
 
 def _checked_rows(mode, result, rows=CHECK_ROWS):
@@ -376,15 +392,8 @@ def packed_reference_rows(mode, inputs, rows=PACKED_ROWS):
     seg[:, rows, None] == seg[:, None, :]
   )
   logits = np.where(visible[:, None], logits, -np.inf)
-  p = np.exp(logits - logits.max(-1, keepdims=True))
-  p /= p.sum(-1, keepdims=True)
-  out = np.einsum("bnrs,bsnh->brnh", p, v, optimize=True)
-  if mode == "fwd":
-    return out
-  dout = np.asarray(inputs[4], np.float64)[:, rows]
-  dp = np.einsum("brnh,bsnh->bnrs", dout, v, optimize=True)
-  delta = np.einsum("brnh,brnh->bnr", dout, out)
-  return np.einsum("bnrs,bsnh->brnh", p * (dp - delta[..., None]), k, optimize=True) * scale
+  dout = None if mode == "fwd" else np.asarray(inputs[4], np.float64)[:, rows]
+  return _softmax_rows(logits, k, v, dout, scale)
 
 
 def _packed_call(docs, mode):
