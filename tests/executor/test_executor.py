@@ -6,6 +6,7 @@ import dataclasses
 import io
 import threading
 import time
+import types
 
 import jax
 import jax.numpy as jnp
@@ -241,26 +242,30 @@ def test_progress_on_stderr_only_for_long_runs():
   assert "5/5" in lines[-1] and "best" in lines[-1]
 
 
-def test_back_to_back_time_is_a_calls_time_with_calls_waited_for_once():
-  waits = []
+def test_back_to_back_time_is_a_calls_time_with_calls_waited_for_once(monkeypatch):
+  """On a clock each call advances by 0.25 ms: 8 calls a 2-ms sample, timed exactly.
+
+  A fake clock, not ``time.sleep``: a sleep overshooting on a loaded machine
+  made the calibrating call look like a whole sample (one call a sample).
+  """
+  clock, waits, calls = [0.0], [], []
+  monkeypatch.setattr(autotune_lib, "time", types.SimpleNamespace(perf_counter=lambda: clock[0]))
 
   class Result:  # what block_until_ready waits for
     def block_until_ready(self):
       waits.append(len(calls))
       return self
 
-  calls = []
-
   def call():
-    calls.append(time.perf_counter())
-    time.sleep(2e-4)
+    calls.append(clock[0])
+    clock[0] += 2.5e-4
     return Result()
 
   seconds = autotune_lib.back_to_back_time(call, (), repeats=3)
-  assert 2e-4 <= seconds < 1e-3  # a call's time, not a sample's
+  assert seconds == pytest.approx(2.5e-4)  # a call's time, not a sample's
   samples = len(calls) - 2  # a warm-up call and the calibrating one
-  assert samples % 3 == 0 and samples // 3 > 1, "several calls a sample"
-  assert waits[2:] == [2 + samples // 3 * (i + 1) for i in range(3)], "one wait a sample"
+  assert samples == 3 * 8, "8 calls a sample of about 2 ms"
+  assert waits[2:] == [2 + 8 * (i + 1) for i in range(3)], "one wait a sample"
 
 
 def test_random_inputs_are_random_and_nonzero():
