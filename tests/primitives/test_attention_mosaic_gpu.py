@@ -62,6 +62,11 @@ CASES = {
     Case(b=1, t=260, s=200, n=2, k=1, h=80, window=(40, 30), soft_cap=20.0, logit_scale=4.0),
     "pallas",
   ),
+  # The same features at a third of the blocks, for the default run.
+  "window-h80-cap": (
+    Case(b=1, t=200, s=128, n=1, k=1, h=80, window=(40, 30), soft_cap=20.0, logit_scale=4.0),
+    "pallas",
+  ),
   # Head dim 256 with a window: dQ's, dK's and dV's columns in four shares.
   "h256-window": (Case(b=1, t=128, s=130, n=2, k=2, h=256, window=(60, 0)), "pallas"),
   # With a soft cap and GQA, unmasked (the forward takes a cap at 256 without masks).
@@ -139,13 +144,15 @@ def _chosen(case: Case, dtype, config=None) -> dict[str, str]:
   return {r.op: r.implementation for r in report}
 
 
-# The default run leaves five cases to ``-m slow`` (a minute each interpreted):
-# plain causal GQA, in the padded batches' cases too; the padded batch at
+# The default run leaves six cases to ``-m slow`` (a minute or two each
+# interpreted): the capped MQA window, whose features the smaller capped window
+# runs; plain causal GQA, in the padded batches' cases too; the padded batch at
 # head dim 64, whose features the head dim 128 case and the race test (at 64:
 # lengths, segment ids, numerics) run; the GQA batch of two at head dim
 # 128, whose loop the MQA head dim 128 case runs (its spills: a compilers
-# test); and head dim 256, whose split columns the capped head dim 80 case runs.
+# test); and head dim 256, whose split columns the capped window runs.
 SLOW_CASES = (
+  "window-mqa-h80-cap",
   "causal-gqa",
   "lengths-packed-causal",
   "h128-gqa-lengths-packed-causal",
