@@ -28,8 +28,9 @@ of ``side_by_side.ROUNDS`` calls after a warm-up). ``extra_info``: ``tflop_per_s
 ``ratio_to_cudnn`` (cuDNN's time over the implementation's: above 1 is faster;
 ``ratio_to_xla`` under ``jvp``).
 ``test_hopper_split_backward`` times forward+backward at head dim 256 (B = 2,
-S = 4096): the executor's choice (the Triton backward), ``pallax-mosaic``
-(the Mosaic GPU backward, an autotuning candidate there, pinned) and cuDNN.
+S = 4096) and with a soft cap of 50 at 128 (B = 4): the executor's choice
+(the Triton backward), ``pallax-mosaic`` (the Mosaic GPU backward, an
+autotuning candidate there, pinned) and cuDNN (without the cap: it takes none).
 Each implementation's first call is checked against a float64 reference on
 the first 128 query rows. Without an NVIDIA GPU the cases are not collected:
 nothing here runs on a CPU.
@@ -61,13 +62,16 @@ CASES = [
   for causal in (False, True)
 ]
 IMPLS = {"fwd": "cudnn", "fwd+bwd": "cudnn", "jvp": "xla"}  # mode -> the baseline
-# Head dim 256, forward+backward: the executor runs the Triton backward there,
-# and the Mosaic GPU one (blocks of threads splitting dQ's, dK's and dV's
-# columns) is an autotuning candidate until timed here: ``pallax-mosaic`` pins
-# it (``test_hopper_split_backward``).
+# Head dim 256, and a soft cap at 128 (Gemma 2's 50), forward+backward: the
+# executor runs the Triton backward there, and the Mosaic GPU one (blocks of
+# threads splitting the results' columns) is an autotuning candidate until
+# timed here: ``pallax-mosaic`` pins it (``test_hopper_split_backward``).
 SPLIT_CASES = [
-  Case(4096, causal=causal, heads=16, kv_heads=16, batch=2, head_dim=256, dtype="bfloat16")
-  for causal in (False, True)
+  *(
+    Case(4096, causal=causal, heads=16, kv_heads=16, batch=2, head_dim=256, dtype="bfloat16")
+    for causal in (False, True)
+  ),
+  Case(4096, heads=16, kv_heads=16, batch=4, head_dim=128, dtype="bfloat16", soft_cap=50.0),
 ]
 MOSAIC_PIN = MosaicGpuAttentionConfig(block_k=64, num_stages=2)
 
@@ -92,7 +96,9 @@ def _function(impl, case, mode):
       q, k, v, is_causal=case.causal, implementation=impl
     )
   else:
-    f = lambda q, k, v: pallax.dot_product_attention(q, k, v, is_causal=case.causal)
+    f = lambda q, k, v: pallax.dot_product_attention(
+      q, k, v, is_causal=case.causal, logits_soft_cap=case.soft_cap
+    )
   if mode == "jvp":
     return lambda q, k, v, dq, dk, dv: jax.jvp(f, (q, k, v), (dq, dk, dv))
   return f if mode == "fwd" else modes.fwd_bwd(f, 3)
@@ -180,15 +186,16 @@ def test_hopper_attention(benchmark, request, case, mode):
   compare(benchmark, request, calls, error, TOLERANCE, _work(case, mode), case.dtype, baseline)
 
 
-@pytest.mark.parametrize("case", SPLIT_CASES, ids=lambda c: f"B{c.batch}-H256-{c.id}")
+@pytest.mark.parametrize("case", SPLIT_CASES, ids=lambda c: f"B{c.batch}-H{c.head_dim}-{c.id}")
 def test_hopper_split_backward(benchmark, request, case):
-  """Forward+backward at head dim 256: the executor's choice, the Mosaic GPU backward, cuDNN."""
+  """Forward+backward: the executor's choice, the Mosaic GPU backward pinned, cuDNN (no cap)."""
   mode = "fwd+bwd"
-  benchmark.group = f"hopper-B{case.batch}-H256-{case.id}-{mode}"
+  benchmark.group = f"hopper-B{case.batch}-H{case.head_dim}-{case.id}-{mode}"
   inputs = jax.block_until_ready(_inputs(case, mode))
   want = reference_rows(case, mode, inputs)
-  compiled = {impl: _compiled(impl, case, mode, inputs) for impl in ("pallax", "pallax-mosaic")}
-  compiled["cudnn"] = _compiled("cudnn", case, mode, inputs)
+  baseline = "pallax" if case.soft_cap is not None else "cudnn"  # cuDNN takes no soft cap
+  impls = dict.fromkeys(("pallax", "pallax-mosaic", baseline))
+  compiled = {impl: _compiled(impl, case, mode, inputs) for impl in impls}
   calls = {impl: functools.partial(exe, *args) for impl, (exe, args) in compiled.items()}
   error = lambda result: rel_err(_checked(mode, result), want)
-  compare(benchmark, request, calls, error, TOLERANCE, _work(case, mode), case.dtype, "cudnn")
+  compare(benchmark, request, calls, error, TOLERANCE, _work(case, mode), case.dtype, baseline)
