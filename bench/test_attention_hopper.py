@@ -30,7 +30,10 @@ of ``side_by_side.ROUNDS`` calls after a warm-up). ``extra_info``: ``tflop_per_s
 ``test_hopper_split_backward`` times forward+backward at head dim 256 (B = 2,
 S = 4096) and with a soft cap of 50 at 128 (B = 4): the executor's choice
 (the Triton backward), ``pallax-mosaic`` (the Mosaic GPU backward, an
-autotuning candidate there, pinned) and cuDNN (without the cap: it takes none).
+autotuning candidate there, pinned) and cuDNN (without the cap: it takes none);
+and Gemma 2's global layers (head dim 256, causal, a cap of 50), forward
+and forward+backward, where the Mosaic GPU forward's one consumer is the
+autotuning candidate too.
 Each implementation's first call is checked against a float64 reference on
 the first 128 query rows. Without an NVIDIA GPU the cases are not collected:
 nothing here runs on a CPU.
@@ -72,6 +75,17 @@ SPLIT_CASES = [
     for causal in (False, True)
   ),
   Case(4096, heads=16, kv_heads=16, batch=4, head_dim=128, dtype="bfloat16", soft_cap=50.0),
+]
+# Gemma 2 9B's global layers (head dim 256, 16 query heads on 8, causal, a
+# soft cap of 50): the Mosaic GPU forward runs one consumer there (two spill),
+# an autotuning candidate like the split backward; timed alone and with it.
+GEMMA2_GLOBAL = Case(
+  4096, causal=True, heads=16, kv_heads=8, batch=2, head_dim=256, dtype="bfloat16", soft_cap=50.0
+)
+SPLIT_RUNS = [
+  *((case, "fwd+bwd") for case in SPLIT_CASES),
+  (GEMMA2_GLOBAL, "fwd"),
+  (GEMMA2_GLOBAL, "fwd+bwd"),
 ]
 MOSAIC_PIN = MosaicGpuAttentionConfig(block_k=64, num_stages=2)
 
@@ -186,10 +200,13 @@ def test_hopper_attention(benchmark, request, case, mode):
   compare(benchmark, request, calls, error, TOLERANCE, _work(case, mode), case.dtype, baseline)
 
 
-@pytest.mark.parametrize("case", SPLIT_CASES, ids=lambda c: f"B{c.batch}-H{c.head_dim}-{c.id}")
-def test_hopper_split_backward(benchmark, request, case):
-  """Forward+backward: the executor's choice, the Mosaic GPU backward pinned, cuDNN (no cap)."""
-  mode = "fwd+bwd"
+def _run_id(x) -> str:
+  return x if isinstance(x, str) else f"B{x.batch}-H{x.head_dim}-{x.id}"
+
+
+@pytest.mark.parametrize(("case", "mode"), SPLIT_RUNS, ids=_run_id)
+def test_hopper_split_backward(benchmark, request, case, mode):
+  """The executor's choice, the Mosaic GPU kernels pinned, cuDNN (no cap): autotuning candidates."""
   benchmark.group = f"hopper-B{case.batch}-H{case.head_dim}-{case.id}-{mode}"
   inputs = jax.block_until_ready(_inputs(case, mode))
   want = reference_rows(case, mode, inputs)

@@ -35,7 +35,7 @@ from pallax.verify.compile import _arguments, compile_kernels, judge
 from pallax.verify.sweep import configs_for
 from pallax.verify.targets import TARGETS
 from tests.helpers import NATIVE_KERNELS, assert_close, on_path, rand, to64, x64
-from tests.primitives.attention_reference import reference
+from tests.primitives.attention_reference import assert_lse_close, reference
 from tests.primitives.test_attention_features import (
   Case,
   _as64,
@@ -181,6 +181,30 @@ def test_float16_causal_t_below_s():
   case = Case(b=1, t=128, s=192, n=2, k=1, h=64, is_causal=True)
   assert _chosen(case, jnp.float16) == {FWD: MOSAIC, BWD: MOSAIC}
   _run_case(case, jnp.float16, PATH, seed=2)
+
+
+def test_the_one_consumer_forward_with_a_soft_cap_and_masks_at_head_dim_256():
+  """Gemma 2's global layers at head dim 256 (a soft cap, causal): the forward's one consumer.
+
+  Two consumers spilled there (compiled for H100), so one runs, without the
+  ping-pong; the heuristic leaves the call to autotuning (pinned here).
+  Output and lse against float64, causal, with MQA and ragged lengths.
+  """
+  case = Case(b=2, t=100, s=130, n=2, k=1, h=256, is_causal=True, soft_cap=10.0, kv_len=(130, 70))
+  ops, statics = inputs(case, jnp.bfloat16, 5)
+  forward = lambda fn, ops: _call(fn, statics, ops, return_residual=True)
+  picks = {}
+  for config in (None, PIN):
+    fn = functools.partial(forward, _pallax(config))
+    picks[config] = {r.op: r for r in pallax.explain_on(Target("cuda", "h100"), fn, ops)}[FWD]
+  assert picks[None].implementation == "pallas" and "autotuning" in picks[None].note
+  assert picks[PIN].implementation == MOSAIC
+  with on_path(PATH):
+    out, lse = jax.jit(functools.partial(forward, _pallax(PIN)))(ops)
+  with x64():
+    out_ref, lse_ref = jax.jit(functools.partial(forward, reference))(_as64(ops))
+  assert_close(out, out_ref, jnp.bfloat16, "one-consumer forward: output")
+  assert_lse_close(lse, lse_ref, jnp.bfloat16, "one-consumer forward: lse")
 
 
 def _jvp(fn, statics, ops, tangents):
@@ -377,8 +401,19 @@ def test_supports_and_the_ring_in_shared_memory():
   assert "up to 128 in the Mosaic GPU jvp kernel" in h256(config(), stage="jvp", **PARAMS)
   assert h256(config(), stage="bwd", **capped) is None
   assert h256(config(block_k=64), stage="fwd", **capped) is None
+  # A soft cap with masks at head dim 256: one consumer (two spilled), 64-key
+  # blocks in 2 slots (Q and a ring of K and V: 3 slots are over SMEM), left to autotuning.
   capped_causal = {**capped, "window_right": 0}
-  assert "soft cap with masks" in h256(config(block_k=64), stage="fwd", **capped_causal)
+  assert h256(config(block_k=64), stage="fwd", **capped_causal) is None
+  p = Problem.of(_avals(h=256), **capped_causal)
+  assert mosaic_gpu.config.fwd_consumers(p) == 1
+  assert mosaic_gpu.config.fwd_consumers(Problem.of(_avals(h=256), **capped)) == 2
+  windowed = {**capped_causal, "window_left": 60}  # two consumers fit with a lower bound
+  assert mosaic_gpu.config.fwd_consumers(Problem.of(_avals(h=256), **windowed)) == 2
+  assert mosaic_gpu.heuristic(_avals(h=256), h100, stage="fwd", **windowed) == config(block_k=64)
+  assert mosaic_gpu.smem_bytes(p, config(64, 64), "fwd") == (64 + 2 * 2 * 64) * 256 * 2 + 64 * 4
+  assert "SMEM" in h256(config(64, 64, 3), stage="fwd", **capped_causal)
+  assert mosaic_gpu.heuristic(_avals(h=256), h100, stage="fwd", **capped_causal) is None
   # The backward at head dim 256: its dq kernel's Q, dO and half of dQ, and a
   # 2-slot ring of K and V; the dk/dv kernel takes less (a quarter of dK, dV).
   p = Problem.of(_avals(h=256), **PARAMS)

@@ -91,10 +91,6 @@ def feature_reason(p: Problem, stage: str = "fwd") -> Optional[str]:
     )
   if stage == "fwd" and p.has_segments and head(p) + 64 > _SEGMENT_REGISTERS:
     return f"segment ids in the Mosaic GPU forward up to head dim {_SEGMENT_REGISTERS - 64}"
-  if stage == "fwd" and p.soft_cap is not None and has_masks(p) and head(p) > 128:
-    # Compiled for H100 (a batch of 2): causal with a soft cap at head dim 256
-    # spilled 12 bytes (its 168 registers hold O's 128 a thread).
-    return "a soft cap with masks in the Mosaic GPU forward up to head dim 128"
   if stage == "bwd" and p.has_segments and head(p) > 128:
     # Compiled for H100: at head dim 256 the dq kernel spilled 8 bytes with
     # lengths and segment ids (68 with a soft cap), the dk/dv kernel 8 with a cap.
@@ -167,6 +163,20 @@ def out_cols(p: Problem, kernel: str) -> int:
   return min(h, 128)
 
 
+def fwd_consumers(p: Problem) -> int:
+  """Consumer warpgroups of the forward: two (ping-pong), one in what two spill in.
+
+  Compiled for H100 with a batch of 2 (pallax.verify): above head dim 128
+  two consumers' 168 registers a thread (O's 128 of them at 256) spilled
+  12-16 bytes with a soft cap and a causal mask or lengths (1-8 query heads
+  a kv head), and none with a soft cap and a window's lower bound, where one
+  consumer of 255 registers spilled 8 bytes. So one consumer takes a soft cap
+  with masks but no lower bound above head dim 128.
+  """
+  masks = has_masks(p) and p.left is None
+  return 1 if head(p) > 128 and p.soft_cap is not None and masks else CONSUMERS
+
+
 def wide_consumers(h: int) -> int:
   """Consumer warpgroups of the dk/dv and the tangent kernels: two up to head dim 64, else one.
 
@@ -193,7 +203,7 @@ def smem_bytes(p: Problem, config: MosaicGpuAttentionConfig, stage: str) -> int:
   }
   h_out = {"q": h, "jvp": h, "dq": out_cols(p, "dq"), "k": out_cols(p, "dkdv")}
   consumers = {
-    "q": CONSUMERS,
+    "q": fwd_consumers(p),
     "dq": DQ_CONSUMERS,
     "jvp": wide_consumers(h),
     "k": wide_consumers(h),
@@ -266,9 +276,12 @@ def heuristic(avals: Sequence[Any], target: str, *, stage: str, **params):
   these an autotuning candidate) for a backward that splits its results'
   columns (head dim 256, a soft cap above 64): its blocks of threads compute
   S and dP once a share (at 256, 15 products' work against 7) and have not
-  been timed against the Triton backward on a GPU.
+  been timed against the Triton backward on a GPU; and for a forward of one
+  consumer (``fwd_consumers``: no ping-pong), not timed either.
   """
   p = Problem.of(avals, **params)
+  if stage == "fwd" and fwd_consumers(p) == 1 and feature_reason(p, stage) is None:
+    return None
   if stage == "fwd":
     configs = [MosaicGpuAttentionConfig(block_k=bk) for bk in (128, 64)]
     return next((c for c in configs if _config_reason(p, c, stage) is None), configs[-1])

@@ -1,7 +1,7 @@
 """The attention forward on Pallas Mosaic GPU (Hopper), with FlashAttention-3's structure.
 
-One block of threads per (query head, tile of ``2 * block_q`` queries,
-batch), three warpgroups:
+One block of threads per (query head, tile of ``consumers * block_q``
+queries, batch), three warpgroups (two where one consumer runs):
 
 * a producer warpgroup gives up most of its registers and issues TMA loads
   of the K and V blocks the tile can see into a ``num_stages``-deep SMEM
@@ -10,7 +10,9 @@ batch), three warpgroups:
   ``O += P V`` on the tensor cores with asynchronous ``wgmma`` and run the
   online softmax (in base 2) in between. A schedule barrier makes them take
   turns (ping-pong): one's softmax overlaps the other's matmuls. Each waits
-  for the next block's K while its ``P V`` runs.
+  for the next block's K while its ``P V`` runs. With a soft cap and masks
+  above head dim 128 one consumer runs, without the ping-pong
+  (``config.fwd_consumers``: two spill there).
 
 Blocks that causality, a window, the lengths or the segment ids hide entirely
 are never loaded (segment ids: outside the run of blocks a tile's segments
@@ -40,9 +42,9 @@ from pallax import pallas_mosaic_gpu as mgpu
 from pallax.kernels.attention.common import NEG_INF
 from pallax.kernels.attention.mosaic_gpu import tiles
 from pallax.kernels.attention.mosaic_gpu.config import (
-  CONSUMERS,
   MosaicGpuAttentionConfig,
   call_of,
+  fwd_consumers,
   head,
   round_up,
 )
@@ -54,7 +56,8 @@ def fwd(*operands, config: MosaicGpuAttentionConfig, interpret: Any, **params) -
   """``(out, lse)``."""
   c, p, form = call_of("fwd", operands, params, interpret)
   bq, bk, stages = config.block_q, config.block_k, config.num_stages
-  h, rows = head(p), CONSUMERS * bq
+  consumers = fwd_consumers(p)
+  h, rows = head(p), consumers * bq
   tp, sp = round_up(p.t, rows), round_up(p.s, bk)
   q = tiles.sequence_first(tiles.pad(c.ops.q, {3: tp, 4: h}))
   k = tiles.pad(c.ops.k, {2: sp, 3: h})
@@ -77,16 +80,17 @@ def fwd(*operands, config: MosaicGpuAttentionConfig, interpret: Any, **params) -
     lo, hi = blocks.key_blocks(t_tile, rows)
     ring = mgpu.Ring(stages, lo, hi, full, consumed)
 
-    def take_turn():
-      plgpu.barrier_arrive(schedule)
-      plgpu.barrier_wait(schedule)
+    def take_turn():  # ping-pong: one consumer's turn ends, the other's begins
+      if consumers > 1:
+        plgpu.barrier_arrive(schedule)
+        plgpu.barrier_wait(schedule)
 
     def wait_keys(j):
       pl.when(j < hi)(lambda: ring.wait(0, j))
 
-    @pl.when(wg < CONSUMERS)
+    @pl.when(wg < consumers)
     def _consumer():
-      form.consumer_registers(CONSUMERS)
+      form.consumer_registers(consumers)
       t0 = t_tile + wg * bq
       q_smem = qo_smem.at[wg]
       mine = pl.ds(t0, bq)
@@ -126,9 +130,11 @@ def fwd(*operands, config: MosaicGpuAttentionConfig, interpret: Any, **params) -
         e, acc, m_new, denom = tiles.softmax_step(carry, z, hidden=keep is not None)
         e16 = e.astype(p.dtype)
         acc, denom, m_new, e16 = form.barrier((acc, denom, m_new, e16))
-        plgpu.barrier_arrive(schedule)  # done with the softmax
+        if consumers > 1:
+          plgpu.barrier_arrive(schedule)  # done with the softmax
         ring.wait(1, j)
-        plgpu.barrier_wait(schedule)  # the tensor cores are ours
+        if consumers > 1:
+          plgpu.barrier_wait(schedule)  # the tensor cores are ours
         weights = form.operand(e16, p_smem, wg)
         acc = tiles.add_values(form, acc, weights, v_smem.at[s], lambda: wait_keys(j + 1))
         ring.release(1, j)
@@ -151,9 +157,9 @@ def fwd(*operands, config: MosaicGpuAttentionConfig, interpret: Any, **params) -
       plgpu.copy_smem_to_gmem(lse_smem.at[wg], lse_ref.at[b, kh, g, mine])
       plgpu.wait_smem_to_gmem(0)
 
-    @pl.when(wg == CONSUMERS)
+    @pl.when(wg == consumers)
     def _producer():
-      form.producer_registers(CONSUMERS)
+      form.producer_registers(consumers)
 
       def copies(j, s):
         keys = pl.ds(j * bk, bk)
@@ -169,16 +175,16 @@ def fwd(*operands, config: MosaicGpuAttentionConfig, interpret: Any, **params) -
   k_tile = (bk, h) if form.hopper else (h, bk)
   scratch = [
     [
-      plgpu.SMEM((CONSUMERS, bq, h), p.dtype, transforms=swizzled),
+      plgpu.SMEM((consumers, bq, h), p.dtype, transforms=swizzled),
       plgpu.SMEM((stages, *k_tile), p.dtype, transforms=swizzled),
       plgpu.SMEM((stages, bk, h), p.dtype, transforms=swizzled),
-      plgpu.SMEM((CONSUMERS, bq), jnp.float32),
-      form.staging((CONSUMERS, bq, bk), p.dtype),
-      tiles.segment_smem(segs, (CONSUMERS, bq), (stages, bk)),
+      plgpu.SMEM((consumers, bq), jnp.float32),
+      form.staging((consumers, bq, bk), p.dtype),
+      tiles.segment_smem(segs, (consumers, bq), (stages, bk)),
     ],
-    plgpu.Barrier(num_arrivals=1 + bool(seg_ops), num_barriers=CONSUMERS),
-    mgpu.Ring.barriers((1 + bool(seg_ops), 1), stages, CONSUMERS),
-    plgpu.Barrier(num_arrivals=CONSUMERS),
+    plgpu.Barrier(num_arrivals=1 + bool(seg_ops), num_barriers=consumers),
+    mgpu.Ring.barriers((1 + bool(seg_ops), 1), stages, consumers),
+    plgpu.Barrier(num_arrivals=consumers),
   ]
   out_type = jax.ShapeDtypeStruct((p.batch, tp, p.kv_heads, p.groups, h), p.dtype)
   lse_type = jax.ShapeDtypeStruct((p.batch, p.kv_heads, p.groups, tp), jnp.float32)
@@ -191,6 +197,7 @@ def fwd(*operands, config: MosaicGpuAttentionConfig, interpret: Any, **params) -
     scratch=scratch,
     name="dot_product_attention_fwd",
     approx_math=p.soft_cap is None,  # tanh.approx errs by 2^-11 relative
+    consumers=consumers,
   )
   out = tiles.heads_first(out)[..., : p.t, : p.value_dim]
   return c.results({"out": out, "lse": lse[..., : p.t]})
