@@ -7,7 +7,7 @@ Run on an H100 or H200 (issue 28's table)::
 
 Cases: bfloat16, N = 16 query and key/value heads, H = 128, B = 4 at S = 4096
 and B = 2 at S = 8192, causal or not, ``fwd``, ``fwd+bwd`` and ``jvp``
-(``bench/modes.py``). Each case times, in one process and one test, three
+(``bench/modes.py``). Each case times, in one process and one test, three or four
 implementations:
 
 * ``pallax``: the executor's choice, on Hopper the Mosaic GPU kernels
@@ -16,7 +16,10 @@ implementations:
   heuristic configs pinned (an executor overlay);
 * ``cudnn``: ``jax.nn.dot_product_attention(implementation="cudnn")``; under
   ``jvp``, where cuDNN's ``custom_vjp`` raises, ``xla``: the same with
-  ``implementation="xla"`` (what JAX users get for a tangent).
+  ``implementation="xla"`` (what JAX users get for a tangent);
+* ``pallax-fused`` (``fwd+bwd``, not causal): the backward pinned to the
+  Mosaic GPU dk/dv kernel computing dQ too (``fuse_dq``: 5 products against
+  7, TMA reduce-adds), an opt-in config until its time here says more.
 
 ``jvp`` counts 3x the forward's FLOPs (``Q K^T``, ``P V`` and, for the
 tangent, ``dQ K^T``, ``Q dK^T``, ``(P dS) V`` and ``P dV``) and twice its bytes.
@@ -88,6 +91,9 @@ SPLIT_RUNS = [
   (GEMMA2_GLOBAL, "fwd+bwd"),
 ]
 MOSAIC_PIN = MosaicGpuAttentionConfig(block_k=64, num_stages=2)
+# The backward's dk/dv kernel computing dQ too (opt-in: TMA reduce-adds, not
+# bitwise reproducible): ``pallax-fused`` on the non-causal cases' fwd+bwd.
+FUSED_PIN = MosaicGpuAttentionConfig(block_k=64, num_stages=2, fuse_dq=True)
 
 
 pytestmark = pytest.mark.nvidia_gpu  # deselected off an NVIDIA GPU (bench/conftest.py)
@@ -165,7 +171,13 @@ def _mosaic_pins(fn, inputs) -> dict:
   return {e.primitive.name: MOSAIC_PIN for e in kernel_calls(jax.make_jaxpr(fn)(*inputs).jaxpr)}
 
 
-_PINS = {"pallax-triton": _triton_pins, "pallax-mosaic": _mosaic_pins}
+def _fused_pins(fn, inputs) -> dict:
+  """The backward's kernel call of ``fn`` on the fused Mosaic GPU backward (``FUSED_PIN``)."""
+  calls = kernel_calls(jax.make_jaxpr(fn)(*inputs).jaxpr)
+  return {e.primitive.name: FUSED_PIN for e in calls if e.primitive.name.endswith("_bwd")}
+
+
+_PINS = {"pallax-triton": _triton_pins, "pallax-mosaic": _mosaic_pins, "pallax-fused": _fused_pins}
 
 
 def _compiled(impl, case, mode, inputs):
@@ -190,6 +202,8 @@ def test_hopper_attention(benchmark, request, case, mode):
   want = _tangent_rows(case, inputs) if mode == "jvp" else reference_rows(case, mode, inputs)
   baseline = IMPLS[mode]
   impls = ("pallax", "pallax-triton", baseline)
+  if mode == "fwd+bwd" and not case.causal:  # fuse_dq takes no causal mask at head dim 128
+    impls = (*impls, "pallax-fused")
   compiled = {impl: _compiled(impl, case, mode, inputs) for impl in impls}
   picks = pallax.explain(_function("pallax", case, mode), *compiled["pallax"][1])
   benchmark.extra_info["pallax_kernels"] = [

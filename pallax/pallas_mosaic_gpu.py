@@ -238,36 +238,67 @@ class Form:
     name: str,
     consumers: int = 2,
     approx_math: bool = True,
+    sums: Sequence[jax.ShapeDtypeStruct] = (),
+    parts: int = 1,
   ) -> list:
     """Runs a warp-specialised kernel: ``consumers`` warpgroups and a producer, named ``"wg"``.
 
-    ``body(*operand_refs, *out_refs, scoped)`` runs in every warpgroup of a
-    block of threads over ``grid`` (axes ``grid_names``); ``scoped`` holds
-    ``scratch`` (SMEM buffers, barriers), allocated once for the block.
-    ``name`` names the kernel (its PTX entry is ``<name>_kernel``: the
-    compiler's reports tell kernels apart by it). ``approx_math``: fast
+    ``body(*operand_refs, *sum_refs, *out_refs, scoped)`` runs in every
+    warpgroup of a block of threads over ``grid`` (axes ``grid_names``);
+    ``scoped`` holds ``scratch`` (SMEM buffers, barriers), allocated once for
+    the block. ``name`` names the kernel (its PTX entry is ``<name>_kernel``:
+    the compiler's reports tell kernels apart by it). ``approx_math``: fast
     approximate ``exp2``, ``tanh``, ... on a GPU (the interpreter computes them
     exactly). Interpreted, the kernel runs in a host callback (``on_host``).
+
+    ``sums``: results that many blocks of threads add tiles to (``add_to``),
+    zero before the kernel, returned after ``out_types``' results. Their refs
+    are GMEM refs the kernel's results alias (``jax.new_ref``). On a GPU a
+    TMA reduce-add adds each tile, in the order the blocks of threads get
+    there, so a sum is not bitwise reproducible from run to run. JAX's GPU
+    interpreter has no TMA reductions: interpreted, each sum has a leading
+    axis of ``parts``, ``add_to`` stores a tile to the part it names, and the
+    parts are summed after the kernel.
     """
 
     def entry(*refs):
       pl.run_scoped(lambda *scoped: body(*refs, scoped), *scratch, collective_axes="wg")
 
     entry.__name__ = entry.__qualname__ = name
+    mesh = dict(grid=grid, grid_names=grid_names, num_threads=consumers + 1, thread_name="wg")
+    common = dict(compiler_params=compiler_params(approx_math), interpret=self.interpret)
+    races = name if _RACES.active else None
+    if not sums:
+      kernel = plgpu.kernel(entry, out_type=tuple(out_types), **mesh, **common)
+      if self.hopper:
+        return list(kernel(*operands))
+      return on_host(kernel, out_types, *operands, races=races)
+    # ``plgpu.kernel``'s ``custom_vmap`` takes no ``jax.new_ref`` operand; ``pl.kernel`` does.
+    out_type, mesh = tuple(out_types), plgpu.Mesh(**mesh, kernel_name=name)
+    kernel = pl.kernel(entry, out_type=out_type, mesh=mesh, **common)
+    shapes = [s.shape if self.hopper else (parts, *s.shape) for s in sums]
+    types = [jax.ShapeDtypeStruct(shape, s.dtype) for shape, s in zip(shapes, sums)]
 
-    kernel = plgpu.kernel(
-      entry,
-      out_type=tuple(out_types),
-      grid=grid,
-      grid_names=grid_names,
-      num_threads=consumers + 1,
-      thread_name="wg",
-      compiler_params=compiler_params(approx_math),
-      interpret=self.interpret,
-    )
+    def run(*operands):
+      zeros = [jnp.zeros(t.shape, t.dtype) for t in types]
+      refs = [jax.new_ref(z, memory_space=plgpu.GMEM) for z in zeros]
+      return [*kernel(*operands, *refs), *(ref[...] for ref in refs)]
+
     if self.hopper:
-      return list(kernel(*operands))
-    return on_host(kernel, out_types, *operands, races=name if _RACES.active else None)
+      return run(*operands)
+    outs = on_host(run, [*out_types, *types], *operands, races=races)
+    return [*outs[: len(out_types)], *(x.sum(0) for x in outs[len(out_types) :])]
+
+  def add_to(self, tile: Any, sum_ref: Any, index: tuple, part: Any) -> None:
+    """Adds SMEM ``tile`` to ``sum_ref.at[index]`` (a ``launch`` sum), asynchronously.
+
+    On a GPU a TMA reduce-add; interpreted, a store to the sum's part ``part``
+    (each part's tiles written once). ``plgpu.wait_smem_to_gmem`` waits for it.
+    """
+    if self.hopper:
+      plgpu.copy_smem_to_gmem(tile, sum_ref.at[index], reduction_op="add")
+    else:
+      plgpu.copy_smem_to_gmem(tile, sum_ref.at[(part, *index)])
 
   def staging(self, shape: Sequence[int], dtype: Any) -> Any:
     """SMEM for the interpreted form's register ``wgmma`` operands (None on a GPU)."""

@@ -183,6 +183,56 @@ def test_float16_causal_t_below_s():
   _run_case(case, jnp.float16, PATH, seed=2)
 
 
+# The dk/dv kernel computing dQ too (``fuse_dq``, an opt-in config): on a GPU
+# by TMA reduce-adds; interpreted, each key tile's share of dQ^T goes to a part
+# of its own, summed after the kernel (the interpreter has no TMA reductions).
+FUSED = mosaic_gpu.MosaicGpuAttentionConfig(block_k=64, num_stages=2, fuse_dq=True)
+FUSED_CASES = {
+  # Head dim 128, one consumer: MQA, lengths, padded keys (130 of 192) masked,
+  # rows past their length.
+  "h128-lengths-mqa": Case(b=1, t=100, s=130, n=2, k=1, h=128, q_len=(70,), kv_len=(110,)),
+  # Head dim 64, two consumers: causal, MQA, a soft cap, a key tile no query sees.
+  "h64-causal-mqa-cap": Case(b=1, t=100, s=150, n=2, k=1, h=64, is_causal=True, soft_cap=5.0),
+  # Slow (43 s interpreted): two examples, GQA, both lengths ragged.
+  "h128-lengths-gqa": Case(b=2, t=100, s=130, n=4, k=2, h=128, q_len=(70, 100), kv_len=(110, 60)),
+  # Slow: packed documents (segment ids, lengths, causal, MQA).
+  "h64-lengths-packed-causal": CASES["lengths-packed-causal"][0],
+}
+FUSED_SLOW = ("h128-lengths-gqa", "h64-lengths-packed-causal")
+
+
+def _bwd_config(case: Case, config) -> object:
+  """The config the executor gives the backward of ``case`` under ``config`` on an H100."""
+  ops, statics = inputs(case, jnp.bfloat16)
+  loss = lambda q: jnp.sum(_call(_pallax(config), statics, {**ops, "query": q}).astype(jnp.float32))
+  report = pallax.explain_on(Target("cuda", "h100"), jax.grad(loss), ops["query"])
+  return {r.op: r for r in report}[BWD].config
+
+
+@pytest.mark.parametrize(
+  "name",
+  [pytest.param(n, marks=pytest.mark.slow) if n in FUSED_SLOW else n for n in FUSED_CASES],
+)
+def test_the_fused_dq_backward(name):
+  """dQ from the dk/dv kernel (5 products, no dq kernel): output, lse and every gradient."""
+  case = FUSED_CASES[name]
+  assert _chosen(case, jnp.bfloat16, FUSED) == {FWD: MOSAIC, BWD: MOSAIC}
+  assert _bwd_config(case, FUSED) == FUSED
+  assert not _bwd_config(case, None).fuse_dq  # opt-in only
+  _run_case(case, jnp.bfloat16, PATH, config=FUSED, seed=7)
+
+
+@pytest.mark.slow  # a minute interpreted under race detection
+def test_no_data_races_in_the_fused_dq_backward():
+  """dS^T's SMEM tile and dQ^T's float32 tiles, rewritten every step, under race detection.
+
+  Both consumers at head dim 64 stream more query blocks than the ring has slots.
+  """
+  case = Case(b=1, t=200, s=130, n=2, k=1, h=64, kv_len=(120,), soft_cap=20.0)
+  with mgpu.detecting_races():
+    _run_case(case, jnp.bfloat16, PATH, config=FUSED, seed=12)
+
+
 def test_the_one_consumer_forward_with_a_soft_cap_and_masks_at_head_dim_256():
   """Gemma 2's global layers at head dim 256 (a soft cap, causal): the forward's one consumer.
 
@@ -380,6 +430,18 @@ def test_supports_and_the_ring_in_shared_memory():
   assert supports(config(), stage="fwd", **PARAMS) is None
   assert supports(config(block_q=64, block_k=64), stage="bwd", **PARAMS) is None
   assert supports(config(), stage="bwd", **PARAMS) is None  # the backward's blocks are fixed
+  # dQ from the dk/dv kernel: at head dim 128 unmasked (or with lengths) in 2 slots.
+  fused = config(64, 64, fuse_dq=True)
+  assert supports(fused, stage="bwd", **PARAMS) is None
+  assert supports(fused, stage="fwd", **PARAMS) is None  # the forward ignores it
+  assert "2 slots" in supports(config(64, 64, 4, fuse_dq=True), stage="bwd", **PARAMS)
+  for masked in ({"window_right": 0}, {"window_left": 60, "window_right": 60}):
+    assert "no causal or window mask" in supports(fused, stage="bwd", **{**PARAMS, **masked})
+  # K and V; a 2-slot ring of 32 queries' Q, dO, lse and delta; dS^T; dQ^T's float32 tiles.
+  want = 2 * 64 * 128 * 2 + 2 * 2 * 32 * 128 * 2 + 2 * 2 * 32 * 4 + 64 * 32 * 2 + 4 * 32 * 128
+  assert mosaic_gpu.smem_bytes(Problem.of(_avals(), **PARAMS), fused, "bwd") == want
+  cands = mosaic_gpu.candidates(_avals(), h100, stage="bwd", **PARAMS)
+  assert cands and not any(c.fuse_dq for c in cands)  # never autotuning's choice
   assert "128 spills" in supports(config(block_q=128), stage="fwd", **PARAMS)
   # 229888 bytes of buffers: Mosaic GPU's barriers and alignment take it over 227 KiB.
   assert "SMEM" in supports(config(block_k=128, num_stages=3), stage="fwd", **PARAMS)
@@ -423,6 +485,11 @@ def test_supports_and_the_ring_in_shared_memory():
   assert "SMEM" in h256(config(64, 64, 4), stage="bwd", **PARAMS)
   small = functools.partial(mosaic_gpu.supports, _avals(h=64), h100)
   assert small(config(), stage="jvp", **PARAMS) is None
+  # At head dim 64 the fused backward takes masks, segment ids, a cap and 4 slots.
+  everything = {**causal, **lengths, "has_segments": True, "logits_soft_cap": 30.0}
+  with_ids64 = functools.partial(mosaic_gpu.supports, _avals(h=64, segments=True), h100)
+  assert with_ids64(config(64, 64, 4, fuse_dq=True), stage="bwd", **everything) is None
+  assert "splits" in h256(config(64, 64, fuse_dq=True), stage="bwd", **PARAMS)
   assert "SMEM" in supports(config(block_k=256, num_stages=4), stage="fwd", **PARAMS)
   assert "multiple of 64" in supports(config(block_k=96), stage="fwd", **PARAMS)
   # With segment ids the forward holds a block's key ids in registers too.
@@ -528,10 +595,25 @@ def test_the_wide_backward_compiles_spill_free_for_a_batch(h, features):
   dim 256, its blocks of threads split dK's and dV's columns (spilling 16-176
   bytes whole at 128 with a cap, 108-148 in halves at 256).
   """
+  eqn = _backward_call(h, features)
+  h100 = TARGETS["h100"]
+  # The heuristic's config, or with split columns the autotuning candidate.
+  (config,) = {
+    c
+    for source, c in configs_for(eqn, h100, heuristic_only=True, preferred=True)
+    if c.implementation == MOSAIC and c.num_stages == 2
+  }
+  _compiles_spill_free(eqn, config, ("dot_product_attention_dq", "dot_product_attention_dkdv"))
+
+
+def _backward_call(h: int, features: str, heads: int = 8):
+  """The backward's kernel call of attention with ``features``, GQA, at batch 2 (T = S = 1000)."""
   b, t = 2, 1000
-  q, kv = jnp.zeros((b, t, 8, h), jnp.bfloat16), jnp.zeros((b, t, 2, h), jnp.bfloat16)
+  q, kv = jnp.zeros((b, t, heads, h), jnp.bfloat16), jnp.zeros((b, t, 2, h), jnp.bfloat16)
   lens, ids = jnp.full((b,), t, jnp.int32), jnp.zeros((b, t), jnp.int32)
-  extra = {"is_causal": True} if "causal" in features else {"local_window_size": (100, 20)}
+  extra = {"is_causal": True} if "causal" in features else {}
+  if "window" in features:
+    extra.update(local_window_size=(100, 20))
   if "lengths" in features:
     extra.update(query_seq_lengths=lens, key_value_seq_lengths=lens)
   if "segments" in features:
@@ -541,16 +623,30 @@ def test_the_wide_backward_compiles_spill_free_for_a_batch(h, features):
   loss = lambda q, k, v: jnp.sum(pallax.dot_product_attention(q, k, v, **extra).astype(jnp.float32))
   jaxpr = jax.make_jaxpr(jax.grad(loss, argnums=(0, 1, 2)))(q, kv, kv).jaxpr
   (eqn,) = [e for e in kernel_calls(jaxpr) if e.primitive.name == BWD]
+  return eqn
+
+
+def _compiles_spill_free(eqn, config, kernels: tuple[str, ...]) -> None:
+  """``eqn`` with ``config`` compiles for H100 into exactly ``kernels`` (names), without spills."""
   h100 = TARGETS["h100"]
-  # The heuristic's config, or with split columns the autotuning candidate.
-  (config,) = {
-    c
-    for source, c in configs_for(eqn, h100, heuristic_only=True, preferred=True)
-    if c.implementation == MOSAIC and c.num_stages == 2
-  }
   call = lambda *args: eqn.primitive.bind(*args, **{**eqn.params, "config": config})
-  kernels = compile_kernels(call, _arguments(eqn), h100, MOSAIC)
-  assert {k["name"] for k in kernels} == {
-    f"dot_product_attention_{n}_mosaic_gpu_kernel" for n in ("dq", "dkdv")
-  }
-  assert judge(kernels, h100) == {"status": "ok"}, kernels
+  compiled = compile_kernels(call, _arguments(eqn), h100, MOSAIC)
+  assert {k["name"] for k in compiled} == {f"{n}_mosaic_gpu_kernel" for n in kernels}
+  assert judge(compiled, h100) == {"status": "ok"}, compiled
+
+
+@pytest.mark.compilers
+@pytest.mark.parametrize(
+  "h, features, heads, stages",
+  [(64, "causal-lengths-segments-cap", 8, 4), (128, "lengths", 8, 2), (128, "plain", 2, 2)],
+)
+def test_the_fused_dq_backward_compiles_spill_free_for_a_batch(h, features, heads, stages):
+  """``fuse_dq``'s one dk/dv kernel (no dq kernel), compiled for H100 at batch 2.
+
+  Head dim 64 with every feature and 4 slots; head dim 128 with lengths and
+  GQA, and unmasked, padded keys masked (1000 keys in 64-key tiles).
+  """
+  config = mosaic_gpu.MosaicGpuAttentionConfig(block_k=64, num_stages=stages, fuse_dq=True)
+  # One kernel. Its name is JAX's: a kernel given a ``jax.new_ref`` (dQ^T's
+  # sum) is traced again as ``new_body`` when JAX discharges the ref.
+  _compiles_spill_free(_backward_call(h, features, heads), config, ("new_body",))

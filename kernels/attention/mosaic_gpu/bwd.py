@@ -25,6 +25,17 @@ same columns of K (of Q and dO), a column slice of the tile in SMEM as
 ``wgmma``'s operand. The shares' blocks of threads are adjacent on the
 grid's heads axis.
 
+With ``config.fuse_dq`` (opt-in) the dk/dv kernel computes dQ too, and the
+dq kernel does not run: 5 matrix products where the two kernels do 7. Its
+steps take 32 queries (``FUSED_ROWS``: S^T, dP^T and a dQ^T tile take 16
+registers a thread each; 64 spilled 112-248 bytes beside dK's and dV's
+accumulators), and per 64 of dQ's columns ``dQ^T = K^T dS^T`` (K's columns
+transposed, dS^T staged in SMEM) goes through a float32 SMEM tile to a TMA
+reduce-add into a float32 dQ^T (``Form.add_to``; interpreted, a part of its
+own per key tile, summed after the kernel). The adds' order varies, so dq
+is not bitwise reproducible; padded keys are masked there (their
+probability could overflow, and ``inf`` times their zero K is NaN).
+
 Blocks hidden entirely (causal, window, lengths, outside the segments' runs)
 are not loaded; partly hidden ones are masked. The soft cap's slope scales
 ``dS``. Padded queries
@@ -51,6 +62,8 @@ from pallax.kernels.attention.mosaic_gpu.config import (
   BWD_BLOCKS,
   DQ_CONSUMERS,
   DQ_ROWS,
+  FUSED_DQ_COLS,
+  FUSED_ROWS,
   MosaicGpuAttentionConfig,
   call_of,
   has_masks,
@@ -69,7 +82,7 @@ def bwd(*operands, config: MosaicGpuAttentionConfig, interpret: Any, **params) -
   c, p, form = call_of("bwd", operands, params, interpret)
   ops = c.ops
   h = head(p)
-  bq, bk = BWD_BLOCKS
+  bq, bk = (FUSED_ROWS, BWD_BLOCKS[1]) if config.fuse_dq else BWD_BLOCKS
   tp = round_up(p.t, math.lcm(DQ_ROWS, bq))
   sp = round_up(p.s, wide_consumers(h) * bk)
   delta = common.bwd_delta(p.stat, ops.out, ops.dout, ops.dlse).astype(jnp.float32)
@@ -82,9 +95,11 @@ def bwd(*operands, config: MosaicGpuAttentionConfig, interpret: Any, **params) -
     "delta": tiles.pad(delta, {3: tp}),
   }
   keys = {"k": tiles.pad(ops.k, {2: sp, 3: h}), "v": tiles.pad(ops.v, {2: sp, 3: h})}
-  kernels = _Kernels(p, ops, form, tiles.Tiles(p, bq, bk), config.num_stages)
-  dq = kernels.dq(queries, keys, tp)
-  dk, dv = kernels.dkdv(queries, keys, tp, sp)
+  blocks = tiles.Tiles(p, bq, bk, cut_keys=config.fuse_dq)
+  kernels = _Kernels(p, ops, form, blocks, config.num_stages)
+  dk, dv, dq = kernels.dkdv(queries, keys, tp, sp, config.fuse_dq)
+  if dq is None:
+    dq = kernels.dq(queries, keys, tp)
   cut = lambda x, n, d: x[..., :n, :d]
   named = {"dq": cut(dq, p.t, p.head_dim), "dk": cut(dk, p.s, p.head_dim)}
   return c.results({**named, "dv": cut(dv, p.s, p.value_dim), "dbias": None})
@@ -98,9 +113,9 @@ class _Kernels:
     self.h = head(p)
 
   def _tile(self, lead: int, rows: int, cols: int):
-    return plgpu.SMEM(
-      (lead, rows, cols), self.p.dtype, transforms=mgpu.swizzle_transforms(self.p.dtype, cols)
-    )
+    """SMEM tiles swizzled within a step's queries: ``wgmma`` contracts over a swizzle's width."""
+    swizzle = mgpu.swizzle_transforms(self.p.dtype, math.gcd(cols, self.blocks.bq))
+    return plgpu.SMEM((lead, rows, cols), self.p.dtype, transforms=swizzle)
 
   def _transposed(self, x: jax.Array):
     """``(B, K, G, h, Tp)``: ``x``'s tiles transposed, for the interpreted form (None on a GPU)."""
@@ -149,13 +164,21 @@ class _Kernels:
     (dq,) = kernel(init, step, lambda ctx, dq: {"dq": dq * p.scale}, tp, h)
     return dq
 
-  def dkdv(self, queries: dict, keys: dict, tp: int, sp: int) -> tuple[jax.Array, jax.Array]:
-    """``dk, dv (B, K, Sp, h)``: per key tile, every query head's query blocks that see it."""
+  def dkdv(self, queries: dict, keys: dict, tp: int, sp: int, fuse_dq: bool) -> tuple:
+    """``dk, dv (B, K, Sp, h)`` and with ``fuse_dq`` ``dq (B, K, G, Tp, h)``, else None.
+
+    Per key tile, every query head's query blocks that see it. With
+    ``fuse_dq`` each step of ``FUSED_ROWS`` queries also adds its keys' share
+    of dQ, ``dQ^T = K^T dS^T`` in ``FUSED_DQ_COLS`` of its columns a product,
+    to a float32 dQ^T (``Form.add_to``).
+    """
     p, form, blocks, h = self.p, self.form, self.blocks, self.h
     bq, bk, stages = blocks.bq, blocks.bk, self.stages
     cols = out_cols(p, "dkdv")
     chunks, consumers = h // cols, wide_consumers(h)
     assert chunks * cols == h, f"{cols} columns a share do not divide head dim {h}"
+    assert not fuse_dq or chunks == 1, "a share of dK's and dV's columns has no whole dQ"
+    dq_chunks = h // FUSED_DQ_COLS
     rows = consumers * bk
     q_t, do_t = self._transposed(queries["q"]), self._transposed(queries["do"])
     # dP^T's accumulator starts from -delta broadcast over the keys: no delta
@@ -164,6 +187,9 @@ class _Kernels:
     tensors = [keys["k"], keys["v"], queries["q"], queries["do"]]
     operands = [tiles.sequence_first(x) for x in tensors] + stats
     transposed = [] if form.hopper else [q_t, do_t]
+    k_t = fuse_dq and not form.hopper  # the interpreted form's K^T, dQ^T's left operand
+    if k_t:
+      transposed.append(tiles.transposed(keys["k"]))
     segs = tiles.padded_segments(self.ops, tp, sp)
     seg_ops = [] if segs is None else list(segs)
     facts = blocks.inputs(self.ops, segs, (rows, bk), queries_own=False)
@@ -173,9 +199,11 @@ class _Kernels:
     def body(k_ref, v_ref, q_ref, do_ref, lse_ref, neg_delta_ref, *rest):
       transposed, seg_refs = rest[:n_tr], rest[n_tr : n_tr + n_seg]
       *fact_refs, dk_ref, dv_ref, scoped = rest[n_tr + n_seg :]
+      if fuse_dq:
+        *fact_refs, dq_ref = fact_refs
       smem, own_full, (full, consumed) = scoped
       k_smem, v_smem, q_smem, do_smem, lse_smem, neg_delta_smem, *transposed_smem = smem
-      qt_smem, dot_smem, st_smem, seg_smem, out_smem = transposed_smem
+      qt_smem, dot_smem, st_smem, seg_smem, out_smem, ds_smem, kt_smem, dq_smem = transposed_smem
       kh, b, wg = lax.axis_index("heads"), lax.axis_index("batch"), lax.axis_index("wg")
       kh, share = tiles.column_share(kh, chunks, cols)
       columns = lambda ref: ref if share is None else ref.at[:, share]
@@ -195,12 +223,30 @@ class _Kernels:
         plgpu.copy_gmem_to_smem(v_ref.at[b, mine, kh], v_smem.at[wg], own_full.at[wg])
         if seg_refs:  # the keys' segment ids
           plgpu.copy_gmem_to_smem(seg_refs[1].at[b, mine], seg_smem[0].at[wg], own_full.at[wg])
+        if k_t:
+          plgpu.copy_gmem_to_smem(transposed[2].at[b, kh, :, mine], kt_smem.at[wg], own_full.at[wg])
         plgpu.barrier_wait(own_full.at[wg])
         k_seg = form.vector(seg_smem[0].at[wg], 0) if seg_refs else None
         own = tiles.own_range(lo, hi, blocks.query_blocks(s0, bk))
         unmasked = blocks.unmasked_queries(s0, *own)
 
-        def step(u, i, carry, masked):
+        def add_dq(g, i):
+          """Adds this step's ``dQ^T = K^T dS^T`` to dQ^T's query block ``i``, query head ``g``."""
+          part = lax.axis_index("k") * consumers + wg  # the interpreted form's: this key tile's
+          for c in range(dq_chunks):
+            share = pl.ds(c * FUSED_DQ_COLS, FUSED_DQ_COLS)
+            if form.hopper:  # K^T's rows: a view of K's columns transposed
+              k_rows = plgpu.transpose_ref(k_smem.at[wg].at[:, share], (1, 0))
+            else:
+              k_rows = kt_smem.at[wg].at[share]
+            dq_t = scores(k_rows, ds_smem.at[wg], (FUSED_DQ_COLS, bq))
+            # This chunk's tile of the last step has been read by its reduce-add.
+            plgpu.wait_smem_to_gmem(dq_chunks - 1, wait_read_only=True)
+            dq_smem.at[wg, c][...] = dq_t
+            plgpu.commit_smem()
+            form.add_to(dq_smem.at[wg, c], dq_ref, (b, kh, g, share, pl.ds(i * bq, bq)), part)
+
+        def step(u, g, i, carry, masked):
           dk, dv = carry
           s = ring.slot(u)
           ring.wait(0, u)
@@ -230,9 +276,17 @@ class _Kernels:
             dv, lambda acc_ref: plgpu.wgmma(acc_ref, weights, columns(do_smem.at[s]))
           )
           ring.release(1, u)
-          ds = form.operand(ds.astype(p.dtype), st_smem, wg)
-          dk = form.accumulate(dk, lambda acc_ref: plgpu.wgmma(acc_ref, ds, columns(q_smem.at[s])))
+          ds = ds.astype(p.dtype)
+          if fuse_dq:  # dS^T to SMEM too: dQ^T's right operand
+            ds_smem.at[wg][...] = ds
+            plgpu.commit_smem()
+          operand = form.operand(ds, st_smem, wg)
+          dk = form.accumulate(
+            dk, lambda acc_ref: plgpu.wgmma(acc_ref, operand, columns(q_smem.at[s]))
+          )
           ring.release(0, u)
+          if fuse_dq:
+            add_dq(g, i)
           return dk, dv
 
         def per_group(g, carry):
@@ -242,14 +296,15 @@ class _Kernels:
             ring.skip(base + i)
             return carry
 
-          group_step = lambda i, carry, masked: step(base + i, i, carry, masked)
+          group_step = lambda i, carry, masked: step(base + i, g, i, carry, masked)
           return tiles.over_steps(lo, own, unmasked, hi, skip, group_step, carry)
 
         def flat(u, carry):
-          i = lo + lax.rem(u, count)
+          g, i = lax.div(u, count), lo + lax.rem(u, count)
           # Without masks no step is masked: no lax.cond of two identities.
-          masked = tiles.masked_step(i, unmasked) if has_masks(p) else False
-          return step(u, i, carry, masked)
+          masks = has_masks(p) or blocks.hides_padded_keys
+          masked = tiles.masked_step(i, unmasked) if masks else False
+          return step(u, g, i, carry, masked)
 
         zeros = lambda: form.layout(jnp.zeros((bk, cols), jnp.float32), plgpu.Layout.WGMMA)
         if consumers == 1:
@@ -310,12 +365,22 @@ class _Kernels:
         form.staging((consumers, bk, bq), p.dtype),
         tiles.segment_smem(segs, (consumers, bk), (stages, bq)),
         None if chunks == 1 else self._tile(consumers, bk, cols),
+        self._tile(consumers, bk, bq) if fuse_dq else None,
+        self._tile(consumers, h, bk) if k_t else None,
+        plgpu.SMEM(
+          (consumers, dq_chunks, FUSED_DQ_COLS, bq),
+          jnp.float32,
+          transforms=mgpu.swizzle_transforms(jnp.float32, bq),
+        )
+        if fuse_dq
+        else None,
       ],
-      plgpu.Barrier(num_arrivals=2 + bool(segs), num_barriers=consumers),
+      plgpu.Barrier(num_arrivals=2 + bool(segs) + k_t, num_barriers=consumers),
       mgpu.Ring.barriers((copies + bool(segs), copies, 2), stages, consumers),
     ]
     shape = jax.ShapeDtypeStruct((p.batch, sp, p.kv_heads, h), p.dtype)
-    dk, dv = form.launch(
+    dq_sum = jax.ShapeDtypeStruct((p.batch, p.kv_heads, p.groups, h, tp), jnp.float32)
+    dk, dv, *dq = form.launch(
       body,
       operands,
       (shape, shape),
@@ -325,5 +390,8 @@ class _Kernels:
       name="dot_product_attention_dkdv",
       approx_math=p.soft_cap is None,
       consumers=consumers,
+      sums=[dq_sum] if fuse_dq else [],
+      parts=sp // bk,
     )
-    return tiles.heads_first(dk), tiles.heads_first(dv)
+    dq = (jnp.swapaxes(dq[0], -2, -1) * p.scale).astype(p.dtype) if fuse_dq else None
+    return tiles.heads_first(dk), tiles.heads_first(dv), dq

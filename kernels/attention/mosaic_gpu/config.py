@@ -40,11 +40,19 @@ class MosaicGpuAttentionConfig(KernelConfig):
     64; the backward's and the tangent's are ``BWD_BLOCKS`` whatever a
     config says.
   num_stages: slots of the producer's SMEM ring (at least 2).
+  fuse_dq: the backward's dk/dv kernel computes dQ too (``dS K``: 5 matrix
+    products where the dq and dk/dv kernels do 7), each block of threads
+    adding its keys' share into a float32 dQ by TMA reduce-adds. Their order
+    varies from run to run, so dq is not bitwise reproducible: off unless a
+    pinned config asks (never the heuristic's or autotuning's choice). Up to
+    head dim 64 with every feature, at 128 without causal or window masks
+    and segment ids (``_fuse_reason``); the forward and the tangent ignore it.
   """
 
   block_q: int = 64
   block_k: int = 128
   num_stages: int = 2
+  fuse_dq: bool = False
   implementation: str = dataclasses.field(default=IMPLEMENTATION, kw_only=True)
 
 
@@ -135,6 +143,14 @@ _SMEM = {
 # plus block_k up to 192 fits its 168 registers, 256 spills.
 _SEGMENT_REGISTERS = 192
 
+# Columns of dQ the fused dk/dv kernel (``fuse_dq``) computes a product and
+# adds a TMA reduce-add (64, wgmma's rows of dQ^T: K's columns transposed).
+FUSED_DQ_COLS = 64
+# Queries a step of the fused dk/dv kernel: its S^T, dP^T and dQ^T tiles take
+# 16 registers a thread each at 32 (at 64, 32 each spilled 112-248 bytes
+# beside dK's and dV's accumulators, compiled for H100).
+FUSED_ROWS = 32
+
 # The backward's and the tangent's (block_q, block_k), whatever a config says: each accumulator
 # tile is 64 rows of one warpgroup, and wgmma contracts 64 at least (the dk/dv
 # kernel contracts over its query block). A config gives it ``num_stages``.
@@ -194,7 +210,8 @@ def smem_bytes(p: Problem, config: MosaicGpuAttentionConfig, stage: str) -> int:
   interpreter has no SMEM limit.
   """
   h, item = head(p), jnp.dtype(p.dtype).itemsize
-  c = config if stage == "fwd" else dataclasses.replace(config, block_q=64, block_k=64)
+  rows = FUSED_ROWS if stage == "bwd" and config.fuse_dq else 64
+  c = config if stage == "fwd" else dataclasses.replace(config, block_q=rows, block_k=64)
   shapes = {
     "q": (c.block_q, c.block_k),
     "dq": (DQ_ROWS, c.block_k),
@@ -209,14 +226,20 @@ def smem_bytes(p: Problem, config: MosaicGpuAttentionConfig, stage: str) -> int:
     "k": wide_consumers(h),
   }
   sizes = []
-  for k in _SMEM[stage]:
+  kernels = _SMEM[stage]
+  if stage == "bwd" and c.fuse_dq:  # the dk/dv kernel alone
+    kernels = [k for k in kernels if k.own == "k"]
+  for k in kernels:
     (own, ring), n, cols = shapes[k.own], consumers[k.own], h_out[k.own]
     # dK and dV whole go through K's and V's SMEM; dQ has a tile of its own.
     out = k.out_tiles if k.own == "dq" or cols < h else 0
     elements = n * (k.own_tiles * h + out * cols) * own + c.num_stages * k.ring_tiles * ring * h
     seg = int(p.has_segments)
     stats = n * (k.own_stats + seg) * own + c.num_stages * (k.ring_stats + seg) * ring
-    sizes.append(elements * item + 4 * stats)
+    fused = 0
+    if stage == "bwd" and c.fuse_dq:  # dS^T (dQ^T's operand) and dQ^T's float32 tiles
+      fused = n * (own * ring * item + 4 * ring * h)
+    sizes.append(elements * item + 4 * stats + fused)
   return max(sizes)
 
 
@@ -234,6 +257,26 @@ def _stages_reason(p: Problem, stage: str, stages: int) -> Optional[str]:
   return None
 
 
+def _fuse_reason(p: Problem, config: MosaicGpuAttentionConfig) -> Optional[str]:
+  """Why the dk/dv kernel cannot compute dQ too (``fuse_dq``) on this call, if it cannot.
+
+  Compiled for H100 with a batch of 2: at head dim 64 (two consumers, 168
+  registers) every mask, segment ids and a soft cap, 2-4 slots, spill-free;
+  at head dim 128 (one consumer, 255) unmasked or with lengths in 2 slots,
+  spill-free at 1 and 4 query heads a kv head, while a causal mask, a
+  window or segment ids spilled 20-56 bytes at some head counts and not at
+  others, and 4 slots 132.
+  """
+  h = head(p)
+  if out_cols(p, "dkdv") < h:
+    return "fuse_dq: the dk/dv kernel splits dK's and dV's columns here (a share has no whole dQ)"
+  if h > 64 and (p.left is not None or p.right is not None or p.has_segments):
+    return "fuse_dq above head dim 64 takes no causal or window mask and no segment ids (spills)"
+  if h > 64 and config.num_stages > 2:
+    return f"num_stages={config.num_stages}: fuse_dq above head dim 64 takes 2 slots (4 spill)"
+  return None
+
+
 def _config_reason(p: Problem, config: MosaicGpuAttentionConfig, stage: str) -> Optional[str]:
   """Why ``config``'s blocks and ring cannot serve the stage on this call, if they cannot."""
   bk = config.block_k
@@ -243,7 +286,8 @@ def _config_reason(p: Problem, config: MosaicGpuAttentionConfig, stage: str) -> 
     return f"block_k={bk} must be a multiple of 64 on Mosaic GPU"
   if stage == "fwd" and p.has_segments and head(p) + bk > _SEGMENT_REGISTERS:
     return f"block_k={bk}: with segment ids the forward takes head dim + block_k <= 192"
-  reason = _stages_reason(p, stage, config.num_stages)
+  reason = _fuse_reason(p, config) if stage == "bwd" and config.fuse_dq else None
+  reason = reason or _stages_reason(p, stage, config.num_stages)
   if reason is not None:
     return reason
   smem = smem_bytes(p, config, stage)

@@ -102,6 +102,17 @@ class Tiles:
   q_len: Any = None
   kv_len: Any = None
   runs: Optional[dict] = None
+  cut_keys: bool = False
+
+  @property
+  def hides_padded_keys(self) -> bool:
+    """Whether the key side's masks hide padded keys (``cut_keys``, and keys are padded).
+
+    The dk/dv kernel leaves them visible (their dK and dV are cut off) unless
+    it also computes dQ: there a padded key's probability, ``exp2(-lse)``, could
+    overflow, and ``inf`` times its zero K is NaN.
+    """
+    return self.cut_keys and self.p.s % self.bk != 0
 
   def inputs(self, ops, segs, heights: tuple[int, ...], queries_own: bool) -> list:
     """What ``at`` reads, as kernel operands: the lengths, then per own tile height its runs.
@@ -185,9 +196,12 @@ class Tiles:
   def unmasked_queries(self, s0, lo, hi):
     """Query blocks of ``[lo, hi)`` that see every key of ``[s0, s0 + bk)``."""
     p = self.p
-    return self._unmasked(
+    u_lo, u_hi = self._unmasked(
       s0, self.bk, self.bq, lo, hi, p.left, p.right, hi, self.kv_len, self.q_len
     )
+    if self.hides_padded_keys:  # a tile with padded keys has every block masked
+      u_hi = jnp.where(s0 + self.bk <= p.s, u_hi, u_lo)
+    return u_lo, u_hi
 
   def _unmasked(self, start, own, other, lo, hi, ahead, behind, u_hi, own_len, other_len):
     """Blocks of ``other`` rows in ``[lo, hi)`` every own row of ``[start, start + own)`` sees.
@@ -217,7 +231,11 @@ class Tiles:
     s_pos = broadcast(s0 + form.positions(self.bk, 0), shape, 0)
     t_pos = broadcast(i * self.bq + form.positions(self.bq, 1), shape, 1)
     kv_seg, q_seg = _tiles(segs, shape)
-    return common.visible(self.p, t_pos, s_pos, None, self.kv_len, q_seg, kv_seg)
+    keep = common.visible(self.p, t_pos, s_pos, None, self.kv_len, q_seg, kv_seg)
+    if self.hides_padded_keys:
+      inside = s_pos < self.p.s
+      keep = inside if keep is None else keep & inside
+    return keep
 
 
 def padded_segments(ops, tp: int, sp: int) -> Optional[tuple[jax.Array, jax.Array]]:
