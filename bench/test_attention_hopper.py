@@ -30,7 +30,7 @@ of ``side_by_side.ROUNDS`` calls after a warm-up). ``extra_info``: ``tflop_per_s
 ``fraction_of_peak_flops`` (989 TFLOP/s dense bf16 on an H100 SXM) and
 ``ratio_to_cudnn`` (cuDNN's time over the implementation's: above 1 is faster;
 ``ratio_to_xla`` under ``jvp``).
-``test_hopper_split_backward`` times forward+backward at head dim 256 (B = 2,
+``test_hopper_autotuning_candidates`` times forward+backward at head dim 256 (B = 2,
 S = 4096) and with a soft cap of 50 at 128 (B = 4): the executor's choice
 (the Triton backward), ``pallax-mosaic`` (the Mosaic GPU backward, an
 autotuning candidate there, pinned) and cuDNN (without the cap: it takes none);
@@ -71,7 +71,7 @@ IMPLS = {"fwd": "cudnn", "fwd+bwd": "cudnn", "jvp": "xla"}  # mode -> the baseli
 # Head dim 256, and a soft cap at 128 (Gemma 2's 50), forward+backward: the
 # executor runs the Triton backward there, and the Mosaic GPU one (blocks of
 # threads splitting the results' columns) is an autotuning candidate until
-# timed here: ``pallax-mosaic`` pins it (``test_hopper_split_backward``).
+# timed here: ``pallax-mosaic`` pins it (``test_hopper_autotuning_candidates``).
 SPLIT_CASES = [
   *(
     Case(4096, causal=causal, heads=16, kv_heads=16, batch=2, head_dim=256, dtype="bfloat16")
@@ -219,7 +219,7 @@ def _run_id(x) -> str:
 
 
 @pytest.mark.parametrize(("case", "mode"), SPLIT_RUNS, ids=_run_id)
-def test_hopper_split_backward(benchmark, request, case, mode):
+def test_hopper_autotuning_candidates(benchmark, request, case, mode):
   """The executor's choice, the Mosaic GPU kernels pinned, cuDNN (no cap): autotuning candidates."""
   benchmark.group = f"hopper-B{case.batch}-H{case.head_dim}-{case.id}-{mode}"
   inputs = jax.block_until_ready(_inputs(case, mode))

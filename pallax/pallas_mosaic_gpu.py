@@ -247,7 +247,9 @@ class Form:
     warpgroup of a block of threads over ``grid`` (axes ``grid_names``);
     ``scoped`` holds ``scratch`` (SMEM buffers, barriers), allocated once for
     the block. ``name`` names the kernel (its PTX entry is ``<name>_kernel``:
-    the compiler's reports tell kernels apart by it). ``approx_math``: fast
+    the compiler's reports tell kernels apart by it; with ``sums`` the
+    entry is ``new_body``'s instead: JAX traces the kernel again under that
+    name when it discharges their refs). ``approx_math``: fast
     approximate ``exp2``, ``tanh``, ... on a GPU (the interpreter computes them
     exactly). Interpreted, the kernel runs in a host callback (``on_host``).
 
@@ -274,7 +276,7 @@ class Form:
         return list(kernel(*operands))
       return on_host(kernel, out_types, *operands, races=races)
     # ``plgpu.kernel``'s ``custom_vmap`` takes no ``jax.new_ref`` operand; ``pl.kernel`` does.
-    out_type, mesh = tuple(out_types), plgpu.Mesh(**mesh, kernel_name=name)
+    out_type, mesh = tuple(out_types), plgpu.Mesh(**mesh)
     kernel = pl.kernel(entry, out_type=out_type, mesh=mesh, **common)
     shapes = [s.shape if self.hopper else (parts, *s.shape) for s in sums]
     types = [jax.ShapeDtypeStruct(shape, s.dtype) for shape, s in zip(shapes, sums)]

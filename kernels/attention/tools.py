@@ -136,7 +136,8 @@ TOOLS = (
       "attention_causal": SweepOp(_causal, _qkv, SIZES[:4], QUICK, candidates=False),
       # The heuristic's blocks with a soft cap on the causal mask (above head
       # dim 64 the Mosaic GPU backward, an autotuning candidate there, splits
-      # dK's and dV's columns: compiled at every size as preferred candidates are).
+      # dK's and dV's columns; at head dim 256 the forward, also one, runs one
+      # consumer: compiled at every size as preferred candidates are).
       "attention_capped": SweepOp(
         _capped, _qkv, QUICK + ((2, 2048, 4, 4, 256),), QUICK, candidates=False
       ),

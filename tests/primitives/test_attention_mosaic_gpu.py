@@ -31,6 +31,7 @@ from pallax.executor.tools import kernel_calls
 from pallax.kernels.attention import mosaic_gpu
 from pallax.kernels.attention.common import Problem
 from pallax.kernels.attention.mosaic_gpu import tiles
+from pallax.op import op_params
 from pallax.verify.compile import _arguments, compile_kernels, judge
 from pallax.verify.sweep import configs_for
 from pallax.verify.targets import TARGETS
@@ -69,7 +70,7 @@ CASES = {
   ),
   # Head dim 256 with a window: dQ's, dK's and dV's columns in four shares.
   "h256-window": (Case(b=1, t=128, s=130, n=2, k=2, h=256, window=(60, 0)), "pallas"),
-  # With a soft cap and GQA, unmasked (the forward takes a cap at 256 without masks).
+  # With a soft cap and GQA, unmasked (the forward's two consumers).
   "h256-cap-gqa": (Case(b=2, t=70, s=100, n=4, k=2, h=256, soft_cap=10.0), "pallas"),
   "sinks-hv-T<S": (Case(b=1, t=64, s=130, n=2, k=2, h=64, hv=32, sinks=True), MOSAIC),
   # Causal with a soft cap (Gemma 2's global layers): the dk/dv kernel's two
@@ -220,6 +221,31 @@ def test_the_fused_dq_backward(name):
   assert _bwd_config(case, FUSED) == FUSED
   assert not _bwd_config(case, None).fuse_dq  # opt-in only
   _run_case(case, jnp.bfloat16, PATH, config=FUSED, seed=7)
+
+
+def test_the_fused_dq_backward_hides_padded_keys():
+  """Logits about -100: a padded key's probability ``exp2(-lse)`` overflows where it is not hidden.
+
+  64 keys at head dim 64: keys pad to 128 (two consumers of 64), so the
+  second consumer's tile is padding alone, which must see no query; 100 keys
+  pad the first tile's last 28, which its masks must hide. Else ``inf``
+  times a zero K makes dQ NaN.
+  """
+  rng = np.random.default_rng(13)
+  for s in (64, 100):
+    # Logits -100 from the first column (320 x -2.5 x 1/8), the rest of the
+    # gradients from zero-mean columns (no cancellation of a common offset).
+    q, k = rng.standard_normal((1, 64, 2, 64)), rng.standard_normal((1, s, 1, 64))
+    q[..., 0], k[..., 0] = 320.0, -2.5
+    q, k = jnp.asarray(q, jnp.bfloat16), jnp.asarray(k, jnp.bfloat16)
+    v, ct = rand(rng, (1, s, 1, 64), jnp.bfloat16), rand(rng, (1, 64, 2, 64), jnp.bfloat16)
+    loss = lambda fn, *qkv: jnp.sum(fn(*qkv).astype(jnp.float32) * ct.astype(jnp.float32))
+    with on_path(PATH):
+      got = jax.jit(jax.grad(functools.partial(loss, _pallax(FUSED)), (0, 1, 2)))(q, k, v)
+    with x64():
+      want = jax.grad(functools.partial(loss, reference), (0, 1, 2))(*map(to64, (q, k, v)))
+    for name, g, w in zip(("dq", "dk", "dv"), got, want):
+      assert_close(g, w, jnp.bfloat16, f"fused dq, {s} keys, logits about -100: {name}")
 
 
 @pytest.mark.slow  # a minute interpreted under race detection
@@ -595,7 +621,7 @@ def test_the_wide_backward_compiles_spill_free_for_a_batch(h, features):
   dim 256, its blocks of threads split dK's and dV's columns (spilling 16-176
   bytes whole at 128 with a cap, 108-148 in halves at 256).
   """
-  eqn = _backward_call(h, features)
+  eqn = _kernel_call(h, features)
   h100 = TARGETS["h100"]
   # The heuristic's config, or with split columns the autotuning candidate.
   (config,) = {
@@ -606,8 +632,8 @@ def test_the_wide_backward_compiles_spill_free_for_a_batch(h, features):
   _compiles_spill_free(eqn, config, ("dot_product_attention_dq", "dot_product_attention_dkdv"))
 
 
-def _backward_call(h: int, features: str, heads: int = 8):
-  """The backward's kernel call of attention with ``features``, GQA, at batch 2 (T = S = 1000)."""
+def _kernel_call(h: int, features: str, heads: int = 8, stage: str = BWD):
+  """Attention's ``stage`` kernel call with ``features``, GQA, at batch 2 (T = S = 1000)."""
   b, t = 2, 1000
   q, kv = jnp.zeros((b, t, heads, h), jnp.bfloat16), jnp.zeros((b, t, 2, h), jnp.bfloat16)
   lens, ids = jnp.full((b,), t, jnp.int32), jnp.zeros((b, t), jnp.int32)
@@ -622,7 +648,7 @@ def _backward_call(h: int, features: str, heads: int = 8):
     extra.update(logits_soft_cap=30.0)
   loss = lambda q, k, v: jnp.sum(pallax.dot_product_attention(q, k, v, **extra).astype(jnp.float32))
   jaxpr = jax.make_jaxpr(jax.grad(loss, argnums=(0, 1, 2)))(q, kv, kv).jaxpr
-  (eqn,) = [e for e in kernel_calls(jaxpr) if e.primitive.name == BWD]
+  (eqn,) = [e for e in kernel_calls(jaxpr) if e.primitive.name == stage]
   return eqn
 
 
@@ -649,4 +675,21 @@ def test_the_fused_dq_backward_compiles_spill_free_for_a_batch(h, features, head
   config = mosaic_gpu.MosaicGpuAttentionConfig(block_k=64, num_stages=stages, fuse_dq=True)
   # One kernel. Its name is JAX's: a kernel given a ``jax.new_ref`` (dQ^T's
   # sum) is traced again as ``new_body`` when JAX discharges the ref.
-  _compiles_spill_free(_backward_call(h, features, heads), config, ("new_body",))
+  _compiles_spill_free(_kernel_call(h, features, heads), config, ("new_body",))
+
+
+@pytest.mark.compilers
+@pytest.mark.parametrize(
+  "features, consumers", [("causal-cap", 1), ("lengths-cap", 1), ("window-lengths-cap", 2)]
+)
+def test_the_capped_forward_at_head_dim_256_compiles_spill_free_for_a_batch(features, consumers):
+  """A soft cap with masks at head dim 256 (Gemma 2): one consumer without a window, else two.
+
+  Two consumers spilled 12-16 bytes causal or with lengths; one consumer
+  spilled 8 with a window, where two did not (compiled for H100, batch 2).
+  """
+  eqn = _kernel_call(256, features, stage=FWD)
+  p = Problem.of([v.aval for v in eqn.invars], **op_params(eqn.params))
+  assert mosaic_gpu.config.fwd_consumers(p) == consumers
+  config = mosaic_gpu.MosaicGpuAttentionConfig(block_k=64, num_stages=2)
+  _compiles_spill_free(eqn, config, ("dot_product_attention_fwd",))

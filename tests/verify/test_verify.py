@@ -106,9 +106,10 @@ def test_every_mosaic_gpu_config_compiles_for_h100():
   """The Mosaic GPU configs the executor can choose on an H100: no spills, fits SMEM.
 
   The heuristic's at every size and 16-bit dtype (head dims 64, 80, 128,
-  256), every candidate at every case. The forward and the tangent: three
-  warpgroups a block; the backward's dq kernel two, its dk/dv kernel three up
-  to head dim 64 and two above.
+  256), every candidate at every case. The forward: three warpgroups a block
+  (two with a soft cap and a causal mask or lengths above head dim 128); the
+  tangent's and the backward's dk/dv kernels three up to head dim 64 and two
+  above; the backward's dq kernel two.
   """
   report = verify(
     MOSAIC_GPU_OPS,

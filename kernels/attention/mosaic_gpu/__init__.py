@@ -4,9 +4,10 @@
   heuristic, candidates, legality, the SMEM model;
 * ``tiles.py``: block ranges, masks, logits and the step loops the kernels share;
 * ``fwd.py``: the forward (``out``, ``lse``): a TMA producer warpgroup and two
-  ping-pong ``wgmma`` consumer warpgroups;
+  ping-pong ``wgmma`` consumer warpgroups (one where two spill);
 * ``bwd.py``: the backward from the saved ``lse``: a dq kernel and a dk/dv
-  kernel of the same structure, no atomics;
+  kernel of the same structure, no atomics; or, opt-in (``fuse_dq``), the
+  dk/dv kernel alone, adding dQ by TMA reduce-adds;
 * ``jvp.py``: the tangent, one pass from the saved ``lse``;
 * ``query_side.py``: the frame of the dq and tangent kernels.
 

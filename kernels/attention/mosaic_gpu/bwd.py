@@ -1,8 +1,8 @@
 """The attention backward on Pallas Mosaic GPU (Hopper): dq, dk and dv from the saved ``lse``.
 
 Two kernels of the forward's structure (a TMA producer warpgroup filling an
-SMEM ring, two ``wgmma`` consumer warpgroups), neither recomputing the
-forward's softmax statistics nor using atomics:
+SMEM ring, ``wgmma`` consumer warpgroups), neither recomputing the
+forward's softmax statistics nor using atomics (unless ``fuse_dq``, below):
 
 * the dq kernel: one block of threads per (query head, 64 queries, batch),
   one consumer warpgroup (its dQ, S, P and dP tiles take the registers of
@@ -40,8 +40,9 @@ Blocks hidden entirely (causal, window, lengths, outside the segments' runs)
 are not loaded; partly hidden ones are masked. The soft cap's slope scales
 ``dS``. Padded queries
 carry an lse of +inf (probability 0); padded keys give gradients that are
-cut off. Q, K, V, dO, dq, dk and dv are read and written sequence first, in
-the caller's layout (``tiles.sequence_first``), as in the forward.
+cut off (with ``fuse_dq`` they are masked). Q, K, V, dO, dq, dk and dv are
+read and written sequence first, in the caller's layout
+(``tiles.sequence_first``), as in the forward.
 """
 
 from __future__ import annotations
@@ -202,8 +203,8 @@ class _Kernels:
       if fuse_dq:
         *fact_refs, dq_ref = fact_refs
       smem, own_full, (full, consumed) = scoped
-      k_smem, v_smem, q_smem, do_smem, lse_smem, neg_delta_smem, *transposed_smem = smem
-      qt_smem, dot_smem, st_smem, seg_smem, out_smem, ds_smem, kt_smem, dq_smem = transposed_smem
+      k_smem, v_smem, q_smem, do_smem, lse_smem, neg_delta_smem, *others = smem
+      qt_smem, dot_smem, st_smem, seg_smem, out_smem, ds_smem, kt_smem, dq_smem = others
       kh, b, wg = lax.axis_index("heads"), lax.axis_index("batch"), lax.axis_index("wg")
       kh, share = tiles.column_share(kh, chunks, cols)
       columns = lambda ref: ref if share is None else ref.at[:, share]
@@ -232,19 +233,19 @@ class _Kernels:
 
         def add_dq(g, i):
           """Adds this step's ``dQ^T = K^T dS^T`` to dQ^T's query block ``i``, query head ``g``."""
-          part = lax.axis_index("k") * consumers + wg  # the interpreted form's: this key tile's
+          part = None if form.hopper else lax.axis_index("k") * consumers + wg  # its key tile
           for c in range(dq_chunks):
-            share = pl.ds(c * FUSED_DQ_COLS, FUSED_DQ_COLS)
+            dq_cols = pl.ds(c * FUSED_DQ_COLS, FUSED_DQ_COLS)
             if form.hopper:  # K^T's rows: a view of K's columns transposed
-              k_rows = plgpu.transpose_ref(k_smem.at[wg].at[:, share], (1, 0))
+              k_rows = plgpu.transpose_ref(k_smem.at[wg].at[:, dq_cols], (1, 0))
             else:
-              k_rows = kt_smem.at[wg].at[share]
+              k_rows = kt_smem.at[wg].at[dq_cols]
             dq_t = scores(k_rows, ds_smem.at[wg], (FUSED_DQ_COLS, bq))
             # This chunk's tile of the last step has been read by its reduce-add.
             plgpu.wait_smem_to_gmem(dq_chunks - 1, wait_read_only=True)
             dq_smem.at[wg, c][...] = dq_t
             plgpu.commit_smem()
-            form.add_to(dq_smem.at[wg, c], dq_ref, (b, kh, g, share, pl.ds(i * bq, bq)), part)
+            form.add_to(dq_smem.at[wg, c], dq_ref, (b, kh, g, dq_cols, pl.ds(i * bq, bq)), part)
 
         def step(u, g, i, carry, masked):
           dk, dv = carry
@@ -345,7 +346,7 @@ class _Kernels:
           groups[2].append((neg_delta_ref.at[b, kh, g, block], neg_delta_smem.at[s]))
           if seg_refs:  # the queries' segment ids, with the queries
             groups[0].append((seg_refs[0].at[b, block], seg_smem[1].at[s]))
-          for group, ref, buf in zip(groups, transposed, (qt_smem, dot_smem)):
+          for group, ref, buf in zip(groups, transposed[:2], (qt_smem, dot_smem)):
             group.append((ref.at[b, kh, g, :, block], buf.at[s]))
           return groups
 

@@ -38,15 +38,16 @@ class MosaicGpuAttentionConfig(KernelConfig):
 
   block_q, block_k: the forward's: 64 (``wgmma``'s rows) and a multiple of
     64; the backward's and the tangent's are ``BWD_BLOCKS`` whatever a
-    config says.
+    config says (with ``fuse_dq``, steps of ``FUSED_ROWS`` queries).
   num_stages: slots of the producer's SMEM ring (at least 2).
   fuse_dq: the backward's dk/dv kernel computes dQ too (``dS K``: 5 matrix
     products where the dq and dk/dv kernels do 7), each block of threads
     adding its keys' share into a float32 dQ by TMA reduce-adds. Their order
     varies from run to run, so dq is not bitwise reproducible: off unless a
     pinned config asks (never the heuristic's or autotuning's choice). Up to
-    head dim 64 with every feature, at 128 without causal or window masks
-    and segment ids (``_fuse_reason``); the forward and the tangent ignore it.
+    head dim 64 with every feature; at 128 without causal or window masks,
+    segment ids or a soft cap, in 2 slots (``_fuse_reason``). The forward
+    and the tangent ignore it.
   """
 
   block_q: int = 64
@@ -143,8 +144,8 @@ _SMEM = {
 # plus block_k up to 192 fits its 168 registers, 256 spills.
 _SEGMENT_REGISTERS = 192
 
-# Columns of dQ the fused dk/dv kernel (``fuse_dq``) computes a product and
-# adds a TMA reduce-add (64, wgmma's rows of dQ^T: K's columns transposed).
+# dQ's columns a product (and a TMA reduce-add) of the fused dk/dv kernel
+# (``fuse_dq``): dQ^T's 64 rows, ``wgmma``'s M, are K's columns transposed.
 FUSED_DQ_COLS = 64
 # Queries a step of the fused dk/dv kernel: its S^T, dP^T and dQ^T tiles take
 # 16 registers a thread each at 32 (at 64, 32 each spilled 112-248 bytes
@@ -152,8 +153,9 @@ FUSED_DQ_COLS = 64
 FUSED_ROWS = 32
 
 # The backward's and the tangent's (block_q, block_k), whatever a config says: each accumulator
-# tile is 64 rows of one warpgroup, and wgmma contracts 64 at least (the dk/dv
-# kernel contracts over its query block). A config gives it ``num_stages``.
+# tile is 64 rows of one warpgroup, and wgmma contracts 64 at least with
+# 128-byte swizzles (the dk/dv kernel contracts over its query block; the
+# fused one's 32-query steps swizzle 64 bytes). A config gives it ``num_stages``.
 BWD_BLOCKS = (64, 64)
 
 

@@ -106,11 +106,12 @@ class Tiles:
 
   @property
   def hides_padded_keys(self) -> bool:
-    """Whether the key side's masks hide padded keys (``cut_keys``, and keys are padded).
+    """Whether the key side's masks hide padded keys in a tile of real ones (``cut_keys``).
 
     The dk/dv kernel leaves them visible (their dK and dV are cut off) unless
     it also computes dQ: there a padded key's probability, ``exp2(-lse)``, could
-    overflow, and ``inf`` times its zero K is NaN.
+    overflow, and ``inf`` times its zero K is NaN. A tile of padded keys alone
+    sees no query (``query_blocks``).
     """
     return self.cut_keys and self.p.s % self.bk != 0
 
@@ -185,13 +186,17 @@ class Tiles:
     return keep
 
   # Keys own the rows (the dk/dv kernel): blocks of queries. Padded queries
-  # and keys need no mask there: a padded query's lse is +inf (its
-  # probabilities 0), a padded key's gradients are cut off.
+  # need no mask there (a padded query's lse is +inf: its probabilities 0),
+  # nor padded keys unless ``cut_keys`` (their gradients are cut off).
 
   def query_blocks(self, s0, rows: int):
-    """``[lo, hi)``: the query blocks that see keys ``[s0, s0 + rows)``."""
+    """``[lo, hi)``: the query blocks that see keys ``[s0, s0 + rows)``.
+
+    With ``cut_keys`` a tile of padded keys alone sees none.
+    """
     lens = self._lens("q_len", "kv_len")
-    return common.query_range(self.p, s0, self.bq, rows, *lens, self._run(s0, rows, MEET_LO))
+    lo, hi = common.query_range(self.p, s0, self.bq, rows, *lens, self._run(s0, rows, MEET_LO))
+    return (lo, jnp.where(s0 < self.p.s, hi, lo)) if self.cut_keys else (lo, hi)
 
   def unmasked_queries(self, s0, lo, hi):
     """Query blocks of ``[lo, hi)`` that see every key of ``[s0, s0 + bk)``."""
