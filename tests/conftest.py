@@ -35,6 +35,14 @@ if PLATFORM != "cpu":
 _flags = os.environ.get("XLA_FLAGS", "")
 if "xla_force_host_platform_device_count" not in _flags:
   os.environ["XLA_FLAGS"] = (_flags + " --xla_force_host_platform_device_count=8").strip()
+if PLATFORM == "cpu":
+  # Compile-only libtpu (marker ``compilers``) in every xdist worker: without
+  # this, the first worker to load libtpu holds its lock file and another's
+  # TPU compiles fail ("Internal error when accessing libtpu multi-process lockfile").
+  from pallax.verify.targets import TPU_ENV
+
+  for _name, _value in TPU_ENV.items():
+    os.environ.setdefault(_name, _value)
 
 
 def pytest_configure(config):

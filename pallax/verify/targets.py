@@ -26,8 +26,8 @@ _GPU_TARGETS = pathlib.Path(__file__).parent / "gpu_targets"
 # libtpu looks for a TPU's metadata server and worker list unless told it is a
 # single local worker; these silence that (no TPU is used). It also takes a
 # lock file that lets one process at a time load it, which compile-only
-# workers need not respect.
-_TPU_ENV = {
+# workers (verify's, and the test processes compiling for TPU) need not respect.
+TPU_ENV = {
   "ALLOW_MULTIPLE_LIBTPU_LOAD": "1",
   "TPU_SKIP_MDS_QUERY": "1",
   "TPU_ACCELERATOR_TYPE": "v5litepod-4",
@@ -148,7 +148,7 @@ def ptxas() -> Optional[str]:
 def compile_env(base: Optional[dict] = None) -> dict:
   """The environment of a verify worker: CPU as JAX's platform, quiet libtpu."""
   env = dict(os.environ if base is None else base)
-  env.update(_TPU_ENV)
+  env.update(TPU_ENV)
   env["JAX_PLATFORMS"] = "cpu"
   # Every job must compile: a persistent compilation cache hit dumps nothing to inspect.
   env["JAX_ENABLE_COMPILATION_CACHE"] = "false"
