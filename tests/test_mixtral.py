@@ -24,6 +24,27 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 ROOT = Path(__file__).resolve().parents[1]
+
+
+def _import_hub_kernels() -> None:
+  """Imports Hugging Face's ``kernels`` (transformers imports it when installed) from site-packages.
+
+  The repository root, on ``sys.path`` for ``tests`` and ``examples``, holds
+  pallax's ``kernels/`` sources (installed as ``pallax.kernels``), which would
+  shadow it: transformers 5.25's Mixtral failed on ``from kernels import
+  CUDAProperties``. Nothing imports pallax's sources as ``kernels``.
+  """
+  saved = sys.path[:]
+  sys.path[:] = [p for p in saved if Path(p or ".").resolve() != ROOT]
+  try:
+    __import__("kernels")
+  except ImportError:  # transformers without hub kernels
+    pass
+  finally:
+    sys.path[:] = saved
+
+
+_import_hub_kernels()
 if str(ROOT) not in sys.path:  # examples/ sits at the repository root, not installed
   sys.path.insert(0, str(ROOT))
 
