@@ -135,14 +135,19 @@ CASES = {
 }
 
 
-def _chosen(case: Case, dtype, config=None) -> dict[str, str]:
-  """Kernel -> implementation of the gradient of ``case`` under the Mosaic GPU switch."""
+def _picks(case: Case, dtype, config=None) -> dict:
+  """Kernel -> ``explain``'s record for the gradient of ``case`` under the Mosaic GPU switch."""
   ops, statics = inputs(case, dtype)
   fn = _pallax(config)
   loss = lambda q: jnp.sum(_call(fn, statics, {**ops, "query": q}).astype(jnp.float32))
   with on_path(PATH):
     report = pallax.explain(jax.grad(loss), ops["query"])
-  return {r.op: r.implementation for r in report}
+  return {r.op: r for r in report}
+
+
+def _chosen(case: Case, dtype, config=None) -> dict[str, str]:
+  """Kernel -> implementation of the gradient of ``case`` under the Mosaic GPU switch."""
+  return {op: r.implementation for op, r in _picks(case, dtype, config).items()}
 
 
 # The default run leaves six cases to ``-m slow`` (a minute or two each
@@ -202,14 +207,6 @@ FUSED_CASES = {
 FUSED_SLOW = ("h128-lengths-gqa", "h64-lengths-packed-causal")
 
 
-def _bwd_config(case: Case, config) -> object:
-  """The config the executor gives the backward of ``case`` under ``config`` on an H100."""
-  ops, statics = inputs(case, jnp.bfloat16)
-  loss = lambda q: jnp.sum(_call(_pallax(config), statics, {**ops, "query": q}).astype(jnp.float32))
-  report = pallax.explain_on(Target("cuda", "h100"), jax.grad(loss), ops["query"])
-  return {r.op: r for r in report}[BWD].config
-
-
 @pytest.mark.parametrize(
   "name",
   [pytest.param(n, marks=pytest.mark.slow) if n in FUSED_SLOW else n for n in FUSED_CASES],
@@ -218,8 +215,8 @@ def test_the_fused_dq_backward(name):
   """dQ from the dk/dv kernel (5 products, no dq kernel): output, lse and every gradient."""
   case = FUSED_CASES[name]
   assert _chosen(case, jnp.bfloat16, FUSED) == {FWD: MOSAIC, BWD: MOSAIC}
-  assert _bwd_config(case, FUSED) == FUSED
-  assert not _bwd_config(case, None).fuse_dq  # opt-in only
+  assert _picks(case, jnp.bfloat16, FUSED)[BWD].config == FUSED
+  assert not _picks(case, jnp.bfloat16)[BWD].config.fuse_dq  # opt-in only
   _run_case(case, jnp.bfloat16, PATH, config=FUSED, seed=7)
 
 

@@ -212,7 +212,8 @@ def smem_bytes(p: Problem, config: MosaicGpuAttentionConfig, stage: str) -> int:
   interpreter has no SMEM limit.
   """
   h, item = head(p), jnp.dtype(p.dtype).itemsize
-  rows = FUSED_ROWS if stage == "bwd" and config.fuse_dq else 64
+  fused = stage == "bwd" and config.fuse_dq
+  rows = FUSED_ROWS if fused else 64
   c = config if stage == "fwd" else dataclasses.replace(config, block_q=rows, block_k=64)
   shapes = {
     "q": (c.block_q, c.block_k),
@@ -228,9 +229,7 @@ def smem_bytes(p: Problem, config: MosaicGpuAttentionConfig, stage: str) -> int:
     "k": wide_consumers(h),
   }
   sizes = []
-  kernels = _SMEM[stage]
-  if stage == "bwd" and c.fuse_dq:  # the dk/dv kernel alone
-    kernels = [k for k in kernels if k.own == "k"]
+  kernels = [k for k in _SMEM[stage] if not fused or k.own == "k"]  # fused: the dk/dv kernel
   for k in kernels:
     (own, ring), n, cols = shapes[k.own], consumers[k.own], h_out[k.own]
     # dK and dV whole go through K's and V's SMEM; dQ has a tile of its own.
@@ -238,10 +237,9 @@ def smem_bytes(p: Problem, config: MosaicGpuAttentionConfig, stage: str) -> int:
     elements = n * (k.own_tiles * h + out * cols) * own + c.num_stages * k.ring_tiles * ring * h
     seg = int(p.has_segments)
     stats = n * (k.own_stats + seg) * own + c.num_stages * (k.ring_stats + seg) * ring
-    fused = 0
-    if stage == "bwd" and c.fuse_dq:  # dS^T (dQ^T's operand) and dQ^T's float32 tiles
-      fused = n * (own * ring * item + 4 * ring * h)
-    sizes.append(elements * item + 4 * stats + fused)
+    # Fused: dS^T (dQ^T's operand) and dQ^T's float32 tiles.
+    dq_tiles = n * (own * ring * item + 4 * ring * h) if fused else 0
+    sizes.append(elements * item + 4 * stats + dq_tiles)
   return max(sizes)
 
 
