@@ -17,7 +17,7 @@ implementations:
 * ``cudnn``: ``jax.nn.dot_product_attention(implementation="cudnn")``; under
   ``jvp``, where cuDNN's ``custom_vjp`` raises, ``xla``: the same with
   ``implementation="xla"`` (what JAX users get for a tangent);
-* ``pallax-fused`` (``fwd+bwd``, not causal): the backward pinned to the
+* ``pallax-fused`` (``fwd+bwd``): the backward pinned to the
   Mosaic GPU dk/dv kernel computing dQ too (``fuse_dq``: 5 products against
   7, TMA reduce-adds), an opt-in config until its time here says more.
 
@@ -92,7 +92,8 @@ SPLIT_RUNS = [
 ]
 MOSAIC_PIN = MosaicGpuAttentionConfig(block_k=64, num_stages=2)
 # The backward's dk/dv kernel computing dQ too (opt-in: TMA reduce-adds, not
-# bitwise reproducible): ``pallax-fused`` on the non-causal cases' fwd+bwd.
+# bitwise reproducible): ``pallax-fused`` on the cases' fwd+bwd (one query head
+# a kv head: it takes their causal masks at head dim 128).
 FUSED_PIN = MosaicGpuAttentionConfig(block_k=64, num_stages=2, fuse_dq=True)
 
 
@@ -202,7 +203,7 @@ def test_hopper_attention(benchmark, request, case, mode):
   want = _tangent_rows(case, inputs) if mode == "jvp" else reference_rows(case, mode, inputs)
   baseline = IMPLS[mode]
   impls = ("pallax", "pallax-triton", baseline)
-  if mode == "fwd+bwd" and not case.causal:  # fuse_dq takes no causal mask at head dim 128
+  if mode == "fwd+bwd":
     impls = (*impls, "pallax-fused")
   compiled = {impl: _compiled(impl, case, mode, inputs) for impl in impls}
   picks = pallax.explain(_function("pallax", case, mode), *compiled["pallax"][1])

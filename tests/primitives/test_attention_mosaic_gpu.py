@@ -194,17 +194,21 @@ def test_float16_causal_t_below_s():
 # of its own, summed after the kernel (the interpreter has no TMA reductions).
 FUSED = mosaic_gpu.MosaicGpuAttentionConfig(block_k=64, num_stages=2, fuse_dq=True)
 FUSED_CASES = {
-  # Head dim 128, one consumer: MQA, lengths, padded keys (130 of 192) masked,
-  # rows past their length.
-  "h128-lengths-mqa": Case(b=1, t=100, s=130, n=2, k=1, h=128, q_len=(70,), kv_len=(110,)),
+  # Head dim 128, one consumer: causal, MQA, lengths, padded keys (130 of 192)
+  # masked, rows past their length.
+  "h128-causal-lengths-mqa": Case(
+    b=1, t=100, s=130, n=2, k=1, h=128, is_causal=True, q_len=(70,), kv_len=(110,)
+  ),
   # Head dim 64, two consumers: causal, MQA, a soft cap, a key tile no query sees.
   "h64-causal-mqa-cap": Case(b=1, t=100, s=150, n=2, k=1, h=64, is_causal=True, soft_cap=5.0),
   # Slow (43 s interpreted): two examples, GQA, both lengths ragged.
   "h128-lengths-gqa": Case(b=2, t=100, s=130, n=4, k=2, h=128, q_len=(70, 100), kv_len=(110, 60)),
   # Slow: packed documents (segment ids, lengths, causal, MQA).
   "h64-lengths-packed-causal": CASES["lengths-packed-causal"][0],
+  # Slow: a window at head dim 128, one query head a kv head, two of each.
+  "h128-window-mha": Case(b=2, t=100, s=130, n=2, k=2, h=128, window=(40, 10)),
 }
-FUSED_SLOW = ("h128-lengths-gqa", "h64-lengths-packed-causal")
+FUSED_SLOW = ("h128-lengths-gqa", "h64-lengths-packed-causal", "h128-window-mha")
 
 
 @pytest.mark.parametrize(
@@ -425,9 +429,9 @@ def test_the_backwards_column_shares_divide_the_head_dim(h):
     )
 
 
-def _avals(t=256, s=256, h=128, dtype=jnp.bfloat16, segments=False):
-  q = jax.ShapeDtypeStruct((1, 2, 2, t, h), dtype)
-  k = jax.ShapeDtypeStruct((1, 2, s, h), dtype)
+def _avals(t=256, s=256, h=128, dtype=jnp.bfloat16, segments=False, kv_heads=2, groups=2):
+  q = jax.ShapeDtypeStruct((1, kv_heads, groups, t, h), dtype)
+  k = jax.ShapeDtypeStruct((1, kv_heads, s, h), dtype)
   lens = jax.ShapeDtypeStruct((1,), jnp.int32)
   ids = [jax.ShapeDtypeStruct((1, n), jnp.int32) for n in (t, s)] if segments else []
   return [q, k, k, lens, lens, *ids]
@@ -453,13 +457,19 @@ def test_supports_and_the_ring_in_shared_memory():
   assert supports(config(), stage="fwd", **PARAMS) is None
   assert supports(config(block_q=64, block_k=64), stage="bwd", **PARAMS) is None
   assert supports(config(), stage="bwd", **PARAMS) is None  # the backward's blocks are fixed
-  # dQ from the dk/dv kernel: at head dim 128 unmasked (or with lengths) in 2 slots.
+  # dQ from the dk/dv kernel: at head dim 128 unmasked (or with lengths) in 2
+  # slots, masked with one query head a kv head or one kv head (not GQA's 4 on 2).
   fused = config(64, 64, fuse_dq=True)
   assert supports(fused, stage="bwd", **PARAMS) is None
   assert supports(fused, stage="fwd", **PARAMS) is None  # the forward ignores it
   assert "2 slots" in supports(config(64, 64, 4, fuse_dq=True), stage="bwd", **PARAMS)
   for masked in ({"window_right": 0}, {"window_left": 60, "window_right": 60}):
-    assert "no causal or window mask" in supports(fused, stage="bwd", **{**PARAMS, **masked})
+    masked = {**PARAMS, **masked, "has_lengths": True}
+    assert "not 4 on 2" in supports(fused, stage="bwd", **masked)
+    for heads in ({"groups": 1}, {"kv_heads": 1, "groups": 8}):
+      assert mosaic_gpu.supports(_avals(**heads), h100, fused, stage="bwd", **masked) is None
+  ids_mha = functools.partial(mosaic_gpu.supports, _avals(segments=True, groups=1), h100)
+  assert "no segment ids" in ids_mha(fused, stage="bwd", **{**PARAMS, "has_segments": True})
   # K and V; a 2-slot ring of 32 queries' Q, dO, lse and delta; dS^T; dQ^T's float32 tiles.
   want = 2 * 64 * 128 * 2 + 2 * 2 * 32 * 128 * 2 + 2 * 2 * 32 * 4 + 64 * 32 * 2 + 4 * 32 * 128
   assert mosaic_gpu.smem_bytes(Problem.of(_avals(), **PARAMS), fused, "bwd") == want
@@ -629,10 +639,11 @@ def test_the_wide_backward_compiles_spill_free_for_a_batch(h, features):
   _compiles_spill_free(eqn, config, ("dot_product_attention_dq", "dot_product_attention_dkdv"))
 
 
-def _kernel_call(h: int, features: str, heads: int = 8, stage: str = BWD):
-  """Attention's ``stage`` kernel call with ``features``, GQA, at batch 2 (T = S = 1000)."""
+def _kernel_call(h: int, features: str, heads: int = 8, stage: str = BWD, kv_heads: int = 2):
+  """Attention's ``stage`` kernel call with ``features`` at batch 2 (T = S = 1000)."""
   b, t = 2, 1000
-  q, kv = jnp.zeros((b, t, heads, h), jnp.bfloat16), jnp.zeros((b, t, 2, h), jnp.bfloat16)
+  q = jnp.zeros((b, t, heads, h), jnp.bfloat16)
+  kv = jnp.zeros((b, t, kv_heads, h), jnp.bfloat16)
   lens, ids = jnp.full((b,), t, jnp.int32), jnp.zeros((b, t), jnp.int32)
   extra = {"is_causal": True} if "causal" in features else {}
   if "window" in features:
@@ -660,19 +671,35 @@ def _compiles_spill_free(eqn, config, kernels: tuple[str, ...]) -> None:
 
 @pytest.mark.compilers
 @pytest.mark.parametrize(
-  "h, features, heads, stages",
-  [(64, "causal-lengths-segments-cap", 8, 4), (128, "lengths", 8, 2), (128, "plain", 2, 2)],
+  "h, features, heads, kv_heads, stages",
+  [
+    (64, "causal-lengths-segments-cap", 8, 2, 4),
+    (128, "lengths", 8, 2, 2),
+    (128, "plain", 2, 2, 2),
+    (128, "causal-lengths", 8, 8, 2),
+    (128, "causal-window", 8, 1, 2),
+  ],
 )
-def test_the_fused_dq_backward_compiles_spill_free_for_a_batch(h, features, heads, stages):
+def test_the_fused_dq_backward_compiles_spill_free_for_a_batch(
+  h, features, heads, kv_heads, stages
+):
   """``fuse_dq``'s one dk/dv kernel (no dq kernel), compiled for H100 at batch 2.
 
   Head dim 64 with every feature and 4 slots; head dim 128 with lengths and
-  GQA, and unmasked, padded keys masked (1000 keys in 64-key tiles).
+  GQA, unmasked (padded keys masked: 1000 keys in 64-key tiles), and causal
+  or windowed with one query head a kv head or one kv head (GQA spilled).
   """
   config = mosaic_gpu.MosaicGpuAttentionConfig(block_k=64, num_stages=stages, fuse_dq=True)
+  eqn = _kernel_call(h, features, heads, kv_heads=kv_heads)
+  assert (
+    mosaic_gpu.supports(
+      [v.aval for v in eqn.invars], TARGETS["h100"], config, stage="bwd", **op_params(eqn.params)
+    )
+    is None
+  )
   # One kernel. Its name is JAX's: a kernel given a ``jax.new_ref`` (dQ^T's
   # sum) is traced again as ``new_body`` when JAX discharges the ref.
-  _compiles_spill_free(_kernel_call(h, features, heads), config, ("new_body",))
+  _compiles_spill_free(eqn, config, ("new_body",))
 
 
 @pytest.mark.compilers

@@ -45,8 +45,9 @@ class MosaicGpuAttentionConfig(KernelConfig):
     adding its keys' share into a float32 dQ by TMA reduce-adds. Their order
     varies from run to run, so dq is not bitwise reproducible: off unless a
     pinned config asks (never the heuristic's or autotuning's choice). Up to
-    head dim 64 with every feature; at 128 without causal or window masks,
-    segment ids or a soft cap, in 2 slots (``_fuse_reason``). The forward
+    head dim 64 with every feature; at 128 without segment ids or a soft
+    cap, in 2 slots, and with causal or window masks only where the query
+    heads do not share kv heads or share one (``_fuse_reason``). The forward
     and the tangent ignore it.
   """
 
@@ -262,16 +263,25 @@ def _fuse_reason(p: Problem, config: MosaicGpuAttentionConfig) -> Optional[str]:
 
   Compiled for H100 with a batch of 2: at head dim 64 (two consumers, 168
   registers) every mask, segment ids and a soft cap, 2-4 slots, spill-free;
-  at head dim 128 (one consumer, 255) unmasked or with lengths in 2 slots,
-  spill-free at 1 and 4 query heads a kv head, while a causal mask, a
-  window or segment ids spilled 20-56 bytes at some head counts and not at
-  others, and 4 slots 132.
+  at head dim 128 (one consumer, 255) in 2 slots unmasked or with lengths
+  at 1-8 query heads a kv head, and with causal and window masks (and
+  lengths) at one query head a kv head or one kv head (16 on 16, 4 on 4,
+  8 on 1, 2 on 1). There a kv head's index or its query head's is the
+  same in every block of threads or step; where both vary (GQA: 4 or 8 on
+  2) the masks spilled 20-48 bytes. Segment ids spilled 48 with a causal
+  mask at 8 on 8, and 4 slots 132.
   """
   h = head(p)
   if out_cols(p, "dkdv") < h:
     return "fuse_dq: the dk/dv kernel splits dK's and dV's columns here (a share has no whole dQ)"
-  if h > 64 and (p.left is not None or p.right is not None or p.has_segments):
-    return "fuse_dq above head dim 64 takes no causal or window mask and no segment ids (spills)"
+  if h > 64 and p.has_segments:
+    return "fuse_dq above head dim 64 takes no segment ids (spills)"
+  masks = p.left is not None or p.right is not None
+  if h > 64 and masks and p.groups > 1 and p.kv_heads > 1:
+    return (
+      f"fuse_dq above head dim 64 takes causal or window masks with one query head a kv head"
+      f" or one kv head, not {p.groups * p.kv_heads} on {p.kv_heads} (spills)"
+    )
   if h > 64 and config.num_stages > 2:
     return f"num_stages={config.num_stages}: fuse_dq above head dim 64 takes 2 slots (4 spill)"
   return None
