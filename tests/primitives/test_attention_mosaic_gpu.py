@@ -23,6 +23,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 import pallax
 from pallax import pallas_mosaic_gpu as mgpu
@@ -35,7 +37,15 @@ from pallax.op import op_params
 from pallax.verify.compile import _arguments, compile_kernels, judge
 from pallax.verify.sweep import configs_for
 from pallax.verify.targets import TARGETS
-from tests.helpers import NATIVE_KERNELS, assert_close, on_path, rand, to64, x64
+from tests.helpers import (
+  NATIVE_KERNELS,
+  assert_close,
+  deviceless_mesh,
+  on_path,
+  rand,
+  to64,
+  x64,
+)
 from tests.primitives.attention_reference import assert_lse_close, reference
 from tests.primitives.test_attention_features import (
   Case,
@@ -700,6 +710,26 @@ def test_the_fused_dq_backward_compiles_spill_free_for_a_batch(
   # One kernel. Its name is JAX's: a kernel given a ``jax.new_ref`` (dQ^T's
   # sum) is traced again as ``new_body`` when JAX discharges the ref.
   _compiles_spill_free(eqn, config, ("new_body",))
+
+
+@pytest.mark.compilers
+def test_the_fused_dq_backward_compiles_in_shard_map_for_h100s():
+  """``fuse_dq``'s ``jax.new_ref`` sum inside ``shard_map``, compiled for 8 H100s without them.
+
+  The gradient is two Mosaic GPU kernels (the forward and the fused dk/dv
+  kernel, no dq kernel) in each shard's program.
+  """
+  mesh = deviceless_mesh("h100", "b")
+  local = lambda q, k, v: pallax.dot_product_attention(q, k, v, is_causal=True, config=FUSED)
+  sharded = jax.shard_map(local, mesh=mesh, in_specs=(P("b"),) * 3, out_specs=P("b"))
+  loss = lambda q, k, v: jnp.sum(sharded(q, k, v).astype(jnp.float32))
+  sharding = NamedSharding(mesh, P("b"))
+  args = [jax.ShapeDtypeStruct((mesh.size, 256, 4, 128), jnp.bfloat16, sharding=sharding)] * 3
+  # Mosaic GPU takes the kernels' architecture from the default device.
+  with jax.default_device(mesh.devices.flat[0]):
+    lowered = jax.jit(jax.grad(loss, (0, 1, 2))).trace(*args).lower()
+    assert lowered.as_text().count("@mosaic_gpu_v2") == 2
+    assert "mosaic_gpu_v2" in lowered.compile().as_text()
 
 
 @pytest.mark.compilers
