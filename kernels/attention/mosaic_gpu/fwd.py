@@ -126,8 +126,9 @@ def fwd(*operands, config: MosaicGpuAttentionConfig, interpret: Any, **params) -
           ids = None if q_seg is None else (q_seg, form.vector(seg_smem[1].at[s], 1))
           keep = blocks.keep_keys(form, t0, j, ids)
         ring.release(0, j)
-        z = tiles.masked(tiles.logits2(p, qk), keep)
-        e, acc, m_new, denom = tiles.softmax_step(carry, z, hidden=keep is not None)
+        y, factor = tiles.logits2_factors(p, qk)
+        y = tiles.masked(y, keep)
+        e, acc, m_new, denom = tiles.softmax_step(carry, y, factor, hidden=keep is not None)
         e16 = e.astype(p.dtype)
         acc, denom, m_new, e16 = form.barrier((acc, denom, m_new, e16))
         if consumers > 1:

@@ -278,12 +278,21 @@ def logits2(p: Problem, x: jax.Array, cap_grad: bool = False):
   The slope ``1 - tanh^2`` (None without a cap) scales the logits' gradient
   on its way back to ``x``.
   """
+  y, factor = logits2_factors(p, x)
+  z = y * factor
+  return (z, None if p.soft_cap is None else 1.0 - y * y) if cap_grad else z
+
+
+def logits2_factors(p: Problem, x: jax.Array) -> tuple[jax.Array, float]:
+  """``logits2`` as ``y * factor``: ``x`` (soft-capped: ``tanh``) and a positive constant.
+
+  For ``softmax_step``, which then takes a row's maximum of ``y`` before the
+  product and fuses the product into the exponent's subtraction (one ``fma``
+  an element where ``logits2`` takes a multiply and a subtraction).
+  """
   if p.soft_cap is None:
-    z, slope = x * (p.scale * LOG2E), None
-  else:
-    t = jnp.tanh(x * (p.scale / p.soft_cap))
-    z, slope = t * (p.soft_cap * LOG2E), 1.0 - t * t
-  return (z, slope) if cap_grad else z
+    return x, p.scale * LOG2E
+  return jnp.tanh(x * (p.scale / p.soft_cap)), p.soft_cap * LOG2E
 
 
 def cap_slope(p: Problem, z: jax.Array) -> Optional[jax.Array]:
@@ -313,18 +322,22 @@ def softmax_init(form: mgpu.Form, rows: int, width: int) -> tuple[jax.Array, ...
   )
 
 
-def softmax_step(carry: tuple[jax.Array, ...], z: jax.Array, hidden: bool = True) -> tuple:
-  """One block of base-2 logits ``z`` into the online softmax ``carry = (acc, m, denom)``.
+def softmax_step(
+  carry: tuple[jax.Array, ...], y: jax.Array, factor: float, hidden: bool = True
+) -> tuple:
+  """One block of base-2 logits ``y * factor`` into the online softmax ``carry = (acc, m, denom)``.
 
-  Returns the block's unnormalised probabilities ``e``, the accumulator
-  rescaled to the new maxima, the new maxima and the new sums. ``hidden``:
-  ``z`` may hide a whole row (-inf), whose maximum is then taken as 0.
+  ``y, factor``: ``logits2_factors``' (``factor > 0``, so a row's maximum of
+  ``y`` times ``factor`` is that of the logits, bit for bit), ``y`` -inf where
+  hidden. Returns the block's unnormalised probabilities ``e``, the
+  accumulator rescaled to the new maxima, the new maxima and the new sums.
+  ``hidden``: ``y`` may hide a whole row (-inf), whose maximum is then taken as 0.
   """
   acc, m, denom = carry
-  m_new = jnp.maximum(m, z.max(axis=1))
+  m_new = jnp.maximum(m, y.max(axis=1) * factor)
   m_use = jnp.where(m_new == NEG_INF, 0.0, m_new) if hidden else m_new
   alpha = jnp.exp2(m - m_use)
-  e = jnp.exp2(z - broadcast(m_use, z.shape, 0))
+  e = jnp.exp2(y * factor - broadcast(m_use, y.shape, 0))
   acc = acc * broadcast(alpha, acc.shape, 0)
   return e, acc, m_new, denom * alpha + e.sum(axis=1)
 
