@@ -7,7 +7,7 @@ Run on an H100 or H200 (issue 28's table)::
 
 Cases: bfloat16, N = 16 query and key/value heads, H = 128, B = 4 at S = 4096
 and B = 2 at S = 8192, causal or not, ``fwd``, ``fwd+bwd`` and ``jvp``
-(``bench/modes.py``). Each case times, in one process and one test, three or four
+(``bench/modes.py``). Each case times, in one process and one test, three to five
 implementations:
 
 * ``pallax``: the executor's choice, on Hopper the Mosaic GPU kernels
@@ -21,7 +21,9 @@ implementations:
   Mosaic GPU dk/dv kernel computing dQ too (``fuse_dq``: 5 products against
   7, TMA reduce-adds), an opt-in config until its time here says more;
   left out under ``PALLAX_BENCH_FUSED=0`` (``bench/hopper.sh`` sets it when
-  the fused kernel's tests failed on the GPU).
+  the fused kernel's tests failed on the GPU);
+* ``pallax-dq2`` (``fwd+bwd``): the backward pinned to its dq kernel with
+  two consumer warpgroups (``dq_consumers=2``), an autotuning candidate.
 
 ``jvp`` counts 3x the forward's FLOPs (``Q K^T``, ``P V`` and, for the
 tangent, ``dQ K^T``, ``Q dK^T``, ``(P dS) V`` and ``P dV``) and twice its bytes.
@@ -98,6 +100,9 @@ MOSAIC_PIN = MosaicGpuAttentionConfig(block_k=64, num_stages=2)
 # bitwise reproducible): ``pallax-fused`` on the cases' fwd+bwd (one query head
 # a kv head: it takes their causal masks at head dim 128).
 FUSED_PIN = MosaicGpuAttentionConfig(block_k=64, num_stages=2, fuse_dq=True)
+# The backward's dq kernel with two consumers (an autotuning candidate):
+# ``pallax-dq2`` on the cases' fwd+bwd.
+TWO_DQ_PIN = MosaicGpuAttentionConfig(block_k=64, num_stages=2, dq_consumers=2)
 
 
 pytestmark = pytest.mark.nvidia_gpu  # deselected off an NVIDIA GPU (bench/conftest.py)
@@ -175,13 +180,22 @@ def _mosaic_pins(fn, inputs) -> dict:
   return {e.primitive.name: MOSAIC_PIN for e in kernel_calls(jax.make_jaxpr(fn)(*inputs).jaxpr)}
 
 
-def _fused_pins(fn, inputs) -> dict:
-  """The backward's kernel call of ``fn`` on the fused Mosaic GPU backward (``FUSED_PIN``)."""
-  calls = kernel_calls(jax.make_jaxpr(fn)(*inputs).jaxpr)
-  return {e.primitive.name: FUSED_PIN for e in calls if e.primitive.name.endswith("_bwd")}
+def _backward_pins(config):
+  """The backward's kernel call of a function on the Mosaic GPU backward with ``config``."""
+
+  def pins(fn, inputs) -> dict:
+    calls = kernel_calls(jax.make_jaxpr(fn)(*inputs).jaxpr)
+    return {e.primitive.name: config for e in calls if e.primitive.name.endswith("_bwd")}
+
+  return pins
 
 
-_PINS = {"pallax-triton": _triton_pins, "pallax-mosaic": _mosaic_pins, "pallax-fused": _fused_pins}
+_PINS = {
+  "pallax-triton": _triton_pins,
+  "pallax-mosaic": _mosaic_pins,
+  "pallax-fused": _backward_pins(FUSED_PIN),
+  "pallax-dq2": _backward_pins(TWO_DQ_PIN),
+}
 
 
 def _compiled(impl, case, mode, inputs):
@@ -206,6 +220,8 @@ def test_hopper_attention(benchmark, request, case, mode):
   want = _tangent_rows(case, inputs) if mode == "jvp" else reference_rows(case, mode, inputs)
   baseline = IMPLS[mode]
   impls = ("pallax", "pallax-triton", baseline)
+  if mode == "fwd+bwd":
+    impls = (*impls, "pallax-dq2")
   if mode == "fwd+bwd" and os.environ.get("PALLAX_BENCH_FUSED") != "0":
     impls = (*impls, "pallax-fused")
   compiled = {impl: _compiled(impl, case, mode, inputs) for impl in impls}

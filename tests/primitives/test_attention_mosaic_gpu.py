@@ -234,6 +234,31 @@ def test_the_fused_dq_backward(name):
   _run_case(case, jnp.bfloat16, PATH, config=FUSED, seed=7)
 
 
+# The dq kernel with two consumer warpgroups (``dq_consumers=2``, an autotuning
+# candidate): 128 queries a block of threads.
+TWO_DQ = mosaic_gpu.MosaicGpuAttentionConfig(block_k=64, num_stages=2, dq_consumers=2)
+TWO_DQ_CASES = {
+  # Head dim 128: causal, GQA, ragged lengths; 100 queries pad to one block of 128.
+  "h128-causal-lengths-gqa": Case(
+    b=2, t=100, s=130, n=4, k=2, h=128, is_causal=True, q_len=(70, 100), kv_len=(110, 60)
+  ),
+  # Slow: packed documents at head dim 64 (segment ids, lengths, causal, MQA).
+  "h64-lengths-packed-causal": CASES["lengths-packed-causal"][0],
+}
+
+
+@pytest.mark.parametrize(
+  "name",
+  [pytest.param(n, marks=pytest.mark.slow) if n.startswith("h64") else n for n in TWO_DQ_CASES],
+)
+def test_the_two_consumer_dq_kernel(name):
+  """The dq kernel's two consumers of 64 queries: output, lse and every gradient."""
+  case = TWO_DQ_CASES[name]
+  assert _picks(case, jnp.bfloat16, TWO_DQ)[BWD].config == TWO_DQ
+  assert _picks(case, jnp.bfloat16)[BWD].config.dq_consumers == 1  # the heuristic's
+  _run_case(case, jnp.bfloat16, PATH, config=TWO_DQ, seed=5)
+
+
 def test_the_fused_dq_backward_hides_padded_keys():
   """Logits about -100: a padded key's probability ``exp2(-lse)`` overflows where it is not hidden.
 
@@ -478,6 +503,21 @@ def test_supports_and_the_ring_in_shared_memory():
     assert "not 4 on 2" in supports(fused, stage="bwd", **masked)
     for heads in ({"groups": 1}, {"kv_heads": 1, "groups": 8}):
       assert mosaic_gpu.supports(_avals(**heads), h100, fused, stage="bwd", **masked) is None
+  # The dq kernel's two consumers: up to head dim 128, an autotuning candidate.
+  two_dq = config(64, 64, dq_consumers=2)
+  assert supports(two_dq, stage="bwd", **PARAMS) is None
+  every = {**PARAMS, "window_right": 0, "has_lengths": True, "has_segments": True}
+  every = {**every, "logits_soft_cap": 30.0}
+  assert mosaic_gpu.supports(_avals(segments=True), h100, two_dq, stage="bwd", **every) is None
+  assert "1 or 2" in supports(config(64, 64, dq_consumers=3), stage="bwd", **PARAMS)
+  h256_two = mosaic_gpu.supports(_avals(h=256), h100, two_dq, stage="bwd", **PARAMS)
+  assert "up to head dim 128" in h256_two
+  assert two_dq in mosaic_gpu.candidates(_avals(), h100, stage="bwd", **PARAMS)
+  assert mosaic_gpu.heuristic(_avals(), h100, stage="bwd", **PARAMS).dq_consumers == 1
+  # Two consumers' Q, dO, dQ, lse and delta, and a 2-slot ring of K and V, at head dim 128.
+  want = 2 * 3 * 64 * 128 * 2 + 2 * 2 * 64 * 128 * 2 + 2 * 2 * 64 * 4
+  p128 = Problem.of(_avals(), **PARAMS)
+  assert mosaic_gpu.smem_bytes(p128, two_dq, "bwd") == want
   ids_mha = functools.partial(mosaic_gpu.supports, _avals(segments=True, groups=1), h100)
   assert "no segment ids" in ids_mha(fused, stage="bwd", **{**PARAMS, "has_segments": True})
   # K and V; a 2-slot ring of 32 queries' Q, dO, lse and delta; dS^T; dQ^T's float32 tiles.
@@ -710,6 +750,30 @@ def test_the_fused_dq_backward_compiles_spill_free_for_a_batch(
   # One kernel. Its name is JAX's: a kernel given a ``jax.new_ref`` (dQ^T's
   # sum) is traced again as ``new_body`` when JAX discharges the ref.
   _compiles_spill_free(eqn, config, ("new_body",))
+
+
+@pytest.mark.compilers
+@pytest.mark.parametrize("features", ["causal-lengths-segments-cap", "window"])
+def test_the_two_consumer_dq_kernel_compiles_spill_free_for_a_batch(features):
+  """``dq_consumers=2`` at head dim 128 with GQA, compiled for H100 at batch 2: three warpgroups.
+
+  ptxas reports the launch's 168 registers a thread; the consumers' code
+  takes up to the 232 their ``setmaxnreg`` asks (161 in its SASS).
+  """
+  config = mosaic_gpu.MosaicGpuAttentionConfig(block_k=64, num_stages=2, dq_consumers=2)
+  eqn = _kernel_call(128, features)
+  compiled = compile_kernels(
+    lambda *args: eqn.primitive.bind(*args, **{**eqn.params, "config": config}),
+    _arguments(eqn),
+    TARGETS["h100"],
+    MOSAIC,
+  )
+  threads = {k["name"]: k["threads"] for k in compiled}
+  assert threads == {
+    "dot_product_attention_dq_mosaic_gpu_kernel": 384,
+    "dot_product_attention_dkdv_mosaic_gpu_kernel": 256,
+  }
+  assert judge(compiled, TARGETS["h100"]) == {"status": "ok"}, compiled
 
 
 @pytest.mark.compilers

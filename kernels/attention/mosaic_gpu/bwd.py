@@ -4,9 +4,9 @@ Two kernels of the forward's structure (a TMA producer warpgroup filling an
 SMEM ring, ``wgmma`` consumer warpgroups), neither recomputing the
 forward's softmax statistics nor using atomics (unless ``fuse_dq``, below):
 
-* the dq kernel: one block of threads per (query head, 64 queries, batch),
-  one consumer warpgroup (its dQ, S, P and dP tiles take the registers of
-  two); it keeps its queries' Q, dO, lse and
+* the dq kernel: one block of threads per (query head, 64 queries a
+  consumer, batch), one consumer warpgroup or two (``config.dq_consumers``);
+  each keeps its queries' Q, dO, lse and
   ``delta = rowsum(dO O) - dlse`` in SMEM and streams K and V blocks:
   ``P = exp2(S - lse)``, ``dP = dO V^T``, ``dS = P (dP - delta)``,
   ``dQ += dS K``;
@@ -61,7 +61,6 @@ from pallax.kernels.attention.common import Problem
 from pallax.kernels.attention.mosaic_gpu import tiles
 from pallax.kernels.attention.mosaic_gpu.config import (
   BWD_BLOCKS,
-  DQ_CONSUMERS,
   DQ_ROWS,
   FUSED_DQ_COLS,
   FUSED_ROWS,
@@ -84,7 +83,7 @@ def bwd(*operands, config: MosaicGpuAttentionConfig, interpret: Any, **params) -
   ops = c.ops
   h = head(p)
   bq, bk = (FUSED_ROWS, BWD_BLOCKS[1]) if config.fuse_dq else BWD_BLOCKS
-  tp = round_up(p.t, math.lcm(DQ_ROWS, bq))
+  tp = round_up(p.t, math.lcm(config.dq_consumers * DQ_ROWS, bq))
   sp = round_up(p.s, wide_consumers(h) * bk)
   delta = common.bwd_delta(p.stat, ops.out, ops.dout, ops.dlse).astype(jnp.float32)
   # Rows past their length get an lse of +inf: the dk/dv kernel's mask leaves them.
@@ -97,7 +96,7 @@ def bwd(*operands, config: MosaicGpuAttentionConfig, interpret: Any, **params) -
   }
   keys = {"k": tiles.pad(ops.k, {2: sp, 3: h}), "v": tiles.pad(ops.v, {2: sp, 3: h})}
   blocks = tiles.Tiles(p, bq, bk, cut_keys=config.fuse_dq)
-  kernels = _Kernels(p, ops, form, blocks, config.num_stages)
+  kernels = _Kernels(p, ops, form, blocks, config)
   dk, dv, dq = kernels.dkdv(queries, keys, tp, sp, config.fuse_dq)
   if dq is None:
     dq = kernels.dq(queries, keys, tp)
@@ -109,9 +108,11 @@ def bwd(*operands, config: MosaicGpuAttentionConfig, interpret: Any, **params) -
 class _Kernels:
   """The two backward kernels of one call."""
 
-  def __init__(self, p: Problem, ops, form: mgpu.Form, blocks: tiles.Tiles, stages: int):
-    self.p, self.ops, self.form, self.blocks, self.stages = p, ops, form, blocks, stages
-    self.h = head(p)
+  def __init__(
+    self, p: Problem, ops, form: mgpu.Form, blocks: tiles.Tiles, config: MosaicGpuAttentionConfig
+  ):
+    self.p, self.ops, self.form, self.blocks = p, ops, form, blocks
+    self.stages, self.dq_consumers, self.h = config.num_stages, config.dq_consumers, head(p)
 
   def _tile(self, lead: int, rows: int, cols: int):
     """SMEM tiles swizzled within a step's queries: ``wgmma`` contracts over a swizzle's width."""
@@ -137,7 +138,7 @@ class _Kernels:
       form,
       self.stages,
       bk,
-      DQ_CONSUMERS,
+      self.dq_consumers,
       own_tiles={"q": queries["q"], "do": queries["do"]},
       own_stats={"lse": queries["lse"], "delta": queries["delta"]},
       ring={"k": keys["k"], "v": keys["v"]},

@@ -19,12 +19,13 @@ from pallax.kernels.attention.common import Call, Problem
 
 IMPLEMENTATION = "pallas_mosaic_gpu"
 CONSUMERS = 2  # consumer warpgroups a block of threads; a producer warpgroup besides
-# ptxas compiles a kernel of three warpgroups within 168 registers a thread
-# (65536 / 384), ``setmaxnreg`` notwithstanding (checked with pallax.verify);
-# two warpgroups get 255. The backward's accumulators need more than 168 at
-# 128 columns: its dq kernel has one consumer of 64 queries, its dk/dv
-# kernel (and the tangent's) two consumers up to 64 columns and one above.
-DQ_CONSUMERS, DQ_ROWS = 1, 64
+# For a kernel of three warpgroups ptxas reports 168 registers a thread (65536
+# / 384, the launch's count) and allocates a consumer's code after
+# ``setmaxnreg`` up to what it asks (232: the forward's SASS at head dim 128
+# uses R179); two warpgroups get 255. The dk/dv kernel's (and the tangent's)
+# accumulators spill in 232 at 128 columns: two consumers up to head dim 64,
+# one above. The dq kernel's: ``MosaicGpuAttentionConfig.dq_consumers``.
+DQ_ROWS = 64  # queries a consumer of the dq and tangent kernels
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,12 +50,19 @@ class MosaicGpuAttentionConfig(KernelConfig):
     cap, in 2 slots, and with causal or window masks only where the query
     heads do not share kv heads or share one (``_fuse_reason``). The forward
     and the tangent ignore it.
+  dq_consumers: consumer warpgroups of the backward's dq kernel, 64 queries
+    each: 1 (the heuristic's) or 2, where one consumer's softmax runs beside
+    the other's matrix products, up to head dim 128 (an autotuning candidate
+    until timed on a GPU; compiled for H100 spill-free, 161 of the 232
+    registers its consumers ask with causal masks, lengths, segment ids, a
+    soft cap and GQA at head dim 128). The fused backward runs no dq kernel.
   """
 
   block_q: int = 64
   block_k: int = 128
   num_stages: int = 2
   fuse_dq: bool = False
+  dq_consumers: int = 1
   implementation: str = dataclasses.field(default=IMPLEMENTATION, kw_only=True)
 
 
@@ -225,7 +233,7 @@ def smem_bytes(p: Problem, config: MosaicGpuAttentionConfig, stage: str) -> int:
   h_out = {"q": h, "jvp": h, "dq": out_cols(p, "dq"), "k": out_cols(p, "dkdv")}
   consumers = {
     "q": fwd_consumers(p),
-    "dq": DQ_CONSUMERS,
+    "dq": config.dq_consumers,
     "jvp": wide_consumers(h),
     "k": wide_consumers(h),
   }
@@ -255,6 +263,16 @@ def _stages_reason(p: Problem, stage: str, stages: int) -> Optional[str]:
     # Compiled for H100: 3 slots spill 112 bytes in the dk/dv kernel at head
     # dim 128, where 2 and 4 do not (a slot index mod 3 takes registers).
     return f"num_stages={stages}: the {stage} kernels take a power of two above head dim 64"
+  return None
+
+
+def _dq_reason(p: Problem, config: MosaicGpuAttentionConfig) -> Optional[str]:
+  """Why the dq kernel cannot take ``config.dq_consumers`` consumers on this call, if it cannot."""
+  n = config.dq_consumers
+  if n not in (1, CONSUMERS):
+    return f"dq_consumers={n}: the dq kernel takes 1 or {CONSUMERS} consumer warpgroups"
+  if n > 1 and head(p) > 128:
+    return f"dq_consumers={n}: more than one dq consumer up to head dim 128"
   return None
 
 
@@ -297,6 +315,7 @@ def _config_reason(p: Problem, config: MosaicGpuAttentionConfig, stage: str) -> 
   if stage == "fwd" and p.has_segments and head(p) + bk > _SEGMENT_REGISTERS:
     return f"block_k={bk}: with segment ids the forward takes head dim + block_k <= 192"
   reason = _fuse_reason(p, config) if stage == "bwd" and config.fuse_dq else None
+  reason = reason or _dq_reason(p, config)
   reason = reason or _stages_reason(p, stage, config.num_stages)
   if reason is not None:
     return reason
@@ -309,8 +328,10 @@ def _config_reason(p: Problem, config: MosaicGpuAttentionConfig, stage: str) -> 
 def _space(p: Problem, stage: str) -> list[MosaicGpuAttentionConfig]:
   """Ring shapes in order of preference: long blocks, then more stages, within SMEM."""
   blocks = [(64, b) for b in (128, 64, 256)] if stage == "fwd" else [BWD_BLOCKS]
+  dq = (1, CONSUMERS) if stage == "bwd" else (1,)
   configs = [
-    MosaicGpuAttentionConfig(block_q=bq, block_k=bk, num_stages=st)
+    MosaicGpuAttentionConfig(block_q=bq, block_k=bk, num_stages=st, dq_consumers=n)
+    for n in dq
     for bq, bk in blocks
     for st in (2, 3, 4)
   ]
