@@ -7,7 +7,7 @@ Run on an H100 or H200 (issue 28's table)::
 
 Cases: bfloat16, N = 16 query and key/value heads, H = 128, B = 4 at S = 4096
 and B = 2 at S = 8192, causal or not, ``fwd``, ``fwd+bwd`` and ``jvp``
-(``bench/modes.py``). Each case times, in one process and one test, three to five
+(``bench/modes.py``). Each case times, in one process and one test, three to six
 implementations:
 
 * ``pallax``: the executor's choice, on Hopper the Mosaic GPU kernels
@@ -22,8 +22,10 @@ implementations:
   7, TMA reduce-adds), an opt-in config until its time here says more;
   left out under ``PALLAX_BENCH_FUSED=0`` (``bench/hopper.sh`` sets it when
   the fused kernel's tests failed on the GPU);
-* ``pallax-dq2`` (``fwd+bwd``): the backward pinned to its dq kernel with
-  two consumer warpgroups (``dq_consumers=2``), an autotuning candidate.
+* ``pallax-dq2`` and ``pallax-wide`` (``fwd+bwd``): the backward pinned to
+  its dq kernel with two consumer warpgroups (``dq_consumers=2``), and the
+  dk/dv kernel's two consumers of 32-query steps too (``dkdv_rows=32``):
+  autotuning candidates.
 
 ``jvp`` counts 3x the forward's FLOPs (``Q K^T``, ``P V`` and, for the
 tangent, ``dQ K^T``, ``Q dK^T``, ``(P dS) V`` and ``P dV``) and twice its bytes.
@@ -100,9 +102,11 @@ MOSAIC_PIN = MosaicGpuAttentionConfig(block_k=64, num_stages=2)
 # bitwise reproducible): ``pallax-fused`` on the cases' fwd+bwd (one query head
 # a kv head: it takes their causal masks at head dim 128).
 FUSED_PIN = MosaicGpuAttentionConfig(block_k=64, num_stages=2, fuse_dq=True)
-# The backward's dq kernel with two consumers (an autotuning candidate):
-# ``pallax-dq2`` on the cases' fwd+bwd.
+# The backward's autotuning candidates of two consumers on the cases' fwd+bwd:
+# ``pallax-dq2`` the dq kernel's, ``pallax-wide`` the dk/dv kernel's too
+# (32-query steps).
 TWO_DQ_PIN = MosaicGpuAttentionConfig(block_k=64, num_stages=2, dq_consumers=2)
+WIDE_PIN = MosaicGpuAttentionConfig(block_k=64, num_stages=2, dq_consumers=2, dkdv_rows=32)
 
 
 pytestmark = pytest.mark.nvidia_gpu  # deselected off an NVIDIA GPU (bench/conftest.py)
@@ -195,6 +199,7 @@ _PINS = {
   "pallax-mosaic": _mosaic_pins,
   "pallax-fused": _backward_pins(FUSED_PIN),
   "pallax-dq2": _backward_pins(TWO_DQ_PIN),
+  "pallax-wide": _backward_pins(WIDE_PIN),
 }
 
 
@@ -221,7 +226,7 @@ def test_hopper_attention(benchmark, request, case, mode):
   baseline = IMPLS[mode]
   impls = ("pallax", "pallax-triton", baseline)
   if mode == "fwd+bwd":
-    impls = (*impls, "pallax-dq2")
+    impls = (*impls, "pallax-dq2", "pallax-wide")
   if mode == "fwd+bwd" and os.environ.get("PALLAX_BENCH_FUSED") != "0":
     impls = (*impls, "pallax-fused")
   compiled = {impl: _compiled(impl, case, mode, inputs) for impl in impls}

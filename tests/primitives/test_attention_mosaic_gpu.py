@@ -234,29 +234,51 @@ def test_the_fused_dq_backward(name):
   _run_case(case, jnp.bfloat16, PATH, config=FUSED, seed=7)
 
 
-# The dq kernel with two consumer warpgroups (``dq_consumers=2``, an autotuning
-# candidate): 128 queries a block of threads.
+# The backward's autotuning candidates of two consumer warpgroups: the dq
+# kernel's (``dq_consumers=2``: 128 queries a block of threads) and, above head
+# dim 64, the dk/dv kernel's with 32-query steps (``dkdv_rows=32``).
 TWO_DQ = mosaic_gpu.MosaicGpuAttentionConfig(block_k=64, num_stages=2, dq_consumers=2)
-TWO_DQ_CASES = {
-  # Head dim 128: causal, GQA, ragged lengths; 100 queries pad to one block of 128.
-  "h128-causal-lengths-gqa": Case(
-    b=2, t=100, s=130, n=4, k=2, h=128, is_causal=True, q_len=(70, 100), kv_len=(110, 60)
+WIDE = mosaic_gpu.MosaicGpuAttentionConfig(block_k=64, dq_consumers=2, dkdv_rows=32)
+TWO_CONSUMER_CASES = {
+  # Head dim 128: causal, two query heads on one kv head (summed in dK and
+  # dV), lengths; 100 queries pad to one block of 128.
+  "h128-causal-lengths-mqa": (
+    Case(b=1, t=100, s=130, n=2, k=1, h=128, is_causal=True, q_len=(70,), kv_len=(110,)),
+    WIDE,
+  ),
+  # Slow: GQA, two examples with ragged lengths.
+  "h128-causal-lengths-gqa": (
+    Case(b=2, t=100, s=130, n=4, k=2, h=128, is_causal=True, q_len=(70, 100), kv_len=(110, 60)),
+    WIDE,
+  ),
+  # Slow: packed documents and a soft cap at head dim 128, MQA.
+  "h128-packed-cap": (
+    Case(b=2, t=150, s=130, n=2, k=1, h=128, segments="packed", soft_cap=20.0),
+    WIDE,
   ),
   # Slow: packed documents at head dim 64 (segment ids, lengths, causal, MQA).
-  "h64-lengths-packed-causal": CASES["lengths-packed-causal"][0],
+  "h64-lengths-packed-causal": (CASES["lengths-packed-causal"][0], TWO_DQ),
 }
+TWO_CONSUMER_SLOW = ("h128-causal-lengths-gqa", "h128-packed-cap", "h64-lengths-packed-causal")
 
 
 @pytest.mark.parametrize(
   "name",
-  [pytest.param(n, marks=pytest.mark.slow) if n.startswith("h64") else n for n in TWO_DQ_CASES],
+  [
+    pytest.param(n, marks=pytest.mark.slow) if n in TWO_CONSUMER_SLOW else n
+    for n in TWO_CONSUMER_CASES
+  ],
 )
-def test_the_two_consumer_dq_kernel(name):
-  """The dq kernel's two consumers of 64 queries: output, lse and every gradient."""
-  case = TWO_DQ_CASES[name]
-  assert _picks(case, jnp.bfloat16, TWO_DQ)[BWD].config == TWO_DQ
-  assert _picks(case, jnp.bfloat16)[BWD].config.dq_consumers == 1  # the heuristic's
-  _run_case(case, jnp.bfloat16, PATH, config=TWO_DQ, seed=5)
+def test_the_backward_with_two_consumers(name):
+  """The dq kernel's two consumers of 64 queries, and the dk/dv kernel's of 32-query steps.
+
+  Output, lse and every gradient against float64.
+  """
+  case, config = TWO_CONSUMER_CASES[name]
+  assert _picks(case, jnp.bfloat16, config)[BWD].config == config
+  default = _picks(case, jnp.bfloat16)[BWD].config  # the heuristic's (Triton's with a cap at 128)
+  assert (getattr(default, "dq_consumers", 1), getattr(default, "dkdv_rows", 64)) == (1, 64)
+  _run_case(case, jnp.bfloat16, PATH, config=config, seed=5)
 
 
 def test_the_fused_dq_backward_hides_padded_keys():
@@ -567,6 +589,22 @@ def test_supports_and_the_ring_in_shared_memory():
   assert mosaic_gpu.smem_bytes(p, config(64, 64), "bwd") == want
   assert "SMEM" in h256(config(64, 64, 4), stage="bwd", **PARAMS)
   small = functools.partial(mosaic_gpu.supports, _avals(h=64), h100)
+  # The dk/dv kernel's 32-query steps (two consumers) above head dim 64 up to 128.
+  wide = config(64, 64, dkdv_rows=32)
+  assert supports(wide, stage="bwd", **PARAMS) is None
+  assert supports(wide, stage="fwd", **PARAMS) is None  # the forward ignores it
+  assert wide in mosaic_gpu.candidates(_avals(), h100, stage="bwd", **PARAMS)
+  assert "up to 128" in h256(wide, stage="bwd", **PARAMS)
+  assert "up to 128" in small(wide, stage="bwd", **PARAMS)
+  assert "64 or 32" in supports(config(64, 64, dkdv_rows=48), stage="bwd", **PARAMS)
+  fused_wide = config(64, 64, fuse_dq=True, dkdv_rows=32)
+  assert "its own steps" in supports(fused_wide, stage="bwd", **PARAMS)
+  assert mosaic_gpu.config.dkdv_steps(p128, wide) == (32, 2)
+  assert mosaic_gpu.config.dkdv_steps(p128, config(64, 64)) == (64, 1)
+  # The larger kernel's: the dq kernel's Q, dO, dQ, lse, delta and 2-slot ring
+  # of K and V (the dk/dv kernel's two consumers' K and V and 2-slot ring of
+  # 32 queries' Q, dO, lse and delta take 98816 bytes).
+  assert mosaic_gpu.smem_bytes(p128, wide, "bwd") == 3 * 64 * 128 * 2 + 2 * 2 * 64 * 128 * 2 + 512
   assert small(config(), stage="jvp", **PARAMS) is None
   # At head dim 64 the fused backward takes masks, segment ids, a cap and 4 slots.
   everything = {**causal, **lengths, "has_segments": True, "logits_soft_cap": 30.0}
@@ -754,13 +792,17 @@ def test_the_fused_dq_backward_compiles_spill_free_for_a_batch(
 
 @pytest.mark.compilers
 @pytest.mark.parametrize("features", ["causal-lengths-segments-cap", "window"])
-def test_the_two_consumer_dq_kernel_compiles_spill_free_for_a_batch(features):
-  """``dq_consumers=2`` at head dim 128 with GQA, compiled for H100 at batch 2: three warpgroups.
+@pytest.mark.parametrize("rows", [64, 32])
+def test_the_backward_with_two_consumers_compiles_spill_free_for_a_batch(features, rows):
+  """Head dim 128 with GQA, compiled for H100 at batch 2: three warpgroups.
 
-  ptxas reports the launch's 168 registers a thread; the consumers' code
-  takes up to the 232 their ``setmaxnreg`` asks (161 in its SASS).
+  The dq kernel's two consumers (``dq_consumers=2``), and with 32-query
+  steps the dk/dv kernel's two. ptxas reports the launch's 168 registers a
+  thread; the consumers' code takes up to the 232 their ``setmaxnreg``
+  asks (161 in the dq kernel's SASS). Two dk/dv consumers of 64-query steps
+  spilled 32-60 bytes.
   """
-  config = mosaic_gpu.MosaicGpuAttentionConfig(block_k=64, num_stages=2, dq_consumers=2)
+  config = mosaic_gpu.MosaicGpuAttentionConfig(block_k=64, dq_consumers=2, dkdv_rows=rows)
   eqn = _kernel_call(128, features)
   compiled = compile_kernels(
     lambda *args: eqn.primitive.bind(*args, **{**eqn.params, "config": config}),
@@ -771,7 +813,7 @@ def test_the_two_consumer_dq_kernel_compiles_spill_free_for_a_batch(features):
   threads = {k["name"]: k["threads"] for k in compiled}
   assert threads == {
     "dot_product_attention_dq_mosaic_gpu_kernel": 384,
-    "dot_product_attention_dkdv_mosaic_gpu_kernel": 256,
+    "dot_product_attention_dkdv_mosaic_gpu_kernel": 384 if rows == 32 else 256,
   }
   assert judge(compiled, TARGETS["h100"]) == {"status": "ok"}, compiled
 

@@ -10,9 +10,9 @@ forward's softmax statistics nor using atomics (unless ``fuse_dq``, below):
   ``delta = rowsum(dO O) - dlse`` in SMEM and streams K and V blocks:
   ``P = exp2(S - lse)``, ``dP = dO V^T``, ``dS = P (dP - delta)``,
   ``dQ += dS K``;
-* the dk/dv kernel: one block of threads per (kv head, ``block_k`` keys a
-  consumer, batch), two consumers up to head dim 64, one above
-  (``config.wide_consumers``); each keeps its keys' K and V and streams, for every query
+* the dk/dv kernel: one block of threads per (kv head, 64 keys a consumer,
+  batch), two consumers up to head dim 64, one above, or two with 32-query
+  steps (``config.dkdv_steps``); each keeps its keys' K and V and streams, for every query
   head of the kv head (GQA sums in the accumulators, never a partial per
   query head), the blocks of Q, dO, lse and delta that see its keys:
   ``P^T``, ``dV += P^T dO``, ``dP^T = V dO^T``, ``dK += dS^T Q``.
@@ -63,14 +63,13 @@ from pallax.kernels.attention.mosaic_gpu.config import (
   BWD_BLOCKS,
   DQ_ROWS,
   FUSED_DQ_COLS,
-  FUSED_ROWS,
   MosaicGpuAttentionConfig,
   call_of,
+  dkdv_steps,
   has_masks,
   head,
   out_cols,
   round_up,
-  wide_consumers,
 )
 from pallax.kernels.attention.mosaic_gpu.query_side import QueryKernel, scores
 from pallax.kernels.attention.mosaic_gpu.tiles import broadcast
@@ -82,9 +81,9 @@ def bwd(*operands, config: MosaicGpuAttentionConfig, interpret: Any, **params) -
   c, p, form = call_of("bwd", operands, params, interpret)
   ops = c.ops
   h = head(p)
-  bq, bk = (FUSED_ROWS, BWD_BLOCKS[1]) if config.fuse_dq else BWD_BLOCKS
+  (bq, consumers), bk = dkdv_steps(p, config), BWD_BLOCKS[1]
   tp = round_up(p.t, math.lcm(config.dq_consumers * DQ_ROWS, bq))
-  sp = round_up(p.s, wide_consumers(h) * bk)
+  sp = round_up(p.s, consumers * bk)
   delta = common.bwd_delta(p.stat, ops.out, ops.dout, ops.dlse).astype(jnp.float32)
   # Rows past their length get an lse of +inf: the dk/dv kernel's mask leaves them.
   lse = tiles.lse2(ops.lse.astype(jnp.float32), ops.q_len if p.has_lengths else None)
@@ -97,7 +96,7 @@ def bwd(*operands, config: MosaicGpuAttentionConfig, interpret: Any, **params) -
   keys = {"k": tiles.pad(ops.k, {2: sp, 3: h}), "v": tiles.pad(ops.v, {2: sp, 3: h})}
   blocks = tiles.Tiles(p, bq, bk, cut_keys=config.fuse_dq)
   kernels = _Kernels(p, ops, form, blocks, config)
-  dk, dv, dq = kernels.dkdv(queries, keys, tp, sp, config.fuse_dq)
+  dk, dv, dq = kernels.dkdv(queries, keys, tp, sp, consumers, config.fuse_dq)
   if dq is None:
     dq = kernels.dq(queries, keys, tp)
   cut = lambda x, n, d: x[..., :n, :d]
@@ -166,7 +165,9 @@ class _Kernels:
     (dq,) = kernel(init, step, lambda ctx, dq: {"dq": dq * p.scale}, tp, h)
     return dq
 
-  def dkdv(self, queries: dict, keys: dict, tp: int, sp: int, fuse_dq: bool) -> tuple:
+  def dkdv(
+    self, queries: dict, keys: dict, tp: int, sp: int, consumers: int, fuse_dq: bool
+  ) -> tuple:
     """``dk, dv (B, K, Sp, h)`` and with ``fuse_dq`` ``dq (B, K, G, Tp, h)``, else None.
 
     Per key tile, every query head's query blocks that see it. With
@@ -177,7 +178,7 @@ class _Kernels:
     p, form, blocks, h = self.p, self.form, self.blocks, self.h
     bq, bk, stages = blocks.bq, blocks.bk, self.stages
     cols = out_cols(p, "dkdv")
-    chunks, consumers = h // cols, wide_consumers(h)
+    chunks = h // cols
     assert chunks * cols == h, f"{cols} columns a share do not divide head dim {h}"
     assert not fuse_dq or chunks == 1, "a share of dK's and dV's columns has no whole dQ"
     dq_chunks = h // FUSED_DQ_COLS

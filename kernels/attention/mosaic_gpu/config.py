@@ -39,7 +39,7 @@ class MosaicGpuAttentionConfig(KernelConfig):
 
   block_q, block_k: the forward's: 64 (``wgmma``'s rows) and a multiple of
     64; the backward's and the tangent's are ``BWD_BLOCKS`` whatever a
-    config says (with ``fuse_dq``, steps of ``FUSED_ROWS`` queries).
+    config says (the dk/dv kernel's steps: ``dkdv_rows``).
   num_stages: slots of the producer's SMEM ring (at least 2).
   fuse_dq: the backward's dk/dv kernel computes dQ too (``dS K``: 5 matrix
     products where the dq and dk/dv kernels do 7), each block of threads
@@ -56,6 +56,11 @@ class MosaicGpuAttentionConfig(KernelConfig):
     until timed on a GPU; compiled for H100 spill-free, 161 of the 232
     registers its consumers ask with causal masks, lengths, segment ids, a
     soft cap and GQA at head dim 128). The fused backward runs no dq kernel.
+  dkdv_rows: queries a step of the backward's dk/dv kernel: 64, or 32 above
+    head dim 64 up to 128, where its blocks of threads then take two
+    consumer warpgroups of 64 keys (``dkdv_steps``: an autotuning candidate
+    until timed on a GPU). With ``fuse_dq`` its steps are ``FUSED_ROWS``
+    queries whatever this says. The forward and the tangent ignore it.
   """
 
   block_q: int = 64
@@ -63,6 +68,7 @@ class MosaicGpuAttentionConfig(KernelConfig):
   num_stages: int = 2
   fuse_dq: bool = False
   dq_consumers: int = 1
+  dkdv_rows: int = 64
   implementation: str = dataclasses.field(default=IMPLEMENTATION, kw_only=True)
 
 
@@ -161,11 +167,28 @@ FUSED_DQ_COLS = 64
 # beside dK's and dV's accumulators, compiled for H100).
 FUSED_ROWS = 32
 
-# The backward's and the tangent's (block_q, block_k), whatever a config says: each accumulator
+# The backward's and the tangent's (block_q, block_k) by default: each accumulator
 # tile is 64 rows of one warpgroup, and wgmma contracts 64 at least with
-# 128-byte swizzles (the dk/dv kernel contracts over its query block; the
-# fused one's 32-query steps swizzle 64 bytes). A config gives it ``num_stages``.
+# 128-byte swizzles (the dk/dv kernel contracts over its query block; its
+# 32-query steps, ``dkdv_steps``, swizzle 64 bytes).
 BWD_BLOCKS = (64, 64)
+
+
+def dkdv_steps(p: Problem, config: MosaicGpuAttentionConfig) -> tuple[int, int]:
+  """The dk/dv kernel's queries a step and consumer warpgroups (of 64 keys each).
+
+  ``fuse_dq``: ``FUSED_ROWS`` queries, ``wide_consumers``. Else
+  ``config.dkdv_rows``: 64 with ``wide_consumers``, or 32 with two consumers:
+  compiled for H100 at head dim 128 (batch 2, GQA), two consumers of 32-query
+  steps are spill-free with every mask, lengths, segment ids and a soft cap,
+  in 2 and 4 slots, where two of 64-query steps spilled 32-60 bytes (S^T and
+  dP^T take 16 registers a thread each at 32, 32 at 64).
+  """
+  if config.fuse_dq:
+    return FUSED_ROWS, wide_consumers(head(p))
+  if config.dkdv_rows == FUSED_ROWS:
+    return FUSED_ROWS, CONSUMERS
+  return BWD_BLOCKS[0], wide_consumers(head(p))
 
 
 def out_cols(p: Problem, kernel: str) -> int:
@@ -222,7 +245,7 @@ def smem_bytes(p: Problem, config: MosaicGpuAttentionConfig, stage: str) -> int:
   """
   h, item = head(p), jnp.dtype(p.dtype).itemsize
   fused = stage == "bwd" and config.fuse_dq
-  rows = FUSED_ROWS if fused else 64
+  rows, dkdv_consumers = dkdv_steps(p, config)
   c = config if stage == "fwd" else dataclasses.replace(config, block_q=rows, block_k=64)
   shapes = {
     "q": (c.block_q, c.block_k),
@@ -235,7 +258,7 @@ def smem_bytes(p: Problem, config: MosaicGpuAttentionConfig, stage: str) -> int:
     "q": fwd_consumers(p),
     "dq": config.dq_consumers,
     "jvp": wide_consumers(h),
-    "k": wide_consumers(h),
+    "k": dkdv_consumers,
   }
   sizes = []
   kernels = [k for k in _SMEM[stage] if not fused or k.own == "k"]  # fused: the dk/dv kernel
@@ -266,14 +289,20 @@ def _stages_reason(p: Problem, stage: str, stages: int) -> Optional[str]:
   return None
 
 
-def _dq_reason(p: Problem, config: MosaicGpuAttentionConfig) -> Optional[str]:
-  """Why the dq kernel cannot take ``config.dq_consumers`` consumers on this call, if it cannot."""
-  n = config.dq_consumers
+def _bwd_reason(p: Problem, config: MosaicGpuAttentionConfig) -> Optional[str]:
+  """Why the backward's kernels cannot take ``config``'s steps and consumers, if they cannot."""
+  n, h, rows = config.dq_consumers, head(p), config.dkdv_rows
   if n not in (1, CONSUMERS):
     return f"dq_consumers={n}: the dq kernel takes 1 or {CONSUMERS} consumer warpgroups"
-  if n > 1 and head(p) > 128:
+  if n > 1 and h > 128:
     return f"dq_consumers={n}: more than one dq consumer up to head dim 128"
-  return None
+  if rows not in (FUSED_ROWS, BWD_BLOCKS[0]):
+    return f"dkdv_rows={rows}: the dk/dv kernel streams 64 or {FUSED_ROWS} queries a step"
+  if rows == FUSED_ROWS and not 64 < h <= 128:
+    return f"dkdv_rows={rows}: the dk/dv kernel's {rows}-query steps above head dim 64 up to 128"
+  if rows == FUSED_ROWS and config.fuse_dq:
+    return f"dkdv_rows={rows}: fuse_dq takes its own steps ({FUSED_ROWS} queries, one consumer)"
+  return _fuse_reason(p, config) if config.fuse_dq else None
 
 
 def _fuse_reason(p: Problem, config: MosaicGpuAttentionConfig) -> Optional[str]:
@@ -314,8 +343,7 @@ def _config_reason(p: Problem, config: MosaicGpuAttentionConfig, stage: str) -> 
     return f"block_k={bk} must be a multiple of 64 on Mosaic GPU"
   if stage == "fwd" and p.has_segments and head(p) + bk > _SEGMENT_REGISTERS:
     return f"block_k={bk}: with segment ids the forward takes head dim + block_k <= 192"
-  reason = _fuse_reason(p, config) if stage == "bwd" and config.fuse_dq else None
-  reason = reason or _dq_reason(p, config)
+  reason = _bwd_reason(p, config) if stage == "bwd" else None
   reason = reason or _stages_reason(p, stage, config.num_stages)
   if reason is not None:
     return reason
@@ -328,10 +356,11 @@ def _config_reason(p: Problem, config: MosaicGpuAttentionConfig, stage: str) -> 
 def _space(p: Problem, stage: str) -> list[MosaicGpuAttentionConfig]:
   """Ring shapes in order of preference: long blocks, then more stages, within SMEM."""
   blocks = [(64, b) for b in (128, 64, 256)] if stage == "fwd" else [BWD_BLOCKS]
-  dq = (1, CONSUMERS) if stage == "bwd" else (1,)
+  # The backward's consumers: the dq kernel's, and the dk/dv kernel's steps.
+  shapes = [(1, 64), (CONSUMERS, 64), (1, FUSED_ROWS), (CONSUMERS, FUSED_ROWS)]
   configs = [
-    MosaicGpuAttentionConfig(block_q=bq, block_k=bk, num_stages=st, dq_consumers=n)
-    for n in dq
+    MosaicGpuAttentionConfig(bq, bk, st, dq_consumers=n, dkdv_rows=rows)
+    for n, rows in (shapes if stage == "bwd" else shapes[:1])
     for bq, bk in blocks
     for st in (2, 3, 4)
   ]
