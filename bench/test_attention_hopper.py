@@ -22,9 +22,10 @@ implementations:
   7, TMA reduce-adds), an opt-in config until its time here says more;
   left out under ``PALLAX_BENCH_FUSED=0`` (``bench/hopper.sh`` sets it when
   the fused kernel's tests failed on the GPU);
-* ``pallax-dq2`` and ``pallax-wide`` (``fwd+bwd``): the backward pinned to
-  its dq kernel with two consumer warpgroups (``dq_consumers=2``), and the
-  dk/dv kernel's two consumers of 32-query steps too (``dkdv_rows=32``):
+* ``pallax-dq2`` and ``pallax-wide`` (``fwd+bwd``; ``pallax-wide`` not
+  causal): the backward pinned to its dq kernel with two consumer
+  warpgroups (``dq_consumers=2``), and the dk/dv kernel's two consumers of
+  32-query steps too (``dkdv_rows=32``, which takes no causal mask):
   autotuning candidates.
 
 ``jvp`` counts 3x the forward's FLOPs (``Q K^T``, ``P V`` and, for the
@@ -104,7 +105,7 @@ MOSAIC_PIN = MosaicGpuAttentionConfig(block_k=64, num_stages=2)
 FUSED_PIN = MosaicGpuAttentionConfig(block_k=64, num_stages=2, fuse_dq=True)
 # The backward's autotuning candidates of two consumers on the cases' fwd+bwd:
 # ``pallax-dq2`` the dq kernel's, ``pallax-wide`` the dk/dv kernel's too
-# (32-query steps).
+# (32-query steps; not causal).
 TWO_DQ_PIN = MosaicGpuAttentionConfig(block_k=64, num_stages=2, dq_consumers=2)
 WIDE_PIN = MosaicGpuAttentionConfig(block_k=64, num_stages=2, dq_consumers=2, dkdv_rows=32)
 
@@ -226,7 +227,7 @@ def test_hopper_attention(benchmark, request, case, mode):
   baseline = IMPLS[mode]
   impls = ("pallax", "pallax-triton", baseline)
   if mode == "fwd+bwd":
-    impls = (*impls, "pallax-dq2", "pallax-wide")
+    impls = (*impls, "pallax-dq2", *(() if case.causal else ("pallax-wide",)))
   if mode == "fwd+bwd" and os.environ.get("PALLAX_BENCH_FUSED") != "0":
     impls = (*impls, "pallax-fused")
   compiled = {impl: _compiled(impl, case, mode, inputs) for impl in impls}

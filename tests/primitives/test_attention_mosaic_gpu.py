@@ -240,16 +240,13 @@ def test_the_fused_dq_backward(name):
 TWO_DQ = mosaic_gpu.MosaicGpuAttentionConfig(block_k=64, num_stages=2, dq_consumers=2)
 WIDE = mosaic_gpu.MosaicGpuAttentionConfig(block_k=64, dq_consumers=2, dkdv_rows=32)
 TWO_CONSUMER_CASES = {
-  # Head dim 128: causal, two query heads on one kv head (summed in dK and
-  # dV), lengths; 100 queries pad to one block of 128.
-  "h128-causal-lengths-mqa": (
-    Case(b=1, t=100, s=130, n=2, k=1, h=128, is_causal=True, q_len=(70,), kv_len=(110,)),
-    WIDE,
-  ),
-  # Slow: GQA, two examples with ragged lengths.
+  # Head dim 128, both kernels' two consumers: two query heads on one kv head
+  # (summed in dK and dV), lengths; 100 queries pad to one block of 128.
+  "h128-lengths-mqa": (Case(b=1, t=100, s=130, n=2, k=1, h=128, q_len=(70,), kv_len=(110,)), WIDE),
+  # Slow: the dq kernel's two, causal, GQA, two examples with ragged lengths.
   "h128-causal-lengths-gqa": (
     Case(b=2, t=100, s=130, n=4, k=2, h=128, is_causal=True, q_len=(70, 100), kv_len=(110, 60)),
-    WIDE,
+    TWO_DQ,
   ),
   # Slow: packed documents and a soft cap at head dim 128, MQA.
   "h128-packed-cap": (
@@ -597,6 +594,8 @@ def test_supports_and_the_ring_in_shared_memory():
   assert "up to 128" in h256(wide, stage="bwd", **PARAMS)
   assert "up to 128" in small(wide, stage="bwd", **PARAMS)
   assert "64 or 32" in supports(config(64, 64, dkdv_rows=48), stage="bwd", **PARAMS)
+  assert "no causal or window" in supports(wide, stage="bwd", **causal)
+  assert wide not in mosaic_gpu.candidates(_avals(), h100, stage="bwd", **causal)
   fused_wide = config(64, 64, fuse_dq=True, dkdv_rows=32)
   assert "its own steps" in supports(fused_wide, stage="bwd", **PARAMS)
   assert mosaic_gpu.config.dkdv_steps(p128, wide) == (32, 2)
@@ -791,16 +790,18 @@ def test_the_fused_dq_backward_compiles_spill_free_for_a_batch(
 
 
 @pytest.mark.compilers
-@pytest.mark.parametrize("features", ["causal-lengths-segments-cap", "window"])
-@pytest.mark.parametrize("rows", [64, 32])
+@pytest.mark.parametrize(
+  "features, rows",
+  [("causal-lengths-segments-cap", 64), ("window", 64), ("lengths-segments-cap", 32)],
+)
 def test_the_backward_with_two_consumers_compiles_spill_free_for_a_batch(features, rows):
   """Head dim 128 with GQA, compiled for H100 at batch 2: three warpgroups.
 
   The dq kernel's two consumers (``dq_consumers=2``), and with 32-query
-  steps the dk/dv kernel's two. ptxas reports the launch's 168 registers a
-  thread; the consumers' code takes up to the 232 their ``setmaxnreg``
-  asks (161 in the dq kernel's SASS). Two dk/dv consumers of 64-query steps
-  spilled 32-60 bytes.
+  steps (no causal or window mask: they spilled 24-76 bytes) the dk/dv
+  kernel's two. ptxas reports the launch's 168 registers a thread; the
+  consumers' code takes up to the 232 their ``setmaxnreg`` asks (161 in the
+  dq kernel's SASS). Two dk/dv consumers of 64-query steps spilled 32-60 bytes.
   """
   config = mosaic_gpu.MosaicGpuAttentionConfig(block_k=64, dq_consumers=2, dkdv_rows=rows)
   eqn = _kernel_call(128, features)

@@ -57,9 +57,9 @@ class MosaicGpuAttentionConfig(KernelConfig):
     registers its consumers ask with causal masks, lengths, segment ids, a
     soft cap and GQA at head dim 128). The fused backward runs no dq kernel.
   dkdv_rows: queries a step of the backward's dk/dv kernel: 64, or 32 above
-    head dim 64 up to 128, where its blocks of threads then take two
-    consumer warpgroups of 64 keys (``dkdv_steps``: an autotuning candidate
-    until timed on a GPU). With ``fuse_dq`` its steps are ``FUSED_ROWS``
+    head dim 64 up to 128 without causal or window masks, where its blocks
+    of threads then take two consumer warpgroups of 64 keys (``dkdv_steps``:
+    an autotuning candidate until timed on a GPU). With ``fuse_dq`` its steps are ``FUSED_ROWS``
     queries whatever this says. The forward and the tangent ignore it.
   """
 
@@ -179,10 +179,13 @@ def dkdv_steps(p: Problem, config: MosaicGpuAttentionConfig) -> tuple[int, int]:
 
   ``fuse_dq``: ``FUSED_ROWS`` queries, ``wide_consumers``. Else
   ``config.dkdv_rows``: 64 with ``wide_consumers``, or 32 with two consumers:
-  compiled for H100 at head dim 128 (batch 2, GQA), two consumers of 32-query
-  steps are spill-free with every mask, lengths, segment ids and a soft cap,
-  in 2 and 4 slots, where two of 64-query steps spilled 32-60 bytes (S^T and
-  dP^T take 16 registers a thread each at 32, 32 at 64).
+  compiled for H100 at head dim 128 (batch 2), two consumers of 32-query
+  steps are spill-free with lengths, segment ids and a soft cap, at 16 on 16,
+  8 on 2 and 8 on 1 heads, in 2 and 4 slots, where two of 64-query steps
+  spilled 32-60 bytes (S^T and dP^T take 16 registers a thread each at 32,
+  32 at 64). With a causal mask they spilled 24-76 bytes at some head counts
+  (8 on 2; 8 on 1 with lengths) and none at others: ``_bwd_reason`` refuses
+  causal and window masks there.
   """
   if config.fuse_dq:
     return FUSED_ROWS, wide_consumers(head(p))
@@ -300,6 +303,8 @@ def _bwd_reason(p: Problem, config: MosaicGpuAttentionConfig) -> Optional[str]:
     return f"dkdv_rows={rows}: the dk/dv kernel streams 64 or {FUSED_ROWS} queries a step"
   if rows == FUSED_ROWS and not 64 < h <= 128:
     return f"dkdv_rows={rows}: the dk/dv kernel's {rows}-query steps above head dim 64 up to 128"
+  if rows == FUSED_ROWS and (p.left is not None or p.right is not None):
+    return f"dkdv_rows={rows}: the dk/dv kernel's {rows}-query steps take no causal or window mask"
   if rows == FUSED_ROWS and config.fuse_dq:
     return f"dkdv_rows={rows}: fuse_dq takes its own steps ({FUSED_ROWS} queries, one consumer)"
   return _fuse_reason(p, config) if config.fuse_dq else None
