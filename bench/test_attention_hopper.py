@@ -31,7 +31,7 @@ implementations:
 ``jvp`` counts 3x the forward's FLOPs (``Q K^T``, ``P V`` and, for the
 tangent, ``dQ K^T``, ``Q dK^T``, ``(P dS) V`` and ``P dV``) and twice its bytes.
 
-The benchmark itself is pallax's; the other two are timed the same way (median
+The benchmark itself is pallax's; the others are timed the same way (median
 of ``side_by_side.ROUNDS`` calls after a warm-up). ``extra_info``: ``tflop_per_s`` of each
 (``pallax.roofline.attention_work``'s FLOPs, causal counting the visible half),
 ``fraction_of_peak_flops`` (989 TFLOP/s dense bf16 on an H100 SXM) and
@@ -186,7 +186,14 @@ def _mosaic_pins(fn, inputs) -> dict:
 
 
 def _backward_pins(config):
-  """The backward's kernel call of a function on the Mosaic GPU backward with ``config``."""
+  """A ``_PINS`` entry that pins the backward to the Mosaic GPU kernels with ``config``.
+
+  Args:
+    config: the backward's ``MosaicGpuAttentionConfig``.
+
+  Returns:
+    ``(fn, inputs) -> {primitive name: config}`` for ``fn``'s backward kernel calls.
+  """
 
   def pins(fn, inputs) -> dict:
     calls = kernel_calls(jax.make_jaxpr(fn)(*inputs).jaxpr)

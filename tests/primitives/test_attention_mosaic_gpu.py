@@ -273,8 +273,11 @@ def test_the_backward_with_two_consumers(name):
   """
   case, config = TWO_CONSUMER_CASES[name]
   assert _picks(case, jnp.bfloat16, config)[BWD].config == config
-  default = _picks(case, jnp.bfloat16)[BWD].config  # the heuristic's (Triton's with a cap at 128)
-  assert (getattr(default, "dq_consumers", 1), getattr(default, "dkdv_rows", 64)) == (1, 64)
+  default = _picks(case, jnp.bfloat16)[BWD]  # the heuristic's
+  if case.soft_cap is None:
+    assert (default.config.dq_consumers, default.config.dkdv_rows) == (1, 64)
+  else:  # a soft cap at head dim 128 splits dK's and dV's columns: Triton's backward by default
+    assert default.implementation == "pallas", default
   _run_case(case, jnp.bfloat16, PATH, config=config, seed=5)
 
 
@@ -504,6 +507,22 @@ PARAMS = dict(
 )
 
 
+@pytest.mark.parametrize("scale, cap", [(0.125, None), (-0.125, None), (0.0, None), (-0.5, 20.0)])
+def test_the_softmax_takes_the_logits_as_a_product_with_a_positive_factor(scale, cap):
+  """``logits2_factors``: ``y * factor`` is ``logits2`` and ``factor > 0`` for any scale.
+
+  ``softmax_step`` takes a row's maximum of ``y`` times ``factor``: a scale of
+  0 or below must not turn it into the minimum (nor -inf hidden logits into +inf).
+  """
+  p = Problem.of(_avals(), **{**PARAMS, "scale": scale, "logits_soft_cap": cap})
+  x = jnp.asarray(np.random.default_rng(0).standard_normal((64, 64)), jnp.float32)
+  y, factor = tiles.logits2_factors(p, x)
+  assert factor > 0
+  np.testing.assert_allclose(y * factor, tiles.logits2(p, x), rtol=1e-6, atol=1e-6)
+  row_max = np.max(np.asarray(tiles.logits2(p, x)), axis=1)
+  np.testing.assert_allclose(np.max(np.asarray(y), axis=1) * factor, row_max, rtol=1e-6)
+
+
 def test_supports_and_the_ring_in_shared_memory():
   h100 = Target("cuda", "h100")
   config = mosaic_gpu.MosaicGpuAttentionConfig
@@ -517,11 +536,14 @@ def test_supports_and_the_ring_in_shared_memory():
   assert supports(fused, stage="bwd", **PARAMS) is None
   assert supports(fused, stage="fwd", **PARAMS) is None  # the forward ignores it
   assert "2 slots" in supports(config(64, 64, 4, fuse_dq=True), stage="bwd", **PARAMS)
-  for masked in ({"window_right": 0}, {"window_left": 60, "window_right": 60}):
-    masked = {**PARAMS, **masked, "has_lengths": True}
+  for bound in ({"window_right": 0}, {"window_left": 60, "window_right": 60}):
+    masked = {**PARAMS, **bound, "has_lengths": True}
     assert "not 4 on 2" in supports(fused, stage="bwd", **masked)
     for heads in ({"groups": 1}, {"kv_heads": 1, "groups": 8}):
       assert mosaic_gpu.supports(_avals(**heads), h100, fused, stage="bwd", **masked) is None
+  assert "runs no dq kernel" in supports(
+    config(64, 64, fuse_dq=True, dq_consumers=2), stage="bwd", **PARAMS
+  )
   # The dq kernel's two consumers: up to head dim 128, an autotuning candidate.
   two_dq = config(64, 64, dq_consumers=2)
   assert supports(two_dq, stage="bwd", **PARAMS) is None
@@ -602,7 +624,7 @@ def test_supports_and_the_ring_in_shared_memory():
   assert mosaic_gpu.config.dkdv_steps(p128, config(64, 64)) == (64, 1)
   # The larger kernel's: the dq kernel's Q, dO, dQ, lse, delta and 2-slot ring
   # of K and V (the dk/dv kernel's two consumers' K and V and 2-slot ring of
-  # 32 queries' Q, dO, lse and delta take 98816 bytes).
+  # 32 queries' Q, dO, lse and delta take less).
   assert mosaic_gpu.smem_bytes(p128, wide, "bwd") == 3 * 64 * 128 * 2 + 2 * 2 * 64 * 128 * 2 + 512
   assert small(config(), stage="jvp", **PARAMS) is None
   # At head dim 64 the fused backward takes masks, segment ids, a cap and 4 slots.
@@ -717,11 +739,13 @@ def test_the_wide_backward_compiles_spill_free_for_a_batch(h, features):
   """
   eqn = _kernel_call(h, features)
   h100 = TARGETS["h100"]
-  # The heuristic's config, or with split columns the autotuning candidate.
+  # The heuristic's config, or with split columns the autotuning candidate
+  # (one consumer in the dq kernel, 64-query dk/dv steps).
   (config,) = {
     c
     for source, c in configs_for(eqn, h100, heuristic_only=True, preferred=True)
     if c.implementation == MOSAIC and c.num_stages == 2
+    if c.dq_consumers == 1 and c.dkdv_rows == 64
   }
   _compiles_spill_free(eqn, config, ("dot_product_attention_dq", "dot_product_attention_dkdv"))
 

@@ -12,7 +12,7 @@ forward's softmax statistics nor using atomics (unless ``fuse_dq``, below):
   ``dQ += dS K``;
 * the dk/dv kernel: one block of threads per (kv head, 64 keys a consumer,
   batch), two consumers up to head dim 64, one above, or two with 32-query
-  steps (``config.dkdv_steps``); each keeps its keys' K and V and streams, for every query
+  steps (``dkdv_steps`` in ``config.py``); each keeps its keys' K and V and streams, for every query
   head of the kv head (GQA sums in the accumulators, never a partial per
   query head), the blocks of Q, dO, lse and delta that see its keys:
   ``P^T``, ``dV += P^T dO``, ``dP^T = V dO^T``, ``dK += dS^T Q``.
@@ -311,10 +311,11 @@ class _Kernels:
 
         zeros = lambda: form.layout(jnp.zeros((bk, cols), jnp.float32), plgpu.Layout.WGMMA)
         if consumers == 1:
-          # Above head dim 64 dK and dV take up to 128 registers a thread: one loop
-          # over every query head's blocks, masked or not (the consumer owns
-          # its block of threads' range). Loops per query head and per kind of
-          # step spilled at their edges (with GQA, compiled for H100).
+          # One consumer (above head dim 64, 64-query steps): dK and dV take up
+          # to 128 registers a thread: one loop over every query head's blocks,
+          # masked or not (the consumer owns its block of threads' range).
+          # Loops per query head and per kind of step spilled at their edges
+          # (with GQA, compiled for H100).
           dk, dv = lax.fori_loop(0, p.groups * count, flat, (zeros(), zeros()))
         else:
           dk, dv = lax.fori_loop(0, p.groups, per_group, (zeros(), zeros()))

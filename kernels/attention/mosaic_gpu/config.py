@@ -23,8 +23,9 @@ CONSUMERS = 2  # consumer warpgroups a block of threads; a producer warpgroup be
 # / 384, the launch's count) and allocates a consumer's code after
 # ``setmaxnreg`` up to what it asks (232: the forward's SASS at head dim 128
 # uses R179); two warpgroups get 255. The dk/dv kernel's (and the tangent's)
-# accumulators spill in 232 at 128 columns: two consumers up to head dim 64,
-# one above. The dq kernel's: ``MosaicGpuAttentionConfig.dq_consumers``.
+# accumulators spill in 232 at 128 columns with 64-query steps: two consumers
+# up to head dim 64, one above (the dk/dv kernel's two of 32-query steps:
+# ``dkdv_steps``). The dq kernel's: ``MosaicGpuAttentionConfig.dq_consumers``.
 DQ_ROWS = 64  # queries a consumer of the dq and tangent kernels
 
 
@@ -55,12 +56,14 @@ class MosaicGpuAttentionConfig(KernelConfig):
     the other's matrix products, up to head dim 128 (an autotuning candidate
     until timed on a GPU; compiled for H100 spill-free, 161 of the 232
     registers its consumers ask with causal masks, lengths, segment ids, a
-    soft cap and GQA at head dim 128). The fused backward runs no dq kernel.
+    soft cap and GQA at head dim 128). The fused backward runs no dq kernel:
+    it takes 1.
   dkdv_rows: queries a step of the backward's dk/dv kernel: 64, or 32 above
     head dim 64 up to 128 without causal or window masks, where its blocks
     of threads then take two consumer warpgroups of 64 keys (``dkdv_steps``:
-    an autotuning candidate until timed on a GPU). With ``fuse_dq`` its steps are ``FUSED_ROWS``
-    queries whatever this says. The forward and the tangent ignore it.
+    an autotuning candidate until timed on a GPU). ``fuse_dq`` takes 64 (its
+    steps are ``FUSED_ROWS`` queries of one consumer). The forward and the
+    tangent ignore it.
   """
 
   block_q: int = 64
@@ -96,7 +99,12 @@ _HEAD_REASON = {"jvp": " (at 256 its Q, dQ and ring of K, V, dK, dV are over a b
 
 def has_masks(p: Problem) -> bool:
   """Whether a call's blocks can be partly hidden (causal, windows, lengths, segment ids)."""
-  return p.left is not None or p.right is not None or p.has_lengths or p.has_segments
+  return bounded(p) or p.has_lengths or p.has_segments
+
+
+def bounded(p: Problem) -> bool:
+  """Whether a causal mask or a window bounds the keys each query sees."""
+  return p.left is not None or p.right is not None
 
 
 def feature_reason(p: Problem, stage: str = "fwd") -> Optional[str]:
@@ -156,7 +164,7 @@ _SMEM = {
 
 # With segment ids the forward holds a block's key ids in registers (a quarter
 # of a register a key, a thread): compiled for H100 (pallax.verify), head dim
-# plus block_k up to 192 fits its 168 registers, 256 spills.
+# plus block_k up to 192 fits its consumers' registers, 256 spills.
 _SEGMENT_REGISTERS = 192
 
 # dQ's columns a product (and a TMA reduce-add) of the fused dk/dv kernel
@@ -166,6 +174,9 @@ FUSED_DQ_COLS = 64
 # 16 registers a thread each at 32 (at 64, 32 each spilled 112-248 bytes
 # beside dK's and dV's accumulators, compiled for H100).
 FUSED_ROWS = 32
+# Queries a step of the dk/dv kernel's two consumers above head dim 64
+# (``dkdv_rows``): S^T and dP^T take 16 registers a thread each, as in the fused one's.
+NARROW_ROWS = 32
 
 # The backward's and the tangent's (block_q, block_k) by default: each accumulator
 # tile is 64 rows of one warpgroup, and wgmma contracts 64 at least with
@@ -189,8 +200,8 @@ def dkdv_steps(p: Problem, config: MosaicGpuAttentionConfig) -> tuple[int, int]:
   """
   if config.fuse_dq:
     return FUSED_ROWS, wide_consumers(head(p))
-  if config.dkdv_rows == FUSED_ROWS:
-    return FUSED_ROWS, CONSUMERS
+  if config.dkdv_rows == NARROW_ROWS:
+    return NARROW_ROWS, CONSUMERS
   return BWD_BLOCKS[0], wide_consumers(head(p))
 
 
@@ -220,7 +231,7 @@ def fwd_consumers(p: Problem) -> int:
   """Consumer warpgroups of the forward: two (ping-pong), one in what two spill in.
 
   Compiled for H100 with a batch of 2 (pallax.verify): above head dim 128
-  two consumers' 168 registers a thread (O's 128 of them at 256) spilled
+  two consumers' registers (O's 128 of them at 256) spilled
   12-16 bytes with a soft cap and a causal mask or lengths (1-8 query heads
   a kv head), and none with a soft cap and a window's lower bound, where one
   consumer of 255 registers spilled 8 bytes. So one consumer takes a soft cap
@@ -231,11 +242,12 @@ def fwd_consumers(p: Problem) -> int:
 
 
 def wide_consumers(h: int) -> int:
-  """Consumer warpgroups of the dk/dv and the tangent kernels: two up to head dim 64, else one.
+  """Consumer warpgroups of the dk/dv (64-query steps) and tangent kernels: two up to 64, else one.
 
-  Their accumulators and tiles take more than a third of 255 registers a
-  thread above 64 (two consumers over 64 of head dim 128's columns, with a
-  soft cap, spilled 48 bytes).
+  Above head dim 64 two consumers' accumulators and tiles spill in the 232
+  registers each gets (the dk/dv kernel's 32-60 bytes at head dim 128; the
+  tangent's 12): ``dkdv_steps`` gives the dk/dv kernel two consumers of
+  32-query steps instead.
   """
   return CONSUMERS if h <= 64 else 1
 
@@ -299,24 +311,28 @@ def _bwd_reason(p: Problem, config: MosaicGpuAttentionConfig) -> Optional[str]:
     return f"dq_consumers={n}: the dq kernel takes 1 or {CONSUMERS} consumer warpgroups"
   if n > 1 and h > 128:
     return f"dq_consumers={n}: more than one dq consumer up to head dim 128"
-  if rows not in (FUSED_ROWS, BWD_BLOCKS[0]):
-    return f"dkdv_rows={rows}: the dk/dv kernel streams 64 or {FUSED_ROWS} queries a step"
-  if rows == FUSED_ROWS and not 64 < h <= 128:
-    return f"dkdv_rows={rows}: the dk/dv kernel's {rows}-query steps above head dim 64 up to 128"
-  if rows == FUSED_ROWS and (p.left is not None or p.right is not None):
-    return f"dkdv_rows={rows}: the dk/dv kernel's {rows}-query steps take no causal or window mask"
-  if rows == FUSED_ROWS and config.fuse_dq:
-    return f"dkdv_rows={rows}: fuse_dq takes its own steps ({FUSED_ROWS} queries, one consumer)"
+  if n > 1 and config.fuse_dq:
+    return f"dq_consumers={n}: the fused backward (fuse_dq) runs no dq kernel"
+  if rows not in (NARROW_ROWS, BWD_BLOCKS[0]):
+    return f"dkdv_rows={rows}: the dk/dv kernel streams 64 or {NARROW_ROWS} queries a step"
+  if rows == NARROW_ROWS:
+    steps = f"dkdv_rows={rows}: the dk/dv kernel's {rows}-query steps"
+    if not 64 < h <= 128:
+      return f"{steps} above head dim 64 up to 128"
+    if bounded(p):
+      return f"{steps} take no causal or window mask"
+    if config.fuse_dq:
+      return f"{steps}: fuse_dq takes its own steps ({FUSED_ROWS} queries, one consumer)"
   return _fuse_reason(p, config) if config.fuse_dq else None
 
 
 def _fuse_reason(p: Problem, config: MosaicGpuAttentionConfig) -> Optional[str]:
   """Why the dk/dv kernel cannot compute dQ too (``fuse_dq``) on this call, if it cannot.
 
-  Compiled for H100 with a batch of 2: at head dim 64 (two consumers, 168
-  registers) every mask, segment ids and a soft cap, 2-4 slots, spill-free;
-  at head dim 128 (one consumer, 255) in 2 slots unmasked or with lengths
-  at 1-8 query heads a kv head, and with causal and window masks (and
+  Compiled for H100 with a batch of 2: at head dim 64 (two consumers) every
+  mask, segment ids and a soft cap, 2-4 slots, spill-free; at head dim 128
+  (one consumer, 255) in 2 slots unmasked or with lengths at 1-8 query
+  heads a kv head, and with causal and window masks (and
   lengths) at one query head a kv head or one kv head (16 on 16, 4 on 4,
   8 on 1, 2 on 1). There a kv head's index or its query head's is the
   same in every block of threads or step; where both vary (GQA: 4 or 8 on
@@ -328,8 +344,7 @@ def _fuse_reason(p: Problem, config: MosaicGpuAttentionConfig) -> Optional[str]:
     return "fuse_dq: the dk/dv kernel splits dK's and dV's columns here (a share has no whole dQ)"
   if h > 64 and p.has_segments:
     return "fuse_dq above head dim 64 takes no segment ids (spills)"
-  masks = p.left is not None or p.right is not None
-  if h > 64 and masks and p.groups > 1 and p.kv_heads > 1:
+  if h > 64 and bounded(p) and p.groups > 1 and p.kv_heads > 1:
     return (
       f"fuse_dq above head dim 64 takes causal or window masks with one query head a kv head"
       f" or one kv head, not {p.groups * p.kv_heads} on {p.kv_heads} (spills)"
@@ -359,10 +374,14 @@ def _config_reason(p: Problem, config: MosaicGpuAttentionConfig, stage: str) -> 
 
 
 def _space(p: Problem, stage: str) -> list[MosaicGpuAttentionConfig]:
-  """Ring shapes in order of preference: long blocks, then more stages, within SMEM."""
+  """Configs in order of preference: fewer consumers, long blocks, more stages, within SMEM.
+
+  The backward's consumers: one or two in the dq kernel, and the dk/dv
+  kernel's 64-query steps or its two consumers of 32.
+  """
   blocks = [(64, b) for b in (128, 64, 256)] if stage == "fwd" else [BWD_BLOCKS]
   # The backward's consumers: the dq kernel's, and the dk/dv kernel's steps.
-  shapes = [(1, 64), (CONSUMERS, 64), (1, FUSED_ROWS), (CONSUMERS, FUSED_ROWS)]
+  shapes = [(1, 64), (CONSUMERS, 64), (1, NARROW_ROWS), (CONSUMERS, NARROW_ROWS)]
   configs = [
     MosaicGpuAttentionConfig(bq, bk, st, dq_consumers=n, dkdv_rows=rows)
     for n, rows in (shapes if stage == "bwd" else shapes[:1])
@@ -400,7 +419,7 @@ def heuristic(avals: Sequence[Any], target: str, *, stage: str, **params):
 
 
 def candidates(avals: Sequence[Any], target: str, *, stage: str, **params):
-  """The heuristic's config and every ring shape that fits SMEM."""
+  """The heuristic's config and every config of ``_space`` (consumers, ring shapes) that fits."""
   p = Problem.of(avals, **params)
   base = heuristic(avals, target, stage=stage, **params)
   return list(dict.fromkeys([*([] if base is None else [base]), *_space(p, stage)]))

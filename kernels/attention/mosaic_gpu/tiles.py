@@ -288,11 +288,15 @@ def logits2_factors(p: Problem, x: jax.Array) -> tuple[jax.Array, float]:
 
   For ``softmax_step``, which then takes a row's maximum of ``y`` before the
   product and fuses the product into the exponent's subtraction (one ``fma``
-  an element where ``logits2`` takes a multiply and a subtraction).
+  an element where ``logits2`` takes a multiply and a subtraction). A scale
+  of 0 or below gives the product itself and a factor of 1: the maximum
+  commutes with a positive factor only.
   """
-  if p.soft_cap is None:
+  if p.soft_cap is not None:
+    return jnp.tanh(x * (p.scale / p.soft_cap)), p.soft_cap * LOG2E
+  if p.scale > 0:
     return x, p.scale * LOG2E
-  return jnp.tanh(x * (p.scale / p.soft_cap)), p.soft_cap * LOG2E
+  return x * (p.scale * LOG2E), 1.0
 
 
 def cap_slope(p: Problem, z: jax.Array) -> Optional[jax.Array]:
