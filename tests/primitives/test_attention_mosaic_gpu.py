@@ -824,8 +824,9 @@ def test_the_backward_with_two_consumers_compiles_spill_free_for_a_batch(feature
   The dq kernel's two consumers (``dq_consumers=2``), and with 32-query
   steps (no causal or window mask: they spilled 24-76 bytes) the dk/dv
   kernel's two. ptxas reports the launch's 168 registers a thread; the
-  consumers' code takes up to the 232 their ``setmaxnreg`` asks (161 in the
-  dq kernel's SASS). Two dk/dv consumers of 64-query steps spilled 32-60 bytes.
+  consumers' code takes up to the 232 their ``setmaxnreg`` asks (R229 in
+  the dq kernel's SASS with causal masks, lengths, segment ids, a cap and
+  GQA). Two dk/dv consumers of 64-query steps spilled 32-60 bytes.
   """
   config = mosaic_gpu.MosaicGpuAttentionConfig(block_k=64, dq_consumers=2, dkdv_rows=rows)
   eqn = _kernel_call(128, features)
