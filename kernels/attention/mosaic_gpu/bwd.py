@@ -96,7 +96,7 @@ def bwd(*operands, config: MosaicGpuAttentionConfig, interpret: Any, **params) -
   keys = {"k": tiles.pad(ops.k, {2: sp, 3: h}), "v": tiles.pad(ops.v, {2: sp, 3: h})}
   blocks = tiles.Tiles(p, bq, bk, cut_keys=config.fuse_dq)
   kernels = _Kernels(p, ops, form, blocks, config)
-  dk, dv, dq = kernels.dkdv(queries, keys, tp, sp, consumers, config.fuse_dq)
+  dk, dv, dq = kernels.dkdv(queries, keys, tp, sp)
   if dq is None:
     dq = kernels.dq(queries, keys, tp)
   cut = lambda x, n, d: x[..., :n, :d]
@@ -110,8 +110,8 @@ class _Kernels:
   def __init__(
     self, p: Problem, ops, form: mgpu.Form, blocks: tiles.Tiles, config: MosaicGpuAttentionConfig
   ):
-    self.p, self.ops, self.form, self.blocks = p, ops, form, blocks
-    self.stages, self.dq_consumers, self.h = config.num_stages, config.dq_consumers, head(p)
+    self.p, self.ops, self.form, self.blocks, self.config = p, ops, form, blocks, config
+    self.h = head(p)
 
   def _tile(self, lead: int, rows: int, cols: int):
     """SMEM tiles swizzled within a step's queries: ``wgmma`` contracts over a swizzle's width."""
@@ -135,9 +135,9 @@ class _Kernels:
       p,
       self.ops,
       form,
-      self.stages,
+      self.config.num_stages,
       bk,
-      self.dq_consumers,
+      self.config.dq_consumers,
       own_tiles={"q": queries["q"], "do": queries["do"]},
       own_stats={"lse": queries["lse"], "delta": queries["delta"]},
       ring={"k": keys["k"], "v": keys["v"]},
@@ -165,9 +165,7 @@ class _Kernels:
     (dq,) = kernel(init, step, lambda ctx, dq: {"dq": dq * p.scale}, tp, h)
     return dq
 
-  def dkdv(
-    self, queries: dict, keys: dict, tp: int, sp: int, consumers: int, fuse_dq: bool
-  ) -> tuple:
+  def dkdv(self, queries: dict, keys: dict, tp: int, sp: int) -> tuple:
     """``dk, dv (B, K, Sp, h)`` and with ``fuse_dq`` ``dq (B, K, G, Tp, h)``, else None.
 
     Per key tile, every query head's query blocks that see it. With
@@ -176,7 +174,8 @@ class _Kernels:
     to a float32 dQ^T (``Form.add_to``).
     """
     p, form, blocks, h = self.p, self.form, self.blocks, self.h
-    bq, bk, stages = blocks.bq, blocks.bk, self.stages
+    bq, bk, stages, fuse_dq = blocks.bq, blocks.bk, self.config.num_stages, self.config.fuse_dq
+    consumers = dkdv_steps(p, self.config)[1]
     cols = out_cols(p, "dkdv")
     chunks = h // cols
     assert chunks * cols == h, f"{cols} columns a share do not divide head dim {h}"

@@ -332,11 +332,11 @@ def _fuse_reason(p: Problem, config: MosaicGpuAttentionConfig) -> Optional[str]:
   Compiled for H100 with a batch of 2: at head dim 64 (two consumers) every
   mask, segment ids and a soft cap, 2-4 slots, spill-free; at head dim 128
   (one consumer, 255) in 2 slots unmasked or with lengths at 1-8 query
-  heads a kv head, and with causal and window masks (and
-  lengths) at one query head a kv head or one kv head (16 on 16, 4 on 4,
-  8 on 1, 2 on 1). There a kv head's index or its query head's is the
-  same in every block of threads or step; where both vary (GQA: 4 or 8 on
-  2) the masks spilled 20-48 bytes. Segment ids spilled 48 with a causal
+  heads a kv head, and with causal and window masks (and lengths) at one
+  query head a kv head or one kv head (16 on 16, 4 on 4, 8 on 1, 2 on 1).
+  There a kv head's index or its query head's is the same in every block of
+  threads or step; where both vary (GQA: 4 or 8 on 2) the masks spilled
+  20-48 bytes. Segment ids spilled 48 with a causal
   mask at 8 on 8, and 4 slots 132.
   """
   h = head(p)
