@@ -101,11 +101,13 @@ SPLIT_RUNS = [
 MOSAIC_PIN = MosaicGpuAttentionConfig(block_k=64, num_stages=2)
 # The backward's dk/dv kernel computing dQ too (opt-in: TMA reduce-adds, not
 # bitwise reproducible): ``pallax-fused`` on the cases' fwd+bwd (one query head
-# a kv head: it takes their causal masks at head dim 128).
+# a kv head: it takes their causal masks at head dim 128), ``pallax-fused2``
+# with two consumer warpgroups of 64 keys (FlashAttention-3's shape).
 FUSED_PIN = MosaicGpuAttentionConfig(block_k=64, num_stages=2, fuse_dq=True)
+FUSED2_PIN = MosaicGpuAttentionConfig(block_k=64, num_stages=2, fuse_dq=True, dkdv_rows=32)
 # The backward's autotuning candidates of two consumers on the cases' fwd+bwd:
 # ``pallax-dq2`` the dq kernel's, ``pallax-wide`` the dk/dv kernel's too
-# (32-query steps; not causal).
+# (32-query steps).
 TWO_DQ_PIN = MosaicGpuAttentionConfig(block_k=64, num_stages=2, dq_consumers=2)
 WIDE_PIN = MosaicGpuAttentionConfig(block_k=64, num_stages=2, dq_consumers=2, dkdv_rows=32)
 
@@ -206,6 +208,7 @@ _PINS = {
   "pallax-triton": _triton_pins,
   "pallax-mosaic": _mosaic_pins,
   "pallax-fused": _backward_pins(FUSED_PIN),
+  "pallax-fused2": _backward_pins(FUSED2_PIN),
   "pallax-dq2": _backward_pins(TWO_DQ_PIN),
   "pallax-wide": _backward_pins(WIDE_PIN),
 }
@@ -234,9 +237,9 @@ def test_hopper_attention(benchmark, request, case, mode):
   baseline = IMPLS[mode]
   impls = ("pallax", "pallax-triton", baseline)
   if mode == "fwd+bwd":
-    impls = (*impls, "pallax-dq2", *(() if case.causal else ("pallax-wide",)))
+    impls = (*impls, "pallax-dq2", "pallax-wide")
   if mode == "fwd+bwd" and os.environ.get("PALLAX_BENCH_FUSED") != "0":
-    impls = (*impls, "pallax-fused")
+    impls = (*impls, "pallax-fused", "pallax-fused2")
   compiled = {impl: _compiled(impl, case, mode, inputs) for impl in impls}
   picks = pallax.explain(_function("pallax", case, mode), *compiled["pallax"][1])
   benchmark.extra_info["pallax_kernels"] = [

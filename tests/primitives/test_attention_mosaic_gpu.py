@@ -217,8 +217,18 @@ FUSED_CASES = {
   "h64-lengths-packed-causal": CASES["lengths-packed-causal"][0],
   # Slow: a window at head dim 128, one query head a kv head, two of each.
   "h128-window-mha": Case(b=2, t=100, s=130, n=2, k=2, h=128, window=(40, 10)),
+  # Head dim 128, two consumers (``dkdv_rows=32``): causal, one query head a kv
+  # head; 130 keys pad to two blocks of threads of 128 keys, the second's
+  # second tile padding alone.
+  "h128-causal-mha-two": Case(b=1, t=100, s=130, n=2, k=2, h=128, is_causal=True),
+  # Slow: two consumers unmasked with GQA, two examples.
+  "h128-gqa-two": Case(b=2, t=100, s=130, n=4, k=2, h=128),
 }
-FUSED_SLOW = ("h128-lengths-gqa", "h64-lengths-packed-causal", "h128-window-mha")
+FUSED_SLOW = ("h128-lengths-gqa", "h64-lengths-packed-causal", "h128-window-mha", "h128-gqa-two")
+# The cases named "-two": two consumers.
+FUSED_TWO = mosaic_gpu.MosaicGpuAttentionConfig(
+  block_k=64, num_stages=2, fuse_dq=True, dkdv_rows=32
+)
 
 
 @pytest.mark.parametrize(
@@ -227,11 +237,11 @@ FUSED_SLOW = ("h128-lengths-gqa", "h64-lengths-packed-causal", "h128-window-mha"
 )
 def test_the_fused_dq_backward(name):
   """dQ from the dk/dv kernel (5 products, no dq kernel): output, lse and every gradient."""
-  case = FUSED_CASES[name]
-  assert _chosen(case, jnp.bfloat16, FUSED) == {FWD: MOSAIC, BWD: MOSAIC}
-  assert _picks(case, jnp.bfloat16, FUSED)[BWD].config == FUSED
+  case, config = FUSED_CASES[name], FUSED_TWO if name.endswith("-two") else FUSED
+  assert _chosen(case, jnp.bfloat16, config) == {FWD: MOSAIC, BWD: MOSAIC}
+  assert _picks(case, jnp.bfloat16, config)[BWD].config == config
   assert not _picks(case, jnp.bfloat16)[BWD].config.fuse_dq  # opt-in only
-  _run_case(case, jnp.bfloat16, PATH, config=FUSED, seed=7)
+  _run_case(case, jnp.bfloat16, PATH, config=config, seed=7)
 
 
 # The backward's autotuning candidates of two consumer warpgroups: the dq
@@ -243,10 +253,10 @@ TWO_CONSUMER_CASES = {
   # Head dim 128, both kernels' two consumers: two query heads on one kv head
   # (summed in dK and dV), lengths; 100 queries pad to one block of 128.
   "h128-lengths-mqa": (Case(b=1, t=100, s=130, n=2, k=1, h=128, q_len=(70,), kv_len=(110,)), WIDE),
-  # Slow: the dq kernel's two, causal, GQA, two examples with ragged lengths.
+  # Slow: both kernels' two, causal, GQA, two examples with ragged lengths.
   "h128-causal-lengths-gqa": (
     Case(b=2, t=100, s=130, n=4, k=2, h=128, is_causal=True, q_len=(70, 100), kv_len=(110, 60)),
-    TWO_DQ,
+    WIDE,
   ),
   # Slow: packed documents and a soft cap at head dim 128, MQA.
   "h128-packed-cap": (
@@ -616,10 +626,19 @@ def test_supports_and_the_ring_in_shared_memory():
   assert "up to 128" in h256(wide, stage="bwd", **PARAMS)
   assert "up to 128" in small(wide, stage="bwd", **PARAMS)
   assert "64 or 32" in supports(config(64, 64, dkdv_rows=48), stage="bwd", **PARAMS)
-  assert "no causal or window" in supports(wide, stage="bwd", **causal)
-  assert wide not in mosaic_gpu.candidates(_avals(), h100, stage="bwd", **causal)
+  assert supports(wide, stage="bwd", **causal) is None
+  assert wide in mosaic_gpu.candidates(_avals(), h100, stage="bwd", **causal)
+  # Fused, two consumers of 32-query steps: unmasked, or causal with one query
+  # head a kv head; no lengths or windows.
   fused_wide = config(64, 64, fuse_dq=True, dkdv_rows=32)
-  assert "its own steps" in supports(fused_wide, stage="bwd", **PARAMS)
+  assert supports(fused_wide, stage="bwd", **PARAMS) is None
+  mha = functools.partial(mosaic_gpu.supports, _avals(groups=1), h100)
+  assert mha(fused_wide, stage="bwd", **causal) is None
+  assert "one query head a kv head" in supports(fused_wide, stage="bwd", **causal)
+  assert "no lengths or windows" in mha(fused_wide, stage="bwd", **lengths)
+  windowed = {**PARAMS, "window_left": 60, "window_right": 20}
+  assert "no lengths or windows" in mha(fused_wide, stage="bwd", **windowed)
+  assert mosaic_gpu.config.dkdv_steps(p128, fused_wide) == (32, 2)
   assert mosaic_gpu.config.dkdv_steps(p128, wide) == (32, 2)
   assert mosaic_gpu.config.dkdv_steps(p128, config(64, 64)) == (64, 1)
   # The larger kernel's: the dq kernel's Q, dO, dQ, lse, delta and 2-slot ring
@@ -786,25 +805,31 @@ def _compiles_spill_free(eqn, config, kernels: tuple[str, ...]) -> list[dict]:
 
 @pytest.mark.compilers
 @pytest.mark.parametrize(
-  "h, features, heads, kv_heads, stages",
+  "h, features, heads, kv_heads, stages, rows",
   [
-    (64, "causal-lengths-segments-cap", 8, 2, 4),
-    (128, "lengths", 8, 2, 2),
-    (128, "plain", 2, 2, 2),
-    (128, "causal-lengths", 8, 8, 2),
-    (128, "causal-window", 8, 1, 2),
+    (64, "causal-lengths-segments-cap", 8, 2, 4, 64),
+    (128, "lengths", 8, 2, 2, 64),
+    (128, "plain", 2, 2, 2, 64),
+    (128, "causal-lengths", 8, 8, 2, 64),
+    (128, "causal-window", 8, 1, 2, 64),
+    (128, "plain", 8, 2, 2, 32),
+    (128, "causal", 8, 8, 2, 32),
   ],
 )
 def test_the_fused_dq_backward_compiles_spill_free_for_a_batch(
-  h, features, heads, kv_heads, stages
+  h, features, heads, kv_heads, stages, rows
 ):
   """``fuse_dq``'s one dk/dv kernel (no dq kernel), compiled for H100 at batch 2.
 
   Head dim 64 with every feature and 4 slots; head dim 128 with lengths and
   GQA, unmasked (padded keys masked: 1000 keys in 64-key tiles), and causal
-  or windowed with one query head a kv head or one kv head (GQA spilled).
+  or windowed with one query head a kv head or one kv head (GQA spilled);
+  with ``dkdv_rows=32`` two consumers at head dim 128, unmasked with GQA and
+  causal with one query head a kv head.
   """
-  config = mosaic_gpu.MosaicGpuAttentionConfig(block_k=64, num_stages=stages, fuse_dq=True)
+  config = mosaic_gpu.MosaicGpuAttentionConfig(
+    block_k=64, num_stages=stages, fuse_dq=True, dkdv_rows=rows
+  )
   eqn = _kernel_call(h, features, heads, kv_heads=kv_heads)
   assert (
     mosaic_gpu.supports(
@@ -820,14 +845,20 @@ def test_the_fused_dq_backward_compiles_spill_free_for_a_batch(
 @pytest.mark.compilers
 @pytest.mark.parametrize(
   "features, rows",
-  [("causal-lengths-segments-cap", 64), ("window", 64), ("lengths-segments-cap", 32)],
+  [
+    ("causal-lengths-segments-cap", 64),
+    ("window", 64),
+    ("lengths-segments-cap", 32),
+    ("causal-lengths", 32),
+  ],
 )
 def test_the_backward_with_two_consumers_compiles_spill_free_for_a_batch(features, rows):
   """Head dim 128 with GQA, compiled for H100 at batch 2: three warpgroups.
 
   The dq kernel's two consumers (``dq_consumers=2``), and with 32-query
-  steps (no causal or window mask: they spilled 24-76 bytes) the dk/dv
-  kernel's two. ptxas reports the launch's 168 registers a thread; the
+  steps the dk/dv kernel's two (with a causal mask they spilled 24-76 bytes
+  before each consumer's code was a copy of its own, ``Form.consumers``).
+  ptxas reports the launch's 168 registers a thread; the
   consumers' code takes up to the 232 their ``setmaxnreg`` asks (R229 in
   the dq kernel's SASS with causal masks, lengths, segment ids, a cap and
   GQA). Two dk/dv consumers of 64-query steps spilled 32-60 bytes.

@@ -29,8 +29,10 @@ With ``config.fuse_dq`` (opt-in) the dk/dv kernel computes dQ too, and the
 dq kernel does not run: 5 matrix products where the two kernels do 7. Its
 steps take 32 queries (``FUSED_ROWS``: S^T, dP^T and a dQ^T tile take 16
 registers a thread each; 64 spilled 112-248 bytes beside dK's and dV's
-accumulators), and per 64 of dQ's columns ``dQ^T = K^T dS^T`` (K's columns
-transposed, dS^T staged in SMEM) goes through a float32 SMEM tile to a TMA
+accumulators), in one consumer above head dim 64 or, with ``dkdv_rows=32``,
+two (FlashAttention-3's shape: 128 keys a block of threads), and per 64 of
+dQ's columns ``dQ^T = K^T dS^T`` (K's columns transposed, dS^T staged in
+SMEM) goes through a float32 SMEM tile to a TMA
 reduce-add into a float32 dQ^T (``Form.add_to``; interpreted, a part of its
 own per key tile, summed after the kernel). The adds' order varies, so dq
 is not bitwise reproducible; padded keys are masked there (their
@@ -206,7 +208,7 @@ class _Kernels:
       smem, own_full, (full, consumed) = scoped
       k_smem, v_smem, q_smem, do_smem, lse_smem, neg_delta_smem, *others = smem
       qt_smem, dot_smem, st_smem, seg_smem, out_smem, ds_smem, kt_smem, dq_smem = others
-      kh, b, wg = lax.axis_index("heads"), lax.axis_index("batch"), lax.axis_index("wg")
+      kh, b = lax.axis_index("heads"), lax.axis_index("batch")
       kh, share = tiles.column_share(kh, chunks, cols)
       columns = lambda ref: ref if share is None else ref.at[:, share]
       s_tile = lax.axis_index("k") * rows
@@ -216,9 +218,7 @@ class _Kernels:
       # Step u = g * count + (i - lo): query block i of query head g of the kv head.
       ring = mgpu.Ring(stages, jnp.int32(0), p.groups * count, full, consumed)
 
-      @pl.when(wg < consumers)
-      def _consumer():
-        form.consumer_registers(consumers)
+      def _consumer(wg: int):
         s0 = s_tile + wg * bk
         mine = pl.ds(s0, bk)
         plgpu.copy_gmem_to_smem(k_ref.at[b, mine, kh], k_smem.at[wg], own_full.at[wg])
@@ -333,10 +333,7 @@ class _Kernels:
             plgpu.copy_smem_to_gmem(out_smem.at[wg], ref.at[b, mine, kh, share])
             plgpu.wait_smem_to_gmem(0)
 
-      @pl.when(wg == consumers)
       def _producer():
-        form.producer_registers(consumers)
-
         def copies(u, s):
           g = lax.div(u, count)
           block = pl.ds((lo + lax.rem(u, count)) * bq, bq)
@@ -353,6 +350,9 @@ class _Kernels:
           return groups
 
         ring.produce(copies)
+
+      form.consumers(consumers, _consumer)
+      form.producer(consumers, _producer)
 
     copies = 1 if form.hopper else 2
     scratch = [

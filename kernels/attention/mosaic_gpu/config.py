@@ -23,9 +23,11 @@ CONSUMERS = 2  # consumer warpgroups a block of threads; a producer warpgroup be
 # / 384, the launch's count) and allocates a consumer's code after
 # ``setmaxnreg`` up to what it asks (232: the forward's SASS at head dim 128
 # uses R179); two warpgroups get 255. The dk/dv kernel's (and the tangent's)
-# accumulators spill in 232 at 128 columns with 64-query steps: two consumers
-# up to head dim 64, one above (the dk/dv kernel's two of 32-query steps:
-# ``dkdv_steps``). The dq kernel's: ``MosaicGpuAttentionConfig.dq_consumers``.
+# accumulators spill in 232 at 128 columns with 64-query steps (with lengths;
+# the dk/dv kernel's not without, since each consumer's code is a copy of its
+# own, ``Form.consumers``): two consumers up to head dim 64, one above (the
+# dk/dv kernel's two of 32-query steps: ``dkdv_steps``). The dq kernel's:
+# ``MosaicGpuAttentionConfig.dq_consumers``.
 DQ_ROWS = 64  # queries a consumer of the dq and tangent kernels
 
 
@@ -49,8 +51,10 @@ class MosaicGpuAttentionConfig(KernelConfig):
     pinned config asks (never the heuristic's or autotuning's choice). Up to
     head dim 64 with every feature; at 128 without segment ids or a soft
     cap, in 2 slots, and with causal or window masks only where the query
-    heads do not share kv heads or share one (``_fuse_reason``). The forward
-    and the tangent ignore it.
+    heads do not share kv heads or share one (``_fuse_reason``); with
+    ``dkdv_rows=32`` its blocks of threads take two consumer warpgroups of
+    64 keys there, without lengths or windows, causal with one query head a
+    kv head. The forward and the tangent ignore it.
   dq_consumers: consumer warpgroups of the backward's dq kernel, 64 queries
     each: 1 (the heuristic's) or 2, where one consumer's softmax runs beside
     the other's matrix products, up to head dim 128 (an autotuning candidate
@@ -59,11 +63,11 @@ class MosaicGpuAttentionConfig(KernelConfig):
     R229 with causal masks, lengths, segment ids, a soft cap and GQA). The
     fused backward runs no dq kernel: it takes 1.
   dkdv_rows: queries a step of the backward's dk/dv kernel: 64, or 32 above
-    head dim 64 up to 128 without causal or window masks, where its blocks
-    of threads then take two consumer warpgroups of 64 keys (``dkdv_steps``:
-    an autotuning candidate until timed on a GPU). ``fuse_dq`` takes 64 (its
-    steps are ``FUSED_ROWS`` queries of one consumer). The forward and the
-    tangent ignore it.
+    head dim 64 up to 128, where its blocks of threads then take two
+    consumer warpgroups of 64 keys (``dkdv_steps``: an autotuning candidate
+    until timed on a GPU). ``fuse_dq``'s steps are ``FUSED_ROWS`` queries:
+    there 32 asks for two consumers, 64 for ``wide_consumers``. The forward
+    and the tangent ignore it.
   """
 
   block_q: int = 64
@@ -188,19 +192,19 @@ BWD_BLOCKS = (64, 64)
 def dkdv_steps(p: Problem, config: MosaicGpuAttentionConfig) -> tuple[int, int]:
   """The dk/dv kernel's queries a step and consumer warpgroups (of 64 keys each).
 
-  ``fuse_dq``: ``FUSED_ROWS`` queries, ``wide_consumers``. Else
-  ``config.dkdv_rows``: 64 with ``wide_consumers``, or 32 with two consumers:
-  compiled for H100 at head dim 128 (batch 2), two consumers of 32-query
-  steps are spill-free with lengths, segment ids and a soft cap, at 16 on 16,
-  8 on 2 and 8 on 1 heads, in 2 and 4 slots, where two of 64-query steps
-  spilled 32-60 bytes (S^T and dP^T take 16 registers a thread each at 32,
-  32 at 64). With a causal mask they spilled 24-76 bytes at some head counts
-  (8 on 2; 8 on 1 with lengths) and none at others: ``_bwd_reason`` refuses
-  causal and window masks there.
+  ``fuse_dq``: ``FUSED_ROWS`` queries, two consumers with ``dkdv_rows=32``,
+  else ``wide_consumers``. Else ``config.dkdv_rows``: 64 with
+  ``wide_consumers``, or 32 with two consumers: compiled for H100 at head
+  dim 128 (batch 2), two consumers of 32-query steps are spill-free with
+  every mask, lengths, segment ids and a soft cap, in 2 slots (S^T and dP^T
+  take 16 registers a thread each at 32, 32 at 64). Fused, two consumers
+  spilled 84-328 bytes with lengths, 104 with a causal mask at 8 query heads
+  on 1, 176 with a window (``_fuse_reason``).
   """
+  two = config.dkdv_rows == NARROW_ROWS
   if config.fuse_dq:
-    return FUSED_ROWS, wide_consumers(head(p))
-  if config.dkdv_rows == NARROW_ROWS:
+    return FUSED_ROWS, CONSUMERS if two else wide_consumers(head(p))
+  if two:
     return NARROW_ROWS, CONSUMERS
   return BWD_BLOCKS[0], wide_consumers(head(p))
 
@@ -315,14 +319,8 @@ def _bwd_reason(p: Problem, config: MosaicGpuAttentionConfig) -> Optional[str]:
     return f"dq_consumers={n}: the fused backward (fuse_dq) runs no dq kernel"
   if rows not in (NARROW_ROWS, BWD_BLOCKS[0]):
     return f"dkdv_rows={rows}: the dk/dv kernel streams 64 or {NARROW_ROWS} queries a step"
-  if rows == NARROW_ROWS:
-    steps = f"dkdv_rows={rows}: the dk/dv kernel's {rows}-query steps"
-    if not 64 < h <= 128:
-      return f"{steps} above head dim 64 up to 128"
-    if bounded(p):
-      return f"{steps} take no causal or window mask"
-    if config.fuse_dq:
-      return f"{steps}: fuse_dq takes its own steps ({FUSED_ROWS} queries, one consumer)"
+  if rows == NARROW_ROWS and not 64 < h <= 128:
+    return f"dkdv_rows={rows}: the dk/dv kernel's two consumers above head dim 64 up to 128"
   return _fuse_reason(p, config) if config.fuse_dq else None
 
 
@@ -351,6 +349,13 @@ def _fuse_reason(p: Problem, config: MosaicGpuAttentionConfig) -> Optional[str]:
     )
   if h > 64 and config.num_stages > 2:
     return f"num_stages={config.num_stages}: fuse_dq above head dim 64 takes 2 slots (4 spill)"
+  if config.dkdv_rows == NARROW_ROWS and (
+    p.has_lengths or p.left is not None or p.groups > 1 and bounded(p)
+  ):
+    return (
+      f"fuse_dq with dkdv_rows={NARROW_ROWS} (two consumers) takes no lengths or windows,"
+      " and a causal mask with one query head a kv head (spills)"
+    )
   return None
 
 

@@ -163,7 +163,7 @@ class QueryKernel:
       ring_gmem = dict(zip(ring_names, ins[len(own_refs) :]))
       t_gmem = dict(zip(self.transposed, ins[len(own_refs) + len(ring_names) :]))
       ring_refs, t_refs = dict(zip(ring_names, ring_smem)), dict(zip(self.transposed, t_smem))
-      n, b, wg = lax.axis_index("heads"), lax.axis_index("batch"), lax.axis_index("wg")
+      n, b = lax.axis_index("heads"), lax.axis_index("batch")
       n, out_cols = tiles.column_share(n, chunks, cols)
       kh, g = lax.div(n, jnp.int32(p.groups)), lax.rem(n, jnp.int32(p.groups))
       t_tile = lax.axis_index("q") * rows
@@ -171,9 +171,7 @@ class QueryKernel:
       lo, hi = blocks.key_blocks(t_tile, rows)
       ring = mgpu.Ring(stages, lo, hi, *ring_bars)
 
-      @pl.when(wg < self.consumers)
-      def _consumer():
-        form.consumer_registers(self.consumers)
+      def _consumer(wg):
         t0 = t_tile + wg * bq
         mine = pl.ds(t0, bq)
         bufs = dict(zip(own_names + stat_names, (*own_smem, *stat_smem)))
@@ -224,10 +222,7 @@ class QueryKernel:
           plgpu.copy_smem_to_gmem(buf.at[wg], ref.at[at])
         plgpu.wait_smem_to_gmem(0)
 
-      @pl.when(wg == self.consumers)
       def _producer():
-        form.producer_registers(self.consumers)
-
         def copies(j, s):
           block = pl.ds(j * bk, bk)
           groups = []
@@ -241,6 +236,12 @@ class QueryKernel:
           return groups
 
         ring.produce(copies)
+
+      # One copy for all consumers: as copies of their own (``Form.consumers``)
+      # the dq kernel's two spilled 4-8 bytes at head dim 128 with a causal
+      # mask, segment ids, a soft cap and GQA (compiled for H100).
+      form.consumers(self.consumers, _consumer, copies=False)
+      form.producer(self.consumers, _producer)
 
     c = self.consumers
     scratch = [
