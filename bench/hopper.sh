@@ -11,7 +11,7 @@
 # - fused_smoke: the fused dq backward's default tests (fuse_dq: TMA
 #   reduce-adds, never run on a GPU before) compiled and run on the GPU; if
 #   they fail, hang or are not run (the deadline), attention_bench leaves
-#   pallax-fused out (PALLAX_BENCH_FUSED=0), so a hang there costs this
+#   pallax-fused and pallax-fused2 out (PALLAX_BENCH_FUSED=0), so a hang there costs this
 #   step's cap, not the bench's numbers.
 # - attention_bench: bench/test_attention_hopper.py, Mosaic GPU attention vs
 #   Pallas-Triton vs cuDNN (forward, forward+backward), and vs XLA under jvp

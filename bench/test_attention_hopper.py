@@ -7,7 +7,7 @@ Run on an H100 or H200 (issue 28's table)::
 
 Cases: bfloat16, N = 16 query and key/value heads, H = 128, B = 4 at S = 4096
 and B = 2 at S = 8192, causal or not, ``fwd``, ``fwd+bwd`` and ``jvp``
-(``bench/modes.py``). Each case times, in one process and one test, three to six
+(``bench/modes.py``). Each case times, in one process and one test, three to eight
 implementations:
 
 * ``pallax``: the executor's choice, on Hopper the Mosaic GPU kernels
@@ -17,15 +17,17 @@ implementations:
 * ``cudnn``: ``jax.nn.dot_product_attention(implementation="cudnn")``; under
   ``jvp``, where cuDNN's ``custom_vjp`` raises, ``xla``: the same with
   ``implementation="xla"`` (what JAX users get for a tangent);
-* ``pallax-fused`` (``fwd+bwd``): the backward pinned to the
-  Mosaic GPU dk/dv kernel computing dQ too (``fuse_dq``: 5 products against
-  7, TMA reduce-adds), an opt-in config until its time here says more;
-  left out under ``PALLAX_BENCH_FUSED=0`` (``bench/hopper.sh`` sets it when
-  the fused kernel's tests failed on the GPU);
-* ``pallax-dq2`` and ``pallax-wide`` (``fwd+bwd``; ``pallax-wide`` not
-  causal): the backward pinned to its dq kernel with two consumer
-  warpgroups (``dq_consumers=2``), and the dk/dv kernel's two consumers of
-  32-query steps too (``dkdv_rows=32``, which takes no causal mask):
+* ``pallax-fused`` and ``pallax-fused2`` (``fwd+bwd``): the backward pinned
+  to the Mosaic GPU dk/dv kernel computing dQ too (``fuse_dq``: 5 products
+  against 7, TMA reduce-adds) in one consumer warpgroup, and in two
+  (``dkdv_consumers=2``, FlashAttention-3's shape), opt-in configs until
+  their times here say more; left out under ``PALLAX_BENCH_FUSED=0``
+  (``bench/hopper.sh`` sets it when the fused kernel's tests failed on the
+  GPU);
+* ``pallax-dq2``, ``pallax-wide`` and ``pallax-two`` (``fwd+bwd``): the
+  backward pinned to its dq kernel with two consumer warpgroups
+  (``dq_consumers=2``), and with the dk/dv kernel's two consumers of
+  32-query steps (``dkdv_rows=32``) or of 64 (``dkdv_consumers=2``) too:
   autotuning candidates.
 
 ``jvp`` counts 3x the forward's FLOPs (``Q K^T``, ``P V`` and, for the
@@ -104,12 +106,13 @@ MOSAIC_PIN = MosaicGpuAttentionConfig(block_k=64, num_stages=2)
 # a kv head: it takes their causal masks at head dim 128), ``pallax-fused2``
 # with two consumer warpgroups of 64 keys (FlashAttention-3's shape).
 FUSED_PIN = MosaicGpuAttentionConfig(block_k=64, num_stages=2, fuse_dq=True)
-FUSED2_PIN = MosaicGpuAttentionConfig(block_k=64, num_stages=2, fuse_dq=True, dkdv_rows=32)
+FUSED2_PIN = dataclasses.replace(FUSED_PIN, dkdv_consumers=2)
 # The backward's autotuning candidates of two consumers on the cases' fwd+bwd:
-# ``pallax-dq2`` the dq kernel's, ``pallax-wide`` the dk/dv kernel's too
-# (32-query steps).
+# ``pallax-dq2`` the dq kernel's, ``pallax-wide`` and ``pallax-two`` the dk/dv
+# kernel's too (32- and 64-query steps).
 TWO_DQ_PIN = MosaicGpuAttentionConfig(block_k=64, num_stages=2, dq_consumers=2)
-WIDE_PIN = MosaicGpuAttentionConfig(block_k=64, num_stages=2, dq_consumers=2, dkdv_rows=32)
+WIDE_PIN = dataclasses.replace(TWO_DQ_PIN, dkdv_rows=32)
+TWO_PIN = dataclasses.replace(TWO_DQ_PIN, dkdv_consumers=2)
 
 
 pytestmark = pytest.mark.nvidia_gpu  # deselected off an NVIDIA GPU (bench/conftest.py)
@@ -211,6 +214,7 @@ _PINS = {
   "pallax-fused2": _backward_pins(FUSED2_PIN),
   "pallax-dq2": _backward_pins(TWO_DQ_PIN),
   "pallax-wide": _backward_pins(WIDE_PIN),
+  "pallax-two": _backward_pins(TWO_PIN),
 }
 
 
@@ -237,7 +241,7 @@ def test_hopper_attention(benchmark, request, case, mode):
   baseline = IMPLS[mode]
   impls = ("pallax", "pallax-triton", baseline)
   if mode == "fwd+bwd":
-    impls = (*impls, "pallax-dq2", "pallax-wide")
+    impls = (*impls, "pallax-dq2", "pallax-wide", "pallax-two")
   if mode == "fwd+bwd" and os.environ.get("PALLAX_BENCH_FUSED") != "0":
     impls = (*impls, "pallax-fused", "pallax-fused2")
   compiled = {impl: _compiled(impl, case, mode, inputs) for impl in impls}

@@ -334,8 +334,7 @@ class Form:
     wg = lax.axis_index("wg")
 
     def run(c):
-      if self.hopper and consumers in _REGISTERS:
-        plgpu.set_max_registers(_REGISTERS[consumers][0], action="increase")
+      self._registers(consumers, producer=False)
       body(c)
 
     if copies:
@@ -352,9 +351,14 @@ class Form:
 
     @pl.when(lax.axis_index("wg") == consumers)
     def _producer():
-      if self.hopper and consumers in _REGISTERS:
-        plgpu.set_max_registers(_REGISTERS[consumers][1], action="decrease")
+      self._registers(consumers, producer=True)
       body()
+
+  def _registers(self, consumers: int, producer: bool) -> None:
+    """Beside two consumers (on a GPU), the producer gives up registers and they take them."""
+    if self.hopper and consumers in _REGISTERS:
+      action = "decrease" if producer else "increase"
+      plgpu.set_max_registers(_REGISTERS[consumers][int(producer)], action=action)
 
   def barrier(self, values):
     """An optimization barrier on a GPU (it orders the softmax against the ``wgmma``)."""

@@ -217,7 +217,7 @@ FUSED_CASES = {
   "h64-lengths-packed-causal": CASES["lengths-packed-causal"][0],
   # Slow: a window at head dim 128, one query head a kv head, two of each.
   "h128-window-mha": Case(b=2, t=100, s=130, n=2, k=2, h=128, window=(40, 10)),
-  # Head dim 128, two consumers (``dkdv_rows=32``): causal, one query head a kv
+  # Head dim 128, two consumers (``dkdv_consumers=2``): causal, one query head a kv
   # head; 130 keys pad to two blocks of threads of 128 keys, the second's
   # second tile padding alone.
   "h128-causal-mha-two": Case(b=1, t=100, s=130, n=2, k=2, h=128, is_causal=True),
@@ -227,7 +227,7 @@ FUSED_CASES = {
 FUSED_SLOW = ("h128-lengths-gqa", "h64-lengths-packed-causal", "h128-window-mha", "h128-gqa-two")
 # The cases named "-two": two consumers.
 FUSED_TWO = mosaic_gpu.MosaicGpuAttentionConfig(
-  block_k=64, num_stages=2, fuse_dq=True, dkdv_rows=32
+  block_k=64, num_stages=2, fuse_dq=True, dkdv_consumers=2
 )
 
 
@@ -265,8 +265,19 @@ TWO_CONSUMER_CASES = {
   ),
   # Slow: packed documents at head dim 64 (segment ids, lengths, causal, MQA).
   "h64-lengths-packed-causal": (CASES["lengths-packed-causal"][0], TWO_DQ),
+  # Slow: the dk/dv kernel's two of 64-query steps at head dim 128, causal,
+  # GQA, a soft cap (dK's and dV's columns split in two), two examples.
+  "h128-causal-cap-gqa": (
+    Case(b=2, t=100, s=130, n=4, k=2, h=128, is_causal=True, soft_cap=20.0),
+    mosaic_gpu.MosaicGpuAttentionConfig(block_k=64, dq_consumers=2, dkdv_consumers=2),
+  ),
 }
-TWO_CONSUMER_SLOW = ("h128-causal-lengths-gqa", "h128-packed-cap", "h64-lengths-packed-causal")
+TWO_CONSUMER_SLOW = (
+  "h128-causal-lengths-gqa",
+  "h128-packed-cap",
+  "h64-lengths-packed-causal",
+  "h128-causal-cap-gqa",
+)
 
 
 @pytest.mark.parametrize(
@@ -628,19 +639,49 @@ def test_supports_and_the_ring_in_shared_memory():
   assert "64 or 32" in supports(config(64, 64, dkdv_rows=48), stage="bwd", **PARAMS)
   assert supports(wide, stage="bwd", **causal) is None
   assert wide in mosaic_gpu.candidates(_avals(), h100, stage="bwd", **causal)
+  assert "in two consumers" in supports(
+    config(64, 64, dkdv_rows=32, dkdv_consumers=1), stage="bwd", **PARAMS
+  )
+  assert "1 or 2" in supports(config(64, 64, dkdv_consumers=3), stage="bwd", **PARAMS)
+  # Two dk/dv consumers of 64-query steps at head dim 128: no lengths, segment
+  # ids or windows (a window bounding the keys after a query's too).
+  two = config(64, 64, dkdv_consumers=2)
+  assert supports(two, stage="bwd", **PARAMS) is None
+  assert supports(two, stage="bwd", **causal) is None
+  assert supports(two, stage="bwd", **capped) is None
+  assert two in mosaic_gpu.candidates(_avals(), h100, stage="bwd", **causal)
+  ahead = {**PARAMS, "window_right": 20}
+  ids = {**PARAMS, "has_segments": True}
+  for refused in (supports(two, stage="bwd", **lengths), supports(two, stage="bwd", **ahead)):
+    assert "no lengths, segment ids or windows" in refused
+  two_ids = mosaic_gpu.supports(_avals(segments=True), h100, two, stage="bwd", **ids)
+  assert "no lengths, segment ids or windows" in two_ids
+  assert two not in mosaic_gpu.candidates(_avals(), h100, stage="bwd", **lengths)
+  assert "up to head dim 128" in h256(two, stage="bwd", **PARAMS)
+  assert small(two, stage="bwd", **lengths) is None  # two consumers' own head dim
+  assert two not in mosaic_gpu.candidates(_avals(h=64), h100, stage="bwd", **PARAMS)
   # Fused, two consumers of 32-query steps: unmasked, or causal with one query
   # head a kv head; no lengths or windows.
-  fused_wide = config(64, 64, fuse_dq=True, dkdv_rows=32)
-  assert supports(fused_wide, stage="bwd", **PARAMS) is None
+  fused_two = config(64, 64, fuse_dq=True, dkdv_consumers=2)
+  assert supports(fused_two, stage="bwd", **PARAMS) is None
   mha = functools.partial(mosaic_gpu.supports, _avals(groups=1), h100)
-  assert mha(fused_wide, stage="bwd", **causal) is None
-  assert "one query head a kv head" in supports(fused_wide, stage="bwd", **causal)
-  assert "no lengths or windows" in mha(fused_wide, stage="bwd", **lengths)
-  windowed = {**PARAMS, "window_left": 60, "window_right": 20}
-  assert "no lengths or windows" in mha(fused_wide, stage="bwd", **windowed)
-  assert mosaic_gpu.config.dkdv_steps(p128, fused_wide) == (32, 2)
+  assert mha(fused_two, stage="bwd", **causal) is None
+  mqa = functools.partial(mosaic_gpu.supports, _avals(kv_heads=1, groups=8), h100)
+  assert "causal masks only with one query head a kv head" in mqa(fused_two, stage="bwd", **causal)
+  assert mqa(config(64, 64, fuse_dq=True), stage="bwd", **causal) is None  # one consumer
+  for refused in (lengths, ahead, {**PARAMS, "window_left": 60, "window_right": 20}):
+    assert "no lengths or windows" in mha(fused_two, stage="bwd", **refused)
+  assert "its own steps" in supports(
+    config(64, 64, fuse_dq=True, dkdv_rows=32), stage="bwd", **PARAMS
+  )
+  assert mosaic_gpu.config.dkdv_steps(p128, fused_two) == (32, 2)
   assert mosaic_gpu.config.dkdv_steps(p128, wide) == (32, 2)
+  assert mosaic_gpu.config.dkdv_steps(p128, two) == (64, 2)
   assert mosaic_gpu.config.dkdv_steps(p128, config(64, 64)) == (64, 1)
+  # Two consumers' K, V, dS^T and dQ^T's float32 tiles; a 2-slot ring of 32
+  # queries' Q, dO, lse and delta.
+  want = 2 * (2 * 64 * 128 * 2 + 64 * 32 * 2 + 4 * 32 * 128) + 2 * 2 * 32 * 128 * 2 + 2 * 2 * 32 * 4
+  assert mosaic_gpu.smem_bytes(p128, fused_two, "bwd") == want
   # The larger kernel's: the dq kernel's Q, dO, dQ, lse, delta and 2-slot ring
   # of K and V (the dk/dv kernel's two consumers' K and V and 2-slot ring of
   # 32 queries' Q, dO, lse and delta take less).
@@ -805,30 +846,30 @@ def _compiles_spill_free(eqn, config, kernels: tuple[str, ...]) -> list[dict]:
 
 @pytest.mark.compilers
 @pytest.mark.parametrize(
-  "h, features, heads, kv_heads, stages, rows",
+  "h, features, heads, kv_heads, stages, consumers",
   [
-    (64, "causal-lengths-segments-cap", 8, 2, 4, 64),
-    (128, "lengths", 8, 2, 2, 64),
-    (128, "plain", 2, 2, 2, 64),
-    (128, "causal-lengths", 8, 8, 2, 64),
-    (128, "causal-window", 8, 1, 2, 64),
-    (128, "plain", 8, 2, 2, 32),
-    (128, "causal", 8, 8, 2, 32),
+    (64, "causal-lengths-segments-cap", 8, 2, 4, None),
+    (128, "lengths", 8, 2, 2, None),
+    (128, "plain", 2, 2, 2, None),
+    (128, "causal-lengths", 8, 8, 2, None),
+    (128, "causal-window", 8, 1, 2, None),
+    (128, "plain", 8, 2, 2, 2),
+    (128, "causal", 8, 8, 2, 2),
   ],
 )
 def test_the_fused_dq_backward_compiles_spill_free_for_a_batch(
-  h, features, heads, kv_heads, stages, rows
+  h, features, heads, kv_heads, stages, consumers
 ):
   """``fuse_dq``'s one dk/dv kernel (no dq kernel), compiled for H100 at batch 2.
 
   Head dim 64 with every feature and 4 slots; head dim 128 with lengths and
   GQA, unmasked (padded keys masked: 1000 keys in 64-key tiles), and causal
   or windowed with one query head a kv head or one kv head (GQA spilled);
-  with ``dkdv_rows=32`` two consumers at head dim 128, unmasked with GQA and
-  causal with one query head a kv head.
+  with ``dkdv_consumers=2`` two consumers at head dim 128, unmasked with GQA
+  and causal with one query head a kv head.
   """
   config = mosaic_gpu.MosaicGpuAttentionConfig(
-    block_k=64, num_stages=stages, fuse_dq=True, dkdv_rows=rows
+    block_k=64, num_stages=stages, fuse_dq=True, dkdv_consumers=consumers
   )
   eqn = _kernel_call(h, features, heads, kv_heads=kv_heads)
   assert (
@@ -844,32 +885,40 @@ def test_the_fused_dq_backward_compiles_spill_free_for_a_batch(
 
 @pytest.mark.compilers
 @pytest.mark.parametrize(
-  "features, rows",
+  "features, rows, dkdv_consumers",
   [
-    ("causal-lengths-segments-cap", 64),
-    ("window", 64),
-    ("lengths-segments-cap", 32),
-    ("causal-lengths", 32),
+    ("causal-lengths-segments-cap", 64, None),
+    ("window", 64, None),
+    ("lengths-segments-cap", 32, None),
+    ("causal-lengths", 32, None),
+    ("window", 32, None),
+    ("causal-cap", 64, 2),
   ],
 )
-def test_the_backward_with_two_consumers_compiles_spill_free_for_a_batch(features, rows):
+def test_the_backward_with_two_consumers_compiles_spill_free_for_a_batch(
+  features, rows, dkdv_consumers
+):
   """Head dim 128 with GQA, compiled for H100 at batch 2: three warpgroups.
 
-  The dq kernel's two consumers (``dq_consumers=2``), and with 32-query
-  steps the dk/dv kernel's two (with a causal mask they spilled 24-76 bytes
-  before each consumer's code was a copy of its own, ``Form.consumers``).
-  ptxas reports the launch's 168 registers a thread; the
+  The dq kernel's two consumers (``dq_consumers=2``), and the dk/dv
+  kernel's two with 32-query steps (with a causal mask they spilled 24-76
+  bytes before each consumer's code was a copy of its own,
+  ``Form.consumers``) or 64 (``dkdv_consumers=2``: with lengths they spilled
+  196 bytes). ptxas reports the launch's 168 registers a thread; the
   consumers' code takes up to the 232 their ``setmaxnreg`` asks (R229 in
   the dq kernel's SASS with causal masks, lengths, segment ids, a cap and
-  GQA). Two dk/dv consumers of 64-query steps spilled 32-60 bytes.
+  GQA).
   """
-  config = mosaic_gpu.MosaicGpuAttentionConfig(block_k=64, dq_consumers=2, dkdv_rows=rows)
+  config = mosaic_gpu.MosaicGpuAttentionConfig(
+    block_k=64, dq_consumers=2, dkdv_rows=rows, dkdv_consumers=dkdv_consumers
+  )
   kernels = ("dot_product_attention_dq", "dot_product_attention_dkdv")
   compiled = _compiles_spill_free(_kernel_call(128, features), config, kernels)
   threads = {k["name"]: k["threads"] for k in compiled}
+  two = rows == 32 or dkdv_consumers == 2
   assert threads == {
     "dot_product_attention_dq_mosaic_gpu_kernel": 384,
-    "dot_product_attention_dkdv_mosaic_gpu_kernel": 384 if rows == 32 else 256,
+    "dot_product_attention_dkdv_mosaic_gpu_kernel": 384 if two else 256,
   }
 
 

@@ -52,9 +52,9 @@ class MosaicGpuAttentionConfig(KernelConfig):
     head dim 64 with every feature; at 128 without segment ids or a soft
     cap, in 2 slots, and with causal or window masks only where the query
     heads do not share kv heads or share one (``_fuse_reason``); with
-    ``dkdv_rows=32`` its blocks of threads take two consumer warpgroups of
-    64 keys there, without lengths or windows, causal with one query head a
-    kv head. The forward and the tangent ignore it.
+    ``dkdv_consumers=2`` its blocks of threads take two consumer warpgroups
+    of 64 keys there, without lengths or windows, causal only with one
+    query head a kv head. The forward and the tangent ignore it.
   dq_consumers: consumer warpgroups of the backward's dq kernel, 64 queries
     each: 1 (the heuristic's) or 2, where one consumer's softmax runs beside
     the other's matrix products, up to head dim 128 (an autotuning candidate
@@ -63,11 +63,15 @@ class MosaicGpuAttentionConfig(KernelConfig):
     R229 with causal masks, lengths, segment ids, a soft cap and GQA). The
     fused backward runs no dq kernel: it takes 1.
   dkdv_rows: queries a step of the backward's dk/dv kernel: 64, or 32 above
-    head dim 64 up to 128, where its blocks of threads then take two
-    consumer warpgroups of 64 keys (``dkdv_steps``: an autotuning candidate
-    until timed on a GPU). ``fuse_dq``'s steps are ``FUSED_ROWS`` queries:
-    there 32 asks for two consumers, 64 for ``wide_consumers``. The forward
-    and the tangent ignore it.
+    head dim 64 up to 128, in two consumer warpgroups of 64 keys (an
+    autotuning candidate until timed on a GPU). ``fuse_dq`` takes its own
+    steps (``FUSED_ROWS``). The forward and the tangent ignore it.
+  dkdv_consumers: consumer warpgroups of 64 keys in the backward's dk/dv
+    kernel: None for its steps' own (``dkdv_steps``: two of 32-query steps,
+    of 64-query steps two up to head dim 64 and one above), or 1 or 2. Two
+    of 64-query steps above head dim 64 (up to 128: an autotuning
+    candidate until timed on a GPU) take no lengths, segment ids or windows
+    (they spilled). The forward and the tangent ignore it.
   """
 
   block_q: int = 64
@@ -76,6 +80,7 @@ class MosaicGpuAttentionConfig(KernelConfig):
   fuse_dq: bool = False
   dq_consumers: int = 1
   dkdv_rows: int = 64
+  dkdv_consumers: Optional[int] = None
   implementation: str = dataclasses.field(default=IMPLEMENTATION, kw_only=True)
 
 
@@ -109,6 +114,11 @@ def has_masks(p: Problem) -> bool:
 def bounded(p: Problem) -> bool:
   """Whether a causal mask or a window bounds the keys each query sees."""
   return p.left is not None or p.right is not None
+
+
+def windowed(p: Problem) -> bool:
+  """Whether a window bounds the keys each query sees (more than a causal mask)."""
+  return p.left is not None or bool(p.right)
 
 
 def feature_reason(p: Problem, stage: str = "fwd") -> Optional[str]:
@@ -192,21 +202,23 @@ BWD_BLOCKS = (64, 64)
 def dkdv_steps(p: Problem, config: MosaicGpuAttentionConfig) -> tuple[int, int]:
   """The dk/dv kernel's queries a step and consumer warpgroups (of 64 keys each).
 
-  ``fuse_dq``: ``FUSED_ROWS`` queries, two consumers with ``dkdv_rows=32``,
-  else ``wide_consumers``. Else ``config.dkdv_rows``: 64 with
-  ``wide_consumers``, or 32 with two consumers: compiled for H100 at head
-  dim 128 (batch 2), two consumers of 32-query steps are spill-free with
-  every mask, lengths, segment ids and a soft cap, in 2 slots (S^T and dP^T
-  take 16 registers a thread each at 32, 32 at 64). Fused, two consumers
-  spilled 84-328 bytes with lengths, 104 with a causal mask at 8 query heads
-  on 1, 176 with a window (``_fuse_reason``).
+  ``FUSED_ROWS`` with ``fuse_dq``, else ``config.dkdv_rows``; consumers
+  ``config.dkdv_consumers``, by default ``wide_consumers`` and two of
+  ``NARROW_ROWS``-query steps. Compiled for H100 at head dim 128 (batch 2),
+  two consumers of 32-query steps are spill-free with every mask, lengths,
+  segment ids and a soft cap, in 2 slots (S^T and dP^T take 16 registers a
+  thread each at 32, 32 at 64). Two of 64-query steps are with causal masks
+  and a soft cap, and spilled 196 bytes with lengths (8 query heads on 2),
+  268 with segment ids, 20-100 with windows; fused, two spilled 84-328
+  bytes with lengths, 104 with a causal mask at 8 query heads on 1, 176
+  with a window (``_bwd_reason``, ``_fuse_reason``).
   """
-  two = config.dkdv_rows == NARROW_ROWS
   if config.fuse_dq:
-    return FUSED_ROWS, CONSUMERS if two else wide_consumers(head(p))
-  if two:
-    return NARROW_ROWS, CONSUMERS
-  return BWD_BLOCKS[0], wide_consumers(head(p))
+    rows, default = FUSED_ROWS, wide_consumers(head(p))
+  else:
+    rows = config.dkdv_rows
+    default = CONSUMERS if rows == NARROW_ROWS else wide_consumers(head(p))
+  return rows, config.dkdv_consumers or default
 
 
 def out_cols(p: Problem, kernel: str) -> int:
@@ -249,9 +261,9 @@ def wide_consumers(h: int) -> int:
   """Consumer warpgroups of the dk/dv (64-query steps) and tangent kernels: two up to 64, else one.
 
   Above head dim 64 two consumers' accumulators and tiles spill in the 232
-  registers each gets (the dk/dv kernel's 32-60 bytes at head dim 128; the
-  tangent's 12): ``dkdv_steps`` gives the dk/dv kernel two consumers of
-  32-query steps instead.
+  registers each gets with some features (the dk/dv kernel's 196 bytes at
+  head dim 128 with lengths; the tangent's 12): ``dkdv_steps`` gives the
+  dk/dv kernel two consumers where a config asks.
   """
   return CONSUMERS if h <= 64 else 1
 
@@ -310,18 +322,31 @@ def _stages_reason(p: Problem, stage: str, stages: int) -> Optional[str]:
 
 def _bwd_reason(p: Problem, config: MosaicGpuAttentionConfig) -> Optional[str]:
   """Why the backward's kernels cannot take ``config``'s steps and consumers, if they cannot."""
-  n, h, rows = config.dq_consumers, head(p), config.dkdv_rows
+  n, h, rows, fused = config.dq_consumers, head(p), config.dkdv_rows, config.fuse_dq
   if n not in (1, CONSUMERS):
     return f"dq_consumers={n}: the dq kernel takes 1 or {CONSUMERS} consumer warpgroups"
   if n > 1 and h > 128:
     return f"dq_consumers={n}: more than one dq consumer up to head dim 128"
-  if n > 1 and config.fuse_dq:
+  if n > 1 and fused:
     return f"dq_consumers={n}: the fused backward (fuse_dq) runs no dq kernel"
   if rows not in (NARROW_ROWS, BWD_BLOCKS[0]):
     return f"dkdv_rows={rows}: the dk/dv kernel streams 64 or {NARROW_ROWS} queries a step"
-  if rows == NARROW_ROWS and not 64 < h <= 128:
-    return f"dkdv_rows={rows}: the dk/dv kernel's two consumers above head dim 64 up to 128"
-  return _fuse_reason(p, config) if config.fuse_dq else None
+  if rows == NARROW_ROWS and fused:
+    return f"dkdv_rows={rows}: fuse_dq takes its own steps ({FUSED_ROWS} queries)"
+  kv = config.dkdv_consumers
+  if kv not in (None, 1, CONSUMERS):
+    return f"dkdv_consumers={kv}: the dk/dv kernel takes 1 or {CONSUMERS} consumer warpgroups"
+  if rows == NARROW_ROWS and (kv == 1 or not 64 < h <= 128):
+    return f"dkdv_rows={rows}: 32-query steps in two consumers above head dim 64 up to 128"
+  if kv == CONSUMERS and h > 128:
+    return f"dkdv_consumers={kv}: two dk/dv consumers up to head dim 128"
+  features = p.has_lengths or p.has_segments or windowed(p)
+  if kv == CONSUMERS and rows > NARROW_ROWS and h > 64 and not fused and features:
+    return (
+      f"dkdv_consumers={kv}: two dk/dv consumers of {rows}-query steps above head dim 64"
+      " take no lengths, segment ids or windows (spills)"
+    )
+  return _fuse_reason(p, config) if fused else None
 
 
 def _fuse_reason(p: Problem, config: MosaicGpuAttentionConfig) -> Optional[str]:
@@ -335,7 +360,10 @@ def _fuse_reason(p: Problem, config: MosaicGpuAttentionConfig) -> Optional[str]:
   There a kv head's index or its query head's is the same in every block of
   threads or step; where both vary (GQA: 4 or 8 on 2) the masks spilled
   20-48 bytes. Segment ids spilled 48 with a causal
-  mask at 8 on 8, and 4 slots 132.
+  mask at 8 on 8, and 4 slots 132. Two consumers at head dim 128
+  (``dkdv_consumers=2``) unmasked at 16 on 16 and 8 on 2, and causal at
+  16 on 16 and 8 on 8: lengths spilled 84-328 bytes, a causal mask at 8 on
+  1 104, a window 176.
   """
   h = head(p)
   if out_cols(p, "dkdv") < h:
@@ -349,13 +377,12 @@ def _fuse_reason(p: Problem, config: MosaicGpuAttentionConfig) -> Optional[str]:
     )
   if h > 64 and config.num_stages > 2:
     return f"num_stages={config.num_stages}: fuse_dq above head dim 64 takes 2 slots (4 spill)"
-  if config.dkdv_rows == NARROW_ROWS and (
-    p.has_lengths or p.left is not None or p.groups > 1 and bounded(p)
-  ):
-    return (
-      f"fuse_dq with dkdv_rows={NARROW_ROWS} (two consumers) takes no lengths or windows,"
-      " and a causal mask with one query head a kv head (spills)"
-    )
+  if h > 64 and dkdv_steps(p, config)[1] == CONSUMERS:
+    if p.has_lengths or windowed(p) or bounded(p) and p.groups > 1:
+      return (
+        "fuse_dq with dkdv_consumers=2 above head dim 64 takes no lengths or windows,"
+        " and causal masks only with one query head a kv head (spills)"
+      )
   return None
 
 
@@ -382,14 +409,17 @@ def _space(p: Problem, stage: str) -> list[MosaicGpuAttentionConfig]:
   """Configs in order of preference: fewer consumers, long blocks, more stages, within SMEM.
 
   The backward's consumers: one or two in the dq kernel, and the dk/dv
-  kernel's 64-query steps or its two consumers of 32.
+  kernel's 64-query steps (in two consumers where one is its default), or
+  its two consumers of 32.
   """
   blocks = [(64, b) for b in (128, 64, 256)] if stage == "fwd" else [BWD_BLOCKS]
-  # The backward's consumers: the dq kernel's, and the dk/dv kernel's steps.
-  shapes = [(1, 64), (CONSUMERS, 64), (1, NARROW_ROWS), (CONSUMERS, NARROW_ROWS)]
+  wide = [None, CONSUMERS] if wide_consumers(head(p)) == 1 else [None]
+  # The backward's consumers: the dq kernel's, and the dk/dv kernel's steps and consumers.
+  shapes = [(n, 64, kv) for kv in wide for n in (1, CONSUMERS)]
+  shapes += [(n, NARROW_ROWS, None) for n in (1, CONSUMERS)]
   configs = [
-    MosaicGpuAttentionConfig(bq, bk, st, dq_consumers=n, dkdv_rows=rows)
-    for n, rows in (shapes if stage == "bwd" else shapes[:1])
+    MosaicGpuAttentionConfig(bq, bk, st, dq_consumers=n, dkdv_rows=rows, dkdv_consumers=kv)
+    for n, rows, kv in (shapes if stage == "bwd" else shapes[:1])
     for bq, bk in blocks
     for st in (2, 3, 4)
   ]
