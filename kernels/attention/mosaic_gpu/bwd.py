@@ -13,9 +13,9 @@ forward's softmax statistics nor using atomics (unless ``fuse_dq``, below):
 * the dk/dv kernel: one block of threads per (kv head, 64 keys a consumer,
   batch), two consumers up to head dim 64, one above, or two where a config
   asks (``dkdv_steps`` in ``config.py``: 32- or 64-query steps), each a copy
-  of its own (``Form.consumers``); each keeps its keys' K and V and streams, for every query
-  head of the kv head (GQA sums in the accumulators, never a partial per
-  query head), the blocks of Q, dO, lse and delta that see its keys:
+  of its own (``Form.consumers``); each keeps its keys' K and V and streams,
+  for every query head of the kv head (GQA sums in the accumulators, never
+  a partial per query head), the blocks of Q, dO, lse and delta that see its keys:
   ``P^T``, ``dV += P^T dO``, ``dP^T = V dO^T``, ``dK += dS^T Q``.
 
 Above head dim 128 (and in the dk/dv kernel above 64 with a soft cap) a
@@ -32,9 +32,8 @@ steps take 32 queries (``FUSED_ROWS``: S^T, dP^T and a dQ^T tile take 16
 registers a thread each; 64 spilled 112-248 bytes beside dK's and dV's
 accumulators), in one consumer above head dim 64 or, with
 ``dkdv_consumers=2``, two (FlashAttention-3's shape: 128 keys a block of
-threads), and per 64 of
-dQ's columns ``dQ^T = K^T dS^T`` (K's columns transposed, dS^T staged in
-SMEM) goes through a float32 SMEM tile to a TMA
+threads), and per 64 of dQ's columns ``dQ^T = K^T dS^T`` (K's columns
+transposed, dS^T staged in SMEM) goes through a float32 SMEM tile to a TMA
 reduce-add into a float32 dQ^T (``Form.add_to``; interpreted, a part of its
 own per key tile, summed after the kernel). The adds' order varies, so dq
 is not bitwise reproducible; padded keys are masked there (their

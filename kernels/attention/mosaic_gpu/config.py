@@ -22,11 +22,11 @@ CONSUMERS = 2  # consumer warpgroups a block of threads; a producer warpgroup be
 # For a kernel of three warpgroups ptxas reports 168 registers a thread (65536
 # / 384, the launch's count) and allocates a consumer's code after
 # ``setmaxnreg`` up to what it asks (232: the forward's SASS at head dim 128
-# uses R179); two warpgroups get 255. The dk/dv kernel's (and the tangent's)
-# accumulators spill in 232 at 128 columns with 64-query steps (with lengths;
-# the dk/dv kernel's not without, since each consumer's code is a copy of its
-# own, ``Form.consumers``): two consumers up to head dim 64, one above (the
-# dk/dv kernel's two of 32-query steps: ``dkdv_steps``). The dq kernel's:
+# uses R179); two warpgroups get 255. At 128 columns the tangent's
+# accumulators spill in 232, and the dk/dv kernel's of 64-query steps with
+# lengths, segment ids or windows (without them they fit, each consumer's
+# code a copy of its own, ``Form.consumers``): two consumers up to head dim
+# 64, one above, unless a config asks (``dkdv_steps``). The dq kernel's:
 # ``MosaicGpuAttentionConfig.dq_consumers``.
 DQ_ROWS = 64  # queries a consumer of the dq and tangent kernels
 
@@ -68,10 +68,10 @@ class MosaicGpuAttentionConfig(KernelConfig):
     steps (``FUSED_ROWS``). The forward and the tangent ignore it.
   dkdv_consumers: consumer warpgroups of 64 keys in the backward's dk/dv
     kernel: None for its steps' own (``dkdv_steps``: two of 32-query steps,
-    of 64-query steps two up to head dim 64 and one above), or 1 or 2. Two
-    of 64-query steps above head dim 64 (up to 128: an autotuning
-    candidate until timed on a GPU) take no lengths, segment ids or windows
-    (they spilled). The forward and the tangent ignore it.
+    of 64-query steps two up to head dim 64 and one above), or 2. Two of
+    64-query steps above head dim 64 (up to 128: an autotuning candidate
+    until timed on a GPU) take no lengths, segment ids or windows (they
+    spilled). The forward and the tangent ignore it.
   """
 
   block_q: int = 64
@@ -207,8 +207,9 @@ def dkdv_steps(p: Problem, config: MosaicGpuAttentionConfig) -> tuple[int, int]:
   ``NARROW_ROWS``-query steps. Compiled for H100 at head dim 128 (batch 2),
   two consumers of 32-query steps are spill-free with every mask, lengths,
   segment ids and a soft cap, in 2 slots (S^T and dP^T take 16 registers a
-  thread each at 32, 32 at 64). Two of 64-query steps are with causal masks
-  and a soft cap, and spilled 196 bytes with lengths (8 query heads on 2),
+  thread each at 32, 32 at 64). Two of 64-query steps are spill-free
+  unmasked, with causal masks and with a soft cap, and spilled 196 bytes
+  with lengths (8 query heads on 2),
   268 with segment ids, 20-100 with windows; fused, two spilled 84-328
   bytes with lengths, 104 with a causal mask at 8 query heads on 1, 176
   with a window (``_bwd_reason``, ``_fuse_reason``).
@@ -334,9 +335,9 @@ def _bwd_reason(p: Problem, config: MosaicGpuAttentionConfig) -> Optional[str]:
   if rows == NARROW_ROWS and fused:
     return f"dkdv_rows={rows}: fuse_dq takes its own steps ({FUSED_ROWS} queries)"
   kv = config.dkdv_consumers
-  if kv not in (None, 1, CONSUMERS):
-    return f"dkdv_consumers={kv}: the dk/dv kernel takes 1 or {CONSUMERS} consumer warpgroups"
-  if rows == NARROW_ROWS and (kv == 1 or not 64 < h <= 128):
+  if kv not in (None, CONSUMERS):
+    return f"dkdv_consumers={kv}: the dk/dv kernel takes None (its steps' own) or {CONSUMERS}"
+  if rows == NARROW_ROWS and not 64 < h <= 128:
     return f"dkdv_rows={rows}: 32-query steps in two consumers above head dim 64 up to 128"
   if kv == CONSUMERS and h > 128:
     return f"dkdv_consumers={kv}: two dk/dv consumers up to head dim 128"
