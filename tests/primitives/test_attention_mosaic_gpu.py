@@ -798,12 +798,12 @@ def test_the_wide_backward_compiles_spill_free_for_a_batch(h, features):
   eqn = _kernel_call(h, features)
   h100 = TARGETS["h100"]
   # The heuristic's config, or with split columns the autotuning candidate
-  # (one consumer in the dq kernel, 64-query dk/dv steps).
+  # (one consumer in the dq kernel, 64-query dk/dv steps in their own consumers).
   (config,) = {
     c
     for source, c in configs_for(eqn, h100, heuristic_only=True, preferred=True)
     if c.implementation == MOSAIC and c.num_stages == 2
-    if c.dq_consumers == 1 and c.dkdv_rows == 64
+    if c.dq_consumers == 1 and c.dkdv_rows == 64 and c.dkdv_consumers is None
   }
   _compiles_spill_free(eqn, config, ("dot_product_attention_dq", "dot_product_attention_dkdv"))
 
