@@ -217,14 +217,21 @@ FUSED_CASES = {
   "h64-lengths-packed-causal": CASES["lengths-packed-causal"][0],
   # Slow: a window at head dim 128, one query head a kv head, two of each.
   "h128-window-mha": Case(b=2, t=100, s=130, n=2, k=2, h=128, window=(40, 10)),
-  # Head dim 128, two consumers (``dkdv_consumers=2``): causal, one query head a kv
-  # head; 130 keys pad to two blocks of threads of 128 keys, the second's
-  # second tile padding alone.
+  # Slow (the h64 cases run the same two consumers by default): head dim 128,
+  # two consumers (``dkdv_consumers=2``), causal, one query head a kv head;
+  # 130 keys pad to two blocks of threads of 128 keys, the second's second
+  # tile padding alone.
   "h128-causal-mha-two": Case(b=1, t=100, s=130, n=2, k=2, h=128, is_causal=True),
   # Slow: two consumers unmasked with GQA, two examples.
   "h128-gqa-two": Case(b=2, t=100, s=130, n=4, k=2, h=128),
 }
-FUSED_SLOW = ("h128-lengths-gqa", "h64-lengths-packed-causal", "h128-window-mha", "h128-gqa-two")
+FUSED_SLOW = (
+  "h128-lengths-gqa",
+  "h64-lengths-packed-causal",
+  "h128-window-mha",
+  "h128-causal-mha-two",
+  "h128-gqa-two",
+)
 # The cases named "-two": two consumers.
 FUSED_TWO = mosaic_gpu.MosaicGpuAttentionConfig(
   block_k=64, num_stages=2, fuse_dq=True, dkdv_consumers=2
