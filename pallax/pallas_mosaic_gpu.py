@@ -60,10 +60,10 @@ SMEM_LIMIT = 232448
 SMEM_BUDGET = SMEM_LIMIT - 4096
 # Rows of one warpgroup's ``wgmma`` (its M): a consumer warpgroup's tile height.
 WGMMA_ROWS = 64
-# A consumer warpgroup's and the producer's registers a thread after the
-# producer gives its own up (``setmaxnreg``), with two consumers: the
-# warpgroups of a block share 64K registers (two warpgroups fit 255 each).
-_REGISTERS = {2: (232, 40)}
+# Beside two consumers, a consumer warpgroup's and the producer's registers a
+# thread after the producer gives its own up (``setmaxnreg``): the warpgroups
+# of a block share 64K registers (one consumer and the producer fit 255 each).
+_CONSUMER_REGISTERS, _PRODUCER_REGISTERS = 232, 40
 
 
 IMPLEMENTATION = "pallas_mosaic_gpu"
@@ -320,12 +320,14 @@ class Form:
   def consumers(self, consumers: int, body: Callable[[Any], None], copies: bool = True) -> None:
     """Runs ``body(wg)`` in each consumer warpgroup ``wg < consumers``.
 
-    ``copies``: one copy of ``body`` a consumer, ``wg`` a Python int, so each
-    one's SMEM addresses (its tiles, barriers and ``wgmma`` descriptors) are
-    constants, where a traced index keeps them in registers: compiled for
-    H100, the fused dk/dv kernel's two consumers at head dim 128 spilled 96
-    bytes with a traced index and none as copies, and a step took 358
-    instructions where it took 432. Else one copy for all, ``wg`` traced.
+    ``copies``: on a GPU one copy of ``body`` a consumer, ``wg`` a Python
+    int, so each one's SMEM addresses (its tiles, barriers and ``wgmma``
+    descriptors) are constants, where a traced index keeps them in
+    registers: compiled for H100, the fused dk/dv kernel's two consumers at
+    head dim 128 spilled 96 bytes with a traced index and none as copies,
+    and a step took 358 instructions where it took 432. Else, and always
+    interpreted (no registers to save; each copy would be traced), one copy
+    for all, ``wg`` traced.
     With two consumers each first takes the registers the producer gives up
     (on a GPU); one consumer and the producer fit 255 registers a thread
     each without (held to 24, a producer spilled 4 bytes beside a consumer
@@ -337,7 +339,7 @@ class Form:
       self._registers(consumers, producer=False)
       body(c)
 
-    if copies:
+    if copies and self.hopper:
       for c in range(consumers):
         pl.when(wg == c)(functools.partial(run, c))
     else:
@@ -356,9 +358,11 @@ class Form:
 
   def _registers(self, consumers: int, producer: bool) -> None:
     """Beside two consumers (on a GPU), the producer gives up registers and they take them."""
-    if self.hopper and consumers in _REGISTERS:
-      action = "decrease" if producer else "increase"
-      plgpu.set_max_registers(_REGISTERS[consumers][int(producer)], action=action)
+    if self.hopper and consumers == 2:
+      if producer:
+        plgpu.set_max_registers(_PRODUCER_REGISTERS, action="decrease")
+      else:
+        plgpu.set_max_registers(_CONSUMER_REGISTERS, action="increase")
 
   def barrier(self, values):
     """An optimization barrier on a GPU (it orders the softmax against the ``wgmma``)."""
