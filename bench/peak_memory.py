@@ -57,30 +57,15 @@ _STATUS = "/proc/self/status"
 CPU_MEMORY_FACTOR = 1.5
 
 
-def _available_bytes(device):
-  """Memory the call may take: free device memory, or the host's ``MemAvailable``."""
-  if device.platform != "cpu":
-    stats = device.memory_stats() or {}
-    if "bytes_limit" in stats:
-      return stats["bytes_limit"] - stats.get("bytes_in_use", 0)
-    return None
-  try:
-    with open("/proc/meminfo") as f:
-      for line in f:
-        if line.startswith("MemAvailable:"):
-          return int(line.split()[1]) * 1024
-  except OSError:
-    pass
-  return None
-
-
 def does_not_fit(compiled, device):
   """Why the compiled call would not fit in this machine's memory, if it would not.
 
   On a CPU the need is ``CPU_MEMORY_FACTOR`` times XLA's buffer assignment.
   """
+  from pallax.autobatch import free_memory  # here: the parent process need not import jax
+
   analysis = compiled.memory_analysis()
-  available = _available_bytes(device)
+  available = free_memory([device])
   if analysis is None or available is None:
     return None
   need = (

@@ -32,7 +32,7 @@ import os
 import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Optional
 
 import jax
 import jax.numpy as jnp
@@ -564,21 +564,27 @@ def _warn_once(warned: set[str], message: str) -> None:
 def _default_budget() -> int:
   """``FREE_MEMORY_FRACTION`` of the free memory of the default backend."""
   devices = jax.local_devices()
-  if devices[0].platform == "cpu":
-    free = _available_host_memory()
-  else:
-    stats = [d.memory_stats() for d in devices]
-    if any(s is None or "bytes_limit" not in s for s in stats):
-      raise ValueError(
-        f"max_io_nbytes=None: the {devices[0].platform} backend reports no "
-        "memory statistics; pass max_io_nbytes explicitly"
-      )
-    free = min(s["bytes_limit"] - s.get("bytes_in_use", 0) for s in stats)
+  free = free_memory(devices)
+  if free is None:
+    raise ValueError(
+      f"max_io_nbytes=None: the free memory of the {devices[0].platform} devices "
+      "is not known (no memory statistics); pass max_io_nbytes explicitly"
+    )
   return max(1, int(free * FREE_MEMORY_FRACTION))
 
 
-def _available_host_memory() -> int:
-  """Available host RAM: ``MemAvailable`` on Linux, else ``sysconf``."""
+def free_memory(devices: Sequence[jax.Device]) -> Optional[int]:
+  """The least free memory of ``devices`` in bytes, or None where it is not known.
+
+  Accelerators report ``bytes_limit - bytes_in_use`` in ``Device.memory_stats()``;
+  CPU devices share the host's available RAM (``MemAvailable`` on Linux, else
+  ``sysconf``).
+  """
+  if devices[0].platform != "cpu":
+    stats = [d.memory_stats() for d in devices]
+    if any(s is None or "bytes_limit" not in s for s in stats):
+      return None
+    return min(s["bytes_limit"] - s.get("bytes_in_use", 0) for s in stats)
   try:
     with open("/proc/meminfo") as f:
       for line in f:
@@ -589,10 +595,7 @@ def _available_host_memory() -> int:
   try:
     return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
   except (AttributeError, ValueError, OSError):
-    raise ValueError(
-      "max_io_nbytes=None: cannot read the available memory on this host; "
-      "pass max_io_nbytes explicitly"
-    ) from None
+    return None
 
 
 def _reduction_dtype(ufunc: Any, dtype: Any) -> np.dtype:

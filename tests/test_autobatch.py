@@ -22,7 +22,7 @@ from jax.extend.core import jaxprs_in_params
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from pallax.autobatch import autobatch
+from pallax.autobatch import autobatch, free_memory
 from tests.helpers import sharding_devices
 
 PROPERTY = settings(
@@ -422,6 +422,20 @@ def test_default_budget_is_derived_from_the_host(mlp_args):
   out, nbatches = g(x, w)
   np.testing.assert_array_equal(out, mlp(x, w))
   assert int(nbatches) == 1  # 3 KiB of io is far under 1/8 of the free RAM
+
+
+def test_unknown_free_memory_asks_for_a_budget(mlp_args, monkeypatch):
+  class NoStats:  # an accelerator that reports no memory statistics
+    platform = "gpu"
+
+    def memory_stats(self):
+      return None
+
+  assert free_memory(jax.local_devices()) > 0  # the host's RAM
+  monkeypatch.setattr(jax, "local_devices", lambda: [NoStats()])
+  g = autobatch(mlp, in_axes=(0, None))
+  with pytest.raises(ValueError, match="max_io_nbytes=None: the free memory of the gpu"):
+    g(*mlp_args)
 
 
 def test_overflow_warns_and_runs_chunks_of_one():
