@@ -133,6 +133,13 @@ def judge(kernels: list[dict], target: Target) -> dict:
   spilled = [k["name"] for k in kernels if k["spill_bytes"]] if target.platform == "cuda" else []
   if spilled:
     return {"status": "spills", "error": f"register spills in {', '.join(spilled)}"}
+  serialized = [k["name"] for k in kernels if k.get("wgmma_serialized")]
+  if serialized:
+    return {
+      "status": "failed",
+      "error": f"ptxas serializes every wgmma of {', '.join(serialized)} (C7513: registers "
+      "a wgmma reads are written while wgmma run, so each waits for the one before)",
+    }
   for k in kernels:
     if target.platform == "cuda" and k["smem_bytes"] > target.shared_memory_limit:
       return {
@@ -156,6 +163,8 @@ _ENTRY = re.compile(r"\.entry\s+(\w+)\s*\(")
 _PTXAS_FUNCTION = re.compile(r"Compiling entry function '(\w+)'")
 _REGISTERS = re.compile(r"Used (\d+) registers")
 _SPILLS = re.compile(r"(\d+) bytes spill stores, (\d+) bytes spill loads")
+# ptxas' performance warning, printed before the function's report.
+_SERIALIZED = re.compile(r"wgmma\.mma_async instructions are serialized[^\n]*function '(\w+)'")
 
 
 def _gpu_kernels(dump: pathlib.Path, target: Target, calls: int) -> list[dict]:
@@ -217,7 +226,8 @@ def _ptxas_report(path: pathlib.Path, arch: str) -> list[dict]:
   )
   if done.returncode:
     raise RuntimeError(f"ptxas failed on {path.name}: {done.stderr.strip()[:_ERROR_CHARS]}")
-  return [_ptxas_facts(name, block) for name, block in _ptxas_blocks(done.stderr)]
+  serialized = set(_SERIALIZED.findall(done.stderr))
+  return [_ptxas_facts(name, block, serialized) for name, block in _ptxas_blocks(done.stderr)]
 
 
 def _ptxas_blocks(text: str) -> list[tuple[str, str]]:
@@ -226,13 +236,18 @@ def _ptxas_blocks(text: str) -> list[tuple[str, str]]:
   return list(zip(parts[1::2], parts[2::2]))
 
 
-def _ptxas_facts(name: str, block: str) -> dict:
-  """``name``, ``registers`` and ``spill_bytes`` (stores and loads) of one entry function."""
+def _ptxas_facts(name: str, block: str, serialized: set[str]) -> dict:
+  """``name``, ``registers``, ``spill_bytes`` (stores and loads) of one entry function.
+
+  ``wgmma_serialized`` where ptxas serialized its ``wgmma`` (``serialized``:
+  the functions its C7513 warning names).
+  """
   registers = _REGISTERS.search(block)
   return {
     "name": name,
     "registers": int(registers.group(1)) if registers else None,
     "spill_bytes": sum(int(a) + int(b) for a, b in _SPILLS.findall(block)),
+    "wgmma_serialized": name in serialized,
   }
 
 
@@ -293,12 +308,13 @@ def _mosaic_gpu_kernels(lowered: Any, target: Target) -> list[dict]:
 
 def _mosaic_gpu_reports(text: str, target: Target) -> list[dict]:
   """Registers, spills and static shared memory of each kernel in ptxas's printed reports."""
-  reports = []
+  reports, serialized = [], set(_SERIALIZED.findall(text))
   for name, block in _ptxas_blocks(text):
     arch, smem = _PTXAS_ARCH.match(block), _STATIC_SMEM.search(block)
     if arch is None or arch.group(1) != target.arch:
       raise RuntimeError(f"ptxas compiled {name} for {arch and arch.group(1)}, not {target.arch}")
-    reports.append({**_ptxas_facts(name, block), "static_smem": int(smem.group(1)) if smem else 0})
+    facts = _ptxas_facts(name, block, serialized)
+    reports.append({**facts, "static_smem": int(smem.group(1)) if smem else 0})
   return reports
 
 
@@ -334,6 +350,7 @@ def _with_reports(launches: list[dict], reports: list[dict]) -> list[dict]:
         "name": launch["name"],
         "registers": report["registers"],
         "spill_bytes": report["spill_bytes"],
+        "wgmma_serialized": report["wgmma_serialized"],
         "smem_bytes": launch["dynamic_smem"] + report["static_smem"],
         "threads": launch["threads"],
       }

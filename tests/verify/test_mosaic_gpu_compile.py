@@ -75,12 +75,35 @@ def test_report_with_spills_is_judged_spills():
     "name": "attention_mosaic_gpu_kernel",
     "registers": 168,
     "spill_bytes": 32,
+    "wgmma_serialized": False,
     "smem_bytes": 200001,
     "threads": 384,
   }
   verdict = judge([kernel], H100)
   assert verdict["status"] == "spills"
   assert "attention_mosaic_gpu_kernel" in verdict["error"]
+
+
+# What it printed for a kernel whose wgmma ptxas serialized (the forward with a
+# block's probabilities converted to 16 bits while ``P V`` read the previous
+# block's registers), trimmed: the warning comes before the function's report.
+SERIALIZED_REPORT = (
+  "ptxas info    : (C7513) Potential Performance Loss: wgmma.mma_async instructions are"
+  " serialized due to non wgmma instructions defining input registers of a wgmma between"
+  " start and end of the pipeline stage in the function 'attention_mosaic_gpu_kernel'\n"
+  + SPILLING_REPORT.replace("24 bytes stack frame, 20", "0 bytes stack frame, 0").replace(
+    "12 bytes spill loads", "0 bytes spill loads"
+  )
+)
+
+
+def test_report_with_serialized_wgmma_is_a_failure():
+  reports = verify_compile._mosaic_gpu_reports(SERIALIZED_REPORT, H100)
+  (kernel,) = verify_compile._with_reports([_launch(b"sample serialized")], reports)
+  assert kernel["wgmma_serialized"] and kernel["spill_bytes"] == 0
+  verdict = judge([kernel], H100)
+  assert verdict["status"] == "failed"
+  assert "C7513" in verdict["error"] and "attention_mosaic_gpu_kernel" in verdict["error"]
 
 
 def test_report_for_another_architecture_is_refused():
