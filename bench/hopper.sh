@@ -15,7 +15,8 @@
 #   step's cap, not the bench's numbers.
 # - attention_bench: bench/test_attention_hopper.py, Mosaic GPU attention vs
 #   Pallas-Triton vs cuDNN (forward, forward+backward), and vs XLA under jvp
-#   (where cuDNN's custom_vjp raises).
+#   (where cuDNN's custom_vjp raises); the forward's candidate with its
+#   softmax beside the previous block's P V too (pallax-overlap).
 # - attention_breakdown: bench/attention_breakdown.py, the device's kernels of
 #   pallax's, cuDNN's and JAX's Mosaic GPU attention at B=4, S=4096.
 # - matmul_bench: bench/test_matmul_hopper.py, Mosaic GPU matmul vs the

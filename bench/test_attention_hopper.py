@@ -28,7 +28,10 @@ implementations:
   backward pinned to its dq kernel with two consumer warpgroups
   (``dq_consumers=2``), and with the dk/dv kernel's two consumers of
   32-query steps (``dkdv_rows=32``) or of 64 (``dkdv_consumers=2``) too:
-  autotuning candidates.
+  autotuning candidates;
+* ``pallax-overlap`` (``fwd``): the forward pinned to its autotuning
+  candidate with FlashAttention-3's intra-warpgroup overlap
+  (``fwd_overlap``: a block's ``S`` beside the previous block's ``P V``).
 
 ``jvp`` counts 3x the forward's FLOPs (``Q K^T``, ``P V`` and, for the
 tangent, ``dQ K^T``, ``Q dK^T``, ``(P dS) V`` and ``P dV``) and twice its bytes.
@@ -113,6 +116,9 @@ FUSED2_PIN = dataclasses.replace(FUSED_PIN, dkdv_consumers=2)
 TWO_DQ_PIN = MosaicGpuAttentionConfig(block_k=64, num_stages=2, dq_consumers=2)
 WIDE_PIN = dataclasses.replace(TWO_DQ_PIN, dkdv_rows=32)
 TWO_PIN = dataclasses.replace(TWO_DQ_PIN, dkdv_consumers=2)
+# The forward's candidate with a block's softmax beside the previous block's P V
+# (the heuristic's blocks and ring): ``pallax-overlap`` on the cases' fwd.
+OVERLAP_PIN = MosaicGpuAttentionConfig(fwd_overlap=True)
 
 
 pytestmark = pytest.mark.nvidia_gpu  # deselected off an NVIDIA GPU (bench/conftest.py)
@@ -190,19 +196,20 @@ def _mosaic_pins(fn, inputs) -> dict:
   return {e.primitive.name: MOSAIC_PIN for e in kernel_calls(jax.make_jaxpr(fn)(*inputs).jaxpr)}
 
 
-def _backward_pins(config):
-  """A ``_PINS`` entry that pins the backward to the Mosaic GPU kernels with ``config``.
+def _stage_pins(config, stage="bwd"):
+  """A ``_PINS`` entry that pins one stage to the Mosaic GPU kernels with ``config``.
 
   Args:
-    config: the backward's ``MosaicGpuAttentionConfig``.
+    config: the stage's ``MosaicGpuAttentionConfig``.
+    stage: ``"fwd"`` or ``"bwd"``.
 
   Returns:
-    ``(fn, inputs) -> {primitive name: config}`` for ``fn``'s backward kernel calls.
+    ``(fn, inputs) -> {primitive name: config}`` for ``fn``'s kernel calls of that stage.
   """
 
   def pins(fn, inputs) -> dict:
     calls = kernel_calls(jax.make_jaxpr(fn)(*inputs).jaxpr)
-    return {e.primitive.name: config for e in calls if e.primitive.name.endswith("_bwd")}
+    return {e.primitive.name: config for e in calls if e.primitive.name.endswith(f"_{stage}")}
 
   return pins
 
@@ -210,11 +217,12 @@ def _backward_pins(config):
 _PINS = {
   "pallax-triton": _triton_pins,
   "pallax-mosaic": _mosaic_pins,
-  "pallax-fused": _backward_pins(FUSED_PIN),
-  "pallax-fused2": _backward_pins(FUSED2_PIN),
-  "pallax-dq2": _backward_pins(TWO_DQ_PIN),
-  "pallax-wide": _backward_pins(WIDE_PIN),
-  "pallax-two": _backward_pins(TWO_PIN),
+  "pallax-fused": _stage_pins(FUSED_PIN),
+  "pallax-fused2": _stage_pins(FUSED2_PIN),
+  "pallax-dq2": _stage_pins(TWO_DQ_PIN),
+  "pallax-wide": _stage_pins(WIDE_PIN),
+  "pallax-two": _stage_pins(TWO_PIN),
+  "pallax-overlap": _stage_pins(OVERLAP_PIN, "fwd"),
 }
 
 
@@ -240,6 +248,8 @@ def test_hopper_attention(benchmark, request, case, mode):
   want = _tangent_rows(case, inputs) if mode == "jvp" else reference_rows(case, mode, inputs)
   baseline = IMPLS[mode]
   impls = ("pallax", "pallax-triton", baseline)
+  if mode == "fwd":
+    impls = (*impls, "pallax-overlap")
   if mode == "fwd+bwd":
     impls = (*impls, "pallax-dq2", "pallax-wide", "pallax-two")
   if mode == "fwd+bwd" and os.environ.get("PALLAX_BENCH_FUSED") != "0":

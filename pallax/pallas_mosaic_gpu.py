@@ -377,13 +377,55 @@ class Form:
     """
     if self.hopper:
       return pl.run_state(product)(plgpu.ACC.init(acc))
+    return acc + _fresh_product(acc.shape, product)
 
-    def fresh(acc_ref):
-      product(acc_ref)
-      plgpu.wgmma_wait(0)
-      return acc_ref[...]
+  def overlap(
+    self,
+    shape: Sequence[int],
+    first: Callable[[Any], None],
+    acc: jax.Array,
+    second: Callable[[Any], None],
+    between: Callable[[jax.Array], tuple],
+    like: tuple,
+  ) -> tuple[tuple, jax.Array]:
+    """Two ``wgmma`` products in flight at once, work on the first beside the second.
 
-    return acc + pl.run_scoped(fresh, plgpu.ACC(acc.shape, jnp.float32))
+    ``first(ref)`` issues products into a fresh float32 accumulator of
+    ``shape``, then ``second(acc_ref)`` products onto ``acc``; ``between``
+    takes the first's result as soon as it is ready, while the second's still
+    run (FlashAttention-3's intra-warpgroup overlap: a block's softmax beside
+    the previous block's ``P V``). Returns ``(between's results, acc plus
+    the second's products)``. ``like``: arrays shaped and laid out as
+    ``between``'s results (on a GPU they leave ``pl.run_state`` as its state).
+    Interpreted the second's products are added before ``between`` runs.
+    """
+    if not self.hopper:
+      product = _fresh_product(shape, first)
+      acc = self.accumulate(acc, second)
+      return tuple(between(product)), acc
+
+    def body(refs):
+      first_ref, acc_ref, *result_refs = refs
+      first(first_ref)
+      second(acc_ref)
+      results = between(plgpu.wgmma_accumulator_load(first_ref, wait_n=1))
+      for ref, x in zip(result_refs, results):
+        ref[...] = x
+
+    zeros = self.layout(jnp.zeros(tuple(shape), jnp.float32), plgpu.Layout.WGMMA)
+    _, acc, *results = pl.run_state(body)((plgpu.ACC.init(zeros), plgpu.ACC.init(acc), *like))
+    return tuple(results), acc
+
+
+def _fresh_product(shape: Sequence[int], product: Callable[[Any], None]) -> jax.Array:
+  """The float32 result of the ``wgmma`` ``product(acc_ref)`` issues into a fresh accumulator."""
+
+  def run(acc_ref):
+    product(acc_ref)
+    plgpu.wgmma_wait(0)
+    return acc_ref[...]
+
+  return pl.run_scoped(run, plgpu.ACC(tuple(shape), jnp.float32))
 
 
 # The GPU interpreter keeps global state: one interpreted kernel at a time.

@@ -133,13 +133,11 @@ def judge(kernels: list[dict], target: Target) -> dict:
   spilled = [k["name"] for k in kernels if k["spill_bytes"]] if target.platform == "cuda" else []
   if spilled:
     return {"status": "spills", "error": f"register spills in {', '.join(spilled)}"}
-  serialized = [k["name"] for k in kernels if k.get("wgmma_serialized")]
+  serialized = [
+    f"{k['name']} ({k['wgmma_serialized']})" for k in kernels if k.get("wgmma_serialized")
+  ]
   if serialized:
-    return {
-      "status": "failed",
-      "error": f"ptxas serializes every wgmma of {', '.join(serialized)} (C7513: registers "
-      "a wgmma reads are written while wgmma run, so each waits for the one before)",
-    }
+    return {"status": "failed", "error": f"ptxas serializes the wgmma of {', '.join(serialized)}"}
   for k in kernels:
     if target.platform == "cuda" and k["smem_bytes"] > target.shared_memory_limit:
       return {
@@ -163,8 +161,12 @@ _ENTRY = re.compile(r"\.entry\s+(\w+)\s*\(")
 _PTXAS_FUNCTION = re.compile(r"Compiling entry function '(\w+)'")
 _REGISTERS = re.compile(r"Used (\d+) registers")
 _SPILLS = re.compile(r"(\d+) bytes spill stores, (\d+) bytes spill loads")
-# ptxas' performance warning, printed before the function's report.
-_SERIALIZED = re.compile(r"wgmma\.mma_async instructions are serialized[^\n]*function '(\w+)'")
+# ptxas' performance warnings (C7513 and its kin), printed before the function's
+# report: its code, why, and the function.
+_SERIALIZED = re.compile(
+  r"\((C\d+)\) Potential Performance Loss: wgmma\.mma_async instructions are serialized"
+  r" (due to [^\n]*?) in the function '(\w+)'"
+)
 
 
 def _gpu_kernels(dump: pathlib.Path, target: Target, calls: int) -> list[dict]:
@@ -226,7 +228,7 @@ def _ptxas_report(path: pathlib.Path, arch: str) -> list[dict]:
   )
   if done.returncode:
     raise RuntimeError(f"ptxas failed on {path.name}: {done.stderr.strip()[:_ERROR_CHARS]}")
-  serialized = set(_SERIALIZED.findall(done.stderr))
+  serialized = _serialized(done.stderr)
   return [_ptxas_facts(name, block, serialized) for name, block in _ptxas_blocks(done.stderr)]
 
 
@@ -236,18 +238,23 @@ def _ptxas_blocks(text: str) -> list[tuple[str, str]]:
   return list(zip(parts[1::2], parts[2::2]))
 
 
-def _ptxas_facts(name: str, block: str, serialized: set[str]) -> dict:
+def _serialized(text: str) -> dict[str, str]:
+  """Function -> why ptxas serialized its ``wgmma`` (``"C7513: due to ..."``), from its warnings."""
+  return {name: f"{code}: {why}" for code, why, name in _SERIALIZED.findall(text)}
+
+
+def _ptxas_facts(name: str, block: str, serialized: dict[str, str]) -> dict:
   """``name``, ``registers``, ``spill_bytes`` (stores and loads) of one entry function.
 
-  ``wgmma_serialized`` where ptxas serialized its ``wgmma`` (``serialized``:
-  the functions its C7513 warning names).
+  ``wgmma_serialized``: why ptxas serialized its ``wgmma`` (``serialized``,
+  from its warnings), or None.
   """
   registers = _REGISTERS.search(block)
   return {
     "name": name,
     "registers": int(registers.group(1)) if registers else None,
     "spill_bytes": sum(int(a) + int(b) for a, b in _SPILLS.findall(block)),
-    "wgmma_serialized": name in serialized,
+    "wgmma_serialized": serialized.get(name),
   }
 
 
@@ -308,7 +315,7 @@ def _mosaic_gpu_kernels(lowered: Any, target: Target) -> list[dict]:
 
 def _mosaic_gpu_reports(text: str, target: Target) -> list[dict]:
   """Registers, spills and static shared memory of each kernel in ptxas's printed reports."""
-  reports, serialized = [], set(_SERIALIZED.findall(text))
+  reports, serialized = [], _serialized(text)
   for name, block in _ptxas_blocks(text):
     arch, smem = _PTXAS_ARCH.match(block), _STATIC_SMEM.search(block)
     if arch is None or arch.group(1) != target.arch:

@@ -345,6 +345,29 @@ def test_no_data_races_in_the_fused_dq_backward():
     _run_case(case, jnp.bfloat16, PATH, config=FUSED, seed=12)
 
 
+def _forward_vs_float64(case: Case, config, seed: int, what: str) -> dict:
+  """The forward of ``case`` with ``config`` pinned, interpreted: output, lse and rows vs float64.
+
+  Returns the forward kernel's ``explain`` record on an H100 by the
+  heuristic (key None) and with ``config`` pinned (key ``config``).
+  """
+  ops, statics = inputs(case, jnp.bfloat16, seed)
+  forward = lambda fn, ops: _call(fn, statics, ops, return_residual=True)
+  picks = {}
+  for pin in (None, config):
+    fn = functools.partial(forward, _pallax(pin))
+    picks[pin] = {r.op: r for r in pallax.explain_on(Target("cuda", "h100"), fn, ops)}[FWD]
+  with on_path(PATH):
+    out, lse = jax.jit(functools.partial(forward, _pallax(config)))(ops)
+  with x64():
+    out_ref, lse_ref = jax.jit(functools.partial(forward, reference))(_as64(ops))
+  assert_close(out, out_ref, jnp.bfloat16, f"{what}: output")
+  rows = _rows(ops, statics)
+  np.testing.assert_array_equal(np.asarray(out, np.float32)[~rows], 0.0, err_msg=f"{what}: rows")
+  assert_lse_close(lse, lse_ref, jnp.bfloat16, f"{what}: lse")
+  return picks
+
+
 def test_the_one_consumer_forward_with_a_soft_cap_and_masks_at_head_dim_256():
   """Gemma 2's global layers at head dim 256 (a soft cap, causal): the forward's one consumer.
 
@@ -353,20 +376,67 @@ def test_the_one_consumer_forward_with_a_soft_cap_and_masks_at_head_dim_256():
   Output and lse against float64, causal, with MQA and a key length.
   """
   case = Case(b=1, t=100, s=130, n=2, k=1, h=256, is_causal=True, soft_cap=10.0, kv_len=(110,))
-  ops, statics = inputs(case, jnp.bfloat16, 5)
-  forward = lambda fn, ops: _call(fn, statics, ops, return_residual=True)
-  picks = {}
-  for config in (None, PIN):
-    fn = functools.partial(forward, _pallax(config))
-    picks[config] = {r.op: r for r in pallax.explain_on(Target("cuda", "h100"), fn, ops)}[FWD]
+  picks = _forward_vs_float64(case, PIN, 5, "one-consumer forward")
   assert picks[None].implementation == "pallas" and "autotuning" in picks[None].note
   assert picks[PIN].implementation == MOSAIC
-  with on_path(PATH):
-    out, lse = jax.jit(functools.partial(forward, _pallax(PIN)))(ops)
-  with x64():
-    out_ref, lse_ref = jax.jit(functools.partial(forward, reference))(_as64(ops))
-  assert_close(out, out_ref, jnp.bfloat16, "one-consumer forward: output")
-  assert_lse_close(lse, lse_ref, jnp.bfloat16, "one-consumer forward: lse")
+
+
+# The forward's autotuning candidate with FlashAttention-3's intra-warpgroup
+# overlap (``fwd_overlap``): a block's S = Q K^T beside the previous block's
+# P V. name -> (case, its blocks and ring).
+OVERLAP_CASES = {
+  # Causal, two query heads on one kv head, two examples, 64-key blocks: in
+  # the second tile a consumer's first block and the next are unmasked, its
+  # last masked, and the first consumer skips the block only the second sees;
+  # in the second example's first tile the second consumer's rows are past
+  # q_len (no blocks of its own) beside the first's one block (its first and
+  # last step alone).
+  "causal-lengths": (
+    Case(b=2, t=256, s=256, n=2, k=1, h=64, q_len=(256, 64), is_causal=True),
+    (64, 2),
+  ),
+  # Slow: a window and a soft cap at head dim 128 (padded from 80), T < S, a
+  # ring of 3 slots refilled: masked, unmasked and masked blocks (the window's
+  # two edges).
+  "window-cap-h80": (
+    Case(b=1, t=200, s=450, n=2, k=1, h=80, window=(150, 20), soft_cap=20.0, logit_scale=4.0),
+    (64, 3),
+  ),
+  # Slow: packed documents and ragged lengths, GQA: blocks outside a tile's
+  # segments skipped; 128-key blocks.
+  "lengths-packed-gqa": (
+    Case(
+      b=2,
+      t=200,
+      s=200,
+      n=2,
+      k=1,
+      h=64,
+      q_len=(200, 90),
+      kv_len=(200, 150),
+      segments="packed",
+      is_causal=True,
+    ),
+    (128, 2),
+  ),
+}
+OVERLAP_SLOW = ("window-cap-h80", "lengths-packed-gqa")
+
+
+@pytest.mark.parametrize(
+  "name",
+  [pytest.param(n, marks=pytest.mark.slow) if n in OVERLAP_SLOW else n for n in OVERLAP_CASES],
+)
+def test_the_forward_with_softmax_beside_the_previous_blocks_values(name, monkeypatch):
+  """``fwd_overlap``: a step's ``S`` beside the previous one's ``P V``: output, lse vs float64."""
+  case, (block_k, stages) = OVERLAP_CASES[name]
+  config = mosaic_gpu.MosaicGpuAttentionConfig(block_k=block_k, num_stages=stages, fwd_overlap=True)
+  overlaps, overlap = [], mgpu.Form.overlap
+  monkeypatch.setattr(mgpu.Form, "overlap", lambda *args: overlaps.append(1) or overlap(*args))
+  picks = _forward_vs_float64(case, config, 6, name)
+  assert picks[config].implementation == MOSAIC and picks[config].config == config
+  assert not picks[None].config.fwd_overlap  # a candidate, not the heuristic's
+  assert overlaps  # the kernel's pipelined steps, not its plain ones
 
 
 def _jvp(fn, statics, ops, tangents):
@@ -558,6 +628,20 @@ def test_supports_and_the_ring_in_shared_memory():
   assert supports(config(), stage="fwd", **PARAMS) is None
   assert supports(config(block_q=64, block_k=64), stage="bwd", **PARAMS) is None
   assert supports(config(), stage="bwd", **PARAMS) is None  # the backward's blocks are fixed
+  # The forward's softmax beside the previous block's P V: up to head dim 128
+  # and 128 keys, a candidate in 2 slots (never the heuristic's until timed).
+  overlap = config(fwd_overlap=True)
+  assert supports(overlap, stage="fwd", **PARAMS) is None
+  assert supports(overlap, stage="bwd", **PARAMS) is None  # the backward ignores it
+  assert "not 128 and 256" in supports(config(block_k=256, fwd_overlap=True), stage="fwd", **PARAMS)
+  h256 = functools.partial(mosaic_gpu.supports, _avals(h=256), h100, stage="fwd", **PARAMS)
+  assert "up to head dim 128" in h256(config(block_k=64, fwd_overlap=True))
+  fwd = mosaic_gpu.candidates(_avals(), h100, stage="fwd", **PARAMS)
+  assert overlap in fwd and config(block_k=64, fwd_overlap=True) in fwd
+  assert {c.num_stages for c in fwd if c.fwd_overlap} == {2}
+  assert not mosaic_gpu.heuristic(_avals(), h100, stage="fwd", **PARAMS).fwd_overlap
+  h256 = mosaic_gpu.candidates(_avals(h=256), h100, stage="fwd", **PARAMS)
+  assert h256 and not any(c.fwd_overlap for c in h256)
   # dQ from the dk/dv kernel: at head dim 128 unmasked (or with lengths) in 2
   # slots, masked with one query head a kv head or one kv head (not GQA's 4 on 2).
   fused = config(64, 64, fuse_dq=True)
@@ -962,3 +1046,20 @@ def test_the_capped_forward_at_head_dim_256_compiles_spill_free_for_a_batch(feat
   assert mosaic_gpu.config.fwd_consumers(p) == consumers
   config = mosaic_gpu.MosaicGpuAttentionConfig(block_k=64, num_stages=2)
   _compiles_spill_free(eqn, config, ("dot_product_attention_fwd",))
+
+
+@pytest.mark.compilers
+@pytest.mark.parametrize(
+  "h, features, block_k", [(128, "causal-lengths", 128), (64, "lengths-segments-cap", 64)]
+)
+def test_the_overlapped_forward_compiles_spill_free_with_asynchronous_wgmma(h, features, block_k):
+  """``fwd_overlap`` for H100 (batch 2, 8 query heads on 2): no spills, no serialized ``wgmma``.
+
+  ``judge`` fails a kernel whose ``wgmma`` ptxas serializes (its C7513
+  warning): the block's probabilities converted to 16 bits while ``P V``
+  still read the previous block's registers did that to every product.
+  """
+  eqn = _kernel_call(h, features, stage=FWD)
+  config = mosaic_gpu.MosaicGpuAttentionConfig(block_k=block_k, num_stages=2, fwd_overlap=True)
+  (kernel,) = _compiles_spill_free(eqn, config, ("dot_product_attention_fwd",))
+  assert kernel["wgmma_serialized"] is None

@@ -75,7 +75,7 @@ def test_report_with_spills_is_judged_spills():
     "name": "attention_mosaic_gpu_kernel",
     "registers": 168,
     "spill_bytes": 32,
-    "wgmma_serialized": False,
+    "wgmma_serialized": None,
     "smem_bytes": 200001,
     "threads": 384,
   }
@@ -100,10 +100,12 @@ SERIALIZED_REPORT = (
 def test_report_with_serialized_wgmma_is_a_failure():
   reports = verify_compile._mosaic_gpu_reports(SERIALIZED_REPORT, H100)
   (kernel,) = verify_compile._with_reports([_launch(b"sample serialized")], reports)
-  assert kernel["wgmma_serialized"] and kernel["spill_bytes"] == 0
+  assert kernel["wgmma_serialized"].startswith("C7513: due to non wgmma instructions defining")
+  assert kernel["spill_bytes"] == 0
   verdict = judge([kernel], H100)
   assert verdict["status"] == "failed"
-  assert "C7513" in verdict["error"] and "attention_mosaic_gpu_kernel" in verdict["error"]
+  assert verdict["error"].startswith("ptxas serializes the wgmma of attention_mosaic_gpu_kernel")
+  assert "(C7513: due to non wgmma instructions" in verdict["error"]
 
 
 def test_report_for_another_architecture_is_refused():

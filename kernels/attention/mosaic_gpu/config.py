@@ -72,6 +72,14 @@ class MosaicGpuAttentionConfig(KernelConfig):
     64-query steps above head dim 64 (up to 128: an autotuning candidate
     until timed on a GPU) take no lengths, segment ids or windows (they
     spilled). The forward and the tangent ignore it.
+  fwd_overlap: the forward's consumers issue a block's ``S = Q K^T`` beside
+    the previous block's ``P V`` and run the block's softmax while ``P V``
+    runs (FlashAttention-3's intra-warpgroup overlap, on top of the
+    ping-pong between consumers): a block's probabilities, ``block_k / 4``
+    registers a thread more, stay live into the next step. Up to head dim 128 and
+    ``block_k`` 128 (compiled for H100: 256 keys at head dim 64 spilled 576
+    bytes, head dim 256 8); an autotuning candidate in 2 slots until timed
+    on a GPU. The backward and the tangent ignore it.
   """
 
   block_q: int = 64
@@ -81,6 +89,7 @@ class MosaicGpuAttentionConfig(KernelConfig):
   dq_consumers: int = 1
   dkdv_rows: int = 64
   dkdv_consumers: Optional[int] = None
+  fwd_overlap: bool = False
   implementation: str = dataclasses.field(default=IMPLEMENTATION, kw_only=True)
 
 
@@ -396,6 +405,11 @@ def _config_reason(p: Problem, config: MosaicGpuAttentionConfig, stage: str) -> 
     return f"block_k={bk} must be a multiple of 64 on Mosaic GPU"
   if stage == "fwd" and p.has_segments and head(p) + bk > _SEGMENT_REGISTERS:
     return f"block_k={bk}: with segment ids the forward takes head dim + block_k <= 192"
+  if stage == "fwd" and config.fwd_overlap and (head(p) > 128 or bk > 128):
+    return (
+      f"fwd_overlap: up to head dim 128 and block_k 128, not {head(p)} and {bk}"
+      " (a block's S and P beside the output's accumulator spill)"
+    )
   reason = _bwd_reason(p, config) if stage == "bwd" else None
   reason = reason or _stages_reason(p, stage, config.num_stages)
   if reason is not None:
@@ -411,7 +425,8 @@ def _space(p: Problem, stage: str) -> list[MosaicGpuAttentionConfig]:
 
   The backward's consumers: one or two in the dq kernel, and the dk/dv
   kernel's 64-query steps (in two consumers where one is its default), or
-  its two consumers of 32.
+  its two consumers of 32. The forward's: its blocks with ``fwd_overlap``
+  too, in 2 slots.
   """
   blocks = [(64, b) for b in (128, 64, 256)] if stage == "fwd" else [BWD_BLOCKS]
   wide = [None, CONSUMERS] if wide_consumers(head(p)) == 1 else [None]
@@ -424,6 +439,9 @@ def _space(p: Problem, stage: str) -> list[MosaicGpuAttentionConfig]:
     for bq, bk in blocks
     for st in (2, 3, 4)
   ]
+  if stage == "fwd":
+    two_slots = [c for c in configs if c.num_stages == 2]
+    configs += [dataclasses.replace(c, fwd_overlap=True) for c in two_slots]
   return [c for c in configs if _config_reason(p, c, stage) is None]
 
 

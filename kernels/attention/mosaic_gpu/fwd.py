@@ -12,7 +12,12 @@ queries, batch), three warpgroups (two where one consumer runs):
   turns (ping-pong): one's softmax overlaps the other's matmuls. Each waits
   for the next block's K while its ``P V`` runs. With a soft cap and masks
   above head dim 128 one consumer runs, without the ping-pong
-  (``config.fwd_consumers``: two spill there).
+  (``config.fwd_consumers``: two spill there). With ``config.fwd_overlap``
+  (an autotuning candidate) each consumer overlaps within itself too, as
+  FlashAttention-3 does: a step issues block j's ``S`` and block j - 1's
+  ``P V`` together and runs block j's softmax while ``P V`` runs
+  (``Form.overlap``); own's first ``S`` and last ``P V`` run alone
+  (``tiles.over_steps``' ends).
 
 Blocks that causality, a window, the lengths or the segment ids hide entirely
 are never loaded (segment ids: outside the run of blocks a tile's segments
@@ -108,20 +113,16 @@ def fwd(*operands, config: MosaicGpuAttentionConfig, interpret: Any, **params) -
         wait_keys(j + 1)
         return carry
 
-      def step(j, carry, masked: bool):
+      def issue_scores(j, acc_ref):  # S = Q K^T of block j
         s = ring.slot(j)
         keys = plgpu.transpose_ref(k_smem.at[s], (1, 0)) if form.hopper else k_smem.at[s]
+        plgpu.wgmma(acc_ref, q_smem, keys)
 
-        def scores(acc_ref):
-          plgpu.wgmma(acc_ref, q_smem, keys)
-          take_turn()
-          plgpu.wgmma_wait(0)
-          return acc_ref[...]
-
-        qk = pl.run_scoped(scores, plgpu.ACC((bq, bk), jnp.float32))
+      def probabilities(j, qk, m, denom, masked: bool):
+        """Block ``j``'s ``S`` into the softmax (``e``, ``alpha``, maxima, sums); frees its K."""
         keep = None
         if masked:  # the keys' ids are in the slot until it is released
-          ids = None if q_seg is None else (q_seg, form.vector(seg_smem[1].at[s], 1))
+          ids = None if q_seg is None else (q_seg, form.vector(seg_smem[1].at[ring.slot(j)], 1))
           keep = blocks.keep_keys(form, t0, j, ids)
         ring.release(0, j)
         y, factor = tiles.logits2_factors(p, qk)
@@ -129,24 +130,93 @@ def fwd(*operands, config: MosaicGpuAttentionConfig, interpret: Any, **params) -
         # causal step of 256 keys at head dim 64 spilled 88 bytes (H100).
         if keep is not None:
           y, factor = tiles.masked(y * factor, keep), 1.0
-        e, acc, m_new, denom = tiles.softmax_step(carry, y, factor, hidden=keep is not None)
-        e16 = e.astype(p.dtype)
-        acc, denom, m_new, e16 = form.barrier((acc, denom, m_new, e16))
-        if consumers > 1:
-          plgpu.barrier_arrive(schedule)  # done with the softmax
+        return tiles.softmax_stats(m, denom, y, factor, hidden=keep is not None)
+
+      def scores(j):
+        def product(acc_ref):
+          issue_scores(j, acc_ref)
+          take_turn()
+          plgpu.wgmma_wait(0)
+          return acc_ref[...]
+
+        return pl.run_scoped(product, plgpu.ACC((bq, bk), jnp.float32))
+
+      def our_turn(j):  # block j's values in their slot, the tensor cores ours
         ring.wait(1, j)
         if consumers > 1:
-          plgpu.barrier_wait(schedule)  # the tensor cores are ours
-        weights = form.operand(e16, p_smem, wg)
-        acc = tiles.add_values(form, acc, weights, v_smem.at[s], lambda: wait_keys(j + 1))
+          plgpu.barrier_wait(schedule)
+
+      def turn_ends():  # done with the softmax
+        if consumers > 1:
+          plgpu.barrier_arrive(schedule)
+
+      def step(j, carry, masked: bool):
+        acc, m, denom = carry
+        e, alpha, m, denom = probabilities(j, scores(j), m, denom, masked)
+        acc, e16 = acc * broadcast(alpha, acc.shape, 0), e.astype(p.dtype)
+        acc, denom, m, e16 = form.barrier((acc, denom, m, e16))
+        turn_ends()
+        our_turn(j)
+        acc = add_values(j, acc, e16, lambda: wait_keys(j + 1))
+        return acc, m, denom
+
+      def add_values(j, acc, e16, overlap):
+        acc = tiles.add_values(
+          form, acc, form.operand(e16, p_smem, wg), v_smem.at[ring.slot(j)], overlap
+        )
         ring.release(1, j)
-        return acc, m_new, denom
+        return acc
+
+      # ``config.fwd_overlap``: block j's S beside block j - 1's P V.
+      def first(j, carry, masked: bool):  # own's first block: its S, its P V in the next step
+        acc, m, denom, e16 = carry
+        e, _, m, denom = probabilities(j, scores(j), m, denom, masked)  # acc is 0
+        e16, m, denom = form.barrier((e.astype(p.dtype), m, denom))
+        turn_ends()
+        wait_keys(j + 1)
+        return acc, m, denom, e16
+
+      def pipelined(j, carry, masked: bool):
+        acc, m, denom, e_prev = carry
+        our_turn(j - 1)
+
+        def values(acc_ref):
+          plgpu.wgmma(acc_ref, form.operand(e_prev, p_smem, wg), v_smem.at[ring.slot(j - 1)])
+          take_turn()
+
+        def softmax(qk):
+          results = probabilities(j, qk, m, denom, masked)
+          turn_ends()
+          wait_keys(j + 1)
+          return results
+
+        # e leaves in float32: converted while P V reads the registers of e_prev,
+        # ptxas serialized every wgmma of the kernel (C7513), as FlashAttention-3
+        # converts after its wait.
+        like = (form.layout(jnp.zeros((bq, bk), jnp.float32), plgpu.Layout.WGMMA), m, m, denom)
+        (e, alpha, m_new, denom), acc = form.overlap(
+          (bq, bk), lambda ref: issue_scores(j, ref), acc, values, softmax, like
+        )
+        ring.release(1, j - 1)
+        acc, e = form.barrier((acc, e))  # after the wait: no conversion hoisted before it
+        return acc * broadcast(alpha, acc.shape, 0), m_new, denom, e.astype(p.dtype)
+
+      def last(j, carry):  # own's last block's P V
+        acc, m, denom, e16 = carry
+        our_turn(j)
+        return add_values(j, acc, e16, lambda: None), m, denom, e16
 
       init = tiles.softmax_init(form, bq, h)
       wait_keys(lo)
       pl.when(wg == 1)(take_turn)
       unmasked = blocks.unmasked_keys(t0, *own)
-      acc, m, denom = tiles.over_steps(lo, own, unmasked, hi, skip, step, init)
+      if config.fwd_overlap:
+        e16 = form.layout(jnp.zeros((bq, bk), p.dtype), plgpu.Layout.WGMMA)
+        acc, m, denom, _ = tiles.over_steps(
+          lo, own, unmasked, hi, skip, pipelined, (*init, e16), ends=(first, last)
+        )
+      else:
+        acc, m, denom = tiles.over_steps(lo, own, unmasked, hi, skip, step, init)
       pl.when(wg == 0)(take_turn)
 
       empty = denom == 0.0

@@ -286,7 +286,7 @@ def logits2(p: Problem, x: jax.Array, cap_grad: bool = False):
 def logits2_factors(p: Problem, x: jax.Array) -> tuple[jax.Array, float]:
   """``logits2`` as ``y * factor``: ``x`` (soft-capped: ``tanh``) and a positive constant.
 
-  For ``softmax_step``, which then takes a row's maximum of ``y`` before the
+  For ``softmax_stats``, which then takes a row's maximum of ``y`` before the
   product and fuses the product into the exponent's subtraction (one ``fma``
   an element where ``logits2`` takes a multiply and a subtraction). A scale
   of 0 or below gives the product itself and a factor of 1: the maximum
@@ -338,12 +338,19 @@ def softmax_step(
   ``hidden``: ``y`` may hide a whole row (-inf), whose maximum is then taken as 0.
   """
   acc, m, denom = carry
+  e, alpha, m_new, denom = softmax_stats(m, denom, y, factor, hidden)
+  return e, acc * broadcast(alpha, acc.shape, 0), m_new, denom
+
+
+def softmax_stats(
+  m: jax.Array, denom: jax.Array, y: jax.Array, factor: float, hidden: bool = True
+) -> tuple:
+  """``softmax_step`` without the accumulator: ``e``, the accumulator's factor, maxima, sums."""
   m_new = jnp.maximum(m, y.max(axis=1) * factor)
   m_use = jnp.where(m_new == NEG_INF, 0.0, m_new) if hidden else m_new
   alpha = jnp.exp2(m - m_use)
   e = jnp.exp2(y * factor - broadcast(m_use, y.shape, 0))
-  acc = acc * broadcast(alpha, acc.shape, 0)
-  return e, acc, m_new, denom * alpha + e.sum(axis=1)
+  return e, alpha, m_new, denom * alpha + e.sum(axis=1)
 
 
 def add_values(form: mgpu.Form, acc, weights, values, overlap: Callable[[], None]) -> jax.Array:
@@ -402,6 +409,7 @@ def over_steps(
   step: Callable,
   carry,
   one_loop: bool = False,
+  ends: Optional[tuple[Callable, Callable]] = None,
 ):
   """Steps ``[lo, hi)``: ``skip(j, carry)`` outside ``own``, ``step(j, carry, masked=)`` in it.
 
@@ -409,17 +417,36 @@ def over_steps(
   run in loops of their own. With ``one_loop`` they share one, ``masked`` a
   traced bool: a kernel whose accumulators leave no registers to move them
   between loops (ptxas spilled at the loops' edges) takes that.
+  ``ends``: ``(first, last)`` of a software pipeline, where a step finishes
+  the work of the step before it: ``first(j, carry, masked=)`` runs own's
+  first step in place of ``step``, and ``last(j, carry)`` after own's last
+  step ``j`` (both where own is not empty).
   """
-  (own_lo, own_hi), (u_lo, u_hi) = own, unmasked
+  own_lo, own_hi = own
+  if one_loop and ends is not None:
+    raise ValueError("over_steps: a software pipeline (ends) runs its steps in loops of their own")
   carry = lax.fori_loop(lo, own_lo, skip, carry)
   if one_loop:
     body = lambda j, carry: step(j, carry, masked=masked_step(j, unmasked))
     carry = lax.fori_loop(own_lo, own_hi, body, carry)
     return lax.fori_loop(own_hi, hi, skip, carry)
-  carry = lax.fori_loop(own_lo, u_lo, functools.partial(step, masked=True), carry)
-  carry = lax.fori_loop(u_lo, u_hi, functools.partial(step, masked=False), carry)
-  carry = lax.fori_loop(u_hi, own_hi, functools.partial(step, masked=True), carry)
+  if ends is None:
+    carry = _split_steps(own_lo, own_hi, unmasked, step, carry)
+    return lax.fori_loop(own_hi, hi, skip, carry)
+  first, last = ends
+  second, once = jnp.minimum(own_lo + 1, own_hi), (own_lo < own_hi).astype(jnp.int32)
+  carry = _split_steps(own_lo, second, _clamp(*unmasked, own_lo, second), first, carry)
+  carry = _split_steps(second, own_hi, _clamp(*unmasked, second, own_hi), step, carry)
+  carry = lax.fori_loop(own_hi - once, own_hi, last, carry)
   return lax.fori_loop(own_hi, hi, skip, carry)
+
+
+def _split_steps(lo, hi, unmasked: tuple[Any, Any], step: Callable, carry):
+  """``step(j, carry, masked=)`` over ``[lo, hi)``: masked, unmasked (within it), masked."""
+  (u_lo, u_hi), masked = unmasked, functools.partial(step, masked=True)
+  carry = lax.fori_loop(lo, u_lo, masked, carry)
+  carry = lax.fori_loop(u_lo, u_hi, functools.partial(step, masked=False), carry)
+  return lax.fori_loop(u_hi, hi, masked, carry)
 
 
 def masked_step(j, unmasked: tuple[Any, Any]) -> jax.Array:
