@@ -17,6 +17,7 @@ gets and why.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -405,17 +406,8 @@ OVERLAP_CASES = {
   # Slow: packed documents and ragged lengths, GQA: blocks outside a tile's
   # segments skipped; 128-key blocks.
   "lengths-packed-gqa": (
-    Case(
-      b=2,
-      t=200,
-      s=200,
-      n=2,
-      k=1,
-      h=64,
-      q_len=(200, 90),
-      kv_len=(200, 150),
-      segments="packed",
-      is_causal=True,
+    dataclasses.replace(
+      CASES["lengths-packed-causal"][0], t=200, s=200, q_len=(200, 90), kv_len=(200, 150)
     ),
     (128, 2),
   ),
