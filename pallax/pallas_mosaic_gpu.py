@@ -377,7 +377,7 @@ class Form:
     """
     if self.hopper:
       return pl.run_state(product)(plgpu.ACC.init(acc))
-    return acc + _fresh_product(acc.shape, product)
+    return acc + fresh_product(acc.shape, product)
 
   def overlap(
     self,
@@ -400,7 +400,7 @@ class Form:
     Interpreted the second's products are added before ``between`` runs.
     """
     if not self.hopper:
-      product = _fresh_product(shape, first)
+      product = fresh_product(shape, first)
       acc = self.accumulate(acc, second)
       return tuple(between(product)), acc
 
@@ -417,8 +417,11 @@ class Form:
     return tuple(results), acc
 
 
-def _fresh_product(shape: Sequence[int], product: Callable[[Any], None]) -> jax.Array:
-  """The float32 result of the ``wgmma`` ``product(acc_ref)`` issues into a fresh accumulator."""
+def fresh_product(shape: Sequence[int], product: Callable[[Any], None]) -> jax.Array:
+  """The float32 result of the ``wgmma`` ``product(acc_ref)`` issues into a fresh accumulator.
+
+  It waits for them once ``product`` returns (which may do other work meanwhile).
+  """
 
   def run(acc_ref):
     product(acc_ref)

@@ -224,12 +224,7 @@ def ragged_paged_attention(
         s = ring.slot(j)
         keys = plgpu.transpose_ref(k_smem.at[s], (1, 0)) if form.hopper else k_smem.at[s]
 
-        def scores(acc_ref):
-          plgpu.wgmma(acc_ref, q_smem, keys)
-          plgpu.wgmma_wait(0)
-          return acc_ref[...]
-
-        qk = pl.run_scoped(scores, plgpu.ACC((ROWS, bk), jnp.float32))
+        qk = mgpu.fresh_product((ROWS, bk), lambda acc_ref: plgpu.wgmma(acc_ref, q_smem, keys))
         ring.release(0, j)
         is_masked = (j * bk < u_lo) | ((j + 1) * bk > u_hi)
         y, factor = tiles.logits2_factors(p, qk)

@@ -132,14 +132,8 @@ def fwd(*operands, config: MosaicGpuAttentionConfig, interpret: Any, **params) -
           y, factor = tiles.masked(y * factor, keep), 1.0
         return tiles.softmax_stats(m, denom, y, factor, hidden=keep is not None)
 
-      def scores(j):
-        def product(acc_ref):
-          issue_scores(j, acc_ref)
-          take_turn()
-          plgpu.wgmma_wait(0)
-          return acc_ref[...]
-
-        return pl.run_scoped(product, plgpu.ACC((bq, bk), jnp.float32))
+      def scores(j):  # the other consumer's turn while they run
+        return mgpu.fresh_product((bq, bk), lambda ref: (issue_scores(j, ref), take_turn()))
 
       def our_turn(j):  # block j's values in their slot, the tensor cores ours
         ring.wait(1, j)

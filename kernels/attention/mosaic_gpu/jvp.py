@@ -18,8 +18,8 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-from jax.experimental import pallas as pl
 
+from pallax import pallas_mosaic_gpu as mgpu
 from pallax.kernels.attention.mosaic_gpu import tiles
 from pallax.kernels.attention.mosaic_gpu.config import (
   BWD_BLOCKS,
@@ -79,10 +79,8 @@ def jvp(*operands, config: MosaicGpuAttentionConfig, interpret: Any, **params) -
     def tangent_logits(acc_ref):
       plgpu.wgmma(acc_ref, ctx.own["dq"], ctx.tile_t("k"))
       plgpu.wgmma(acc_ref, ctx.own["q"], ctx.tile_t("dk"))
-      plgpu.wgmma_wait(0)
-      return acc_ref[...]
 
-    ds = pl.run_scoped(tangent_logits, plgpu.ACC(shape, jnp.float32)) * p.scale
+    ds = mgpu.fresh_product(shape, tangent_logits) * p.scale
     ctx.ring.release(0, j)
     ctx.ring.release(2, j)
     pds = probs * (ds if slope is None else ds * slope)

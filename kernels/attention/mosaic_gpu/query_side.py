@@ -31,13 +31,7 @@ from pallax.pallas_mosaic_gpu import plgpu
 
 def scores(a, b_t, shape) -> jax.Array:
   """``a b^T`` into a fresh float32 accumulator: ``b_t`` is ``b`` transposed (a view or a tile)."""
-
-  def product(acc_ref):
-    plgpu.wgmma(acc_ref, a, b_t)
-    plgpu.wgmma_wait(0)
-    return acc_ref[...]
-
-  return pl.run_scoped(product, plgpu.ACC(shape, jnp.float32))
+  return mgpu.fresh_product(shape, lambda acc_ref: plgpu.wgmma(acc_ref, a, b_t))
 
 
 @dataclasses.dataclass
