@@ -31,6 +31,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from pallax import _jax_private
 from pallax._jax_private import mosaic_gpu_interpret_params
 
 BF16 = jnp.bfloat16
@@ -476,6 +477,22 @@ def test_producer_and_ping_pong_consumers(operands):
   a, b = operands
   out = interpreted(ping_pong_matmul, a, b)  # 3 K steps through a 2-slot ring
   assert relative_error(out, f64(a) @ f64(b)) < MATMUL_TOL
+
+
+def test_each_thread_program_compiles_once(operands, monkeypatch):
+  """The 3 warpgroups of a call, and the next call, run one compiled program."""
+  traced = []
+
+  def evaluate(jaxpr, consts, *args):
+    traced.append(jaxpr)
+    jax.core.eval_jaxpr(jaxpr, consts, *args)
+
+  monkeypatch.setattr(_jax_private, "_eval_thread_program", evaluate)
+  a, b = operands
+  kernel = jax.jit(functools.partial(ping_pong_matmul, interpret=mosaic_gpu_interpret_params()))
+  for _ in range(2):
+    assert relative_error(kernel(a, b), f64(a) @ f64(b)) < MATMUL_TOL
+  assert len(traced) == 1, f"pallax's cache compiled the warpgroups' program {len(traced)} times"
 
 
 def test_cluster_multicast(operands):
