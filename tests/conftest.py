@@ -20,7 +20,11 @@ hardware; they are skipped, with the reason, where the ``verify`` extra's
 compilers are not installed (``missing_compilers``).
 """
 
+import itertools
 import os
+import re
+import shutil
+import tempfile
 
 import pytest
 
@@ -47,6 +51,10 @@ if PLATFORM == "cpu":
 
 def pytest_configure(config):
   from pallax._jax_private import PALLAS_TRITON_DEPRECATION
+
+  if PLATFORM == "cpu" and not os.environ.get("JAX_COMPILATION_CACHE_DIR"):
+    if not _selects_compilers_tests(config.getoption("markexpr")) or missing_compilers():
+      _share_compiled_programs(config)
 
   # jax >= 0.11 warns at every lowering of a Pallas-Triton kernel for a GPU,
   # which the GPU kernels under test are (a known deprecation, not a finding).
@@ -84,6 +92,45 @@ def pytest_collection_modifyitems(config, items):
   for item in items:
     if "lowering" in item.keywords:
       item.add_marker(skip)
+
+
+def _selects_compilers_tests(markexpr: str) -> bool:
+  """Whether ``-m markexpr`` may select a test marked ``compilers`` (True where unsure).
+
+  Tries every truth value of the expression's other marker names with
+  ``compilers`` true: any that selects means such a test may run.
+  """
+  names = sorted(set(re.findall(r"[A-Za-z_]\w*", markexpr)) - {"and", "or", "not", "compilers"})
+  if not markexpr or re.search(r"[^\w\s()]", markexpr) or len(names) > 8:
+    return True
+  for values in itertools.product((False, True), repeat=len(names)):
+    marks = {"compilers": True, **dict(zip(names, values))}
+    if eval(markexpr, {"__builtins__": {}}, marks):  # names, and, or, not, parentheses only
+      return True
+  return False
+
+
+def _share_compiled_programs(config) -> None:
+  """Turns on JAX's persistent compilation cache, in a directory of this session's.
+
+  Tests compile many identical XLA programs (each worker its own eager ops, the
+  tests' references, each op at the same shapes): shared by every xdist worker
+  and the processes tests start, a program compiles once per run. It is
+  empty at the start of each run (nothing carries over between runs) and left
+  out where a test compiles for a GPU or TPU (marker ``compilers``), whose
+  compiler's report (registers, spills) a cached program would not print. A
+  user's own ``JAX_COMPILATION_CACHE_DIR`` is left alone.
+  """
+  import jax
+
+  # The xdist workers, started later, read both from the environment when they
+  # import jax (and then find JAX_COMPILATION_CACHE_DIR set: they skip this).
+  path = tempfile.mkdtemp(prefix="pallax-tests-xla-")
+  config.add_cleanup(lambda: shutil.rmtree(path, ignore_errors=True))
+  os.environ["JAX_COMPILATION_CACHE_DIR"] = path
+  os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
+  jax.config.update("jax_compilation_cache_dir", os.environ["JAX_COMPILATION_CACHE_DIR"])
+  jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
 
 
 def missing_compilers() -> str:
