@@ -10,12 +10,14 @@ every public API pallax calls (``jax.experimental.pallas`` and its ``tpu`` and
 mlir}``, ``custom_partitioning``, ``topologies``) is unchanged. jax 0.11
 deprecates the Pallas-Triton backend: lowering a Pallas-Triton kernel for a
 GPU emits ``PALLAS_TRITON_DEPRECATION`` (a ``DeprecationWarning``), which
-pallax's GPU kernels do until they move to Mosaic GPU. jax 0.11 needs
-Python 3.12 or newer.
+pallax's GPU kernels do until they move to Mosaic GPU. jax 0.11 caches the
+programs of the GPU interpreter's threads (``_compile_interpreted_threads_once``).
+jax 0.11 needs Python 3.12 or newer.
 """
 
 from __future__ import annotations
 
+import functools
 import os
 import threading
 import weakref
@@ -27,6 +29,7 @@ from jax._src import config as _config
 from jax._src import dispatch as _dispatch
 from jax._src import hardware_utils as _hardware_utils
 from jax._src import source_info_util as _source_info_util
+from jax._src import stages as _stages
 from jax._src.lib import xla_client as _xla_client
 from jax._src.lib.mlir import ir
 
@@ -146,8 +149,8 @@ def mosaic_gpu_interpret_params(detect_races: bool = False) -> Any:
 
 
 # Each interpreted thread program's executable, per argument types: jaxpr ->
-# {types: [lock, executable]}. Weak in the jaxpr, which the kernel's lowered
-# host callback holds as long as JAX caches the kernel.
+# {types: [lock, run]}. Weak in the jaxpr, which the kernel's host callback
+# holds, and so does jit's trace cache (a static argument) until it evicts it.
 _THREAD_PROGRAMS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 _THREAD_PROGRAMS_LOCK = threading.Lock()
 
@@ -164,7 +167,11 @@ def _run_thread_program(jaxpr: Any, consts: Any, *args: Any) -> None:
   with entry[0]:  # the warpgroups of one call wait for the first one's compile
     if entry[1] is None:
       traced = jax.jit(_eval_thread_program, static_argnums=0).trace(jaxpr, consts, *args)
-      entry[1] = traced.lower().compile()
+      # Called through ``Compiled.call``: ``Compiled.__call__`` sets its
+      # dispatcher lazily, which threads calling one executable at once race on
+      # (a program with host callbacks has no C++ dispatcher).
+      params = traced.lower().compile()._params
+      entry[1] = functools.partial(_stages.Compiled.call, params)
   entry[1](consts, *args)
 
 
@@ -172,13 +179,16 @@ def _compile_interpreted_threads_once() -> None:
   """Makes JAX's interpreters compile each simulated thread's program once.
 
   The GPU interpreter runs a kernel's warpgroups as host threads
-  (``jax._src.pallas.mosaic.interpret.thread_map``); each thread of each
-  call traces, lowers and compiles its program afresh (``_run_jaxpr``: JAX's
-  caches miss, the lowered module being a new object each time). A forward
-  and backward attention test compiled 3 distinct programs 20 times, 40 s of
-  its 47 s on the CPU. This replaces ``_run_jaxpr`` (same signature in jax
-  0.10.2 and 0.11) with one that keeps each program's executable; where a
-  JAX version has no ``_run_jaxpr``, it changes nothing.
+  (``jax._src.pallas.mosaic.interpret.thread_map``). In jax 0.10.2 each
+  thread of each call traces, lowers and compiles its program afresh
+  (``_run_jaxpr`` jits a closure defined anew, so JAX's caches miss): a
+  forward-and-backward attention test compiled 3 distinct programs 20
+  times, which took 40 s of compile time (summed over the threads) in a
+  23 s test. This replaces ``_run_jaxpr`` (same signature in jax 0.10.2 and
+  0.11) with one that keeps each program's executable, shared by the
+  threads of a call. jax 0.11 caches them itself (its ``_run`` is a module
+  function), but the threads of a first call still compile it side by side.
+  Where a JAX version has no ``_run_jaxpr``, this changes nothing.
   """
   from jax._src.pallas.mosaic.interpret import thread_map
 

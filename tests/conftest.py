@@ -20,6 +20,7 @@ hardware; they are skipped, with the reason, where the ``verify`` extra's
 compilers are not installed (``missing_compilers``).
 """
 
+import importlib.util
 import itertools
 import os
 import re
@@ -52,7 +53,8 @@ if PLATFORM == "cpu":
 def pytest_configure(config):
   from pallax._jax_private import PALLAS_TRITON_DEPRECATION
 
-  if PLATFORM == "cpu" and not os.environ.get("JAX_COMPILATION_CACHE_DIR"):
+  shareable = PLATFORM == "cpu" and importlib.util.find_spec("filelock") is not None
+  if shareable and not os.environ.get("JAX_COMPILATION_CACHE_DIR"):
     if not _selects_compilers_tests(config.getoption("markexpr")) or missing_compilers():
       _share_compiled_programs(config)
 
@@ -100,12 +102,18 @@ def _selects_compilers_tests(markexpr: str) -> bool:
   Tries every truth value of the expression's other marker names with
   ``compilers`` true: any that selects means such a test may run.
   """
-  names = sorted(set(re.findall(r"[A-Za-z_]\w*", markexpr)) - {"and", "or", "not", "compilers"})
-  if not markexpr or re.search(r"[^\w\s()]", markexpr) or len(names) > 8:
+  operators = {"and", "or", "not"}
+  names = sorted(set(re.findall(r"[^\s()]+", markexpr)) - operators - {"compilers"})
+  if not markexpr or len(names) > 8:
     return True
+  # Each name becomes ``v[i]`` (a name may be a Python keyword or start with a digit).
+  index = {name: i for i, name in enumerate([*names, "compilers"])}
+  code = re.sub(r"[^\s()]+", lambda m: m[0] if m[0] in operators else f"v[{index[m[0]]}]", markexpr)
   for values in itertools.product((False, True), repeat=len(names)):
-    marks = {"compilers": True, **dict(zip(names, values))}
-    if eval(markexpr, {"__builtins__": {}}, marks):  # names, and, or, not, parentheses only
+    try:
+      if eval(code, {"__builtins__": {}}, {"v": [*values, True]}):  # v, and, or, not, ()
+        return True
+    except Exception:  # not an expression pytest takes: pytest reports it
       return True
   return False
 
@@ -113,24 +121,29 @@ def _selects_compilers_tests(markexpr: str) -> bool:
 def _share_compiled_programs(config) -> None:
   """Turns on JAX's persistent compilation cache, in a directory of this session's.
 
-  Tests compile many identical XLA programs (each worker its own eager ops, the
-  tests' references, each op at the same shapes): shared by every xdist worker
-  and the processes tests start, a program compiles once per run. It is
-  empty at the start of each run (nothing carries over between runs) and left
-  out where a test compiles for a GPU or TPU (marker ``compilers``), whose
-  compiler's report (registers, spills) a cached program would not print. A
-  user's own ``JAX_COMPILATION_CACHE_DIR`` is left alone.
+  Tests compile many identical XLA programs (each worker its own eager ops,
+  the tests' references, each op at the same shapes): shared by every xdist
+  worker and the processes tests start, a program compiles once per run. The
+  directory is empty at the start of each run (nothing carries over between
+  runs). Not used where a test compiles for a GPU or TPU (marker
+  ``compilers``): a cached program would not print its compiler's report
+  (registers, spills). A size limit turns on JAX's file lock (``filelock``),
+  without which one worker may read a file another is still writing.
   """
   import jax
 
-  # The xdist workers, started later, read both from the environment when they
-  # import jax (and then find JAX_COMPILATION_CACHE_DIR set: they skip this).
+  # The xdist workers, started later, read these from the environment when
+  # they import jax (and then find JAX_COMPILATION_CACHE_DIR set: they skip this).
   path = tempfile.mkdtemp(prefix="pallax-tests-xla-")
   config.add_cleanup(lambda: shutil.rmtree(path, ignore_errors=True))
-  os.environ["JAX_COMPILATION_CACHE_DIR"] = path
-  os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
-  jax.config.update("jax_compilation_cache_dir", os.environ["JAX_COMPILATION_CACHE_DIR"])
-  jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+  settings = {
+    "compilation_cache_dir": path,
+    "compilation_cache_max_size": 8 << 30,
+    "persistent_cache_min_compile_time_secs": 0,
+  }
+  for name, value in settings.items():
+    os.environ["JAX_" + name.upper()] = str(value)
+    jax.config.update("jax_" + name, value)
 
 
 def missing_compilers() -> str:

@@ -427,7 +427,7 @@ def _config_reason(p: Problem, config: MosaicGpuAttentionConfig, stage: str) -> 
 
 
 def _space(p: Problem, stage: str) -> list[MosaicGpuAttentionConfig]:
-  """Configs in order of preference: fewer consumers, long blocks, more stages, within SMEM.
+  """Configs in order of preference: fewer consumers, long blocks, fewer slots, within SMEM.
 
   The backward's consumers: one or two in the dq kernel, and the dk/dv
   kernel's 64-query steps (in two consumers where one is its default), or
