@@ -20,7 +20,6 @@ hardware; they are skipped, with the reason, where the ``verify`` extra's
 compilers are not installed (``missing_compilers``).
 """
 
-import importlib.util
 import itertools
 import os
 import re
@@ -53,8 +52,7 @@ if PLATFORM == "cpu":
 def pytest_configure(config):
   from pallax._jax_private import PALLAS_TRITON_DEPRECATION
 
-  shareable = PLATFORM == "cpu" and importlib.util.find_spec("filelock") is not None
-  if shareable and not os.environ.get("JAX_COMPILATION_CACHE_DIR"):
+  if PLATFORM == "cpu" and not os.environ.get("JAX_COMPILATION_CACHE_DIR"):
     if not _selects_compilers_tests(config.getoption("markexpr")) or missing_compilers():
       _share_compiled_programs(config)
 
@@ -127,8 +125,10 @@ def _share_compiled_programs(config) -> None:
   directory is empty at the start of each run (nothing carries over between
   runs). Not used where a test compiles for a GPU or TPU (marker
   ``compilers``): a cached program would not print its compiler's report
-  (registers, spills). A size limit turns on JAX's file lock (``filelock``),
-  without which one worker may read a file another is still writing.
+  (registers, spills). No size limit: with one, JAX takes a file lock and
+  scans the directory at every write, which made the run slower than none.
+  Without the lock a worker could read a file another is still writing; JAX
+  then warns and compiles the program itself.
   """
   import jax
 
@@ -138,7 +138,6 @@ def _share_compiled_programs(config) -> None:
   config.add_cleanup(lambda: shutil.rmtree(path, ignore_errors=True))
   settings = {
     "compilation_cache_dir": path,
-    "compilation_cache_max_size": 8 << 30,
     "persistent_cache_min_compile_time_secs": 0,
   }
   for name, value in settings.items():
