@@ -310,6 +310,7 @@ def test_the_backward_with_two_consumers(name):
   _run_case(case, jnp.bfloat16, PATH, config=config, seed=5)
 
 
+@pytest.mark.slow  # fuse_dq is opt-in; the default run has two fused cases with padded keys
 def test_the_fused_dq_backward_hides_padded_keys():
   """Logits about -100: a padded key's probability ``exp2(-lse)`` overflows where it is not hidden.
 
