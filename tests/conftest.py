@@ -20,6 +20,7 @@ hardware; they are skipped, with the reason, where the ``verify`` extra's
 compilers are not installed (``missing_compilers``).
 """
 
+import functools
 import itertools
 import os
 import re
@@ -145,6 +146,7 @@ def _share_compiled_programs(config) -> None:
     jax.config.update("jax_" + name, value)
 
 
+@functools.cache  # asked in pytest_configure and again at collection
 def missing_compilers() -> str:
   """Why the tests marked ``compilers`` cannot run here ("" when they can).
 
