@@ -9,7 +9,7 @@ registered kernel from outside pallax (``register_kernel_implementation``).
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Hashable, Mapping, Sequence
 from typing import Any, Optional
 
 from pallax.executor.config import KernelConfig
@@ -83,6 +83,13 @@ class ConfigSpace:
       offsets, page tables) that random ones would not stand for; None:
       random ones (``autotune.random_inputs``). A kernel's own space's: an
       added implementation is timed on the kernel's operands.
+    kernel_keys: ``(avals, target, config, **params) -> {name: key}``: for
+      configs that run several kernels (Pallas calls), what each kernel is
+      built from, by the name its Pallas call gives it: two configs of one
+      call whose keys for a name are equal run the same kernel there, so
+      ``pallax.verify`` compiles it once (the Mosaic GPU attention backward's
+      dq and dk/dv kernels, which its config space crosses). None, or no
+      name: every config's kernels are its own.
 
   It is a custom op's config space (``pallax.custom_op``) and the space of an
   implementation added to a registered kernel (``register_kernel_implementation``).
@@ -94,6 +101,7 @@ class ConfigSpace:
   supports: Optional[Callable[..., Optional[str]]] = None
   version: int = 1
   inputs: Optional[Callable[..., Sequence[Any]]] = None
+  kernel_keys: Optional[Callable[..., Mapping[str, Hashable]]] = None
 
   def __post_init__(self):
     if not (isinstance(self.config_cls, type) and issubclass(self.config_cls, KernelConfig)):
@@ -101,7 +109,7 @@ class ConfigSpace:
         "ConfigSpace: config_cls must be a subclass of pallax.KernelConfig, "
         f"got {self.config_cls!r}"
       )
-    for name in ("heuristic", "candidates", "supports", "inputs"):
+    for name in ("heuristic", "candidates", "supports", "inputs", "kernel_keys"):
       value = getattr(self, name)
       if (value is not None or name == "heuristic") and not callable(value):
         raise TypeError(f"ConfigSpace: {name} must be callable, got {type(value).__name__}")
@@ -141,6 +149,7 @@ class KernelSpec:
     Triton kernel, and any added with ``register_kernel_implementation``.
   spaces: implementation name -> its own ``ConfigSpace``, where it has one.
   inputs: the operands autotuning times candidates on (``ConfigSpace.inputs``).
+  kernel_keys: what each kernel of a config is built from (``ConfigSpace.kernel_keys``).
   """
 
   op: str
@@ -152,6 +161,7 @@ class KernelSpec:
   implementations: tuple[str, ...] = (PALLAS,)
   spaces: Mapping[str, ConfigSpace] = dataclasses.field(default_factory=dict)
   inputs: Optional[Callable[..., Sequence[Any]]] = None
+  kernel_keys: Optional[Callable[..., Mapping[str, Hashable]]] = None
 
   def space(self, name: str) -> Any:
     """The config space of implementation ``name``: its own, or the kernel's."""

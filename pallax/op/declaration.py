@@ -271,7 +271,17 @@ class Declaration:
         params.pop(BATCHED, False)
         return space.inputs(avals, seed, **params)
 
-    return ConfigSpace(space.config_cls, heuristic, candidates, supports, space.version, inputs)
+    kernel_keys = None
+    if space.kernel_keys is not None:
+
+      @functools.wraps(space.kernel_keys)
+      def kernel_keys(avals, target, config, **params):
+        batched = params.pop(BATCHED, False)
+        return space.kernel_keys(self._kernel_avals(avals, batched), target, config, **params)
+
+    return ConfigSpace(
+      space.config_cls, heuristic, candidates, supports, space.version, inputs, kernel_keys
+    )
 
   def spec(self) -> PrimitiveSpec:
     """The ``PrimitiveSpec`` that ``define_primitive`` builds the primitive from."""

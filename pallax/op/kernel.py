@@ -61,9 +61,9 @@ class Kernel:
     Args:
       name: the kernel function's name in each backend module.
       config: the family's ``config`` module: ``CONFIG_CLS``, ``heuristic``,
-        ``candidates``, ``supports`` (and optionally ``VERSION`` and
-        ``tune_inputs``, ``ConfigSpace.inputs``, which ``own_configs``'
-        modules do not take).
+        ``candidates``, ``supports`` (and optionally ``VERSION``,
+        ``kernel_keys``, ``ConfigSpace.kernel_keys``, and ``tune_inputs``,
+        ``ConfigSpace.inputs``, which ``own_configs``' modules do not take).
       backends: implementation name -> the family's module for it; an
         implementation whose module lacks ``name`` has no kernel for it (a raw
         Triton module, ``triton_raw.LazyKernels``, may have some stages only).
@@ -92,6 +92,7 @@ class Kernel:
         given(module.supports),
         getattr(module, "VERSION", 1),
         inputs and given(inputs),
+        getattr(module, "kernel_keys", None) and given(module.kernel_keys),
       )
 
     spaces = {b: space(m) for b, m in own_configs.items() if b in impls}

@@ -129,6 +129,7 @@ def define_primitive(name: str, spec: PrimitiveSpec) -> KernelPrimitive:
         k.implementations,
         dict(k.spaces),
         k.space.inputs,
+        k.space.kernel_keys,
       ),
       k.impls,
     )

@@ -22,6 +22,7 @@ from typing import Optional
 from pallax.executor.config import KernelConfig
 from pallax.verify import sweep
 from pallax.verify.cache import ResultCache, fingerprint
+from pallax.verify.compile import shared_result
 from pallax.verify.pool import run_jobs
 from pallax.verify.progress import Progress
 from pallax.verify.report import BAD, VerifyReport
@@ -101,13 +102,14 @@ def verify(
     implementations=implementations,
   )
   store = ResultCache() if cache else None
-  keys = {job.id: fingerprint(job.id, job.kernel, job.target) for job in jobs}
+  compiled = [job for job in jobs if job.kernels_from is None]  # the others share their kernels
+  keys = {job.id: fingerprint(job.id, job.kernel, job.target) for job in compiled}
   results: dict[str, dict] = {}
-  for job in jobs:
+  for job in compiled:
     hit = store.get(keys[job.id]) if store else None
     if hit is not None:
       results[job.id] = dict(hit, cached=True)
-  todo = [job for job in jobs if job.id not in results]
+  todo = [job for job in compiled if job.id not in results]
   bar = Progress(len(todo), "pallax.verify") if progress else None
 
   def arrived(result: dict) -> None:
@@ -118,6 +120,12 @@ def verify(
 
   for result in run_jobs([job.message() for job in todo], workers, timeout_s, arrived):
     results[result["id"]] = result
+  configs = {job.id: job.config for job in jobs}
+  for job in jobs:
+    if job.kernels_from is not None:
+      shared = shared_result(job.kernels_from, results, TARGETS[job.target])
+      from_configs = {name: configs[owner] for name, owner in job.kernels_from.items()}
+      results[job.id] = {**shared, "compile_s": 0.0, "kernels_from": from_configs}
   records = []
   for job in jobs:
     record = {

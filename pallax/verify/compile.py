@@ -148,6 +148,27 @@ def judge(kernels: list[dict], target: Target) -> dict:
   return {"status": "ok"}
 
 
+def shared_result(kernels_from: dict[str, str], results: dict[str, dict], target: Target) -> dict:
+  """A job's result from the jobs that compile its kernels (``sweep.Job.kernels_from``).
+
+  Each kernel's record is the one its job's compile reported (a kernel
+  record named ``name`` or ``name_...``), and the status is judged from
+  them as a compiled job's: a kernel that spills in another config spills
+  here, that config's other kernel does not count. A kernel whose job did
+  not compile it fails the job.
+  """
+  kernels = []
+  for name, owner in sorted(kernels_from.items()):
+    result = results[owner]
+    found = [k for k in result.get("kernels", ()) if f"{k['name']}_".startswith(f"{name}_")]
+    if not found:
+      why = result.get("error") or f"its compile reported no kernel {name}"
+      error = f"kernel {name} ({result['status']} in another config's job): {why}"
+      return {"status": "failed", "error": error, "kernels": kernels}
+    kernels += found
+  return {"kernels": kernels, **judge(kernels, target)}
+
+
 class ReportMissing(RuntimeError):
   """The compiler's reports lack a kernel the program has: never counted as a pass."""
 

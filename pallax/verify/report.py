@@ -65,7 +65,8 @@ class VerifyReport:
     ``cases``, ``status``, ``error``, ``compile_s`` (``cached`` when it came
     from the result cache) and ``kernels`` (per compiled kernel: ``registers``,
     ``spill_bytes``, ``threads``, ``smem_bytes`` on CUDA; ``vmem_bytes`` on
-    TPU).
+    TPU); ``kernels_from`` (kernel name -> config) where other configs'
+    compiles gave its kernels (``sweep.Job.kernels_from``).
   unavailable: targets left out, with the reason.
   unswept: pallax kernels no case of the sweep calls (a gap in the sweep).
   wall_s: the run's wall time.
@@ -117,10 +118,14 @@ class VerifyReport:
       )
     n = len(self.results)
     cached = sum(bool(r.get("cached")) for r in self.results)
+    shared = sum("kernels_from" in r for r in self.results)
     verdict = "all compiled, no spills" if self.ok else f"{len(self.failures)} failing"
     if not self.results:
       verdict = "nothing to compile"
-    parts.append(f"{n} compiles ({cached} from the cache) in {self.wall_s:.0f} s: {verdict}")
+    head = f"{n - shared} compiles ({cached} from the cache)"
+    if shared:
+      head += f", {shared} configs whose kernels other configs compiled,"
+    parts.append(f"{head} in {self.wall_s:.0f} s: {verdict}")
     return "\n".join(parts)
 
   def to_json(self) -> str:

@@ -173,7 +173,11 @@ class Job:
   ``case`` and ``call`` locate the call (the ``call``-th kernel call of the
   case's trace), so a worker process can rebuild it. ``sources`` says why the
   config is tried (``heuristic``, ``candidate``, ``default``, ``pinned``) and
-  ``cases`` every case that has this call.
+  ``cases`` every case that has this call. ``kernel_keys``: what each of the
+  config's kernels is built from (``ConfigSpace.kernel_keys``);
+  ``kernels_from``: where other jobs of the call compile every one of them,
+  the job compiling each, by kernel name: this job's result is theirs
+  (``shared_result``), and it is not compiled itself.
   """
 
   target: str
@@ -184,6 +188,8 @@ class Job:
   call: int
   sources: set = dataclasses.field(default_factory=set)
   cases: list = dataclasses.field(default_factory=list)
+  kernel_keys: dict = dataclasses.field(default_factory=dict)
+  kernels_from: Optional[dict[str, str]] = None
 
   @property
   def id(self) -> str:
@@ -284,11 +290,48 @@ def jobs_for(
           if implementations is not None and config.implementation not in implementations:
             continue
           job = Job(target.name, name, key, config.to_dict(), case.id, index)
-          job = jobs.setdefault(job.id, job)
+          if job.id not in jobs:
+            jobs[job.id] = dataclasses.replace(job, kernel_keys=_kernel_keys(eqn, target, config))
+          job = jobs[job.id]
           job.sources.add(source)
           if case.id not in job.cases:
             job.cases.append(case.id)
-  return list(jobs.values())
+  return _share_kernels(list(jobs.values()))
+
+
+def _kernel_keys(eqn: JaxprEqn, target: Target, config: KernelConfig) -> dict:
+  """What each kernel of ``config`` is built from on this call (``ConfigSpace.kernel_keys``)."""
+  keys = kernel_spec(eqn.primitive.name).space(config.implementation).kernel_keys
+  if keys is None:
+    return {}
+  where = device_target(target.platform, target.device_kind)
+  return dict(keys([v.aval for v in eqn.invars], where, config, **op_params(eqn.params)))
+
+
+def _share_kernels(jobs: list[Job]) -> list[Job]:
+  """Compiles each kernel that configs of one call share once: sets ``kernels_from``.
+
+  Per call and target, the jobs to compile are chosen greedily, each
+  compiling the most kernels no chosen one does (the earlier on a tie: the
+  heuristic's config first); every other job takes its kernels from them.
+  """
+  calls: dict[tuple[str, str], list[Job]] = {}
+  for job in jobs:
+    if job.kernel_keys:
+      calls.setdefault((job.target, job.key), []).append(job)
+  for group in calls.values():
+    compiled: dict[tuple, str] = {}  # (kernel name, key) -> the job compiling it
+    kernels = {item for job in group for item in job.kernel_keys.items()}
+    chosen = set()
+    while len(compiled) < len(kernels):
+      new = lambda job: sum(item not in compiled for item in job.kernel_keys.items())
+      job = max(group, key=new)  # the first of the most
+      chosen.add(job.id)
+      compiled.update({item: job.id for item in job.kernel_keys.items() if item not in compiled})
+    for job in group:
+      if job.id not in chosen:
+        job.kernels_from = {name: compiled[name, key] for name, key in job.kernel_keys.items()}
+  return jobs
 
 
 def library_kernels() -> list[str]:

@@ -1,7 +1,7 @@
 """The attention kernels on Pallas Mosaic GPU (Hopper): FlashAttention-3's structure.
 
 * ``config.py``: ``MosaicGpuAttentionConfig`` (a config class of its own),
-  heuristic, candidates, legality, the SMEM model;
+  heuristic, candidates, legality, the SMEM model, the backward's kernel keys;
 * ``tiles.py``: block ranges, masks, logits and the step loops the kernels share;
 * ``fwd.py``: the forward (``out``, ``lse``): a TMA producer warpgroup and two
   ping-pong ``wgmma`` consumer warpgroups (one where two spill);
@@ -25,6 +25,7 @@ from pallax.kernels.attention.mosaic_gpu.config import (
   candidates,
   feature_reason,
   heuristic,
+  kernel_keys,
   smem_bytes,
   supports,
 )
@@ -41,6 +42,7 @@ __all__ = [
   "fwd",
   "heuristic",
   "jvp",
+  "kernel_keys",
   "smem_bytes",
   "supports",
 ]

@@ -64,15 +64,17 @@ from pallax.kernels.attention.common import Problem
 from pallax.kernels.attention.mosaic_gpu import tiles
 from pallax.kernels.attention.mosaic_gpu.config import (
   BWD_BLOCKS,
+  DKDV_KERNEL,
+  DQ_KERNEL,
   DQ_ROWS,
   FUSED_DQ_COLS,
   MosaicGpuAttentionConfig,
+  bwd_lengths,
   call_of,
   dkdv_steps,
   has_masks,
   head,
   out_cols,
-  round_up,
 )
 from pallax.kernels.attention.mosaic_gpu.query_side import QueryKernel, scores
 from pallax.kernels.attention.mosaic_gpu.tiles import broadcast
@@ -84,9 +86,8 @@ def bwd(*operands, config: MosaicGpuAttentionConfig, interpret: Any, **params) -
   c, p, form = call_of("bwd", operands, params, interpret)
   ops = c.ops
   h = head(p)
-  (bq, consumers), bk = dkdv_steps(p, config), BWD_BLOCKS[1]
-  tp = round_up(p.t, math.lcm(config.dq_consumers * DQ_ROWS, bq))
-  sp = round_up(p.s, consumers * bk)
+  (bq, _), bk = dkdv_steps(p, config), BWD_BLOCKS[1]
+  tp, sp = bwd_lengths(p, config)
   delta = common.bwd_delta(p.stat, ops.out, ops.dout, ops.dlse).astype(jnp.float32)
   # Rows past their length get an lse of +inf: the dk/dv kernel's mask leaves them.
   lse = tiles.lse2(ops.lse.astype(jnp.float32), ops.q_len if p.has_lengths else None)
@@ -146,7 +147,7 @@ class _Kernels:
       ring={"k": keys["k"], "v": keys["v"]},
       transposed=("k", "v"),
       outs={"dq": (p.dtype, True)},
-      name="dot_product_attention_dq",
+      name=DQ_KERNEL,
       cols=out_cols(p, "dq"),
     )
 
@@ -391,7 +392,7 @@ class _Kernels:
       grid=(p.kv_heads * chunks, sp // rows, p.batch),
       grid_names=("heads", "k", "batch"),
       scratch=scratch,
-      name="dot_product_attention_dkdv",
+      name=DKDV_KERNEL,
       approx_math=p.soft_cap is None,
       consumers=consumers,
       sums=[dq_sum] if fuse_dq else [],

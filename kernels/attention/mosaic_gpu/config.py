@@ -8,6 +8,7 @@ accepts, and runs the Triton kernels for the rest, saying why in ``explain``.
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Sequence
 from typing import Any, NamedTuple, Optional
 
@@ -29,6 +30,9 @@ CONSUMERS = 2  # consumer warpgroups a block of threads; a producer warpgroup be
 # 64, one above, unless a config asks (``dkdv_steps``). The dq kernel's:
 # ``MosaicGpuAttentionConfig.dq_consumers``.
 DQ_ROWS = 64  # queries a consumer of the dq and tangent kernels
+# The backward's kernels, as their Pallas calls name them (``kernel_keys``).
+DQ_KERNEL = "dot_product_attention_dq"
+DKDV_KERNEL = "dot_product_attention_dkdv"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -235,6 +239,37 @@ def dkdv_steps(p: Problem, config: MosaicGpuAttentionConfig) -> tuple[int, int]:
     rows = config.dkdv_rows
     default = CONSUMERS if rows == NARROW_ROWS else wide_consumers(head(p))
   return rows, config.dkdv_consumers or default
+
+
+def bwd_lengths(p: Problem, config: MosaicGpuAttentionConfig) -> tuple[int, int]:
+  """The backward's padded query and key lengths, which both its kernels take.
+
+  Queries: a multiple of the dq kernel's blocks and the dk/dv kernel's
+  steps; keys: of the dk/dv kernel's blocks of threads.
+  """
+  (rows, consumers), block_k = dkdv_steps(p, config), BWD_BLOCKS[1]
+  tp = round_up(p.t, math.lcm(config.dq_consumers * DQ_ROWS, rows))
+  return tp, round_up(p.s, consumers * block_k)
+
+
+def kernel_keys(
+  avals: Sequence[Any], target: str, config: MosaicGpuAttentionConfig, *, stage: str, **params
+) -> dict[str, tuple]:
+  """What the backward's dq and dk/dv kernels are built from (``ConfigSpace.kernel_keys``).
+
+  ``_space`` crosses the dq kernel's consumers with the dk/dv kernel's steps
+  and consumers, so configs share kernels: ``pallax.verify`` compiles each
+  once. A kernel's key is the config without the fields only the other
+  kernel reads, and the padded lengths, which both take. The forward and
+  the tangent run one kernel a config: no keys.
+  """
+  if stage != "bwd":
+    return {}
+  lengths = bwd_lengths(Problem.of(avals, **params), config)
+  keys = {DKDV_KERNEL: (dataclasses.replace(config, dq_consumers=1), lengths)}
+  if not config.fuse_dq:  # the fused dk/dv kernel computes dQ: no dq kernel
+    keys[DQ_KERNEL] = (dataclasses.replace(config, dkdv_rows=64, dkdv_consumers=None), lengths)
+  return keys
 
 
 def out_cols(p: Problem, kernel: str) -> int:
