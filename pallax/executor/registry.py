@@ -88,8 +88,10 @@ class ConfigSpace:
       built from, by the name its Pallas call gives it: two configs of one
       call whose keys for a name are equal run the same kernel there, so
       ``pallax.verify`` compiles it once (the Mosaic GPU attention backward's
-      dq and dk/dv kernels, which its config space crosses). None, or no
-      name: every config's kernels are its own.
+      dq and dk/dv kernels, which its config space crosses). It must name
+      every kernel a config runs and key each by all it is built from: a
+      config's result is then the records of compiles of other configs.
+      None, or no name: every config's kernels are its own.
 
   It is a custom op's config space (``pallax.custom_op``) and the space of an
   implementation added to a registered kernel (``register_kernel_implementation``).

@@ -63,7 +63,8 @@ class Kernel:
       config: the family's ``config`` module: ``CONFIG_CLS``, ``heuristic``,
         ``candidates``, ``supports`` (and optionally ``VERSION``,
         ``kernel_keys``, ``ConfigSpace.kernel_keys``, and ``tune_inputs``,
-        ``ConfigSpace.inputs``, which ``own_configs``' modules do not take).
+        ``ConfigSpace.inputs``; ``own_configs``' modules take all but
+        ``tune_inputs``).
       backends: implementation name -> the family's module for it; an
         implementation whose module lacks ``name`` has no kernel for it (a raw
         Triton module, ``triton_raw.LazyKernels``, may have some stages only).
@@ -72,7 +73,7 @@ class Kernel:
         is told which one: its stage, its kernel's name).
       own_configs: implementation name -> the module of a backend whose
         configs are not the family's: its kernels, and its own config space
-        (the same four names; ``Kernel.spaces``) where it has the kernel.
+        (the same names; ``Kernel.spaces``) where it has the kernel.
       **bound: static arguments bound to every backend's kernel function.
     """
     impls = {

@@ -121,11 +121,17 @@ def verify(
   for result in run_jobs([job.message() for job in todo], workers, timeout_s, arrived):
     results[result["id"]] = result
   configs = {job.id: job.config for job in jobs}
+  unshared = []  # their kernels' jobs did not compile them: compiled themselves
   for job in jobs:
     if job.kernels_from is not None:
       shared = shared_result(job.kernels_from, results, TARGETS[job.target])
+      if shared is None:
+        unshared.append(job)
+        continue
       from_configs = {name: configs[owner] for name, owner in job.kernels_from.items()}
       results[job.id] = {**shared, "compile_s": 0.0, "kernels_from": from_configs}
+  for result in run_jobs([job.message() for job in unshared], workers, timeout_s):
+    results[result["id"]] = result
   records = []
   for job in jobs:
     record = {

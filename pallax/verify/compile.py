@@ -28,7 +28,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterator, Sequence
-from typing import IO, Any
+from typing import IO, Any, Optional
 
 import jax
 import numpy as np
@@ -148,23 +148,22 @@ def judge(kernels: list[dict], target: Target) -> dict:
   return {"status": "ok"}
 
 
-def shared_result(kernels_from: dict[str, str], results: dict[str, dict], target: Target) -> dict:
+def shared_result(
+  kernels_from: dict[str, str], results: dict[str, dict], target: Target
+) -> Optional[dict]:
   """A job's result from the jobs that compile its kernels (``sweep.Job.kernels_from``).
 
-  Each kernel's record is the one its job's compile reported (a kernel
-  record named ``name`` or ``name_...``), and the status is judged from
-  them as a compiled job's: a kernel that spills in another config spills
-  here, that config's other kernel does not count. A kernel whose job did
-  not compile it fails the job.
+  Each kernel's record is the one its job's compile reported (the launch
+  named ``name`` or ``name_...``), and the status is judged from them as a
+  compiled job's: a kernel that spills in another config spills here; that
+  config's other kernel does not count. None where a job's compile reported
+  no such kernel (it failed, crashed or timed out): the job is compiled then.
   """
   kernels = []
   for name, owner in sorted(kernels_from.items()):
-    result = results[owner]
-    found = [k for k in result.get("kernels", ()) if f"{k['name']}_".startswith(f"{name}_")]
+    found = [k for k in results[owner].get("kernels", ()) if f"{k['name']}_".startswith(f"{name}_")]
     if not found:
-      why = result.get("error") or f"its compile reported no kernel {name}"
-      error = f"kernel {name} ({result['status']} in another config's job): {why}"
-      return {"status": "failed", "error": error, "kernels": kernels}
+      return None
     kernels += found
   return {"kernels": kernels, **judge(kernels, target)}
 

@@ -122,10 +122,9 @@ class VerifyReport:
     verdict = "all compiled, no spills" if self.ok else f"{len(self.failures)} failing"
     if not self.results:
       verdict = "nothing to compile"
-    head = f"{n - shared} compiles ({cached} from the cache)"
-    if shared:
-      head += f", {shared} configs whose kernels other configs compiled,"
-    parts.append(f"{head} in {self.wall_s:.0f} s: {verdict}")
+    of = f"; {shared} more configs of kernels those compiled" if shared else ""
+    took = f"in {self.wall_s:.0f} s: {verdict}"
+    parts.append(f"{n - shared} compiles ({cached} from the cache{of}) {took}")
     return "\n".join(parts)
 
   def to_json(self) -> str:

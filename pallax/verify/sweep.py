@@ -309,11 +309,11 @@ def _kernel_keys(eqn: JaxprEqn, target: Target, config: KernelConfig) -> dict:
 
 
 def _share_kernels(jobs: list[Job]) -> list[Job]:
-  """Compiles each kernel that configs of one call share once: sets ``kernels_from``.
+  """Chooses the jobs that compile the kernels configs of one call share: sets ``kernels_from``.
 
-  Per call and target, the jobs to compile are chosen greedily, each
-  compiling the most kernels no chosen one does (the earlier on a tie: the
-  heuristic's config first); every other job takes its kernels from them.
+  Per call and target, greedily, the job compiling the most kernels no chosen
+  one does (the heuristic's config first, then the earlier on a tie); every
+  other job takes its kernels from those.
   """
   calls: dict[tuple[str, str], list[Job]] = {}
   for job in jobs:
@@ -322,10 +322,10 @@ def _share_kernels(jobs: list[Job]) -> list[Job]:
   for group in calls.values():
     compiled: dict[tuple, str] = {}  # (kernel name, key) -> the job compiling it
     kernels = {item for job in group for item in job.kernel_keys.items()}
+    fresh = lambda job: sum(item not in compiled for item in job.kernel_keys.items())
     chosen = set()
     while len(compiled) < len(kernels):
-      new = lambda job: sum(item not in compiled for item in job.kernel_keys.items())
-      job = max(group, key=new)  # the first of the most
+      job = max(group, key=lambda job: (fresh(job), "heuristic" in job.sources))
       chosen.add(job.id)
       compiled.update({item: job.id for item in job.kernel_keys.items() if item not in compiled})
     for job in group:
