@@ -102,24 +102,28 @@ def verify(
     implementations=implementations,
   )
   store = ResultCache() if cache else None
-  compiled = [job for job in jobs if job.kernels_from is None]  # the others share their kernels
-  keys = {job.id: fingerprint(job.id, job.kernel, job.target) for job in compiled}
   results: dict[str, dict] = {}
-  for job in compiled:
-    hit = store.get(keys[job.id]) if store else None
-    if hit is not None:
-      results[job.id] = dict(hit, cached=True)
-  todo = [job for job in compiled if job.id not in results]
-  bar = Progress(len(todo), "pallax.verify") if progress else None
 
-  def arrived(result: dict) -> None:
-    if store is not None:
-      store.put(keys[result["id"]], result)
-    if bar is not None:
-      bar.update(result["status"] in BAD)
+  def compile_jobs(batch: list[sweep.Job], label: str) -> None:
+    """Results of ``batch`` into ``results``: from the cache, else compiled and stored."""
+    keys = {job.id: fingerprint(job.id, job.kernel, job.target) for job in batch}
+    for job in batch:
+      hit = store.get(keys[job.id]) if store else None
+      if hit is not None:
+        results[job.id] = dict(hit, cached=True)
+    todo = [job for job in batch if job.id not in results]
+    bar = Progress(len(todo), label) if progress else None
 
-  for result in run_jobs([job.message() for job in todo], workers, timeout_s, arrived):
-    results[result["id"]] = result
+    def arrived(result: dict) -> None:
+      if store is not None:
+        store.put(keys[result["id"]], result)
+      if bar is not None:
+        bar.update(result["status"] in BAD)
+
+    for result in run_jobs([job.message() for job in todo], workers, timeout_s, arrived):
+      results[result["id"]] = result
+
+  compile_jobs([job for job in jobs if job.kernels_from is None], "pallax.verify")
   configs = {job.id: job.config for job in jobs}
   unshared = []  # their kernels' jobs did not compile them: compiled themselves
   for job in jobs:
@@ -130,8 +134,7 @@ def verify(
         continue
       from_configs = {name: configs[owner] for name, owner in job.kernels_from.items()}
       results[job.id] = {**shared, "compile_s": 0.0, "kernels_from": from_configs}
-  for result in run_jobs([job.message() for job in unshared], workers, timeout_s):
-    results[result["id"]] = result
+  compile_jobs(unshared, "pallax.verify (configs whose kernels did not compile)")
   records = []
   for job in jobs:
     record = {

@@ -94,30 +94,36 @@ def test_a_shared_result_is_judged_from_its_own_kernels():
   assert shared_result({"dot_product_attention_d": "b"}, results, H100) is None
 
 
-def test_a_job_whose_kernels_did_not_compile_elsewhere_is_compiled(monkeypatch):
+def test_a_job_whose_kernels_did_not_compile_elsewhere_is_compiled(monkeypatch, tmp_path):
   jobs = _mosaic_gpu_jobs(CASE)
   sent = []
 
   def run_jobs(messages, workers, timeout_s, on_result=None):
-    sent.append([m["id"] for m in messages])
+    if messages:
+      sent.append([m["id"] for m in messages])
     # The first pass: the dk/dv kernels' jobs fail; the second compiles the others.
     status = "failed" if len(sent) == 1 else "ok"
     kernels = [] if len(sent) == 1 else [_kernel(DKDV), _kernel(DQ)]
-    return [{"id": m["id"], "status": status, "kernels": kernels} for m in messages]
+    results = [{"id": m["id"], "status": status, "kernels": kernels} for m in messages]
+    for result in results:
+      on_result(result)
+    return results
 
   monkeypatch.setattr(verify_module, "run_jobs", run_jobs)
-  report = verify_module.verify(
-    cases=[CASE],
-    targets=["h100"],
-    implementations=["pallas_mosaic_gpu"],
-    cache=False,
-    progress=False,
+  monkeypatch.setenv("PALLAX_CACHE_DIR", str(tmp_path))
+  run = lambda: verify_module.verify(
+    cases=[CASE], targets=["h100"], implementations=["pallas_mosaic_gpu"], progress=False
   )
+  report = run()
   shared = {j.id for j in jobs if j.kernels_from is not None}
   assert len(sent) == 2 and {j.id for j in jobs} - shared <= set(sent[0])  # and the forward's
   assert set(sent[1]) == shared and not shared & set(sent[0])
   bwd = [r for r in report.results if r["kernel"] == "dot_product_attention_bwd"]
   assert len(bwd) == 6 and not any("kernels_from" in r for r in bwd)
+  # Both passes' results are in the cache: a rerun compiles nothing.
+  rerun = run()
+  assert len(sent) == 2 and all(r["cached"] for r in rerun.results)
+  assert [r["status"] for r in rerun.results] == [r["status"] for r in report.results]
 
 
 @pytest.mark.compilers
