@@ -229,16 +229,18 @@ class Declaration:
         )
       return config
 
+    def kernel_avals(avals, params: dict):
+      """The kernel's operands of ``avals``; takes the batched flag out of ``params``."""
+      return self._kernel_avals(avals, params.pop(BATCHED, False))
+
     @functools.wraps(space.heuristic)  # keeps its module: the family's, or the user's
     def heuristic(avals, target, **params):
-      batched = params.pop(BATCHED, False)
-      config = space.heuristic(self._kernel_avals(avals, batched), target, **params)
+      config = space.heuristic(kernel_avals(avals, params), target, **params)
       return checked(config, "ConfigSpace.heuristic", maybe_none=own)
 
     @functools.wraps(space.candidates or space.heuristic)
     def candidates(avals, target, **params):
-      batched = params.pop(BATCHED, False)
-      configs = space.configs(self._kernel_avals(avals, batched), target, **params)
+      configs = space.configs(kernel_avals(avals, params), target, **params)
       # An own space without candidates gives its heuristic's config, maybe None.
       configs = [c for c in configs if not (own and space.candidates is None and c is None)]
       return [checked(c, "ConfigSpace.candidates") for c in configs]
@@ -276,8 +278,7 @@ class Declaration:
 
       @functools.wraps(space.kernel_keys)
       def kernel_keys(avals, target, config, **params):
-        batched = params.pop(BATCHED, False)
-        return space.kernel_keys(self._kernel_avals(avals, batched), target, config, **params)
+        return space.kernel_keys(kernel_avals(avals, params), target, config, **params)
 
     return ConfigSpace(
       space.config_cls, heuristic, candidates, supports, space.version, inputs, kernel_keys
