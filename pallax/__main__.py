@@ -8,10 +8,10 @@ to plain JAX (the median over interleaved pairs of calls, ± its 95% interval,
 or ``unreliable`` on a machine too busy to tell; see
 ``pallax.selfcheck.measure_ratio``); then the same errors for the interpreted
 Triton and Mosaic TPU kernels at small sizes, and Mosaic GPU's where an op
-has one that takes the call. ``--quick`` uses the small
-sizes everywhere, with times that are mostly dispatch overhead: on 2 CPU
-cores about a minute and a half instead of three and a half (most of it
-compiling each op's, its gradient's and the interpreted kernels' programs).
+has one that takes the call. ``--quick`` uses the small sizes everywhere,
+with times that are mostly dispatch overhead: on 2 CPU cores about a minute
+and a half instead of three and a half (most of it compiling each op's, its
+gradient's and the interpreted kernels' programs).
 """
 
 from __future__ import annotations

@@ -34,12 +34,18 @@ _JAX_PLATFORMS = {"cpu": "cpu", "gpu": "cuda,cpu", "tpu": "tpu,cpu"}
 if PLATFORM not in _JAX_PLATFORMS:
   raise pytest.UsageError(f"PALLAX_TEST_PLATFORM={PLATFORM!r}: use cpu, gpu or tpu")
 
+
+def _set_xla_flag(name: str, value: str) -> None:
+  """Adds ``--name=value`` to ``XLA_FLAGS`` in the environment, unless it sets ``name`` already."""
+  flags = os.environ.get("XLA_FLAGS", "")
+  if name not in flags:
+    os.environ["XLA_FLAGS"] = f"{flags} --{name}={value}".strip()
+
+
 os.environ.setdefault("JAX_PLATFORMS", _JAX_PLATFORMS[PLATFORM])
 if PLATFORM != "cpu":
   os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
-_flags = os.environ.get("XLA_FLAGS", "")
-if "xla_force_host_platform_device_count" not in _flags:
-  os.environ["XLA_FLAGS"] = (_flags + " --xla_force_host_platform_device_count=8").strip()
+_set_xla_flag("xla_force_host_platform_device_count", "8")
 if PLATFORM == "cpu":
   # Compile-only libtpu (marker ``compilers``) in every xdist worker: without
   # this, the first worker to load libtpu holds its lock file and another's
@@ -139,9 +145,7 @@ def _compile_without_llvm_optimisation() -> None:
   change the compiled kernels those tests check. A level already in
   ``XLA_FLAGS`` is kept.
   """
-  flags = os.environ.get("XLA_FLAGS", "")
-  if "xla_backend_optimization_level" not in flags:
-    os.environ["XLA_FLAGS"] = f"{flags} --xla_backend_optimization_level=0".strip()
+  _set_xla_flag("xla_backend_optimization_level", "0")
 
 
 def _share_compiled_programs(config) -> None:
