@@ -369,15 +369,9 @@ class Form:
     return lax.optimization_barrier(values) if self.hopper else values
 
   def accumulate(self, acc: jax.Array, product: Callable[[Any], None]) -> jax.Array:
-    """``acc`` plus the ``wgmma`` products that ``product(acc_ref)`` issues, in float32.
-
-    On a GPU the products accumulate in place (``pl.run_state`` of an
-    accumulator initialised from ``acc``); interpreted they go to a fresh
-    scoped accumulator that is added to ``acc`` (rounded once more).
-    """
-    if self.hopper:
-      return pl.run_state(product)(plgpu.ACC.init(acc))
-    return acc + fresh_product(acc.shape, product)
+    """``acc`` plus the ``wgmma`` products that ``product(acc_ref)`` issues, in float32."""
+    (acc,), _ = self.pipeline((acc,), lambda refs, read: product(*refs))
+    return acc
 
   def overlap(
     self,
@@ -395,26 +389,63 @@ class Form:
     takes the first's result as soon as it is ready, while the second's still
     run (FlashAttention-3's intra-warpgroup overlap: a block's softmax beside
     the previous block's ``P V``). Returns ``(between's results, acc plus
-    the second's products)``. ``like``: arrays shaped and laid out as
-    ``between``'s results (on a GPU they leave ``pl.run_state`` as its state).
-    Interpreted the second's products are added before ``between`` runs.
+    the second's products)``. ``like``: as ``pipeline``'s.
     """
-    if not self.hopper:
-      product = fresh_product(shape, first)
-      acc = self.accumulate(acc, second)
-      return tuple(between(product)), acc
 
-    def body(refs):
-      first_ref, acc_ref, *result_refs = refs
-      first(first_ref)
-      second(acc_ref)
-      results = between(plgpu.wgmma_accumulator_load(first_ref, wait_n=1))
-      for ref, x in zip(result_refs, results):
-        ref[...] = x
+    def issue(refs, read):
+      first(refs[0])
+      second(refs[1])
+      return between(read(0, 1))
 
     zeros = self.layout(jnp.zeros(tuple(shape), jnp.float32), plgpu.Layout.WGMMA)
-    _, acc, *results = pl.run_state(body)((plgpu.ACC.init(zeros), plgpu.ACC.init(acc), *like))
-    return tuple(results), acc
+    (_, acc), results = self.pipeline((zeros, acc), issue, like)
+    return results, acc
+
+  def pipeline(
+    self,
+    accs: tuple,
+    issue: Callable[[tuple, Callable[[int, int], jax.Array]], Optional[tuple]],
+    like: tuple = (),
+  ) -> tuple[tuple, tuple]:
+    """Float32 accumulators ``accs`` plus the ``wgmma`` products ``issue`` has in flight at once.
+
+    ``issue(refs, read)`` issues products onto the accumulators' refs, each
+    ``plgpu.wgmma`` call a group, and works between them: ``read(k,
+    pending)`` waits until at most ``pending`` groups run (the last issued;
+    they finish in order) and returns accumulator ``k``'s value, its start
+    plus its products so far, so work on it overlaps the products still in
+    flight (FlashAttention-3's intra-warpgroup overlap). ``issue`` may
+    return results (arrays shaped and laid out as ``like``'s: on a GPU they
+    leave ``pl.run_state`` as its state). Everything is waited for once it
+    returns. Returns ``(the accumulators, issue's results)``.
+
+    On a GPU the products accumulate in place (``pl.run_state`` of
+    accumulators initialised from ``accs``); interpreted they go to fresh
+    scoped accumulators that are added to ``accs`` (rounded once more), and
+    ``read`` waits for every group.
+    """
+    n = len(accs)
+    if self.hopper:
+
+      def body(refs):
+        read = lambda k, pending: plgpu.wgmma_accumulator_load(refs[k], wait_n=pending)
+        for ref, x in zip(refs[n:], issue(refs[:n], read) or ()):
+          ref[...] = x
+
+      out = pl.run_state(body)((*(plgpu.ACC.init(a) for a in accs), *like))
+      return tuple(out[:n]), tuple(out[n:])
+
+    def run(*refs):
+      def read(k, pending):
+        plgpu.wgmma_wait(0)
+        return accs[k] + refs[k][...]
+
+      results = issue(refs, read) or ()
+      plgpu.wgmma_wait(0)
+      return tuple(ref[...] for ref in refs), tuple(results)
+
+    fresh, results = pl.run_scoped(run, *(plgpu.ACC(a.shape, jnp.float32) for a in accs))
+    return tuple(a + f for a, f in zip(accs, fresh)), results
 
 
 def fresh_product(shape: Sequence[int], product: Callable[[Any], None]) -> jax.Array:

@@ -64,10 +64,12 @@ from pallax.kernels.attention.common import Problem
 from pallax.kernels.attention.mosaic_gpu import tiles
 from pallax.kernels.attention.mosaic_gpu.config import (
   BWD_BLOCKS,
+  CONSUMERS,
   DKDV_KERNEL,
   DQ_KERNEL,
   DQ_ROWS,
   FUSED_DQ_COLS,
+  NARROW_ROWS,
   MosaicGpuAttentionConfig,
   bwd_lengths,
   call_of,
@@ -152,15 +154,37 @@ class _Kernels:
     )
 
     def step(ctx, j, dq, hide):
-      x = scores(ctx.own["q"], ctx.tile_t("k"), (DQ_ROWS, bk))
-      z, slope = tiles.logits2(p, x, cap_grad=True)
-      probs = jnp.exp2(hide(z) - broadcast(ctx.stats["lse"], z.shape, 0))
+      shape = (DQ_ROWS, bk)
+      s = lambda acc_ref: plgpu.wgmma(acc_ref, ctx.own["q"], ctx.tile_t("k"))
+
+      def softmax(x):  # P and the cap's slope
+        z, slope = tiles.logits2(p, x, cap_grad=True)
+        return jnp.exp2(hide(z) - broadcast(ctx.stats["lse"], shape, 0)), slope
+
+      # S and dP run at once in steps without a mask; masked, S's softmax
+      # comes before dP (compiled for H100: a mask beside dP spilled 8 bytes
+      # with a soft cap in two consumers, 96 at head dim 256).
+      together = ctx.masked is False
+      probs = None if together else softmax(mgpu.fresh_product(shape, s))
       ctx.ring.wait(1, j)
-      dp = scores(ctx.own["do"], ctx.tile_t("v"), (DQ_ROWS, bk))
-      ctx.ring.release(1, j)
-      ds = probs * (dp - broadcast(ctx.stats["delta"], dp.shape, 0))
-      ds = ctx.operand((ds if slope is None else ds * slope).astype(p.dtype))
-      dq = form.accumulate(dq, lambda acc_ref: plgpu.wgmma(acc_ref, ds, ctx.out_tile("k")))
+      # dP's accumulator starts from -delta: dS = P (dP - delta).
+      accs = (broadcast(-ctx.stats["delta"], shape, 0), dq)
+      if together:
+        accs += (form.layout(jnp.zeros(shape, jnp.float32), plgpu.Layout.WGMMA),)
+
+      def grads(refs, read):
+        """dP, then dQ += dS K; S's softmax beside dP where S runs with it."""
+        dp_ref, dq_ref, *s_ref = refs
+        if s_ref:
+          s(s_ref[0])
+        plgpu.wgmma(dp_ref, ctx.own["do"], ctx.tile_t("v"))
+        weights, slope = softmax(read(2, 1)) if s_ref else probs
+        ds = weights * read(0, 0)
+        ctx.ring.release(1, j)
+        ds = ctx.operand((ds if slope is None else ds * slope).astype(p.dtype))
+        plgpu.wgmma(dq_ref, ds, ctx.out_tile("k"))
+
+      (_, dq, *_), _ = form.pipeline(accs, grads)
       ctx.ring.release(0, j)
       return dq
 
@@ -232,6 +256,7 @@ class _Kernels:
         plgpu.barrier_wait(own_full.at[wg])
         k_seg = form.vector(seg_smem[0].at[wg], 0) if seg_refs else None
         own = tiles.own_range(lo, hi, blocks.query_blocks(s0, bk))
+        dv_late = has_masks(p) and consumers == CONSUMERS and h > 64
         unmasked = blocks.unmasked_queries(s0, *own)
 
         def add_dq(g, i):
@@ -253,41 +278,55 @@ class _Kernels:
         def step(u, g, i, carry, masked):
           dk, dv = carry
           s = ring.slot(u)
-          ring.wait(0, u)
-          x = scores(k_smem.at[wg], self._t(q_smem, qt_smem, s), (bk, bq))
-          z = tiles.logits2(p, x)
+          column = lambda ref: broadcast(form.vector(ref.at[s], 1), (bk, bq), 1)
+          s_t = lambda acc_ref: plgpu.wgmma(acc_ref, k_smem.at[wg], self._t(q_smem, qt_smem, s))
+          dp_t = lambda acc_ref: plgpu.wgmma(acc_ref, v_smem.at[wg], self._t(do_smem, dot_smem, s))
 
           def keep():
             ids = None if k_seg is None else (k_seg, form.vector(seg_smem[1].at[s], 1))
             return blocks.keep_queries(form, s0, i, ids)
 
-          z = tiles.hiding(masked, keep)(z)
-          # dP^T before the probabilities: S^T, dP^T and the accumulators are
-          # all that is live (the mask is gone), which keeps head dim 128 in registers.
+          logits = lambda x: tiles.hiding(masked, keep)(tiles.logits2(p, x))
+          ring.wait(0, u)
+          # Unmasked, S^T and dP^T run at once; masked, the mask comes before
+          # dP^T: S^T, dP^T and the accumulators are all that is live beside
+          # it, which keeps head dim 128 in registers.
+          z = None if masked is False else logits(mgpu.fresh_product((bk, bq), s_t))
           ring.wait(1, u)
           ring.wait(2, u)
-          column = lambda ref: broadcast(form.vector(ref.at[s], 1), (bk, bq), 1)
-          do_t = self._t(do_smem, dot_smem, s)
-          dp_t = lambda acc_ref: plgpu.wgmma(acc_ref, v_smem.at[wg], do_t)
-          dp = form.accumulate(column(neg_delta_smem), dp_t)
-          probs = jnp.exp2(z - column(lse_smem))
-          ds = probs * dp  # P (dP - delta)
+          # dP^T's accumulator starts from -delta: dS^T = P^T (dP^T - delta).
+          accs = (column(neg_delta_smem), dv, dk)
+          if z is None:
+            accs += (form.layout(jnp.zeros((bk, bq), jnp.float32), plgpu.Layout.WGMMA),)
+
+          # P^T dO is issued before dS^T waits for dP^T: ptxas moves work
+          # below a wait it does not feed (the exponentials, before P^T dO
+          # needed them: 26 of 32 a thread). dS^T before P^T dO where that
+          # spilled (compiled for H100): two consumers above head dim 64 with
+          # masks, fused (16 bytes, causal) or of 64-query steps (24).
+          dv_first = not (dv_late and (fuse_dq or bq > NARROW_ROWS))
+
+          def grads(refs, read):
+            """dP^T, then dV += P^T dO and dK += dS^T Q, each beside the product before it."""
+            dp_ref, dv_ref, dk_ref, *s_ref = refs
+            if s_ref:
+              s_t(s_ref[0])
+            dp_t(dp_ref)
+            x = logits(read(3, 1)) if s_ref else z
+            probs = jnp.exp2(x - column(lse_smem))
+            ds = None if dv_first else probs * read(0, 0)  # P (dP - delta)
+            weights = form.operand(probs.astype(p.dtype), st_smem, wg, 0)
+            plgpu.wgmma(dv_ref, weights, columns(do_smem.at[s]))
+            ds = probs * read(0, 1) if dv_first else ds
+            ds = (ds if p.soft_cap is None else ds * tiles.cap_slope(p, x)).astype(p.dtype)
+            if fuse_dq:  # dS^T to SMEM too: dQ^T's right operand
+              ds_smem.at[wg][...] = ds
+              plgpu.commit_smem()
+            plgpu.wgmma(dk_ref, form.operand(ds, st_smem, wg, 1), columns(q_smem.at[s]))
+
+          (_, dv, dk, *_), _ = form.pipeline(accs, grads)
           ring.release(2, u)
-          slope = tiles.cap_slope(p, z)
-          ds = ds if slope is None else ds * slope
-          weights = form.operand(probs.astype(p.dtype), st_smem, wg)
-          dv = form.accumulate(
-            dv, lambda acc_ref: plgpu.wgmma(acc_ref, weights, columns(do_smem.at[s]))
-          )
           ring.release(1, u)
-          ds = ds.astype(p.dtype)
-          if fuse_dq:  # dS^T to SMEM too: dQ^T's right operand
-            ds_smem.at[wg][...] = ds
-            plgpu.commit_smem()
-          operand = form.operand(ds, st_smem, wg)
-          dk = form.accumulate(
-            dk, lambda acc_ref: plgpu.wgmma(acc_ref, operand, columns(q_smem.at[s]))
-          )
           ring.release(0, u)
           if fuse_dq:
             add_dq(g, i)
@@ -367,7 +406,7 @@ class _Kernels:
         plgpu.SMEM((stages, bq), jnp.float32),
         None if form.hopper else self._tile(stages, h, bq),
         None if form.hopper else self._tile(stages, h, bq),
-        form.staging((consumers, bk, bq), p.dtype),
+        form.staging((consumers, 2, bk, bq), p.dtype),
         tiles.segment_smem(segs, (consumers, bk), (stages, bq)),
         None if chunks == 1 else self._tile(consumers, bk, cols),
         self._tile(consumers, bk, bq) if fuse_dq else None,

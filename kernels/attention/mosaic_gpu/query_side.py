@@ -43,6 +43,7 @@ class Step:
   ring's slot of a streamed operand, ``tile_t(name)`` the same transposed
   (a view on a GPU, the transposed copy interpreted), ``out_tile(name)`` its
   columns of the block of threads' outputs (``cols``: a slice, or None for all).
+  ``masked``: the step's ``over_steps`` flag (False: a step without a mask).
   """
 
   kernel: QueryKernel
@@ -55,6 +56,7 @@ class Step:
   ring: mgpu.Ring = None
   slot: Any = None
   cols: Any = None
+  masked: Any = None
 
   def tile(self, name: str):
     return self.ring_refs[name].at[self.slot]
@@ -201,7 +203,7 @@ class QueryKernel:
             return blocks.keep_keys(form, t0, j, ids)
 
           hide = tiles.hiding(masked, keep)
-          return step(dataclasses.replace(ctx, slot=ring.slot(j)), j, carry, hide)
+          return step(dataclasses.replace(ctx, slot=ring.slot(j), masked=masked), j, carry, hide)
 
         unmasked = blocks.unmasked_keys(t0, *own)
         carry = tiles.over_steps(lo, own, unmasked, hi, skip, run, init(ctx), self.one_loop)
