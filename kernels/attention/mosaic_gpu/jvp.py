@@ -30,7 +30,7 @@ from pallax.kernels.attention.mosaic_gpu.config import (
   round_up,
   wide_consumers,
 )
-from pallax.kernels.attention.mosaic_gpu.query_side import QueryKernel, scores
+from pallax.kernels.attention.mosaic_gpu.query_side import QueryKernel
 from pallax.kernels.attention.mosaic_gpu.tiles import broadcast
 from pallax.pallas_mosaic_gpu import plgpu
 
@@ -67,31 +67,46 @@ def jvp(*operands, config: MosaicGpuAttentionConfig, interpret: Any, **params) -
     # kernel's rule): a ragged last key block is masked, and the two loops
     # spilled 4 bytes at head dim 128 for that alone.
     one_loop=consumers == 1,
+    staged=2,
   )
   shape = (DQ_ROWS, bk)
 
   def step(ctx, j, carry, hide):
     a, r = carry
-    z, slope = tiles.logits2(p, scores(ctx.own["q"], ctx.tile_t("k"), shape), cap_grad=True)
-    probs = jnp.exp2(hide(z) - broadcast(ctx.stats["lse"], shape, 0))
+    s = lambda acc_ref: plgpu.wgmma(acc_ref, ctx.own["q"], ctx.tile_t("k"))
+
+    def softmax(x):  # P and the cap's slope
+      z, slope = tiles.logits2(p, x, cap_grad=True)
+      return jnp.exp2(hide(z) - broadcast(ctx.stats["lse"], shape, 0)), slope
+
+    # S and the tangent logits run at once in steps without a mask; masked,
+    # S's softmax comes before them (registers).
+    together = ctx.masked is False
+    probs = None if together else softmax(mgpu.fresh_product(shape, s))
     ctx.ring.wait(2, j)
+    zeros = form.layout(jnp.zeros(shape, jnp.float32), plgpu.Layout.WGMMA)
 
-    def tangent_logits(acc_ref):
-      plgpu.wgmma(acc_ref, ctx.own["dq"], ctx.tile_t("k"))
-      plgpu.wgmma(acc_ref, ctx.own["q"], ctx.tile_t("dk"))
+    def products(refs, read):
+      """The tangent logits dS, then A += P dV beside them and A += (P dS) V beside that."""
+      a_ref, ds_ref, *s_ref = refs
+      if s_ref:
+        s(s_ref[0])
+      plgpu.wgmma(ds_ref, ctx.own["dq"], ctx.tile_t("k"))
+      plgpu.wgmma(ds_ref, ctx.own["q"], ctx.tile_t("dk"))
+      weights, slope = softmax(read(2, 2)) if s_ref else probs
+      ctx.ring.wait(3, j)
+      plgpu.wgmma(a_ref, ctx.operand(weights.astype(p.dtype)), ctx.tile("dv"))
+      ds = read(1, 1) * p.scale
+      ctx.ring.release(0, j)
+      ctx.ring.release(2, j)
+      pds = weights * (ds if slope is None else ds * slope)
+      ctx.ring.wait(1, j)
+      plgpu.wgmma(a_ref, ctx.operand(pds.astype(p.dtype), 1), ctx.tile("v"))
+      return (r + pds.sum(axis=1),)
 
-    ds = mgpu.fresh_product(shape, tangent_logits) * p.scale
-    ctx.ring.release(0, j)
-    ctx.ring.release(2, j)
-    pds = probs * (ds if slope is None else ds * slope)
-    r = r + pds.sum(axis=1)
-    ctx.ring.wait(1, j)
-    weights = ctx.operand(pds.astype(p.dtype))
-    a = form.accumulate(a, lambda acc_ref: plgpu.wgmma(acc_ref, weights, ctx.tile("v")))
+    accs = (a, zeros) + ((zeros,) if together else ())
+    (a, *_), (r,) = form.pipeline(accs, products, (r,))
     ctx.ring.release(1, j)
-    ctx.ring.wait(3, j)
-    weights = ctx.operand(probs.astype(p.dtype))
-    a = form.accumulate(a, lambda acc_ref: plgpu.wgmma(acc_ref, weights, ctx.tile("dv")))
     ctx.ring.release(3, j)
     return a, r
 

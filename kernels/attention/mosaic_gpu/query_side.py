@@ -69,9 +69,9 @@ class Step:
       return plgpu.transpose_ref(self.ring_refs[name].at[self.slot], (1, 0))
     return self.transposed_refs[name].at[self.slot]
 
-  def operand(self, x: jax.Array):
-    """``x`` as a ``wgmma`` left operand (staged through SMEM interpreted)."""
-    return self.kernel.form.operand(x, self.staging, self.wg)
+  def operand(self, x: jax.Array, k: int = 0):
+    """``x`` as a ``wgmma`` left operand (interpreted, staged through SMEM slot ``k``)."""
+    return self.kernel.form.operand(x, self.staging, self.wg, k)
 
 
 @dataclasses.dataclass
@@ -94,6 +94,8 @@ class QueryKernel:
     one_loop: masked and unmasked steps in one loop (``tiles.over_steps``).
     cols: columns of the tile outputs a block of threads computes (a divisor
       of the head dim; None: all), its share chosen by the grid's heads axis.
+    staged: register ``wgmma`` operands a step has in flight at once (the
+      interpreted form stages each through an SMEM slot of its own).
   """
 
   p: Problem
@@ -110,6 +112,7 @@ class QueryKernel:
   name: str
   one_loop: bool = False
   cols: Optional[int] = None
+  staged: int = 1
 
   def _tile(self, lead: int, rows: int, cols: int, dtype=None):
     dtype = self.p.dtype if dtype is None else dtype
@@ -250,7 +253,7 @@ class QueryKernel:
           self._tile(c, bq, cols, dtype) if is_tile else plgpu.SMEM((c, bq), dtype)
           for dtype, is_tile in self.outs.values()
         ],
-        form.staging((c, bq, bk), p.dtype),
+        form.staging((c, self.staged, bq, bk), p.dtype),
         tiles.segment_smem(segs, (c, bq), (stages, bk)),
       ],
       plgpu.Barrier(num_arrivals=len(own_names) + len(stat_names) + bool(segs), num_barriers=c),
