@@ -39,6 +39,14 @@ own per key tile, summed after the kernel). The adds' order varies, so dq
 is not bitwise reproducible; padded keys are masked there (their
 probability could overflow, and ``inf`` times their zero K is NaN).
 
+Within a consumer, products run while it computes (``Form.pipeline``):
+the dk/dv kernel issues S^T and dP^T at once where a step has no mask,
+computes P^T beside dP^T, issues ``P^T dO`` before it waits for dP^T
+(else ptxas moves the exponentials below that wait) and ``dS^T Q``
+beside ``P^T dO``; the dq kernel issues S and dP at once where a step
+has no mask. Masked steps compute the mask before dP^T (or dP): beside
+it in flight their registers spilled.
+
 Blocks hidden entirely (causal, window, lengths, outside the segments' runs)
 are not loaded; partly hidden ones are masked. The soft cap's slope scales
 ``dS``. Padded queries

@@ -9,7 +9,9 @@ K, V and their tangents dK, dV. Per key block:
 ``A += (P dS) V + P dV``, ``r += rowsum(P dS)``. Then ``out_dot = A - r out``
 (by XLA, from the forward's ``out``) and ``lse_dot = r``: the tangent the
 Triton kernel computes (``common.tangent_block``), linear in (dq, dk, dv).
-Sinks are applied around it (``common.with_sinks``).
+Sinks are applied around it (``common.with_sinks``). ``P dV`` is issued
+before the wait for the tangent logits and ``(P dS) V`` computed beside it
+(``Form.pipeline``); where a step has no mask, S runs with the tangent logits.
 """
 
 from __future__ import annotations

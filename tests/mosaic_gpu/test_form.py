@@ -1,0 +1,96 @@
+"""``pallax.pallas_mosaic_gpu.Form.pipeline``: products in flight at once, read before the last.
+
+A kernel of one consumer issues two ``wgmma`` products onto two accumulators
+(the first starting from a nonzero tile), reads the first while the second
+may still run, and returns work on it as a result. Interpreted against
+float64 (16-bit products are exact in float32: float32 rounding of the
+sums), and compiled for H100 without spills (the Hopper form: one
+``pl.run_state``, ``wgmma_accumulator_load(wait_n=1)``).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallax import pallas_mosaic_gpu as mgpu
+from pallax.pallas_mosaic_gpu import plgpu
+from tests.helpers import f64
+
+N = 64
+START = 2.0  # the first accumulator's start
+TOL = 1e-5  # float32 sums of exact products, relative to the largest value
+
+
+def _pipelined(form: mgpu.Form, a: jax.Array, b: jax.Array) -> list[jax.Array]:
+  """``(START + a b, b a, 3 (START + a b))``: the last computed while ``b a`` runs."""
+  tile = jax.ShapeDtypeStruct((N, N), jnp.float32)
+  swizzled = lambda: plgpu.SMEM((N, N), a.dtype, transforms=mgpu.swizzle_transforms(a.dtype))
+
+  def body(a_ref, b_ref, *refs):
+    *out_refs, ((a_smem, b_smem, out_smem), loaded) = refs
+
+    def consumer(_):
+      plgpu.copy_gmem_to_smem(a_ref, a_smem, loaded)
+      plgpu.copy_gmem_to_smem(b_ref, b_smem, loaded)
+      plgpu.barrier_wait(loaded)
+
+      def issue(acc_refs, read):
+        plgpu.wgmma(acc_refs[0], a_smem, b_smem)
+        plgpu.wgmma(acc_refs[1], b_smem, a_smem)
+        return (read(0, 1) * 3.0,)
+
+      start = form.layout(jnp.full((N, N), START, jnp.float32), plgpu.Layout.WGMMA)
+      zeros = form.layout(jnp.zeros((N, N), jnp.float32), plgpu.Layout.WGMMA)
+      (first, second), (tripled,) = form.pipeline((start, zeros), issue, (zeros,))
+      for k, x in enumerate((first, second, tripled)):
+        out_smem.at[k][...] = x
+      plgpu.commit_smem()
+      for k, ref in enumerate(out_refs):
+        plgpu.copy_smem_to_gmem(out_smem.at[k], ref)
+      plgpu.wait_smem_to_gmem(0)
+
+    form.consumers(1, consumer)
+
+  scratch = [
+    [swizzled(), swizzled(), plgpu.SMEM((3, N, N), jnp.float32)],
+    plgpu.Barrier(num_arrivals=2),
+  ]
+  return form.launch(
+    body,
+    [a, b],
+    [tile] * 3,
+    grid=(1,),
+    grid_names=("x",),
+    scratch=scratch,
+    name="pipeline_test",
+    consumers=1,
+  )
+
+
+def _inputs():
+  rng = np.random.default_rng(0)
+  return [jnp.asarray(rng.standard_normal((N, N)), jnp.bfloat16) for _ in range(2)]
+
+
+def test_a_read_returns_the_start_plus_the_products_issued_before_it():
+  a, b = _inputs()
+  first, second, tripled = _pipelined(mgpu.Form(hopper=False), a, b)
+  ab, ba = f64(a) @ f64(b), f64(b) @ f64(a)
+  for got, want in ((first, START + ab), (second, ba), (tripled, 3 * (START + ab))):
+    assert np.max(np.abs(f64(got) - want)) / np.max(np.abs(want)) < TOL
+
+
+@pytest.mark.compilers
+def test_the_hopper_form_compiles_for_h100_without_spills():
+  from pallax.verify.compile import compile_kernels, judge
+  from pallax.verify.targets import TARGETS
+
+  h100 = TARGETS["h100"]
+  args = [jax.ShapeDtypeStruct((N, N), jnp.bfloat16)] * 2
+  fn = lambda a, b: _pipelined(mgpu.Form(hopper=True), a, b)
+  kernels = compile_kernels(fn, args, h100, mgpu.IMPLEMENTATION)
+  assert [k["name"] for k in kernels] == ["pipeline_test_mosaic_gpu_kernel"]
+  assert judge(kernels, h100) == {"status": "ok"}, kernels
