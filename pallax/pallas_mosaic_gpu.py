@@ -198,6 +198,10 @@ class Form:
     """``plgpu.layout_cast`` on a GPU (a register layout hint); ``x`` interpreted."""
     return plgpu.layout_cast(x, layout) if self.hopper else x
 
+  def zeros(self, shape: Sequence[int], dtype: Any = jnp.float32) -> jax.Array:
+    """Zeros in a ``wgmma`` accumulator's register layout: a fresh accumulator's start."""
+    return self.layout(jnp.zeros(tuple(shape), dtype), plgpu.Layout.WGMMA)
+
   def iota(self, shape: Sequence[int], dim: int) -> jax.Array:
     """int32 positions along ``dim`` of a ``wgmma`` accumulator's tile."""
     if self.hopper:
@@ -373,33 +377,42 @@ class Form:
     (acc,), _ = self.pipeline((acc,), lambda refs, read: product(*refs))
     return acc
 
-  def overlap(
+  def pipeline_after(
     self,
     shape: Sequence[int],
     first: Callable[[Any], None],
-    acc: jax.Array,
-    second: Callable[[Any], None],
-    between: Callable[[jax.Array], tuple],
-    like: tuple,
-  ) -> tuple[tuple, jax.Array]:
-    """Two ``wgmma`` products in flight at once, work on the first beside the second.
+    then: Callable[[jax.Array], Any],
+    together: bool,
+    starts: Callable[[], tuple],
+    issue: Callable[[tuple, Callable, Callable[[int], Any]], Optional[tuple]],
+    like: tuple = (),
+  ) -> tuple[tuple, tuple]:
+    """``pipeline`` after a first product, with ``then`` of it beside the later ones or before.
 
     ``first(ref)`` issues products into a fresh float32 accumulator of
-    ``shape``, then ``second(acc_ref)`` products onto ``acc``; ``between``
-    takes the first's result as soon as it is ready, while the second's still
-    run (FlashAttention-3's intra-warpgroup overlap: a block's softmax beside
-    the previous block's ``P V``). Returns ``(between's results, acc plus
-    the second's products)``. ``like``: as ``pipeline``'s.
+    ``shape``. With ``together`` they are issued first in the pipeline, and
+    ``issue(refs, read, ready)``'s ``ready(pending)`` returns ``then`` of
+    their value, read while the ``pending`` groups issued after them run
+    (FlashAttention-3's intra-warpgroup overlap: the forward's softmax beside
+    the previous block's ``P V``). Else the first products and ``then`` run
+    before the pipeline, neither ``then``'s registers nor the accumulators'
+    beside products in flight, and ``ready`` returns its result.
+    ``starts()`` makes the pipeline's accumulators, after ``then`` there (a
+    start loaded before it stayed live beside it: the fused dk/dv kernel
+    spilled). Returns ``pipeline``'s.
     """
+    if not together:
+      ready = then(fresh_product(shape, first))
+      return self.pipeline(starts(), lambda refs, read: issue(refs, read, lambda _: ready), like)
+    accs = starts()
+    n = len(accs)
 
-    def issue(refs, read):
-      first(refs[0])
-      second(refs[1])
-      return between(read(0, 1))
+    def body(refs, read):
+      first(refs[n])
+      return issue(refs[:n], read, lambda pending: then(read(n, pending)))
 
-    zeros = self.layout(jnp.zeros(tuple(shape), jnp.float32), plgpu.Layout.WGMMA)
-    (_, acc), results = self.pipeline((zeros, acc), issue, like)
-    return results, acc
+    sums, results = self.pipeline((*accs, self.zeros(shape)), body, like)
+    return sums[:n], results
 
   def pipeline(
     self,
@@ -414,7 +427,10 @@ class Form:
     pending)`` waits until at most ``pending`` groups run (the last issued;
     they finish in order) and returns accumulator ``k``'s value, its start
     plus its products so far, so work on it overlaps the products still in
-    flight (FlashAttention-3's intra-warpgroup overlap). ``issue`` may
+    flight (FlashAttention-3's intra-warpgroup overlap). None of those
+    ``pending`` groups may add to accumulator ``k`` (on a GPU the read
+    would race them; interpreted, where ``read`` waits for every group, it
+    would not show). ``issue`` may
     return results (arrays shaped and laid out as ``like``'s: on a GPU they
     leave ``pl.run_state`` as its state). Everything is waited for once it
     returns. Returns ``(the accumulators, issue's results)``.

@@ -424,8 +424,8 @@ def test_the_forward_with_softmax_beside_the_previous_blocks_values(name, monkey
   """``fwd_overlap``: a step's ``S`` beside the previous one's ``P V``: output, lse vs float64."""
   case, (block_k, stages) = OVERLAP_CASES[name]
   config = mosaic_gpu.MosaicGpuAttentionConfig(block_k=block_k, num_stages=stages, fwd_overlap=True)
-  overlaps, overlap = [], mgpu.Form.overlap
-  monkeypatch.setattr(mgpu.Form, "overlap", lambda *args: overlaps.append(1) or overlap(*args))
+  overlaps, after = [], mgpu.Form.pipeline_after
+  monkeypatch.setattr(mgpu.Form, "pipeline_after", lambda *a: overlaps.append(1) or after(*a))
   picks = _forward_vs_float64(case, config, 6, name)
   assert picks[config].implementation == MOSAIC and picks[config].config == config
   assert not picks[None].config.fwd_overlap  # a candidate, not the heuristic's

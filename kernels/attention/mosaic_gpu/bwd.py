@@ -40,12 +40,13 @@ is not bitwise reproducible; padded keys are masked there (their
 probability could overflow, and ``inf`` times their zero K is NaN).
 
 Within a consumer, products run while it computes (``Form.pipeline``):
-the dk/dv kernel issues S^T and dP^T at once where a step has no mask,
-computes P^T beside dP^T, issues ``P^T dO`` before it waits for dP^T
-(else ptxas moves the exponentials below that wait) and ``dS^T Q``
-beside ``P^T dO``; the dq kernel issues S and dP at once where a step
-has no mask. Masked steps compute the mask before dP^T (or dP): beside
-it in flight their registers spilled.
+the dk/dv kernel issues S^T and dP^T at once in the steps its loops know
+to be unmasked (a loop of unmasked steps, ``tiles.over_steps``), computes
+P^T beside dP^T, issues ``P^T dO`` before it waits for dP^T (else ptxas
+moves the exponentials below that wait; not where that spilled:
+``dv_first``) and ``dS^T Q`` beside ``P^T dO``; the dq kernel issues S
+and dP at once in such steps. Other steps compute S's mask before dP^T
+(or dP): beside it in flight their registers spilled.
 
 Blocks hidden entirely (causal, window, lengths, outside the segments' runs)
 are not loaded; partly hidden ones are masked. The soft cap's slope scales
@@ -86,7 +87,7 @@ from pallax.kernels.attention.mosaic_gpu.config import (
   head,
   out_cols,
 )
-from pallax.kernels.attention.mosaic_gpu.query_side import QueryKernel, scores
+from pallax.kernels.attention.mosaic_gpu.query_side import QueryKernel
 from pallax.kernels.attention.mosaic_gpu.tiles import broadcast
 from pallax.pallas_mosaic_gpu import plgpu
 
@@ -105,7 +106,7 @@ def bwd(*operands, config: MosaicGpuAttentionConfig, interpret: Any, **params) -
     "q": tiles.pad(ops.q, {3: tp, 4: h}),
     "do": tiles.pad(ops.dout.astype(p.dtype), {3: tp, 4: h}),
     "lse": tiles.pad(lse, {3: tp}, jnp.inf),
-    "delta": tiles.pad(delta, {3: tp}),
+    "neg_delta": tiles.pad(-delta, {3: tp}),
   }
   keys = {"k": tiles.pad(ops.k, {2: sp, 3: h}), "v": tiles.pad(ops.v, {2: sp, 3: h})}
   blocks = tiles.Tiles(p, bq, bk, cut_keys=config.fuse_dq)
@@ -153,7 +154,7 @@ class _Kernels:
       bk,
       self.config.dq_consumers,
       own_tiles={"q": queries["q"], "do": queries["do"]},
-      own_stats={"lse": queries["lse"], "delta": queries["delta"]},
+      own_stats={"lse": queries["lse"], "neg_delta": queries["neg_delta"]},
       ring={"k": keys["k"], "v": keys["v"]},
       transposed=("k", "v"),
       outs={"dq": (p.dtype, True)},
@@ -162,42 +163,29 @@ class _Kernels:
     )
 
     def step(ctx, j, dq, hide):
-      shape = (DQ_ROWS, bk)
-      s = lambda acc_ref: plgpu.wgmma(acc_ref, ctx.own["q"], ctx.tile_t("k"))
+      def starts():
+        # V's wait here: before an unmasked step's S, after a masked step's
+        # softmax (S before it spilled 8 bytes at head dim 256, causal with a
+        # soft cap). dP's accumulator starts from -delta: dS = P (dP - delta).
+        ctx.ring.wait(1, j)
+        return broadcast(ctx.stats["neg_delta"], (DQ_ROWS, bk), 0), dq
 
-      def softmax(x):  # P and the cap's slope
-        z, slope = tiles.logits2(p, x, cap_grad=True)
-        return jnp.exp2(hide(z) - broadcast(ctx.stats["lse"], shape, 0)), slope
-
-      # S and dP run at once in steps without a mask; masked, S's softmax
-      # comes before dP (compiled for H100: a mask beside dP spilled 8 bytes
-      # with a soft cap in two consumers, 96 at head dim 256).
-      together = ctx.masked is False
-      probs = None if together else softmax(mgpu.fresh_product(shape, s))
-      ctx.ring.wait(1, j)
-      # dP's accumulator starts from -delta: dS = P (dP - delta).
-      accs = (broadcast(-ctx.stats["delta"], shape, 0), dq)
-      if together:
-        accs += (form.layout(jnp.zeros(shape, jnp.float32), plgpu.Layout.WGMMA),)
-
-      def grads(refs, read):
-        """dP, then dQ += dS K; S's softmax beside dP where S runs with it."""
-        dp_ref, dq_ref, *s_ref = refs
-        if s_ref:
-          s(s_ref[0])
+      def grads(refs, read, ready):
+        """dP, S's softmax beside it where S runs with it, then dQ += dS K."""
+        dp_ref, dq_ref = refs
         plgpu.wgmma(dp_ref, ctx.own["do"], ctx.tile_t("v"))
-        weights, slope = softmax(read(2, 1)) if s_ref else probs
-        ds = weights * read(0, 0)
+        probs, slope = ready(1)
+        ds = probs * read(0, 0)
         ctx.ring.release(1, j)
         ds = ctx.operand((ds if slope is None else ds * slope).astype(p.dtype))
         plgpu.wgmma(dq_ref, ds, ctx.out_tile("k"))
 
-      (_, dq, *_), _ = form.pipeline(accs, grads)
+      (_, dq), _ = ctx.pipeline(starts, grads, hide)
       ctx.ring.release(0, j)
       return dq
 
     cols = out_cols(p, "dq")
-    init = lambda ctx: form.layout(jnp.zeros((DQ_ROWS, cols), jnp.float32), plgpu.Layout.WGMMA)
+    init = lambda ctx: form.zeros((DQ_ROWS, cols))
     (dq,) = kernel(init, step, lambda ctx, dq: {"dq": dq * p.scale}, tp, h)
     return dq
 
@@ -217,11 +205,18 @@ class _Kernels:
     assert chunks * cols == h, f"{cols} columns a share do not divide head dim {h}"
     assert not fuse_dq or chunks == 1, "a share of dK's and dV's columns has no whole dQ"
     dq_chunks = h // FUSED_DQ_COLS
+    # A step issues P^T dO before dS^T waits for dP^T: ptxas moves work below
+    # a wait it does not feed (P^T's exponentials after dP^T's wait: 26 of 32
+    # a thread), not below the issue of a product that reads it. dS^T comes
+    # first where that spilled (compiled for H100): two consumers above head
+    # dim 64 with masks, fused (16 bytes, causal) or of 64-query steps (24).
+    two_wide = consumers == CONSUMERS and h > 64 and (fuse_dq or bq > NARROW_ROWS)
+    dv_first = not (two_wide and has_masks(p))
     rows = consumers * bk
     q_t, do_t = self._transposed(queries["q"]), self._transposed(queries["do"])
     # dP^T's accumulator starts from -delta broadcast over the keys: no delta
     # column (16 registers a thread) next to the tiles (a masked head dim 128 spilled).
-    stats = [queries["lse"], -queries["delta"]]
+    stats = [queries["lse"], queries["neg_delta"]]
     tensors = [keys["k"], keys["v"], queries["q"], queries["do"]]
     operands = [tiles.sequence_first(x) for x in tensors] + stats
     transposed = [] if form.hopper else [q_t, do_t]
@@ -264,7 +259,6 @@ class _Kernels:
         plgpu.barrier_wait(own_full.at[wg])
         k_seg = form.vector(seg_smem[0].at[wg], 0) if seg_refs else None
         own = tiles.own_range(lo, hi, blocks.query_blocks(s0, bk))
-        dv_late = has_masks(p) and consumers == CONSUMERS and h > 64
         unmasked = blocks.unmasked_queries(s0, *own)
 
         def add_dq(g, i):
@@ -276,7 +270,8 @@ class _Kernels:
               k_rows = plgpu.transpose_ref(k_smem.at[wg].at[:, dq_cols], (1, 0))
             else:
               k_rows = kt_smem.at[wg].at[dq_cols]
-            dq_t = scores(k_rows, ds_smem.at[wg], (FUSED_DQ_COLS, bq))
+            dq_product = lambda acc_ref: plgpu.wgmma(acc_ref, k_rows, ds_smem.at[wg])
+            dq_t = mgpu.fresh_product((FUSED_DQ_COLS, bq), dq_product)
             # This chunk's tile of the last step has been read by its reduce-add.
             plgpu.wait_smem_to_gmem(dq_chunks - 1, wait_read_only=True)
             dq_smem.at[wg, c][...] = dq_t
@@ -296,43 +291,33 @@ class _Kernels:
 
           logits = lambda x: tiles.hiding(masked, keep)(tiles.logits2(p, x))
           ring.wait(0, u)
-          # Unmasked, S^T and dP^T run at once; masked, the mask comes before
-          # dP^T: S^T, dP^T and the accumulators are all that is live beside
-          # it, which keeps head dim 128 in registers.
-          z = None if masked is False else logits(mgpu.fresh_product((bk, bq), s_t))
           ring.wait(1, u)
           ring.wait(2, u)
           # dP^T's accumulator starts from -delta: dS^T = P^T (dP^T - delta).
-          accs = (column(neg_delta_smem), dv, dk)
-          if z is None:
-            accs += (form.layout(jnp.zeros((bk, bq), jnp.float32), plgpu.Layout.WGMMA),)
+          starts = lambda: (column(neg_delta_smem), dv, dk)
 
-          # P^T dO is issued before dS^T waits for dP^T: ptxas moves work
-          # below a wait it does not feed (the exponentials, before P^T dO
-          # needed them: 26 of 32 a thread). dS^T before P^T dO where that
-          # spilled (compiled for H100): two consumers above head dim 64 with
-          # masks, fused (16 bytes, causal) or of 64-query steps (24).
-          dv_first = not (dv_late and (fuse_dq or bq > NARROW_ROWS))
-
-          def grads(refs, read):
-            """dP^T, then dV += P^T dO and dK += dS^T Q, each beside the product before it."""
-            dp_ref, dv_ref, dk_ref, *s_ref = refs
-            if s_ref:
-              s_t(s_ref[0])
+          def grads(refs, read, ready):
+            """dP^T beside S^T's logits, P^T dO beside dS^T (``dv_first``), then dS^T Q."""
+            dp_ref, dv_ref, dk_ref = refs
             dp_t(dp_ref)
-            x = logits(read(3, 1)) if s_ref else z
-            probs = jnp.exp2(x - column(lse_smem))
+            z = ready(1)
+            probs = jnp.exp2(z - column(lse_smem))
             ds = None if dv_first else probs * read(0, 0)  # P (dP - delta)
             weights = form.operand(probs.astype(p.dtype), st_smem, wg, 0)
             plgpu.wgmma(dv_ref, weights, columns(do_smem.at[s]))
             ds = probs * read(0, 1) if dv_first else ds
-            ds = (ds if p.soft_cap is None else ds * tiles.cap_slope(p, x)).astype(p.dtype)
+            ds = (ds if p.soft_cap is None else ds * tiles.cap_slope(p, z)).astype(p.dtype)
             if fuse_dq:  # dS^T to SMEM too: dQ^T's right operand
               ds_smem.at[wg][...] = ds
               plgpu.commit_smem()
             plgpu.wgmma(dk_ref, form.operand(ds, st_smem, wg, 1), columns(q_smem.at[s]))
 
-          (_, dv, dk, *_), _ = form.pipeline(accs, grads)
+          # In steps the loops know to be unmasked (``masked`` False: not the
+          # one-consumer loop of a masked call) S^T runs with dP^T; else S^T
+          # and its mask come first: beside dP^T in flight they spilled.
+          (_, dv, dk), _ = form.pipeline_after(
+            (bk, bq), s_t, logits, masked is False, starts, grads
+          )
           ring.release(2, u)
           ring.release(1, u)
           ring.release(0, u)
@@ -357,7 +342,7 @@ class _Kernels:
           masked = tiles.masked_step(i, unmasked) if masks else False
           return step(u, g, i, carry, masked)
 
-        zeros = lambda: form.layout(jnp.zeros((bk, cols), jnp.float32), plgpu.Layout.WGMMA)
+        zeros = lambda: form.zeros((bk, cols))
         if consumers == 1:
           # One consumer (above head dim 64, 64-query steps): dK and dV take up
           # to 128 registers a thread: one loop over every query head's blocks,

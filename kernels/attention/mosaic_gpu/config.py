@@ -63,7 +63,7 @@ class MosaicGpuAttentionConfig(KernelConfig):
     each: 1 (the heuristic's) or 2, where one consumer's softmax runs beside
     the other's matrix products, up to head dim 128 (an autotuning candidate
     until timed on a GPU; compiled for H100 spill-free at head dim 128: its
-    SASS uses up to R161 of the 232 registers its consumers ask unmasked,
+    SASS uses up to R183 of the 232 registers its consumers ask unmasked,
     R229 with causal masks, lengths, segment ids, a soft cap and GQA). The
     fused backward runs no dq kernel: it takes 1.
   dkdv_rows: queries a step of the backward's dk/dv kernel: 64, or 32 above

@@ -16,7 +16,7 @@ queries, batch), three warpgroups (two where one consumer runs):
   (an autotuning candidate) each consumer overlaps within itself too, as
   FlashAttention-3 does: a step issues block j's ``S`` and block j - 1's
   ``P V`` together and runs block j's softmax while ``P V`` runs
-  (``Form.overlap``); own's first ``S`` and last ``P V`` run alone
+  (``Form.pipeline_after``); own's first ``S`` and last ``P V`` run alone
   (``tiles.over_steps``' ends).
 
 Blocks that causality, a window, the lengths or the segment ids hide entirely
@@ -174,9 +174,10 @@ def fwd(*operands, config: MosaicGpuAttentionConfig, interpret: Any, **params) -
         acc, m, denom, e_prev = carry
         our_turn(j - 1)
 
-        def values(acc_ref):
-          plgpu.wgmma(acc_ref, form.operand(e_prev, p_smem, wg), v_smem.at[ring.slot(j - 1)])
+        def values(refs, read, ready):  # P V, block j's softmax beside it
+          plgpu.wgmma(refs[0], form.operand(e_prev, p_smem, wg), v_smem.at[ring.slot(j - 1)])
           take_turn()
+          return ready(1)
 
         def softmax(qk):
           results = probabilities(j, qk, m, denom, masked)
@@ -187,9 +188,9 @@ def fwd(*operands, config: MosaicGpuAttentionConfig, interpret: Any, **params) -
         # e leaves in float32: converted while P V reads the registers of e_prev,
         # ptxas serialized every wgmma of the kernel (C7513), as FlashAttention-3
         # converts after its wait.
-        like = (form.layout(jnp.zeros((bq, bk), jnp.float32), plgpu.Layout.WGMMA), m, m, denom)
-        (e, alpha, m_new, denom), acc = form.overlap(
-          (bq, bk), lambda ref: issue_scores(j, ref), acc, values, softmax, like
+        like = (form.zeros((bq, bk)), m, m, denom)
+        (acc,), (e, alpha, m_new, denom) = form.pipeline_after(
+          (bq, bk), lambda ref: issue_scores(j, ref), softmax, True, lambda: (acc,), values, like
         )
         ring.release(1, j - 1)
         acc, e = form.barrier((acc, e))  # after the wait: no conversion hoisted before it
@@ -205,7 +206,7 @@ def fwd(*operands, config: MosaicGpuAttentionConfig, interpret: Any, **params) -
       pl.when(wg == 1)(take_turn)
       unmasked = blocks.unmasked_keys(t0, *own)
       if config.fwd_overlap:
-        e16 = form.layout(jnp.zeros((bq, bk), p.dtype), plgpu.Layout.WGMMA)
+        e16 = form.zeros((bq, bk), p.dtype)
         acc, m, denom, _ = tiles.over_steps(
           lo, own, unmasked, hi, skip, pipelined, (*init, e16), ends=(first, last)
         )

@@ -11,7 +11,8 @@ K, V and their tangents dK, dV. Per key block:
 Triton kernel computes (``common.tangent_block``), linear in (dq, dk, dv).
 Sinks are applied around it (``common.with_sinks``). ``P dV`` is issued
 before the wait for the tangent logits and ``(P dS) V`` computed beside it
-(``Form.pipeline``); where a step has no mask, S runs with the tangent logits.
+(``Form.pipeline``); in a loop of unmasked steps (``tiles.over_steps``; not
+above head dim 64, one loop) S runs with the tangent logits.
 """
 
 from __future__ import annotations
@@ -21,7 +22,6 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from pallax import pallas_mosaic_gpu as mgpu
 from pallax.kernels.attention.mosaic_gpu import tiles
 from pallax.kernels.attention.mosaic_gpu.config import (
   BWD_BLOCKS,
@@ -33,7 +33,6 @@ from pallax.kernels.attention.mosaic_gpu.config import (
   wide_consumers,
 )
 from pallax.kernels.attention.mosaic_gpu.query_side import QueryKernel
-from pallax.kernels.attention.mosaic_gpu.tiles import broadcast
 from pallax.pallas_mosaic_gpu import plgpu
 
 
@@ -75,49 +74,35 @@ def jvp(*operands, config: MosaicGpuAttentionConfig, interpret: Any, **params) -
 
   def step(ctx, j, carry, hide):
     a, r = carry
-    s = lambda acc_ref: plgpu.wgmma(acc_ref, ctx.own["q"], ctx.tile_t("k"))
 
-    def softmax(x):  # P and the cap's slope
-      z, slope = tiles.logits2(p, x, cap_grad=True)
-      return jnp.exp2(hide(z) - broadcast(ctx.stats["lse"], shape, 0)), slope
-
-    # S and the tangent logits run at once in steps without a mask; masked,
-    # S's softmax comes before them (registers).
-    together = ctx.masked is False
-    probs = None if together else softmax(mgpu.fresh_product(shape, s))
-    ctx.ring.wait(2, j)
-    zeros = form.layout(jnp.zeros(shape, jnp.float32), plgpu.Layout.WGMMA)
-
-    def products(refs, read):
-      """The tangent logits dS, then A += P dV beside them and A += (P dS) V beside that."""
-      a_ref, ds_ref, *s_ref = refs
-      if s_ref:
-        s(s_ref[0])
+    def products(refs, read, ready):
+      """The tangent logits dS (S's softmax beside them), P dV beside P dS, then (P dS) V."""
+      a_ref, ds_ref = refs
       plgpu.wgmma(ds_ref, ctx.own["dq"], ctx.tile_t("k"))
       plgpu.wgmma(ds_ref, ctx.own["q"], ctx.tile_t("dk"))
-      weights, slope = softmax(read(2, 2)) if s_ref else probs
+      probs, slope = ready(2)
       ctx.ring.wait(3, j)
-      plgpu.wgmma(a_ref, ctx.operand(weights.astype(p.dtype)), ctx.tile("dv"))
+      plgpu.wgmma(a_ref, ctx.operand(probs.astype(p.dtype)), ctx.tile("dv"))
       ds = read(1, 1) * p.scale
       ctx.ring.release(0, j)
       ctx.ring.release(2, j)
-      pds = weights * (ds if slope is None else ds * slope)
+      pds = probs * (ds if slope is None else ds * slope)
       ctx.ring.wait(1, j)
       plgpu.wgmma(a_ref, ctx.operand(pds.astype(p.dtype), 1), ctx.tile("v"))
       return (r + pds.sum(axis=1),)
 
-    accs = (a, zeros) + ((zeros,) if together else ())
-    (a, *_), (r,) = form.pipeline(accs, products, (r,))
+    def starts():  # dK's wait: before an unmasked step's S, after a masked step's softmax
+      ctx.ring.wait(2, j)
+      return a, form.zeros(shape)
+
+    (a, _), (r,) = ctx.pipeline(starts, products, hide, (r,))
     ctx.ring.release(1, j)
     ctx.ring.release(3, j)
     return a, r
 
   def init(ctx):
-    wgmma = plgpu.Layout.WGMMA
-    return (
-      form.layout(jnp.zeros((DQ_ROWS, h), jnp.float32), wgmma),
-      form.layout(jnp.zeros((DQ_ROWS,), jnp.float32), wgmma.reduce(1)),
-    )
+    rows = plgpu.Layout.WGMMA.reduce(1)
+    return form.zeros((DQ_ROWS, h)), form.layout(jnp.zeros((DQ_ROWS,), jnp.float32), rows)
 
   a, r = kernel(init, step, lambda ctx, carry: dict(zip("ar", carry)), tp, h)
   a, r = a[..., : p.t, : p.value_dim], r[..., : p.t]

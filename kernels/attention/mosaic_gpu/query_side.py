@@ -29,11 +29,6 @@ from pallax.kernels.attention.mosaic_gpu.config import DQ_ROWS
 from pallax.pallas_mosaic_gpu import plgpu
 
 
-def scores(a, b_t, shape) -> jax.Array:
-  """``a b^T`` into a fresh float32 accumulator: ``b_t`` is ``b`` transposed (a view or a tile)."""
-  return mgpu.fresh_product(shape, lambda acc_ref: plgpu.wgmma(acc_ref, a, b_t))
-
-
 @dataclasses.dataclass
 class Step:
   """What a consumer's step sees: its own queries' refs and values, the ring's slot.
@@ -43,7 +38,8 @@ class Step:
   ring's slot of a streamed operand, ``tile_t(name)`` the same transposed
   (a view on a GPU, the transposed copy interpreted), ``out_tile(name)`` its
   columns of the block of threads' outputs (``cols``: a slice, or None for all).
-  ``masked``: the step's ``over_steps`` flag (False: a step without a mask).
+  ``masked``: the step's ``over_steps`` flag: a Python bool in loops of
+  masked or unmasked steps, traced in one loop of both (``one_loop``).
   """
 
   kernel: QueryKernel
@@ -68,6 +64,29 @@ class Step:
     if self.kernel.form.hopper:
       return plgpu.transpose_ref(self.ring_refs[name].at[self.slot], (1, 0))
     return self.transposed_refs[name].at[self.slot]
+
+  def pipeline(
+    self, starts: Callable[[], tuple], issue: Callable, hide: Callable, like: tuple = ()
+  ) -> tuple[tuple, tuple]:
+    """``Form.pipeline_after`` the step's ``S = Q K^T``, ``ready(pending)`` its softmax.
+
+    ``ready`` returns ``P = exp2(z - lse)`` (``z``: the logits, ``hide``
+    masking them) and the soft cap's slope (None without a cap). In a step
+    the loops know to be unmasked (``masked`` False) S is issued first in
+    the pipeline and its softmax runs beside the products ``issue`` issues
+    after it; else S and its softmax come first (beside a product in flight
+    the mask's registers spilled: compiled for H100, the dq kernel 8 bytes
+    with a soft cap in two consumers, 96 at head dim 256).
+    """
+    p, shape = self.kernel.p, (DQ_ROWS, self.kernel.bk)
+
+    def softmax(x):
+      z, slope = tiles.logits2(p, x, cap_grad=True)
+      return jnp.exp2(hide(z) - tiles.broadcast(self.stats["lse"], shape, 0)), slope
+
+    scores = lambda acc_ref: plgpu.wgmma(acc_ref, self.own["q"], self.tile_t("k"))
+    form = self.kernel.form
+    return form.pipeline_after(shape, scores, softmax, self.masked is False, starts, issue, like)
 
   def operand(self, x: jax.Array, k: int = 0):
     """``x`` as a ``wgmma`` left operand (interpreted, staged through SMEM slot ``k``)."""
@@ -94,8 +113,9 @@ class QueryKernel:
     one_loop: masked and unmasked steps in one loop (``tiles.over_steps``).
     cols: columns of the tile outputs a block of threads computes (a divisor
       of the head dim; None: all), its share chosen by the grid's heads axis.
-    staged: register ``wgmma`` operands a step has in flight at once (the
-      interpreted form stages each through an SMEM slot of its own).
+    staged: register ``wgmma`` operands a step issues before it waits for
+      the first (the interpreted form stages each through an SMEM slot of
+      its own).
   """
 
   p: Problem

@@ -320,7 +320,7 @@ def softmax_init(form: mgpu.Form, rows: int, width: int) -> tuple[jax.Array, ...
   """
   wgmma = plgpu.Layout.WGMMA
   return (
-    form.layout(jnp.zeros((rows, width), jnp.float32), wgmma),
+    form.zeros((rows, width)),
     form.layout(jnp.full((rows,), NEG_INF, jnp.float32), wgmma.reduce(1)),
     form.layout(jnp.zeros((rows,), jnp.float32), wgmma.reduce(1)),
   )
