@@ -94,7 +94,8 @@ step paged_bench 70 "${bench[@]}" bench/test_paged_attention.py -k full \
 step ragged_bench 90 "${bench[@]}" bench/test_ragged_paged_attention.py \
   --benchmark-json "$out/ragged_bench.json"
 step ragged_breakdown 60 python3 bench/ragged_breakdown.py
-step mosaic_tests 300 "${tests[@]}" -m "not compilers" tests/primitives/test_attention_mosaic_gpu.py
+step mosaic_tests 300 "${tests[@]}" -m "not compilers" tests/test_pallas_mosaic_gpu.py \
+  tests/primitives/test_attention_mosaic_gpu.py
 step tests 600 "${tests[@]}" tests/primitives/test_attention.py \
   tests/primitives/test_attention_features.py \
   tests/primitives/test_paged_attention.py tests/kernels/test_paged_attention.py \

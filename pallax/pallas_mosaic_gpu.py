@@ -199,7 +199,7 @@ class Form:
     return plgpu.layout_cast(x, layout) if self.hopper else x
 
   def zeros(self, shape: Sequence[int], dtype: Any = jnp.float32) -> jax.Array:
-    """Zeros in a ``wgmma`` accumulator's register layout: a fresh accumulator's start."""
+    """Zeros in a ``wgmma`` accumulator's register layout (a fresh accumulator's start)."""
     return self.layout(jnp.zeros(tuple(shape), dtype), plgpu.Layout.WGMMA)
 
   def iota(self, shape: Sequence[int], dim: int) -> jax.Array:
@@ -397,9 +397,12 @@ class Form:
     the previous block's ``P V``). Else the first products and ``then`` run
     before the pipeline, neither ``then``'s registers nor the accumulators'
     beside products in flight, and ``ready`` returns its result.
-    ``starts()`` makes the pipeline's accumulators, after ``then`` there (a
-    start loaded before it stayed live beside it: the fused dk/dv kernel
-    spilled). Returns ``pipeline``'s.
+    ``starts()`` makes the pipeline's accumulators: before ``first`` is
+    issued with ``together``, after ``then`` without (a start loaded before
+    ``then`` stayed live beside it: the fused dk/dv kernel spilled). So it
+    is also where a kernel waits for what the later products read (its ring
+    slots): before the first products with ``together``, after ``then``
+    without. Returns ``pipeline``'s.
     """
     if not together:
       ready = then(fresh_product(shape, first))

@@ -429,7 +429,7 @@ def test_the_forward_with_softmax_beside_the_previous_blocks_values(name, monkey
   picks = _forward_vs_float64(case, config, 6, name)
   assert picks[config].implementation == MOSAIC and picks[config].config == config
   assert not picks[None].config.fwd_overlap  # a candidate, not the heuristic's
-  assert overlaps  # the kernel's pipelined steps, not its plain ones
+  assert overlaps  # the pipelined steps (the forward's one use of it), not the plain ones
 
 
 def _jvp(fn, statics, ops, tangents):

@@ -6,8 +6,8 @@ forward's softmax statistics nor using atomics (unless ``fuse_dq``, below):
 
 * the dq kernel: one block of threads per (query head, 64 queries a
   consumer, batch), one consumer warpgroup or two (``config.dq_consumers``);
-  each keeps its queries' Q, dO, lse and
-  ``delta = rowsum(dO O) - dlse`` in SMEM and streams K and V blocks:
+  each keeps its queries' Q, dO, lse and ``-delta`` (``delta =
+  rowsum(dO O) - dlse``) in SMEM and streams K and V blocks:
   ``P = exp2(S - lse)``, ``dP = dO V^T``, ``dS = P (dP - delta)``,
   ``dQ += dS K``;
 * the dk/dv kernel: one block of threads per (kv head, 64 keys a consumer,
@@ -15,7 +15,7 @@ forward's softmax statistics nor using atomics (unless ``fuse_dq``, below):
   asks (``dkdv_steps`` in ``config.py``: 32- or 64-query steps), each a copy
   of its own (``Form.consumers``); each keeps its keys' K and V and streams,
   for every query head of the kv head (GQA sums in the accumulators, never
-  a partial per query head), the blocks of Q, dO, lse and delta that see its keys:
+  a partial per query head), the blocks of Q, dO, lse and -delta that see its keys:
   ``P^T``, ``dV += P^T dO``, ``dP^T = V dO^T``, ``dK += dS^T Q``.
 
 Above head dim 128 (and in the dk/dv kernel above 64 with a soft cap) a
@@ -165,8 +165,9 @@ class _Kernels:
     def step(ctx, j, dq, hide):
       def starts():
         # V's wait here: before an unmasked step's S, after a masked step's
-        # softmax (S before it spilled 8 bytes at head dim 256, causal with a
-        # soft cap). dP's accumulator starts from -delta: dS = P (dP - delta).
+        # softmax (an unmasked step's S issued before V's wait spilled 8 bytes
+        # at head dim 256, causal with a soft cap). dP's accumulator starts
+        # from -delta: dS = P (dP - delta).
         ctx.ring.wait(1, j)
         return broadcast(ctx.stats["neg_delta"], (DQ_ROWS, bk), 0), dq
 
@@ -291,10 +292,14 @@ class _Kernels:
 
           logits = lambda x: tiles.hiding(masked, keep)(tiles.logits2(p, x))
           ring.wait(0, u)
-          ring.wait(1, u)
-          ring.wait(2, u)
-          # dP^T's accumulator starts from -delta: dS^T = P^T (dP^T - delta).
-          starts = lambda: (column(neg_delta_smem), dv, dk)
+
+          def starts():
+            # dO's and lse's waits here: before an unmasked step's S^T, after
+            # a masked step's mask. dP^T's accumulator starts from -delta:
+            # dS^T = P^T (dP^T - delta).
+            ring.wait(1, u)
+            ring.wait(2, u)
+            return column(neg_delta_smem), dv, dk
 
           def grads(refs, read, ready):
             """dP^T beside S^T's logits, P^T dO beside dS^T (``dv_first``), then dS^T Q."""

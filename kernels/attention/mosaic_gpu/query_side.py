@@ -70,6 +70,10 @@ class Step:
   ) -> tuple[tuple, tuple]:
     """``Form.pipeline_after`` the step's ``S = Q K^T``, ``ready(pending)`` its softmax.
 
+    ``starts()`` makes the accumulators (and waits for the ring slots the
+    later products read: before S in an unmasked step, after its softmax
+    in a masked one).
+
     ``ready`` returns ``P = exp2(z - lse)`` (``z``: the logits, ``hide``
     masking them) and the soft cap's slope (None without a cap). In a step
     the loops know to be unmasked (``masked`` False) S is issued first in
