@@ -433,10 +433,10 @@ class Form:
     flight (FlashAttention-3's intra-warpgroup overlap). None of those
     ``pending`` groups may add to accumulator ``k`` (on a GPU the read
     would race them; interpreted, where ``read`` waits for every group, it
-    would not show). ``issue`` may
-    return results (arrays shaped and laid out as ``like``'s: on a GPU they
-    leave ``pl.run_state`` as its state). Everything is waited for once it
-    returns. Returns ``(the accumulators, issue's results)``.
+    would not show). ``issue`` may return results (arrays shaped and laid
+    out as ``like``'s: on a GPU they leave ``pl.run_state`` as its state).
+    Everything is waited for once it returns. Returns ``(the accumulators,
+    issue's results)``.
 
     On a GPU the products accumulate in place (``pl.run_state`` of
     accumulators initialised from ``accs``); interpreted they go to fresh

@@ -70,17 +70,15 @@ class Step:
   ) -> tuple[tuple, tuple]:
     """``Form.pipeline_after`` the step's ``S = Q K^T``, ``ready(pending)`` its softmax.
 
-    ``starts()`` makes the accumulators (and waits for the ring slots the
-    later products read: before S in an unmasked step, after its softmax
-    in a masked one).
-
     ``ready`` returns ``P = exp2(z - lse)`` (``z``: the logits, ``hide``
     masking them) and the soft cap's slope (None without a cap). In a step
     the loops know to be unmasked (``masked`` False) S is issued first in
     the pipeline and its softmax runs beside the products ``issue`` issues
     after it; else S and its softmax come first (beside a product in flight
     the mask's registers spilled: compiled for H100, the dq kernel 8 bytes
-    with a soft cap in two consumers, 96 at head dim 256).
+    with a soft cap in two consumers, 96 at head dim 256). ``starts()``
+    makes the accumulators and waits for the ring slots the later products
+    read: before S in an unmasked step, after its softmax in a masked one.
     """
     p, shape = self.kernel.p, (DQ_ROWS, self.kernel.bk)
 
