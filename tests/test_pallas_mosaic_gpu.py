@@ -49,7 +49,7 @@ def _pipelined(form: mgpu.Form, a: jax.Array, b: jax.Array) -> list[jax.Array]:
         return (tripled,)
 
       start = form.layout(jnp.full((N, N), START, jnp.float32), plgpu.Layout.WGMMA)
-      zeros = form.layout(jnp.zeros((N, N), jnp.float32), plgpu.Layout.WGMMA)
+      zeros = form.zeros((N, N))
       (first, second), (tripled,) = form.pipeline((start, zeros), issue, (zeros,))
       for k, x in enumerate((first, second, tripled)):
         out_smem.at[k][...] = x
