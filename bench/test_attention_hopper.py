@@ -107,7 +107,8 @@ MOSAIC_PIN = MosaicGpuAttentionConfig(block_k=64, num_stages=2)
 # The backward's dk/dv kernel computing dQ too (opt-in: TMA reduce-adds, not
 # bitwise reproducible): ``pallax-fused`` on the cases' fwd+bwd (one query head
 # a kv head: it takes their causal masks at head dim 128), ``pallax-fused2``
-# with two consumer warpgroups of 64 keys (FlashAttention-3's shape).
+# with two consumer warpgroups of 64 keys sharing dQ's columns
+# (FlashAttention-3's shape).
 FUSED_PIN = MosaicGpuAttentionConfig(block_k=64, num_stages=2, fuse_dq=True)
 FUSED2_PIN = dataclasses.replace(FUSED_PIN, dkdv_consumers=2)
 # The backward's autotuning candidates of two consumers on the cases' fwd+bwd:

@@ -225,6 +225,11 @@ FUSED_CASES = {
   "h128-causal-mha-two": Case(b=1, t=100, s=130, n=2, k=2, h=128, is_causal=True),
   # Slow: two consumers unmasked with GQA, two examples.
   "h128-gqa-two": Case(b=2, t=100, s=130, n=4, k=2, h=128),
+  # Two consumers sharing dQ's columns (``shares_dq``): causal with GQA, the
+  # second consumer's keys hidden from the first query block.
+  "h128-causal-gqa-two": Case(b=1, t=100, s=130, n=4, k=2, h=128, is_causal=True),
+  # Slow: the same with a window, one query head a kv head.
+  "h128-window-mha-two": Case(b=1, t=100, s=130, n=2, k=2, h=128, window=(40, 10)),
 }
 FUSED_SLOW = (
   "h128-lengths-gqa",
@@ -232,6 +237,7 @@ FUSED_SLOW = (
   "h128-window-mha",
   "h128-causal-mha-two",
   "h128-gqa-two",
+  "h128-window-mha-two",
 )
 # The cases named "-two": two consumers.
 FUSED_TWO = mosaic_gpu.MosaicGpuAttentionConfig(
@@ -742,17 +748,23 @@ def test_supports_and_the_ring_in_shared_memory():
   assert "up to head dim 128" in h256(two, stage="bwd", **PARAMS)
   assert small(two, stage="bwd", **lengths) is None  # two consumers' own head dim
   assert two not in mosaic_gpu.candidates(_avals(h=64), h100, stage="bwd", **PARAMS)
-  # Fused, two consumers of 32-query steps: unmasked, or causal with one query
-  # head a kv head; no lengths or windows.
+  # Fused, two consumers of 32-query steps sharing dQ's columns: unmasked,
+  # causal with up to 8 query heads a kv head (4 with one kv head), windows
+  # with one query head a kv head; no lengths.
   fused_two = config(64, 64, fuse_dq=True, dkdv_consumers=2)
   assert supports(fused_two, stage="bwd", **PARAMS) is None
+  assert supports(fused_two, stage="bwd", **causal) is None  # 4 on 2
   mha = functools.partial(mosaic_gpu.supports, _avals(groups=1), h100)
+  window = {**PARAMS, "window_left": 60, "window_right": 20}
   assert mha(fused_two, stage="bwd", **causal) is None
+  assert mha(fused_two, stage="bwd", **window) is None
+  assert "windows only with one query head" in supports(fused_two, stage="bwd", **window)
   mqa = functools.partial(mosaic_gpu.supports, _avals(kv_heads=1, groups=8), h100)
-  assert "causal masks only with one query head a kv head" in mqa(fused_two, stage="bwd", **causal)
+  assert "not 8 on 1" in mqa(fused_two, stage="bwd", **causal)
+  mqa4 = mosaic_gpu.supports(_avals(kv_heads=1, groups=4), h100, fused_two, stage="bwd", **causal)
+  assert mqa4 is None
   assert mqa(config(64, 64, fuse_dq=True), stage="bwd", **causal) is None  # one consumer
-  for refused in (lengths, ahead, {**PARAMS, "window_left": 60, "window_right": 20}):
-    assert "no lengths or windows" in mha(fused_two, stage="bwd", **refused)
+  assert "no lengths" in mha(fused_two, stage="bwd", **lengths)
   assert "its own steps" in supports(
     config(64, 64, fuse_dq=True, dkdv_rows=32), stage="bwd", **PARAMS
   )
@@ -760,9 +772,10 @@ def test_supports_and_the_ring_in_shared_memory():
   assert mosaic_gpu.config.dkdv_steps(p128, wide) == (32, 2)
   assert mosaic_gpu.config.dkdv_steps(p128, two) == (64, 2)
   assert mosaic_gpu.config.dkdv_steps(p128, config(64, 64)) == (64, 1)
-  # Two consumers' K, V, dS^T and dQ^T's float32 tiles; a 2-slot ring of 32
-  # queries' Q, dO, lse and delta.
-  want = 2 * (2 * 64 * 128 * 2 + 64 * 32 * 2 + 4 * 32 * 128) + 2 * 2 * 32 * 128 * 2 + 2 * 2 * 32 * 4
+  # Two consumers' K, V, two dS^T buffers and dQ^T's float32 tiles of 64
+  # columns; a 2-slot ring of 32 queries' Q, dO, lse and delta.
+  want = 2 * (2 * 64 * 128 * 2 + 2 * 64 * 32 * 2 + 4 * 32 * 64)
+  want += 2 * 2 * 32 * 128 * 2 + 2 * 2 * 32 * 4
   assert mosaic_gpu.smem_bytes(p128, fused_two, "bwd") == want
   # The larger kernel's: the dq kernel's Q, dO, dQ, lse, delta and 2-slot ring
   # of K and V (the dk/dv kernel's two consumers' K and V and 2-slot ring of
@@ -937,6 +950,8 @@ def _compiles_spill_free(eqn, config, kernels: tuple[str, ...]) -> list[dict]:
     (128, "causal-window", 8, 1, 2, None),
     (128, "plain", 8, 2, 2, 2),
     (128, "causal", 8, 8, 2, 2),
+    (128, "causal", 8, 2, 2, 2),
+    (128, "window", 8, 8, 2, 2),
   ],
 )
 def test_the_fused_dq_backward_compiles_spill_free_for_a_batch(
@@ -947,8 +962,9 @@ def test_the_fused_dq_backward_compiles_spill_free_for_a_batch(
   Head dim 64 with every feature and 4 slots; head dim 128 with lengths and
   GQA, unmasked (padded keys masked: 1000 keys in 64-key tiles), and causal
   or windowed with one query head a kv head or one kv head (GQA spilled);
-  with ``dkdv_consumers=2`` two consumers at head dim 128, unmasked with GQA
-  and causal with one query head a kv head.
+  with ``dkdv_consumers=2`` two consumers at head dim 128 sharing dQ's
+  columns, unmasked and causal with GQA, and windowed with one query head a
+  kv head.
   """
   config = mosaic_gpu.MosaicGpuAttentionConfig(
     block_k=64, num_stages=stages, fuse_dq=True, dkdv_consumers=consumers

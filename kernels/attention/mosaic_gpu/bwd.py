@@ -35,7 +35,10 @@ accumulators), in one consumer above head dim 64 or, with
 threads), and per 64 of dQ's columns ``dQ^T = K^T dS^T`` (K's columns
 transposed, dS^T staged in SMEM) goes through a float32 SMEM tile to a TMA
 reduce-add into a float32 dQ^T (``Form.add_to``; interpreted, a part of its
-own per key tile, summed after the kernel). The adds' order varies, so dq
+own per key tile, summed after the kernel). Two consumers at head dim 128
+share dQ's columns (``config.shares_dq``): each computes 64 of them over
+both consumers' keys, from both dS^T tiles once a barrier says both are
+stored, and reduce-adds half the tiles. The adds' order varies, so dq
 is not bitwise reproducible; padded keys are masked there (their
 probability could overflow, and ``inf`` times their zero K is NaN).
 
@@ -86,6 +89,7 @@ from pallax.kernels.attention.mosaic_gpu.config import (
   has_masks,
   head,
   out_cols,
+  shares_dq,
 )
 from pallax.kernels.attention.mosaic_gpu.query_side import QueryKernel
 from pallax.kernels.attention.mosaic_gpu.tiles import broadcast
@@ -196,7 +200,8 @@ class _Kernels:
     Per key tile, every query head's query blocks that see it. With
     ``fuse_dq`` each step of ``FUSED_ROWS`` queries also adds its keys' share
     of dQ, ``dQ^T = K^T dS^T`` in ``FUSED_DQ_COLS`` of its columns a product,
-    to a float32 dQ^T (``Form.add_to``).
+    to a float32 dQ^T (``Form.add_to``): of every column, or (``shares_dq``)
+    of the consumer's columns, both consumers' keys.
     """
     p, form, blocks, h = self.p, self.form, self.blocks, self.h
     bq, bk, stages, fuse_dq = blocks.bq, blocks.bk, self.config.num_stages, self.config.fuse_dq
@@ -206,6 +211,11 @@ class _Kernels:
     assert chunks * cols == h, f"{cols} columns a share do not divide head dim {h}"
     assert not fuse_dq or chunks == 1, "a share of dK's and dV's columns has no whole dQ"
     dq_chunks = h // FUSED_DQ_COLS
+    # Consumers that split dQ's columns (``shares_dq``) take every step of
+    # their block of threads (a consumer's hidden keys masked): each one's
+    # dS^T feeds both dQ^T products, in one of two SMEM buffers by step.
+    shared = fuse_dq and shares_dq(h, consumers)
+    ds_buffers = 2 if shared else 1
     # A step issues P^T dO before dS^T waits for dP^T: ptxas moves work below
     # a wait it does not feed (P^T's exponentials after dP^T's wait: 26 of 32
     # a thread), not below the issue of a product that reads it. dS^T comes
@@ -235,7 +245,7 @@ class _Kernels:
       *fact_refs, dk_ref, dv_ref, scoped = rest[n_tr + n_seg :]
       if fuse_dq:
         *fact_refs, dq_ref = fact_refs
-      smem, own_full, (full, consumed) = scoped
+      smem, own_full, (full, consumed), ds_ready = scoped
       k_smem, v_smem, q_smem, do_smem, lse_smem, neg_delta_smem, *others = smem
       qt_smem, dot_smem, st_smem, seg_smem, out_smem, ds_smem, kt_smem, dq_smem = others
       kh, b = lax.axis_index("heads"), lax.axis_index("batch")
@@ -259,25 +269,40 @@ class _Kernels:
           plgpu.copy_gmem_to_smem(transposed[2].at[b, kh, :, mine], kt_smem.at[wg], own_full.at[wg])
         plgpu.barrier_wait(own_full.at[wg])
         k_seg = form.vector(seg_smem[0].at[wg], 0) if seg_refs else None
-        own = tiles.own_range(lo, hi, blocks.query_blocks(s0, bk))
+        own = (lo, hi) if shared else tiles.own_range(lo, hi, blocks.query_blocks(s0, bk))
         unmasked = blocks.unmasked_queries(s0, *own)
+        ds_tile = lambda u, c: ds_smem.at[lax.rem(u, ds_buffers) * consumers + c]
 
-        def add_dq(g, i):
-          """Adds this step's ``dQ^T = K^T dS^T`` to dQ^T's query block ``i``, query head ``g``."""
+        def both_ready():  # shared: both consumers' dS^T stored (and the last read)
+          plgpu.barrier_arrive(ds_ready)
+          plgpu.barrier_wait(ds_ready)
+
+        def add_dq(u, g, i):
+          """Adds step ``u``'s ``dQ^T = K^T dS^T`` to dQ^T's query block ``i``, query head ``g``.
+
+          Its own keys' share of every column, or (``shared``) every key's of its columns.
+          """
           part = None if form.hopper else lax.axis_index("k") * consumers + wg  # its key tile
-          for c in range(dq_chunks):
+          sources, chunks = ([wg], range(dq_chunks)) if not shared else (range(consumers), [wg])
+          if shared:
+            both_ready()
+          for n, c in enumerate(chunks):
             dq_cols = pl.ds(c * FUSED_DQ_COLS, FUSED_DQ_COLS)
-            if form.hopper:  # K^T's rows: a view of K's columns transposed
-              k_rows = plgpu.transpose_ref(k_smem.at[wg].at[:, dq_cols], (1, 0))
-            else:
-              k_rows = kt_smem.at[wg].at[dq_cols]
-            dq_product = lambda acc_ref: plgpu.wgmma(acc_ref, k_rows, ds_smem.at[wg])
+
+            def dq_product(acc_ref):
+              for src in sources:
+                if form.hopper:  # K^T's rows: a view of K's columns transposed
+                  k_rows = plgpu.transpose_ref(k_smem.at[src].at[:, dq_cols], (1, 0))
+                else:
+                  k_rows = kt_smem.at[src].at[dq_cols]
+                plgpu.wgmma(acc_ref, k_rows, ds_tile(u, src))
+
             dq_t = mgpu.fresh_product((FUSED_DQ_COLS, bq), dq_product)
             # This chunk's tile of the last step has been read by its reduce-add.
-            plgpu.wait_smem_to_gmem(dq_chunks - 1, wait_read_only=True)
-            dq_smem.at[wg, c][...] = dq_t
+            plgpu.wait_smem_to_gmem(len(chunks) - 1, wait_read_only=True)
+            dq_smem.at[wg, n][...] = dq_t
             plgpu.commit_smem()
-            form.add_to(dq_smem.at[wg, c], dq_ref, (b, kh, g, dq_cols, pl.ds(i * bq, bq)), part)
+            form.add_to(dq_smem.at[wg, n], dq_ref, (b, kh, g, dq_cols, pl.ds(i * bq, bq)), part)
 
         def step(u, g, i, carry, masked):
           dk, dv = carry
@@ -313,7 +338,7 @@ class _Kernels:
             ds = probs * read(0, 1) if dv_first else ds
             ds = (ds if p.soft_cap is None else ds * tiles.cap_slope(p, z)).astype(p.dtype)
             if fuse_dq:  # dS^T to SMEM too: dQ^T's right operand
-              ds_smem.at[wg][...] = ds
+              ds_tile(u, wg)[...] = ds
               plgpu.commit_smem()
             plgpu.wgmma(dk_ref, form.operand(ds, st_smem, wg, 1), columns(q_smem.at[s]))
 
@@ -327,7 +352,7 @@ class _Kernels:
           ring.release(1, u)
           ring.release(0, u)
           if fuse_dq:
-            add_dq(g, i)
+            add_dq(u, g, i)
           return dk, dv
 
         def per_group(g, carry):
@@ -357,6 +382,8 @@ class _Kernels:
           dk, dv = lax.fori_loop(0, p.groups * count, flat, (zeros(), zeros()))
         else:
           dk, dv = lax.fori_loop(0, p.groups, per_group, (zeros(), zeros()))
+        if shared:  # the other consumer's last dQ^T has read this one's K
+          both_ready()
         results = ((dk * p.scale, dk_ref, k_smem), (dv, dv_ref, v_smem))
         if share is None:  # through K's and V's SMEM
           for result, _, buf in results:
@@ -407,10 +434,10 @@ class _Kernels:
         form.staging((consumers, 2, bk, bq), p.dtype),
         tiles.segment_smem(segs, (consumers, bk), (stages, bq)),
         None if chunks == 1 else self._tile(consumers, bk, cols),
-        self._tile(consumers, bk, bq) if fuse_dq else None,
+        self._tile(ds_buffers * consumers, bk, bq) if fuse_dq else None,
         self._tile(consumers, h, bk) if k_t else None,
         plgpu.SMEM(
-          (consumers, dq_chunks, FUSED_DQ_COLS, bq),
+          (consumers, dq_chunks // consumers if shared else dq_chunks, FUSED_DQ_COLS, bq),
           jnp.float32,
           transforms=mgpu.swizzle_transforms(jnp.float32, bq),
         )
@@ -419,6 +446,7 @@ class _Kernels:
       ],
       plgpu.Barrier(num_arrivals=2 + bool(segs) + k_t, num_barriers=consumers),
       mgpu.Ring.barriers((copies + bool(segs), copies, 2), stages, consumers),
+      plgpu.Barrier(num_arrivals=consumers) if shared else None,
     ]
     shape = jax.ShapeDtypeStruct((p.batch, sp, p.kv_heads, h), p.dtype)
     dq_sum = jax.ShapeDtypeStruct((p.batch, p.kv_heads, p.groups, h, tp), jnp.float32)

@@ -57,8 +57,9 @@ class MosaicGpuAttentionConfig(KernelConfig):
     cap, in 2 slots, and with causal or window masks only where the query
     heads do not share kv heads or share one (``_fuse_reason``); with
     ``dkdv_consumers=2`` its blocks of threads take two consumer warpgroups
-    of 64 keys there, without lengths or windows, causal only with one
-    query head a kv head. The forward and the tangent ignore it.
+    of 64 keys there, sharing dQ's columns (``shares_dq``), without lengths,
+    windows only with one query head a kv head. The forward and the tangent
+    ignore it.
   dq_consumers: consumer warpgroups of the backward's dq kernel, 64 queries
     each: 1 (the heuristic's) or 2, where one consumer's softmax runs beside
     the other's matrix products, up to head dim 128 (an autotuning candidate
@@ -241,6 +242,18 @@ def dkdv_steps(p: Problem, config: MosaicGpuAttentionConfig) -> tuple[int, int]:
   return rows, config.dkdv_consumers or default
 
 
+def shares_dq(h: int, consumers: int) -> bool:
+  """Whether the fused dk/dv kernel's consumers split dQ's columns between them.
+
+  As in FlashAttention-3's backward: two consumers at head dim 128 store
+  their dS^T tiles in SMEM, and each computes ``FUSED_DQ_COLS`` of dQ's
+  columns over both consumers' keys (128), one float32 tile a step to
+  reduce-add, where consumers of their own keys' dQ (every column) add
+  twice as many tiles.
+  """
+  return consumers > 1 and h == consumers * FUSED_DQ_COLS
+
+
 def bwd_lengths(p: Problem, config: MosaicGpuAttentionConfig) -> tuple[int, int]:
   """The backward's padded query and key lengths, which both its kernels take.
 
@@ -351,8 +364,10 @@ def smem_bytes(p: Problem, config: MosaicGpuAttentionConfig, stage: str) -> int:
     elements = n * (k.own_tiles * h + out * cols) * own + c.num_stages * k.ring_tiles * ring * h
     seg = int(p.has_segments)
     stats = n * (k.own_stats + seg) * own + c.num_stages * (k.ring_stats + seg) * ring
-    # Fused: dS^T (dQ^T's operand) and dQ^T's float32 tiles.
-    dq_tiles = n * (own * ring * item + 4 * ring * h) if fused else 0
+    dq_tiles = 0
+    if fused:  # dS^T (two buffers where consumers share it) and dQ^T's float32 tiles
+      shared = shares_dq(h, n)
+      dq_tiles = n * ((1 + shared) * own * ring * item + 4 * ring * h // (n if shared else 1))
     sizes.append(elements * item + 4 * stats + dq_tiles)
   return max(sizes)
 
@@ -410,30 +425,33 @@ def _fuse_reason(p: Problem, config: MosaicGpuAttentionConfig) -> Optional[str]:
   query head a kv head or one kv head (16 on 16, 4 on 4, 8 on 1, 2 on 1).
   There a kv head's index or its query head's is the same in every block of
   threads or step; where both vary (GQA: 4 or 8 on 2) the masks spilled
-  20-48 bytes. Segment ids spilled 48 with a causal
-  mask at 8 on 8, and 4 slots 132. Two consumers at head dim 128
-  (``dkdv_consumers=2``) unmasked at 16 on 16 and 8 on 2, and causal at
-  16 on 16 and 8 on 8: lengths spilled 84-328 bytes, a causal mask at 8 on
-  1 104, a window 176.
+  20-48 bytes. Segment ids spilled 48 with a causal mask at 8 on 8, and 4
+  slots 132. Two consumers at head dim 128 (``dkdv_consumers=2``, dQ's
+  columns shared: ``shares_dq``) unmasked at 16 on 16, 8 on 2 and 8 on 1,
+  causal at 16 on 16, 8 on 8, 16 on 4, 16 on 2, 8 on 2, 4 on 2, 4 on 1 and
+  2 on 1, a window at 16 on 16 and 4 on 4: lengths spilled 284 bytes (8 on
+  2), a window with GQA 400-460, a causal mask at 8 or 16 on 1 24.
   """
   h = head(p)
   if out_cols(p, "dkdv") < h:
     return "fuse_dq: the dk/dv kernel splits dK's and dV's columns here (a share has no whole dQ)"
   if h > 64 and p.has_segments:
     return "fuse_dq above head dim 64 takes no segment ids (spills)"
-  if h > 64 and bounded(p) and p.groups > 1 and p.kv_heads > 1:
+  if h > 64 and config.num_stages > 2:
+    return f"num_stages={config.num_stages}: fuse_dq above head dim 64 takes 2 slots (4 spill)"
+  max_groups = 4 if p.kv_heads == 1 else 8
+  if h > 64 and dkdv_steps(p, config)[1] == CONSUMERS:
+    if p.has_lengths or windowed(p) and p.groups > 1 or bounded(p) and p.groups > max_groups:
+      return (
+        "fuse_dq with dkdv_consumers=2 above head dim 64 takes no lengths, windows only with"
+        " one query head a kv head, and causal masks with up to 8 query heads a kv head (4"
+        f" with one kv head), not {p.groups * p.kv_heads} on {p.kv_heads} (spills)"
+      )
+  elif h > 64 and bounded(p) and p.groups > 1 and p.kv_heads > 1:
     return (
       f"fuse_dq above head dim 64 takes causal or window masks with one query head a kv head"
       f" or one kv head, not {p.groups * p.kv_heads} on {p.kv_heads} (spills)"
     )
-  if h > 64 and config.num_stages > 2:
-    return f"num_stages={config.num_stages}: fuse_dq above head dim 64 takes 2 slots (4 spill)"
-  if h > 64 and dkdv_steps(p, config)[1] == CONSUMERS:
-    if p.has_lengths or windowed(p) or bounded(p) and p.groups > 1:
-      return (
-        "fuse_dq with dkdv_consumers=2 above head dim 64 takes no lengths or windows,"
-        " and causal masks only with one query head a kv head (spills)"
-      )
   return None
 
 
