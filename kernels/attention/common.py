@@ -455,6 +455,36 @@ def online_finish(carry):
   return out, lse
 
 
+class ScratchSoftmax:
+  """The online softmax's accumulators (max, sum, output) in a kernel's scratch refs.
+
+  For the paged TPU kernels, whose grid's last axis walks the key blocks
+  with the accumulators in VMEM between steps.
+  """
+
+  def __init__(self, refs: Sequence[Any]):
+    self.refs = refs
+
+  def _store(self, values) -> None:
+    for ref, value in zip(self.refs, values):
+      ref[...] = value
+
+  def init(self, p: Problem, shape_rows, width: int) -> None:
+    self._store(online_init(p, shape_rows, width))
+
+  def step(self, s, v, dot) -> None:
+    self._store(online_step(tuple(ref[...] for ref in self.refs), s, v, dot))
+
+  def finish(self):
+    """``(out, lse)``: ``online_finish`` of the accumulators."""
+    return online_finish(tuple(ref[...] for ref in self.refs))
+
+
+def stack_pages(refs: Sequence[Any]) -> jax.Array:
+  """The pages a step fetched, one ref each, stacked along the keys."""
+  return refs[0][...] if len(refs) == 1 else jnp.concatenate([r[...] for r in refs], 0)
+
+
 def probs(s, lse):
   """``exp(s - lse)``, the softmax recomputed from the saved ``lse`` column (0 on empty rows)."""
   return jnp.exp(s - jnp.where(lse == NEG_INF, jnp.inf, lse))

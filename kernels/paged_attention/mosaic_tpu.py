@@ -23,7 +23,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from pallax.kernels.attention.common import block_dot, online_finish, online_init, online_step
+from pallax.kernels.attention.common import ScratchSoftmax, block_dot, stack_pages
 from pallax.kernels.paged_attention.common import Problem, logits
 from pallax.kernels.paged_attention.config import PagedAttentionConfig
 
@@ -56,30 +56,24 @@ def paged_attention(
   def kernel(len_ref, table_ref, q_ref, *refs):
     k_refs, v_refs = refs[:per_step], refs[per_step : 2 * per_step]
     out_ref, *scratch = refs[2 * per_step :]
+    softmax = ScratchSoftmax(scratch)
     b, i = pl.program_id(0), pl.program_id(2)
     length = len_ref[b]
 
-    @pl.when(i == 0)
-    def _():
-      for ref, value in zip(scratch, online_init(p, (p.groups,), p.value_dim)):
-        ref[...] = value
+    pl.when(i == 0)(lambda: softmax.init(p, (p.groups,), p.value_dim))
 
     @pl.when(i * block < length)
     def _():
-      stack = lambda rs: rs[0][...] if len(rs) == 1 else jnp.concatenate([r[...] for r in rs], 0)
-      k, v = stack(k_refs), stack(v_refs)
+      k, v = stack_pages(k_refs), stack_pages(v_refs)
       keep = i * block + lax.broadcasted_iota(jnp.int32, (1, block), 1) < length
       v_keep = i * block + lax.broadcasted_iota(jnp.int32, (block, 1), 0) < length
       s = logits(p, block_dot, q_ref[...], k, keep)
-      carry = tuple(ref[...] for ref in scratch)
       # Rows past the length hold whatever the pool has there: zeroed before the product.
-      carry = online_step(carry, s, jnp.where(v_keep, v, 0).astype(v.dtype), block_dot)
-      for ref, value in zip(scratch, carry):
-        ref[...] = value
+      softmax.step(s, jnp.where(v_keep, v, 0).astype(v.dtype), block_dot)
 
     @pl.when(i == steps - 1)
     def _():
-      out, _ = online_finish(tuple(ref[...] for ref in scratch))
+      out, _ = softmax.finish()
       out_ref[...] = out.astype(out_ref.dtype)
 
   in_specs = [pl.BlockSpec((None, None, p.groups, p.head_dim), lambda b, k, i, *_: (b, k, 0, 0))]

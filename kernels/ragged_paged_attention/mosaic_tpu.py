@@ -21,7 +21,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from pallax.kernels.attention.common import block_dot, online_finish, online_init, online_step
+from pallax.kernels.attention.common import ScratchSoftmax, block_dot, stack_pages
 from pallax.kernels.paged_attention.common import logits
 from pallax.kernels.ragged_paged_attention import common
 
@@ -51,18 +51,15 @@ def ragged_paged_attention(*operands, config, interpret: Any, **params):
   def kernel(q0_ref, qlen_ref, kvlen_ref, table_ref, q_ref, *refs):
     k_refs, v_refs = refs[:per_step], refs[per_step : 2 * per_step]
     out_ref, lse_ref, *scratch = refs[2 * per_step :]
+    softmax = ScratchSoftmax(scratch)
     i, j = pl.program_id(0), pl.program_id(2)
     lo, hi = item_range(i, q0_ref, qlen_ref, kvlen_ref)
 
-    @pl.when(j == 0)
-    def _():
-      for ref, value in zip(scratch, online_init(p, (rows,), p.value_dim)):
-        ref[...] = value
+    pl.when(j == 0)(lambda: softmax.init(p, (rows,), p.value_dim))
 
     @pl.when((j * block < hi) & ((j + 1) * block > lo))
     def _():
-      stack = lambda rs: rs[0][...] if len(rs) == 1 else jnp.concatenate([r[...] for r in rs], 0)
-      k, v = stack(k_refs), stack(v_refs)
+      k, v = stack_pages(k_refs), stack_pages(v_refs)
       keys = j * block + lax.broadcasted_iota(jnp.int32, (1, block), 1)
       positions, live = common.row_positions(q0_ref[i], qlen_ref[i], kvlen_ref[i], rows, p.groups)
       keep = common.visible(p, positions, live, keys, kvlen_ref[i])
@@ -70,13 +67,11 @@ def ragged_paged_attention(*operands, config, interpret: Any, **params):
       # Rows outside the item's keys hold other pages or whatever the pool has: zeroed.
       column = j * block + lax.broadcasted_iota(jnp.int32, (block, 1), 0)
       v = jnp.where((column >= lo) & (column < hi), v, 0).astype(v.dtype)
-      carry = online_step(tuple(ref[...] for ref in scratch), s, v, block_dot)
-      for ref, value in zip(scratch, carry):
-        ref[...] = value
+      softmax.step(s, v, block_dot)
 
     @pl.when(j == steps - 1)
     def _():
-      out, lse = online_finish(tuple(ref[...] for ref in scratch))
+      out, lse = softmax.finish()
       out_ref[...] = out.astype(out_ref.dtype)
       lse_ref[...] = lse
 
