@@ -20,8 +20,9 @@ implementations:
 * ``pallax-fused`` and ``pallax-fused2`` (``fwd+bwd``): the backward pinned
   to the Mosaic GPU dk/dv kernel computing dQ too (``fuse_dq``: 5 products
   against 7, TMA reduce-adds) in one consumer warpgroup, and in two
-  (``dkdv_consumers=2``, FlashAttention-3's shape), opt-in configs until
-  their times here say more; left out under ``PALLAX_BENCH_FUSED=0``
+  (``dkdv_consumers=2``, FlashAttention-3's shape), autotuning candidates
+  (never the heuristic's) until their times here say more; left out under
+  ``PALLAX_BENCH_FUSED=0``
   (``bench/hopper.sh`` sets it when the fused kernel's tests failed on the
   GPU);
 * ``pallax-dq2``, ``pallax-wide`` and ``pallax-two`` (``fwd+bwd``): the
@@ -104,8 +105,8 @@ SPLIT_RUNS = [
   (GEMMA2_GLOBAL, "fwd+bwd"),
 ]
 MOSAIC_PIN = MosaicGpuAttentionConfig(block_k=64, num_stages=2)
-# The backward's dk/dv kernel computing dQ too (opt-in: TMA reduce-adds, not
-# bitwise reproducible): ``pallax-fused`` on the cases' fwd+bwd (one query head
+# The backward's dk/dv kernel computing dQ too (TMA reduce-adds, not bitwise
+# reproducible): ``pallax-fused`` on the cases' fwd+bwd (one query head
 # a kv head: it takes their causal masks at head dim 128), ``pallax-fused2``
 # with two consumer warpgroups of 64 keys sharing dQ's columns
 # (FlashAttention-3's shape).

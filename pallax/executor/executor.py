@@ -420,6 +420,7 @@ class Executor:
     for name, config in reversed(tuple(overlays)):
       if name == op:
         return self._validated(spec, avals, target, params, make(config, "overlay"), strict=True)
+    stale = []  # cached configs this call cannot run (e.g. under XLA's determinism flags)
     with self._lock:
       hit = self._memory.get((kind, key))
       if hit is not None:
@@ -429,10 +430,16 @@ class Executor:
         ("default", shipped_defaults(kind, spec.op, spec.version)),
       ):
         config = self._from_entry(spec, entries.get(key))
-        if config is not None:
-          chosen = self._validated(spec, avals, target, params, make(config, source))
-          self._memory[(kind, key)] = dataclasses.replace(chosen, source="memory")
-          return chosen
+        if config is None:
+          continue
+        reason = unsupported_reason(spec, avals, target, config, params)
+        if reason is not None:
+          stale.append(f"{source} config {config} skipped: {reason}")
+          log.info("%s (%s): %s", spec.op, key, stale[-1])
+          continue
+        chosen = make(config, source)
+        self._memory[(kind, key)] = dataclasses.replace(chosen, source="memory")
+        return chosen
       if self.policy == "error":
         raise LookupError(
           f"pallax: no cached config for {key} on {kind!r} and the executor "
@@ -445,7 +452,7 @@ class Executor:
       else:
         note = ""
       heuristic, why = heuristic_choice(spec, avals, target, params)
-      note = "; ".join(n for n in (note, why) if n)
+      note = "; ".join(n for n in (*stale, note, why) if n)
       return self._validated(spec, avals, target, params, make(heuristic, "heuristic", note))
 
   def _validated(self, spec, avals, target, params, chosen: Selection, strict=False) -> Selection:

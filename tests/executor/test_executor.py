@@ -196,14 +196,16 @@ def test_autotune_without_a_device_for_the_target_uses_heuristic(tmp_path):
   assert chosen.source == "heuristic" and "needs a cuda device" in chosen.note
 
 
-def test_unsupported_selection_falls_back_to_xla_visibly(tmp_path):
+def test_an_unsupported_cached_config_gives_way_to_the_heuristic_visibly(tmp_path):
+  """A disk or shipped config this call cannot run (say, under XLA's determinism flags)."""
   ex = Executor(cache_dir=tmp_path)
   _write_disk(ex, FakeConfig(block=8))
   chosen = _select(ex)
-  assert chosen.implementation == "xla" and "block 8 too big" in chosen.note
+  assert (chosen.source, chosen.config.block) == ("heuristic", 2)  # on a CPU, its XLA program
+  assert "disk config" in chosen.note and "block 8 too big" in chosen.note
   with pytest.raises(ValueError, match="block 8 too big"):
     _select(ex, pinned=FakeConfig(block=8))
-  # Under the interpret switch the XLA program is no alternative: a clear error.
+  # Under the interpret switch too: the heuristic's kernel, interpreted.
   ex2 = Executor(cache_dir=tmp_path)
   ex2.disk.store(
     jax.devices("cpu")[0].device_kind,
@@ -211,8 +213,27 @@ def test_unsupported_selection_falls_back_to_xla_visibly(tmp_path):
     SPEC.version,
     {cache_key(SPEC, AVALS, "interpret-triton", PARAMS): {"config": FakeConfig(block=8).to_dict()}},
   )
+  assert ex2.select("fake_op", AVALS, "interpret-triton", PARAMS).config == FakeConfig(block=2)
+
+
+# The heuristic's own config refused: the XLA program, visibly.
+TOO_BIG = KernelSpec(
+  "fake_too_big_op",
+  FakeConfig,
+  heuristic=lambda avals, target, **p: FakeConfig(block=8),
+  candidates=lambda avals, target, **p: CANDIDATES,
+  supports=SPEC.supports,
+)
+register_kernel(TOO_BIG)
+
+
+def test_an_unsupported_heuristic_falls_back_to_xla_visibly():
+  ex = Executor(cache_dir=False)
+  chosen = ex.select("fake_too_big_op", AVALS, "cuda", PARAMS)
+  assert chosen.implementation == "xla" and "block 8 too big" in chosen.note
+  # Under the interpret switch the XLA program is no alternative: a clear error.
   with pytest.raises(NotImplementedError, match="block 8 too big"):
-    ex2.select("fake_op", AVALS, "interpret-triton", PARAMS)
+    ex.select("fake_too_big_op", AVALS, "interpret-triton", PARAMS)
 
 
 def test_wrong_config_type():

@@ -200,7 +200,7 @@ def test_float16_causal_t_below_s():
   _run_case(case, jnp.float16, PATH, seed=2)
 
 
-# The dk/dv kernel computing dQ too (``fuse_dq``, an opt-in config): on a GPU
+# The dk/dv kernel computing dQ too (``fuse_dq``, autotuning's candidate): on a GPU
 # by TMA reduce-adds; interpreted, each key tile's share of dQ^T goes to a part
 # of its own, summed after the kernel (the interpreter has no TMA reductions).
 FUSED = mosaic_gpu.MosaicGpuAttentionConfig(block_k=64, num_stages=2, fuse_dq=True)
@@ -254,7 +254,7 @@ def test_the_fused_dq_backward(name):
   case, config = FUSED_CASES[name], FUSED_TWO if name.endswith("-two") else FUSED
   assert _chosen(case, jnp.bfloat16, config) == {FWD: MOSAIC, BWD: MOSAIC}
   assert _picks(case, jnp.bfloat16, config)[BWD].config == config
-  assert not _picks(case, jnp.bfloat16)[BWD].config.fuse_dq  # opt-in only
+  assert not _picks(case, jnp.bfloat16)[BWD].config.fuse_dq  # never the heuristic's
   _run_case(case, jnp.bfloat16, PATH, config=config, seed=7)
 
 
@@ -316,7 +316,7 @@ def test_the_backward_with_two_consumers(name):
   _run_case(case, jnp.bfloat16, PATH, config=config, seed=5)
 
 
-@pytest.mark.slow  # fuse_dq is opt-in; the default run has two fused cases with padded keys
+@pytest.mark.slow  # the default run has three fused cases with padded keys
 def test_the_fused_dq_backward_hides_padded_keys():
   """Logits about -100: a padded key's probability ``exp2(-lse)`` overflows where it is not hidden.
 
@@ -676,7 +676,14 @@ def test_supports_and_the_ring_in_shared_memory():
   want = 2 * 64 * 128 * 2 + 2 * 2 * 32 * 128 * 2 + 2 * 2 * 32 * 4 + 64 * 32 * 2 + 4 * 32 * 128
   assert mosaic_gpu.smem_bytes(Problem.of(_avals(), **PARAMS), fused, "bwd") == want
   cands = mosaic_gpu.candidates(_avals(), h100, stage="bwd", **PARAMS)
-  assert cands and not any(c.fuse_dq for c in cands)  # never autotuning's choice
+  # Autotuning's candidates: one consumer and two, unless XLA asks for deterministic ops.
+  fused_cands = [c for c in cands if c.fuse_dq]
+  assert fused_cands == [fused, config(64, 64, fuse_dq=True, dkdv_consumers=2)]
+  with pytest.MonkeyPatch.context() as mp:  # read at each call (pallax.determinism)
+    mp.setenv("XLA_FLAGS", "--xla_gpu_exclude_nondeterministic_ops=true")
+    assert "deterministic ops" in supports(fused, stage="bwd", **PARAMS)
+    cands = mosaic_gpu.candidates(_avals(), h100, stage="bwd", **PARAMS)
+    assert cands and not any(c.fuse_dq for c in cands)
   assert "128 spills" in supports(config(block_q=128), stage="fwd", **PARAMS)
   # 229888 bytes of buffers: Mosaic GPU's barriers and alignment take it over 227 KiB.
   assert "SMEM" in supports(config(block_k=128, num_stages=3), stage="fwd", **PARAMS)

@@ -14,6 +14,7 @@ from typing import Any, NamedTuple, Optional
 
 import jax.numpy as jnp
 
+from pallax import determinism
 from pallax import pallas_mosaic_gpu as mgpu
 from pallax.executor.config import KernelConfig
 from pallax.kernels.attention.common import Call, Problem
@@ -51,8 +52,11 @@ class MosaicGpuAttentionConfig(KernelConfig):
   fuse_dq: the backward's dk/dv kernel computes dQ too (``dS K``: 5 matrix
     products where the dq and dk/dv kernels do 7), each block of threads
     adding its keys' share into a float32 dQ by TMA reduce-adds. Their order
-    varies from run to run, so dq is not bitwise reproducible: off unless a
-    pinned config asks (never the heuristic's or autotuning's choice). Up to
+    varies from run to run, so dq is not bitwise reproducible, as in XLA's
+    own cuDNN attention: an autotuning candidate (never the heuristic's
+    choice), refused where ``XLA_FLAGS`` asks for deterministic ops
+    (``pallax.determinism``: the switch that makes XLA's attention
+    deterministic). Up to
     head dim 64 with every feature; at 128 without segment ids or a soft
     cap, in 2 slots, and with causal or window masks only where the query
     heads do not share kv heads or share one (``_fuse_reason``); with
@@ -433,6 +437,8 @@ def _fuse_reason(p: Problem, config: MosaicGpuAttentionConfig) -> Optional[str]:
   2), a window with GQA 400-460, a causal mask at 8 or 16 on 1 24.
   """
   h = head(p)
+  if determinism.required():
+    return f"fuse_dq: {determinism.reason()}; the fused dQ's reduce-adds run in no fixed order"
   if out_cols(p, "dkdv") < h:
     return "fuse_dq: the dk/dv kernel splits dK's and dV's columns here (a share has no whole dQ)"
   if h > 64 and p.has_segments:
@@ -484,8 +490,10 @@ def _space(p: Problem, stage: str) -> list[MosaicGpuAttentionConfig]:
 
   The backward's consumers: one or two in the dq kernel, and the dk/dv
   kernel's 64-query steps (in two consumers where one is its default), or
-  its two consumers of 32. The forward's: its blocks with ``fwd_overlap``
-  too, in 2 slots.
+  its two consumers of 32; then the dk/dv kernel computing dQ too
+  (``fuse_dq``: its consumers, 2 slots), where XLA's flags do not ask for
+  deterministic ops (``pallax.determinism``). The forward's: its blocks
+  with ``fwd_overlap`` too, in 2 slots.
   """
   blocks = [(64, b) for b in (128, 64, 256)] if stage == "fwd" else [BWD_BLOCKS]
   wide = [None, CONSUMERS] if wide_consumers(head(p)) == 1 else [None]
@@ -501,6 +509,9 @@ def _space(p: Problem, stage: str) -> list[MosaicGpuAttentionConfig]:
   if stage == "fwd":
     two_slots = [c for c in configs if c.num_stages == 2]
     configs += [dataclasses.replace(c, fwd_overlap=True) for c in two_slots]
+  if stage == "bwd":
+    fused = MosaicGpuAttentionConfig(*BWD_BLOCKS, 2, fuse_dq=True)
+    configs += [dataclasses.replace(fused, dkdv_consumers=kv) for kv in wide]
   return [c for c in configs if _config_reason(p, c, stage) is None]
 
 
