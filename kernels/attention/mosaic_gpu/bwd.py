@@ -62,6 +62,7 @@ read and written sequence first, in the caller's layout
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any
 
@@ -272,37 +273,32 @@ class _Kernels:
         own = (lo, hi) if shared else tiles.own_range(lo, hi, blocks.query_blocks(s0, bk))
         unmasked = blocks.unmasked_queries(s0, *own)
         ds_tile = lambda u, c: ds_smem.at[lax.rem(u, ds_buffers) * consumers + c]
+        own_cols = pl.ds(wg * FUSED_DQ_COLS, FUSED_DQ_COLS)  # shared: this consumer's of dQ
 
         def both_ready():  # shared: both consumers' dS^T stored (and the last read)
           plgpu.barrier_arrive(ds_ready)
           plgpu.barrier_wait(ds_ready)
 
-        def add_dq(u, g, i):
-          """Adds step ``u``'s ``dQ^T = K^T dS^T`` to dQ^T's query block ``i``, query head ``g``.
+        def dq_product(u, dq_cols, sources, acc_ref):
+          """Issues step ``u``'s ``K^T dS^T`` over ``sources``' keys: dQ^T's columns ``dq_cols``."""
+          for src in sources:
+            if form.hopper:  # K^T's rows: a view of K's columns transposed
+              k_rows = plgpu.transpose_ref(k_smem.at[src].at[:, dq_cols], (1, 0))
+            else:
+              k_rows = kt_smem.at[src].at[dq_cols]
+            plgpu.wgmma(acc_ref, k_rows, ds_tile(u, src))
 
-          Its own keys' share of every column, or (``shared``) every key's of its columns.
+        def add_dq(g, i, n, dq_cols, dq_t, tiles_a_step):
+          """Adds ``dq_t``, dQ^T's columns ``dq_cols`` of query block ``i`` of query head ``g``.
+
+          Through this consumer's float32 SMEM tile ``n`` (of ``tiles_a_step``).
           """
           part = None if form.hopper else lax.axis_index("k") * consumers + wg  # its key tile
-          sources, chunks = ([wg], range(dq_chunks)) if not shared else (range(consumers), [wg])
-          if shared:
-            both_ready()
-          for n, c in enumerate(chunks):
-            dq_cols = pl.ds(c * FUSED_DQ_COLS, FUSED_DQ_COLS)
-
-            def dq_product(acc_ref):
-              for src in sources:
-                if form.hopper:  # K^T's rows: a view of K's columns transposed
-                  k_rows = plgpu.transpose_ref(k_smem.at[src].at[:, dq_cols], (1, 0))
-                else:
-                  k_rows = kt_smem.at[src].at[dq_cols]
-                plgpu.wgmma(acc_ref, k_rows, ds_tile(u, src))
-
-            dq_t = mgpu.fresh_product((FUSED_DQ_COLS, bq), dq_product)
-            # This chunk's tile of the last step has been read by its reduce-add.
-            plgpu.wait_smem_to_gmem(len(chunks) - 1, wait_read_only=True)
-            dq_smem.at[wg, n][...] = dq_t
-            plgpu.commit_smem()
-            form.add_to(dq_smem.at[wg, n], dq_ref, (b, kh, g, dq_cols, pl.ds(i * bq, bq)), part)
+          # This tile's last step's reduce-add has read it.
+          plgpu.wait_smem_to_gmem(tiles_a_step - 1, wait_read_only=True)
+          dq_smem.at[wg, n][...] = dq_t
+          plgpu.commit_smem()
+          form.add_to(dq_smem.at[wg, n], dq_ref, (b, kh, g, dq_cols, pl.ds(i * bq, bq)), part)
 
         def step(u, g, i, carry, masked):
           dk, dv = carry
@@ -324,11 +320,16 @@ class _Kernels:
             # dS^T = P^T (dP^T - delta).
             ring.wait(1, u)
             ring.wait(2, u)
-            return column(neg_delta_smem), dv, dk
+            dq_t = [form.zeros((FUSED_DQ_COLS, bq))] if shared else []
+            return column(neg_delta_smem), dv, dk, *dq_t
 
           def grads(refs, read, ready):
-            """dP^T beside S^T's logits, P^T dO beside dS^T (``dv_first``), then dS^T Q."""
-            dp_ref, dv_ref, dk_ref = refs
+            """dP^T beside S^T's logits, P^T dO beside dS^T (``dv_first``), then dS^T Q.
+
+            Shared (``shares_dq``): then, once both consumers' dS^T are
+            stored, this consumer's columns of dQ^T beside dS^T Q.
+            """
+            dp_ref, dv_ref, dk_ref, *dq_ref = refs
             dp_t(dp_ref)
             z = ready(1)
             probs = jnp.exp2(z - column(lse_smem))
@@ -341,18 +342,28 @@ class _Kernels:
               ds_tile(u, wg)[...] = ds
               plgpu.commit_smem()
             plgpu.wgmma(dk_ref, form.operand(ds, st_smem, wg, 1), columns(q_smem.at[s]))
+            if shared:
+              both_ready()
+              dq_product(u, own_cols, range(consumers), dq_ref[0])
 
           # In steps the loops know to be unmasked (``masked`` False: not the
           # one-consumer loop of a masked call) S^T runs with dP^T; else S^T
           # and its mask come first: beside dP^T in flight they spilled.
-          (_, dv, dk), _ = form.pipeline_after(
+          (_, dv, dk, *dq_t), _ = form.pipeline_after(
             (bk, bq), s_t, logits, masked is False, starts, grads
           )
           ring.release(2, u)
           ring.release(1, u)
           ring.release(0, u)
-          if fuse_dq:
-            add_dq(u, g, i)
+          if shared:
+            add_dq(g, i, 0, own_cols, dq_t[0], 1)
+          elif fuse_dq:  # its own keys' share of every column
+            for c in range(dq_chunks):
+              dq_cols = pl.ds(c * FUSED_DQ_COLS, FUSED_DQ_COLS)
+              dq_t = mgpu.fresh_product(
+                (FUSED_DQ_COLS, bq), functools.partial(dq_product, u, dq_cols, [wg])
+              )
+              add_dq(g, i, c, dq_cols, dq_t, dq_chunks)
           return dk, dv
 
         def per_group(g, carry):

@@ -432,9 +432,9 @@ def _fuse_reason(p: Problem, config: MosaicGpuAttentionConfig) -> Optional[str]:
   20-48 bytes. Segment ids spilled 48 with a causal mask at 8 on 8, and 4
   slots 132. Two consumers at head dim 128 (``dkdv_consumers=2``, dQ's
   columns shared: ``shares_dq``) unmasked at 16 on 16, 8 on 2 and 8 on 1,
-  causal at 16 on 16, 8 on 8, 16 on 4, 16 on 2, 8 on 2, 4 on 2, 4 on 1 and
-  2 on 1, a window at 16 on 16 and 4 on 4: lengths spilled 284 bytes (8 on
-  2), a window with GQA 400-460, a causal mask at 8 or 16 on 1 24.
+  causal at 16 on 16, 8 on 8, 16 on 4, 16 on 2, 8 on 2 and 2 on 1, a
+  window at 16 on 16 and 4 on 4: lengths spilled 284 bytes (8 on 2), a
+  window with GQA 400-460, a causal mask at 4 on 1 24.
   """
   h = head(p)
   if determinism.required():
@@ -445,12 +445,12 @@ def _fuse_reason(p: Problem, config: MosaicGpuAttentionConfig) -> Optional[str]:
     return "fuse_dq above head dim 64 takes no segment ids (spills)"
   if h > 64 and config.num_stages > 2:
     return f"num_stages={config.num_stages}: fuse_dq above head dim 64 takes 2 slots (4 spill)"
-  max_groups = 4 if p.kv_heads == 1 else 8
+  max_groups = 2 if p.kv_heads == 1 else 8
   if h > 64 and dkdv_steps(p, config)[1] == CONSUMERS:
     if p.has_lengths or windowed(p) and p.groups > 1 or bounded(p) and p.groups > max_groups:
       return (
         "fuse_dq with dkdv_consumers=2 above head dim 64 takes no lengths, windows only with"
-        " one query head a kv head, and causal masks with up to 8 query heads a kv head (4"
+        " one query head a kv head, and causal masks with up to 8 query heads a kv head (2"
         f" with one kv head), not {p.groups * p.kv_heads} on {p.kv_heads} (spills)"
       )
   elif h > 64 and bounded(p) and p.groups > 1 and p.kv_heads > 1:
