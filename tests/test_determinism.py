@@ -1,4 +1,4 @@
-"""pallax.determinism: XLA's flags for deterministic GPU ops, as XLA parses them."""
+"""pallax.determinism: XLA's flags for deterministic GPU ops, parsed as XLA parses its flags."""
 
 import pytest
 
@@ -18,6 +18,9 @@ from pallax import determinism
     ("--xla_gpu_deterministic_ops=true --xla_gpu_deterministic_ops=false", False),
     ("--xla_gpu_deterministic_ops=false --xla_gpu_exclude_nondeterministic_ops=TRUE", True),
     ("--xla_gpu_deterministic_ops_extra=true", False),
+    ('--xla_gpu_exclude_nondeterministic_ops="true"', True),
+    # Parsing stops at the first word that is not a flag.
+    ("--xla_gpu_autotune_level=0 stray --xla_gpu_deterministic_ops=true", False),
   ],
 )
 def test_required_reads_xla_flags_at_each_call(monkeypatch, flags, required):
@@ -29,3 +32,13 @@ def test_required_without_xla_flags(monkeypatch):
   monkeypatch.delenv("XLA_FLAGS", raising=False)
   assert determinism.required() is False
   assert "--xla_gpu_exclude_nondeterministic_ops" in determinism.reason()
+
+
+def test_required_reads_a_file_of_flags(monkeypatch, tmp_path):
+  """XLA_FLAGS that does not start with "-" names a file of flags."""
+  path = tmp_path / "flags"
+  path.write_text("--xla_gpu_autotune_level=0\n--xla_gpu_deterministic_ops\n")
+  monkeypatch.setenv("XLA_FLAGS", str(path))
+  assert determinism.required() is True
+  monkeypatch.setenv("XLA_FLAGS", str(tmp_path / "missing"))
+  assert determinism.required() is False

@@ -470,9 +470,11 @@ class ScratchSoftmax:
       ref[...] = value
 
   def init(self, p: Problem, shape_rows, width: int) -> None:
+    """``online_init``'s accumulators, stored."""
     self._store(online_init(p, shape_rows, width))
 
   def step(self, s, v, dot) -> None:
+    """``online_step`` of the stored accumulators with a key block, stored back."""
     self._store(online_step(tuple(ref[...] for ref in self.refs), s, v, dot))
 
   def finish(self):

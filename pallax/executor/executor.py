@@ -437,13 +437,14 @@ class Executor:
           stale.append(f"{source} config {config} skipped: {reason}")
           log.info("%s (%s): %s", spec.op, key, stale[-1])
           continue
-        chosen = make(config, source)
+        chosen = make(config, source, "; ".join(stale))
         self._memory[(kind, key)] = dataclasses.replace(chosen, source="memory")
         return chosen
       if self.policy == "error":
         raise LookupError(
-          f"pallax: no cached config for {key} on {kind!r} and the executor "
-          f"policy is 'error' (autotune it with pallax.autotune)"
+          f"pallax: no cached config for {key} on {kind!r} that this call can run"
+          f"{''.join(f' ({s})' for s in stale)} and the executor policy is 'error'"
+          " (autotune it with pallax.autotune)"
         )
       if self.policy == "autotune" and not dry_run:
         if make_fn is not None and _target_runs_here(target):

@@ -205,6 +205,9 @@ def test_an_unsupported_cached_config_gives_way_to_the_heuristic_visibly(tmp_pat
   assert "disk config" in chosen.note and "block 8 too big" in chosen.note
   with pytest.raises(ValueError, match="block 8 too big"):
     _select(ex, pinned=FakeConfig(block=8))
+  # The error policy says why the cached config did not count.
+  with pytest.raises(LookupError, match="block 8 too big"):
+    Executor(policy="error", cache_dir=tmp_path).select("fake_op", AVALS, "cpu", PARAMS)
   # Under the interpret switch too: the heuristic's kernel, interpreted.
   ex2 = Executor(cache_dir=tmp_path)
   ex2.disk.store(

@@ -317,29 +317,40 @@ def test_the_backward_with_two_consumers(name):
 
 
 @pytest.mark.slow  # the default run has three fused cases with padded keys
-def test_the_fused_dq_backward_hides_padded_keys():
-  """Logits about -100: a padded key's probability ``exp2(-lse)`` overflows where it is not hidden.
+@pytest.mark.parametrize(
+  "h, config, dtype, logit",
+  [
+    (64, FUSED, jnp.bfloat16, -100.0),
+    (128, FUSED_TWO, jnp.bfloat16, -100.0),
+    (128, FUSED_TWO, jnp.float16, -15.0),
+  ],
+  ids=["h64-bf16", "h128-shared-bf16", "h128-shared-f16"],
+)
+def test_the_fused_dq_backward_hides_padded_keys(h, config, dtype, logit):
+  """Logits about ``logit``: a padded key's probability ``exp2(-lse)`` overflows where not hidden.
 
-  64 keys at head dim 64: keys pad to 128 (two consumers of 64), so the
-  second consumer's tile is padding alone, which must see no query; 100 keys
-  pad the first tile's last 28, which its masks must hide. Else ``inf``
-  times a zero K makes dQ NaN.
+  64 keys: keys pad to 128 (two consumers of 64), so the second consumer's
+  tile is padding alone, which must see no query (at head dim 64, each
+  consumer its own keys' dQ) or compute masked steps (at 128, the consumers
+  sharing dQ's columns); 100 keys pad the first tile's last 28, which its
+  masks must hide. Else ``inf`` times a zero K makes dQ NaN (in float16
+  ``exp(15)`` is over its largest value).
   """
   rng = np.random.default_rng(13)
   for s in (64, 100):
-    # Logits -100 from the first column (320 x -2.5 x 1/8), the rest of the
-    # gradients from zero-mean columns (no cancellation of a common offset).
-    q, k = rng.standard_normal((1, 64, 2, 64)), rng.standard_normal((1, s, 1, 64))
-    q[..., 0], k[..., 0] = 320.0, -2.5
-    q, k = jnp.asarray(q, jnp.bfloat16), jnp.asarray(k, jnp.bfloat16)
-    v, ct = rand(rng, (1, s, 1, 64), jnp.bfloat16), rand(rng, (1, 64, 2, 64), jnp.bfloat16)
+    # Logits ``logit`` from the first column (q0 x -2.5 / sqrt(h)), the rest of
+    # the gradients from zero-mean columns (no cancellation of a common offset).
+    q, k = rng.standard_normal((1, 64, 2, h)), rng.standard_normal((1, s, 1, h))
+    q[..., 0], k[..., 0] = -logit * np.sqrt(h) / 2.5, -2.5
+    q, k = jnp.asarray(q, dtype), jnp.asarray(k, dtype)
+    v, ct = rand(rng, (1, s, 1, h), dtype), rand(rng, (1, 64, 2, h), dtype)
     loss = lambda fn, *qkv: jnp.sum(fn(*qkv).astype(jnp.float32) * ct.astype(jnp.float32))
     with on_path(PATH):
-      got = jax.jit(jax.grad(functools.partial(loss, _pallax(FUSED)), (0, 1, 2)))(q, k, v)
+      got = jax.jit(jax.grad(functools.partial(loss, _pallax(config)), (0, 1, 2)))(q, k, v)
     with x64():
       want = jax.grad(functools.partial(loss, reference), (0, 1, 2))(*map(to64, (q, k, v)))
     for name, g, w in zip(("dq", "dk", "dv"), got, want):
-      assert_close(g, w, jnp.bfloat16, f"fused dq, {s} keys, logits about -100: {name}")
+      assert_close(g, w, dtype, f"fused dq, {s} keys, logits about {logit}: {name}")
 
 
 @pytest.mark.slow  # a minute or two interpreted under race detection
@@ -775,7 +786,7 @@ def test_supports_and_the_ring_in_shared_memory():
   window = {**PARAMS, "window_left": 60, "window_right": 20}
   assert mha(fused_two, stage="bwd", **causal) is None
   assert mha(fused_two, stage="bwd", **window) is None
-  assert "windows only with one query head" in supports(fused_two, stage="bwd", **window)
+  assert "windows with one query head a kv head" in supports(fused_two, stage="bwd", **window)
   mqa = functools.partial(mosaic_gpu.supports, _avals(kv_heads=1, groups=8), h100)
   assert "not 8 on 1" in mqa(fused_two, stage="bwd", **causal)
   mqa2 = mosaic_gpu.supports(_avals(kv_heads=1, groups=2), h100, fused_two, stage="bwd", **causal)

@@ -6,8 +6,9 @@
 * ``fwd.py``: the forward (``out``, ``lse``): a TMA producer warpgroup and two
   ping-pong ``wgmma`` consumer warpgroups (one where two spill);
 * ``bwd.py``: the backward from the saved ``lse``: a dq kernel and a dk/dv
-  kernel of the same structure, no atomics; or, opt-in (``fuse_dq``), the
-  dk/dv kernel alone, adding dQ by TMA reduce-adds;
+  kernel of the same structure, no atomics; or (``fuse_dq``, an autotuning
+  candidate unless XLA's flags ask for deterministic ops) the dk/dv kernel
+  alone, adding dQ by TMA reduce-adds;
 * ``jvp.py``: the tangent, one pass from the saved ``lse``;
 * ``query_side.py``: the frame of the dq and tangent kernels.
 

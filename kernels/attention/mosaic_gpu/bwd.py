@@ -26,7 +26,8 @@ same columns of K (of Q and dO), a column slice of the tile in SMEM as
 ``wgmma``'s operand. The shares' blocks of threads are adjacent on the
 grid's heads axis.
 
-With ``config.fuse_dq`` (opt-in) the dk/dv kernel computes dQ too, and the
+With ``config.fuse_dq`` (an autotuning candidate unless XLA's flags ask
+for deterministic ops: ``pallax.determinism``) the dk/dv kernel computes dQ too, and the
 dq kernel does not run: 5 matrix products where the two kernels do 7. Its
 steps take 32 queries (``FUSED_ROWS``: S^T, dP^T and a dQ^T tile take 16
 registers a thread each; 64 spilled 112-248 bytes beside dK's and dV's
@@ -114,7 +115,7 @@ def bwd(*operands, config: MosaicGpuAttentionConfig, interpret: Any, **params) -
     "neg_delta": tiles.pad(-delta, {3: tp}),
   }
   keys = {"k": tiles.pad(ops.k, {2: sp, 3: h}), "v": tiles.pad(ops.v, {2: sp, 3: h})}
-  blocks = tiles.Tiles(p, bq, bk, cut_keys=config.fuse_dq)
+  blocks = tiles.Tiles(p, bq, bk, cut_keys=sp if config.fuse_dq else 0)
   kernels = _Kernels(p, ops, form, blocks, config)
   dk, dv, dq = kernels.dkdv(queries, keys, tp, sp)
   if dq is None:
@@ -216,7 +217,6 @@ class _Kernels:
     # their block of threads (a consumer's hidden keys masked): each one's
     # dS^T feeds both dQ^T products, in one of two SMEM buffers by step.
     shared = fuse_dq and shares_dq(h, consumers)
-    ds_buffers = 2 if shared else 1
     # A step issues P^T dO before dS^T waits for dP^T: ptxas moves work below
     # a wait it does not feed (P^T's exponentials after dP^T's wait: 26 of 32
     # a thread), not below the issue of a product that reads it. dS^T comes
@@ -272,13 +272,18 @@ class _Kernels:
         k_seg = form.vector(seg_smem[0].at[wg], 0) if seg_refs else None
         own = (lo, hi) if shared else tiles.own_range(lo, hi, blocks.query_blocks(s0, bk))
         unmasked = blocks.unmasked_queries(s0, *own)
-        ds_tile = lambda u, c: ds_smem.at[lax.rem(u, ds_buffers) * consumers + c]
-        own_cols = pl.ds(wg * FUSED_DQ_COLS, FUSED_DQ_COLS)  # shared: this consumer's of dQ
+        if shared:  # the step's buffer; this consumer's columns of dQ
+          ds_tile = lambda u, c: ds_smem.at[lax.rem(u, 2) * consumers + c]
+          own_cols = pl.ds(wg * FUSED_DQ_COLS, FUSED_DQ_COLS)
+        else:
+          ds_tile = lambda u, c: ds_smem.at[c]
 
         def both_ready():  # shared: both consumers' dS^T stored (and the last read)
           plgpu.barrier_arrive(ds_ready)
           plgpu.barrier_wait(ds_ready)
 
+        # The other consumer's K: its TMA waited for by that consumer, which
+        # arrived at ``ds_ready`` after it, before this one reads it.
         def dq_product(u, dq_cols, sources, acc_ref):
           """Issues step ``u``'s ``K^T dS^T`` over ``sources``' keys: dQ^T's columns ``dq_cols``."""
           for src in sources:
@@ -445,7 +450,7 @@ class _Kernels:
         form.staging((consumers, 2, bk, bq), p.dtype),
         tiles.segment_smem(segs, (consumers, bk), (stages, bq)),
         None if chunks == 1 else self._tile(consumers, bk, cols),
-        self._tile(ds_buffers * consumers, bk, bq) if fuse_dq else None,
+        self._tile((1 + shared) * consumers, bk, bq) if fuse_dq else None,
         self._tile(consumers, h, bk) if k_t else None,
         plgpu.SMEM(
           (consumers, dq_chunks // consumers if shared else dq_chunks, FUSED_DQ_COLS, bq),

@@ -56,14 +56,14 @@ class MosaicGpuAttentionConfig(KernelConfig):
     own cuDNN attention: an autotuning candidate (never the heuristic's
     choice), refused where ``XLA_FLAGS`` asks for deterministic ops
     (``pallax.determinism``: the switch that makes XLA's attention
-    deterministic). Up to
-    head dim 64 with every feature; at 128 without segment ids or a soft
-    cap, in 2 slots, and with causal or window masks only where the query
-    heads do not share kv heads or share one (``_fuse_reason``); with
-    ``dkdv_consumers=2`` its blocks of threads take two consumer warpgroups
-    of 64 keys there, sharing dQ's columns (``shares_dq``), without lengths,
-    windows only with one query head a kv head. The forward and the tangent
-    ignore it.
+    deterministic). Up to head dim 64 with every feature; at 128 without
+    segment ids or a soft cap, in 2 slots; there one consumer takes causal
+    or window masks only where the query heads do not share kv heads or
+    share one, and with ``dkdv_consumers=2`` two consumer warpgroups of 64
+    keys, sharing dQ's columns (``shares_dq``), take no lengths, windows
+    only with one query head a kv head, and causal masks with up to 8 query
+    heads a kv head, 2 on one (``_fuse_reason``). The forward and the
+    tangent ignore it.
   dq_consumers: consumer warpgroups of the backward's dq kernel, 64 queries
     each: 1 (the heuristic's) or 2, where one consumer's softmax runs beside
     the other's matrix products, up to head dim 128 (an autotuning candidate
@@ -445,14 +445,16 @@ def _fuse_reason(p: Problem, config: MosaicGpuAttentionConfig) -> Optional[str]:
     return "fuse_dq above head dim 64 takes no segment ids (spills)"
   if h > 64 and config.num_stages > 2:
     return f"num_stages={config.num_stages}: fuse_dq above head dim 64 takes 2 slots (4 spill)"
-  max_groups = 2 if p.kv_heads == 1 else 8
   if h > 64 and dkdv_steps(p, config)[1] == CONSUMERS:
-    if p.has_lengths or windowed(p) and p.groups > 1 or bounded(p) and p.groups > max_groups:
-      return (
-        "fuse_dq with dkdv_consumers=2 above head dim 64 takes no lengths, windows only with"
-        " one query head a kv head, and causal masks with up to 8 query heads a kv head (2"
-        f" with one kv head), not {p.groups * p.kv_heads} on {p.kv_heads} (spills)"
-      )
+    max_groups = 2 if p.kv_heads == 1 else 8
+    two = "fuse_dq with dkdv_consumers=2 above head dim 64 takes"
+    heads = f"not {p.groups * p.kv_heads} on {p.kv_heads} (spills)"
+    if p.has_lengths:
+      return f"{two} no lengths (spills)"
+    if windowed(p) and p.groups > 1:
+      return f"{two} windows with one query head a kv head, {heads}"
+    if bounded(p) and p.groups > max_groups:
+      return f"{two} causal masks with up to 8 query heads a kv head (2 on one kv head), {heads}"
   elif h > 64 and bounded(p) and p.groups > 1 and p.kv_heads > 1:
     return (
       f"fuse_dq above head dim 64 takes causal or window masks with one query head a kv head"

@@ -94,6 +94,8 @@ class Tiles:
   Inside a kernel, ``at`` gives the tiles of one example: its lengths
   (``q_len``, ``kv_len``, traced, with lengths) and its rows of the segment
   runs (``runs``: tile height -> ``(n, 4)`` ref, with segment ids).
+  ``cut_keys``: the keys' padded length, where padded keys must be hidden
+  (0: they need not be).
   """
 
   p: Problem
@@ -102,18 +104,19 @@ class Tiles:
   q_len: Any = None
   kv_len: Any = None
   runs: Optional[dict] = None
-  cut_keys: bool = False
+  cut_keys: int = 0
 
   @property
   def hides_padded_keys(self) -> bool:
-    """Whether the key side's masks hide padded keys in a tile of real ones (``cut_keys``).
+    """Whether the key side's masks hide padded keys (``cut_keys``, where there are any).
 
     The dk/dv kernel leaves them visible (their dK and dV are cut off) unless
     it also computes dQ: there a padded key's probability, ``exp2(-lse)``, could
     overflow, and ``inf`` times its zero K is NaN. A tile of padded keys alone
-    sees no query (``query_blocks``).
+    sees no query (``query_blocks``) unless its consumer takes every step of
+    its block of threads (``shares_dq``): then its steps are masked.
     """
-    return self.cut_keys and self.p.s % self.bk != 0
+    return self.cut_keys > self.p.s
 
   def inputs(self, ops, segs, heights: tuple[int, ...], queries_own: bool) -> list:
     """What ``at`` reads, as kernel operands: the lengths, then per own tile height its runs.
@@ -196,7 +199,7 @@ class Tiles:
     """
     lens = self._lens("q_len", "kv_len")
     lo, hi = common.query_range(self.p, s0, self.bq, rows, *lens, self._run(s0, rows, MEET_LO))
-    return (lo, jnp.where(s0 < self.p.s, hi, lo)) if self.cut_keys else (lo, hi)
+    return (lo, jnp.where(s0 < self.p.s, hi, lo)) if self.cut_keys > self.p.s else (lo, hi)
 
   def unmasked_queries(self, s0, lo, hi):
     """Query blocks of ``[lo, hi)`` that see every key of ``[s0, s0 + bk)``."""
