@@ -8,8 +8,9 @@
 # Steps, in this order (STEPS picks some; default all):
 # - tune: bench/hopper_tune.py (its cases: TUNE), every candidate of the benches' kernel calls
 #   timed (what the heuristics should pick), the winners exported to tuned.json.
-# - fused_smoke: the fused dq backward's causal and two-consumer tests (fuse_dq: TMA
-#   reduce-adds, never run on a GPU before) compiled and run on the GPU; if
+# - fused_smoke: the fused dq backward's causal and two-consumer tests, the consumers
+#   sharing dQ's columns with padded keys too (fuse_dq: TMA reduce-adds and a barrier a
+#   step, never run on a GPU before) compiled and run on the GPU; if
 #   they fail, hang or are not run (the deadline), attention_bench leaves
 #   pallax-fused and pallax-fused2 out (PALLAX_BENCH_FUSED=0), so a hang there costs this
 #   step's cap, not the bench's numbers.
@@ -80,7 +81,8 @@ tests=(env PALLAX_TEST_PLATFORM=gpu python3 -m pytest -n 0 -p no:cacheprovider -
 # shellcheck disable=SC2086  # TUNE: the cases, words
 step tune 240 env PALLAX_CACHE_DIR="$out/tune_cache" python3 bench/hopper_tune.py "$out" \
   ${TUNE:-paged ragged attention}
-if ! step fused_smoke 100 "${tests[@]}" -m "not compilers" -k "fused_dq_backward and (causal or two)" \
+if ! step fused_smoke 150 "${tests[@]}" -m "not compilers" \
+  -k "fused_dq_backward and (causal or two or shared)" \
   tests/primitives/test_attention_mosaic_gpu.py; then
   export PALLAX_BENCH_FUSED=0
 fi
