@@ -88,6 +88,7 @@ from pallax.kernels.attention.mosaic_gpu.config import (
   bwd_lengths,
   call_of,
   dkdv_steps,
+  fused_dq_tiles,
   has_masks,
   head,
   out_cols,
@@ -212,11 +213,11 @@ class _Kernels:
     chunks = h // cols
     assert chunks * cols == h, f"{cols} columns a share do not divide head dim {h}"
     assert not fuse_dq or chunks == 1, "a share of dK's and dV's columns has no whole dQ"
-    dq_chunks = h // FUSED_DQ_COLS
     # Consumers that split dQ's columns (``shares_dq``) take every step of
     # their block of threads (a consumer's hidden keys masked): each one's
     # dS^T feeds both dQ^T products, in one of two SMEM buffers by step.
     shared = fuse_dq and shares_dq(h, consumers)
+    dq_tiles = fused_dq_tiles(h, consumers)  # a consumer adds a step
     # A step issues P^T dO before dS^T waits for dP^T: ptxas moves work below
     # a wait it does not feed (P^T's exponentials after dP^T's wait: 26 of 32
     # a thread), not below the issue of a product that reads it. dS^T comes
@@ -293,14 +294,14 @@ class _Kernels:
               k_rows = kt_smem.at[src].at[dq_cols]
             plgpu.wgmma(acc_ref, k_rows, ds_tile(u, src))
 
-        def add_dq(g, i, n, dq_cols, dq_t, tiles_a_step):
+        def add_dq(g, i, n, dq_cols, dq_t):
           """Adds ``dq_t``, dQ^T's columns ``dq_cols`` of query block ``i`` of query head ``g``.
 
-          Through this consumer's float32 SMEM tile ``n`` (of ``tiles_a_step``).
+          Through this consumer's float32 SMEM tile ``n`` (of ``dq_tiles``).
           """
           part = None if form.hopper else lax.axis_index("k") * consumers + wg  # its key tile
           # This tile's last step's reduce-add has read it.
-          plgpu.wait_smem_to_gmem(tiles_a_step - 1, wait_read_only=True)
+          plgpu.wait_smem_to_gmem(dq_tiles - 1, wait_read_only=True)
           dq_smem.at[wg, n][...] = dq_t
           plgpu.commit_smem()
           form.add_to(dq_smem.at[wg, n], dq_ref, (b, kh, g, dq_cols, pl.ds(i * bq, bq)), part)
@@ -361,14 +362,14 @@ class _Kernels:
           ring.release(1, u)
           ring.release(0, u)
           if shared:
-            add_dq(g, i, 0, own_cols, dq_t[0], 1)
+            add_dq(g, i, 0, own_cols, dq_t[0])
           elif fuse_dq:  # its own keys' share of every column
-            for c in range(dq_chunks):
+            for c in range(dq_tiles):
               dq_cols = pl.ds(c * FUSED_DQ_COLS, FUSED_DQ_COLS)
               dq_t = mgpu.fresh_product(
                 (FUSED_DQ_COLS, bq), functools.partial(dq_product, u, dq_cols, [wg])
               )
-              add_dq(g, i, c, dq_cols, dq_t, dq_chunks)
+              add_dq(g, i, c, dq_cols, dq_t)
           return dk, dv
 
         def per_group(g, carry):
@@ -453,7 +454,7 @@ class _Kernels:
         self._tile((1 + shared) * consumers, bk, bq) if fuse_dq else None,
         self._tile(consumers, h, bk) if k_t else None,
         plgpu.SMEM(
-          (consumers, dq_chunks // consumers if shared else dq_chunks, FUSED_DQ_COLS, bq),
+          (consumers, dq_tiles, FUSED_DQ_COLS, bq),
           jnp.float32,
           transforms=mgpu.swizzle_transforms(jnp.float32, bq),
         )

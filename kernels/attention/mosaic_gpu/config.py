@@ -258,6 +258,12 @@ def shares_dq(h: int, consumers: int) -> bool:
   return consumers > 1 and h == consumers * FUSED_DQ_COLS
 
 
+def fused_dq_tiles(h: int, consumers: int) -> int:
+  """The dQ^T tiles (``FUSED_DQ_COLS`` columns each) a fused dk/dv consumer adds a step."""
+  tiles = h // FUSED_DQ_COLS
+  return tiles // consumers if shares_dq(h, consumers) else tiles
+
+
 def bwd_lengths(p: Problem, config: MosaicGpuAttentionConfig) -> tuple[int, int]:
   """The backward's padded query and key lengths, which both its kernels take.
 
@@ -370,8 +376,8 @@ def smem_bytes(p: Problem, config: MosaicGpuAttentionConfig, stage: str) -> int:
     stats = n * (k.own_stats + seg) * own + c.num_stages * (k.ring_stats + seg) * ring
     dq_tiles = 0
     if fused:  # dS^T (two buffers where consumers share it) and dQ^T's float32 tiles
-      shared = shares_dq(h, n)
-      dq_tiles = n * ((1 + shared) * own * ring * item + 4 * ring * h // (n if shared else 1))
+      ds_buffers = 1 + shares_dq(h, n)
+      dq_tiles = n * (ds_buffers * own * item + 4 * fused_dq_tiles(h, n) * FUSED_DQ_COLS) * ring
     sizes.append(elements * item + 4 * stats + dq_tiles)
   return max(sizes)
 

@@ -199,7 +199,7 @@ class Tiles:
     """
     lens = self._lens("q_len", "kv_len")
     lo, hi = common.query_range(self.p, s0, self.bq, rows, *lens, self._run(s0, rows, MEET_LO))
-    return (lo, jnp.where(s0 < self.p.s, hi, lo)) if self.cut_keys > self.p.s else (lo, hi)
+    return (lo, jnp.where(s0 < self.p.s, hi, lo)) if self.hides_padded_keys else (lo, hi)
 
   def unmasked_queries(self, s0, lo, hi):
     """Query blocks of ``[lo, hi)`` that see every key of ``[s0, s0 + bk)``."""
