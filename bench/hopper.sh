@@ -9,11 +9,11 @@
 # - tune: bench/hopper_tune.py (its cases: TUNE), every candidate of the benches' kernel calls
 #   timed (what the heuristics should pick), the winners exported to tuned.json.
 # - fused_smoke: the fused dq backward's causal and two-consumer tests, the consumers
-#   sharing dQ's columns with padded keys too (fuse_dq: TMA reduce-adds and a barrier a
-#   step, never run on a GPU before) compiled and run on the GPU; if
-#   they fail, hang or are not run (the deadline), attention_bench leaves
-#   pallax-fused and pallax-fused2 out (PALLAX_BENCH_FUSED=0), so a hang there costs this
-#   step's cap, not the bench's numbers.
+#   sharing dQ's columns with padded keys too and in 64-query steps (fuse_dq: TMA
+#   reduce-adds and a barrier a step, never run on a GPU before) compiled and run on
+#   the GPU; if they fail, hang or are not run (the deadline), attention_bench leaves
+#   pallax-fused, pallax-fused2 and pallax-fa3 out (PALLAX_BENCH_FUSED=0), so a hang
+#   there costs this step's cap, not the bench's numbers.
 # - attention_bench: bench/test_attention_hopper.py, Mosaic GPU attention vs
 #   Pallas-Triton vs cuDNN (forward, forward+backward), and vs XLA under jvp
 #   (where cuDNN's custom_vjp raises); the forward's candidate with its
@@ -81,8 +81,8 @@ tests=(env PALLAX_TEST_PLATFORM=gpu python3 -m pytest -n 0 -p no:cacheprovider -
 # shellcheck disable=SC2086  # TUNE: the cases, words
 step tune 240 env PALLAX_CACHE_DIR="$out/tune_cache" python3 bench/hopper_tune.py "$out" \
   ${TUNE:-paged ragged attention}
-if ! step fused_smoke 150 "${tests[@]}" -m "not compilers" \
-  -k "fused_dq_backward and (causal or two or shared)" \
+if ! step fused_smoke 180 "${tests[@]}" -m "not compilers" \
+  -k "fused_dq_backward and (causal or two or shared or wide)" \
   tests/primitives/test_attention_mosaic_gpu.py; then
   export PALLAX_BENCH_FUSED=0
 fi

@@ -61,9 +61,13 @@ SMEM_BUDGET = SMEM_LIMIT - 4096
 # Rows of one warpgroup's ``wgmma`` (its M): a consumer warpgroup's tile height.
 WGMMA_ROWS = 64
 # Beside two consumers, a consumer warpgroup's and the producer's registers a
-# thread after the producer gives its own up (``setmaxnreg``): the warpgroups
-# of a block share 64K registers (one consumer and the producer fit 255 each).
-_CONSUMER_REGISTERS, _PRODUCER_REGISTERS = 232, 40
+# thread after the producer gives its own up (``setmaxnreg``, multiples of 8):
+# the warpgroups of a block share 64K registers, 512 a thread of each (one
+# consumer and the producer fit 255 each). ``WIDE_REGISTERS`` gives the
+# consumers all a producer of TMA copies can spare (FlashAttention-3's 240
+# and 24; a producer held to 24 spilled 4 bytes).
+REGISTERS = (232, 40)
+WIDE_REGISTERS = (240, 32)
 
 
 IMPLEMENTATION = "pallas_mosaic_gpu"
@@ -307,21 +311,32 @@ class Form:
     else:
       plgpu.copy_smem_to_gmem(tile, sum_ref.at[(part, *index)])
 
-  def staging(self, shape: Sequence[int], dtype: Any) -> Any:
-    """SMEM for the interpreted form's register ``wgmma`` operands (None on a GPU)."""
+  def staging(self, shape: Sequence[int], dtype: Any, smem: bool = False) -> Any:
+    """SMEM for the interpreted form's register ``wgmma`` operands (on a GPU only with ``smem``)."""
     transforms = swizzle_transforms(dtype, shape[-1])
-    return None if self.hopper else plgpu.SMEM(shape, dtype, transforms=transforms)
+    return None if self.hopper and not smem else plgpu.SMEM(shape, dtype, transforms=transforms)
 
-  def operand(self, x: jax.Array, staging: Any, *index: Any) -> Any:
-    """``x`` as a ``wgmma`` left operand: itself on a GPU; interpreted, stored to ``staging``."""
-    if self.hopper:
+  def operand(self, x: jax.Array, staging: Any, *index: Any, smem: bool = False) -> Any:
+    """``x`` as a ``wgmma`` left operand: itself on a GPU (not ``smem``), else stored to SMEM.
+
+    ``smem``: from SMEM on a GPU too, where the registers ``x`` would hold
+    beside the product in flight are wanted for others (``staging`` from
+    ``staging(..., smem=True)``).
+    """
+    if self.hopper and not smem:
       return x
     ref = staging.at[index] if index else staging
     ref[...] = x
     plgpu.commit_smem()
     return ref
 
-  def consumers(self, consumers: int, body: Callable[[Any], None], copies: bool = True) -> None:
+  def consumers(
+    self,
+    consumers: int,
+    body: Callable[[Any], None],
+    copies: bool = True,
+    registers: tuple[int, int] = REGISTERS,
+  ) -> None:
     """Runs ``body(wg)`` in each consumer warpgroup ``wg < consumers``.
 
     ``copies``: on a GPU one copy of ``body`` a consumer, ``wg`` a Python
@@ -333,14 +348,15 @@ class Form:
     interpreted (no registers to save; each copy would be traced), one copy
     for all, ``wg`` traced.
     With two consumers each first takes the registers the producer gives up
-    (on a GPU); one consumer and the producer fit 255 registers a thread
-    each without (held to 24, a producer spilled 4 bytes beside a consumer
-    of 255).
+    (on a GPU: ``registers``, a consumer's and the producer's, the same as
+    the ``producer`` call's); one consumer and the producer fit 255
+    registers a thread each without (held to 24, a producer spilled 4
+    bytes beside a consumer of 255).
     """
     wg = lax.axis_index("wg")
 
     def run(c):
-      self._registers(consumers, producer=False)
+      self._registers(consumers, registers[0], "increase")
       body(c)
 
     if copies and self.hopper:
@@ -349,7 +365,9 @@ class Form:
     else:
       pl.when(wg < consumers)(lambda: run(wg))
 
-  def producer(self, consumers: int, body: Callable[[], None]) -> None:
+  def producer(
+    self, consumers: int, body: Callable[[], None], registers: tuple[int, int] = REGISTERS
+  ) -> None:
     """Runs ``body()`` in the producer warpgroup (the last).
 
     Beside two consumers it first gives up most of its registers (``consumers``).
@@ -357,16 +375,13 @@ class Form:
 
     @pl.when(lax.axis_index("wg") == consumers)
     def _producer():
-      self._registers(consumers, producer=True)
+      self._registers(consumers, registers[1], "decrease")
       body()
 
-  def _registers(self, consumers: int, producer: bool) -> None:
+  def _registers(self, consumers: int, count: int, action: str) -> None:
     """Beside two consumers (on a GPU), the producer gives up registers and they take them."""
     if self.hopper and consumers == 2:
-      if producer:
-        plgpu.set_max_registers(_PRODUCER_REGISTERS, action="decrease")
-      else:
-        plgpu.set_max_registers(_CONSUMER_REGISTERS, action="increase")
+      plgpu.set_max_registers(count, action=action)
 
   def barrier(self, values):
     """An optimization barrier on a GPU (it orders the softmax against the ``wgmma``)."""

@@ -110,7 +110,9 @@ def _padded_batch(q, k, v, query_seq_lengths, key_value_seq_lengths, q_seg, kv_s
 
 
 # Sweep sizes (B, T, N, K, H), self-attention: head dims 64, a padded 80 and
-# 128 with GQA and odd lengths, 256, 32; causal: all but head dim 32. Every
+# 128 with GQA and odd lengths, 256, 32, and 128 in whole blocks of 128 keys
+# (FlashAttention-3's tile in the fused Mosaic GPU backward takes no padded
+# keys: ``fused_wide_steps``); causal: the first four. Every
 # batch is above 1: with one example a kernel's grid has no batch index, and
 # the Mosaic GPU backward at head dim 128 compiled spill-free there while
 # spilling 12-96 bytes from a batch of 2 up.
@@ -121,6 +123,7 @@ SIZES = (
   (2, 1000, 8, 2, 128),
   (2, 2048, 4, 4, 256),
   (4, 512, 8, 8, 32),
+  (2, 1024, 8, 2, 128),
 )
 QUICK = ((2, 1024, 8, 8, 64), (2, 1000, 8, 2, 128))
 

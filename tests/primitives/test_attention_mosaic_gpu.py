@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from typing import Optional
 
 import jax
 import jax.numpy as jnp
@@ -230,6 +231,12 @@ FUSED_CASES = {
   "h128-causal-gqa-two": Case(b=1, t=100, s=130, n=4, k=2, h=128, is_causal=True),
   # Slow: the same with a window, one query head a kv head.
   "h128-window-mha-two": Case(b=1, t=100, s=130, n=2, k=2, h=128, window=(40, 10)),
+  # FlashAttention-3's tile (``fused_wide_steps``): two consumers sharing dQ's
+  # columns in 64-query steps, P^T and dS^T from SMEM; unmasked, keys in whole
+  # blocks of threads (128), GQA, padded queries (100 of 128).
+  "h128-gqa-wide": Case(b=1, t=100, s=128, n=4, k=2, h=128),
+  # Slow: MQA, two examples, two blocks of threads, more steps than ring slots.
+  "h128-mqa-wide": Case(b=2, t=150, s=256, n=2, k=1, h=128),
 }
 FUSED_SLOW = (
   "h128-lengths-gqa",
@@ -238,11 +245,13 @@ FUSED_SLOW = (
   "h128-causal-mha-two",
   "h128-gqa-two",
   "h128-window-mha-two",
+  "h128-mqa-wide",
 )
-# The cases named "-two": two consumers.
-FUSED_TWO = mosaic_gpu.MosaicGpuAttentionConfig(
-  block_k=64, num_stages=2, fuse_dq=True, dkdv_consumers=2
-)
+# The cases named "-two": two consumers sharing dQ's columns in 32-query steps;
+# "-wide": in 64 (``fused_wide_steps``).
+FUSED_WIDE = dataclasses.replace(FUSED, dkdv_consumers=2)
+FUSED_TWO = dataclasses.replace(FUSED_WIDE, dkdv_rows=32)
+FUSED_CONFIGS = {"two": FUSED_TWO, "wide": FUSED_WIDE}
 
 
 @pytest.mark.parametrize(
@@ -251,7 +260,7 @@ FUSED_TWO = mosaic_gpu.MosaicGpuAttentionConfig(
 )
 def test_the_fused_dq_backward(name):
   """dQ from the dk/dv kernel (5 products, no dq kernel): output, lse and every gradient."""
-  case, config = FUSED_CASES[name], FUSED_TWO if name.endswith("-two") else FUSED
+  case, config = FUSED_CASES[name], FUSED_CONFIGS.get(name.rsplit("-", 1)[1], FUSED)
   assert _chosen(case, jnp.bfloat16, config) == {FWD: MOSAIC, BWD: MOSAIC}
   assert _picks(case, jnp.bfloat16, config)[BWD].config == config
   assert not _picks(case, jnp.bfloat16)[BWD].config.fuse_dq  # never the heuristic's
@@ -356,11 +365,13 @@ def test_the_fused_dq_backward_hides_padded_keys(h, config, dtype, logit):
 @pytest.mark.slow  # a minute or two interpreted under race detection
 @pytest.mark.parametrize(
   "h, config",
-  [(64, FUSED), (128, FUSED_TWO)],
-  ids=["h64-own-keys", "h128-shared-columns"],
+  [(64, FUSED), (128, FUSED_TWO), (128, FUSED_WIDE)],
+  ids=["h64-own-keys", "h128-shared-columns", "h128-fa3-tile"],
 )
 def test_no_data_races_in_the_fused_dq_backward(h, config):
-  """dS^T's SMEM tiles and dQ^T's float32 tiles, rewritten every step, under race detection.
+  """dS^T's, P^T's (FlashAttention-3's tile) and dQ^T's SMEM tiles under race detection.
+
+  The tiles are rewritten every step.
 
   Both consumers stream more query blocks than the ring has slots: at head
   dim 64 each adds its own keys' dQ^T; at 128 they share dQ's columns, each
@@ -369,7 +380,9 @@ def test_no_data_races_in_the_fused_dq_backward(h, config):
   barrier the numbers come out wrong instead (non-finite here).
   """
   extra = dict(kv_len=(120,), soft_cap=20.0) if h == 64 else {}  # no lengths at 128: refused
-  case = Case(b=1, t=200, s=130, n=2, k=1, h=h, **extra)
+  # FlashAttention-3's tile takes keys in whole blocks of threads (128) alone.
+  s = 128 if config == FUSED_WIDE else 130
+  case = Case(b=1, t=200, s=s, n=2, k=1, h=h, **extra)
   with mgpu.detecting_races():
     _run_case(case, jnp.bfloat16, PATH, config=config, seed=12)
 
@@ -698,8 +711,18 @@ def test_supports_and_the_ring_in_shared_memory():
   assert mosaic_gpu.smem_bytes(Problem.of(_avals(), **PARAMS), fused, "bwd") == want
   cands = mosaic_gpu.candidates(_avals(), h100, stage="bwd", **PARAMS)
   # Autotuning's candidates: one consumer and two, unless XLA asks for deterministic ops.
+  # Two sharing dQ's columns: FlashAttention-3's tile (64-query steps, unmasked) and 32-query steps.
+  fa3 = config(64, 64, fuse_dq=True, dkdv_consumers=2)
   fused_cands = [c for c in cands if c.fuse_dq]
-  assert fused_cands == [fused, config(64, 64, fuse_dq=True, dkdv_consumers=2)]
+  assert fused_cands == [fused, fa3, dataclasses.replace(fa3, dkdv_rows=32)]
+  # The tile's K and V; a 2-slot ring of 64 queries' Q, dO, lse and delta; each
+  # consumer's dS^T in two buffers and P^T; each one's dQ^T float32 tile.
+  want = 2 * 2 * 64 * 128 * 2 + 2 * 2 * 64 * 128 * 2 + 2 * 2 * 64 * 4
+  want += 2 * 3 * 64 * 64 * 2 + 2 * 4 * 64 * 64
+  assert mosaic_gpu.smem_bytes(p128, fa3, "bwd") == want
+  assert "no masks" in supports(fa3, stage="bwd", **{**PARAMS, "window_right": 0})
+  short = mosaic_gpu.supports(_avals(s=200), h100, fa3, stage="bwd", **PARAMS)
+  assert "whole blocks of 128, not 200" in short
   with pytest.MonkeyPatch.context() as mp:  # read at each call (pallax.determinism)
     mp.setenv("XLA_FLAGS", "--xla_gpu_exclude_nondeterministic_ops=true")
     assert "deterministic ops" in supports(fused, stage="bwd", **PARAMS)
@@ -779,7 +802,7 @@ def test_supports_and_the_ring_in_shared_memory():
   # Fused, two consumers of 32-query steps sharing dQ's columns: unmasked,
   # causal with up to 8 query heads a kv head (2 with one kv head), windows
   # with one query head a kv head; no lengths.
-  fused_two = config(64, 64, fuse_dq=True, dkdv_consumers=2)
+  fused_two = config(64, 64, fuse_dq=True, dkdv_rows=32, dkdv_consumers=2)
   assert supports(fused_two, stage="bwd", **PARAMS) is None
   assert supports(fused_two, stage="bwd", **causal) is None  # 4 on 2
   mha = functools.partial(mosaic_gpu.supports, _avals(groups=1), h100)
@@ -933,9 +956,11 @@ def test_the_wide_backward_compiles_spill_free_for_a_batch(h, features):
   _compiles_spill_free(eqn, config, ("dot_product_attention_dq", "dot_product_attention_dkdv"))
 
 
-def _kernel_call(h: int, features: str, heads: int = 8, stage: str = BWD, kv_heads: int = 2):
-  """Attention's ``stage`` kernel call with ``features`` at batch 2 (T = S = 1000)."""
-  b, t = 2, 1000
+def _kernel_call(
+  h: int, features: str, heads: int = 8, stage: str = BWD, kv_heads: int = 2, t: int = 1000
+):
+  """Attention's ``stage`` kernel call with ``features`` at batch 2 (T = S = ``t``)."""
+  b = 2
   q = jnp.zeros((b, t, heads, h), jnp.bfloat16)
   kv = jnp.zeros((b, t, kv_heads, h), jnp.bfloat16)
   lens, ids = jnp.full((b,), t, jnp.int32), jnp.zeros((b, t), jnp.int32)
@@ -952,6 +977,12 @@ def _kernel_call(h: int, features: str, heads: int = 8, stage: str = BWD, kv_hea
   jaxpr = jax.make_jaxpr(jax.grad(loss, argnums=(0, 1, 2)))(q, kv, kv).jaxpr
   (eqn,) = [e for e in kernel_calls(jaxpr) if e.primitive.name == stage]
   return eqn
+
+
+def _supports(eqn, config) -> Optional[str]:
+  """``supports``' answer for ``config`` on ``eqn``'s call, for H100."""
+  avals = [v.aval for v in eqn.invars]
+  return mosaic_gpu.supports(avals, TARGETS["h100"], config, stage="bwd", **op_params(eqn.params))
 
 
 def _compiles_spill_free(eqn, config, kernels: tuple[str, ...]) -> list[dict]:
@@ -995,18 +1026,45 @@ def test_the_fused_dq_backward_compiles_spill_free_for_a_batch(
   kv head.
   """
   config = mosaic_gpu.MosaicGpuAttentionConfig(
-    block_k=64, num_stages=stages, fuse_dq=True, dkdv_consumers=consumers
+    block_k=64,
+    num_stages=stages,
+    fuse_dq=True,
+    dkdv_consumers=consumers,
+    dkdv_rows=32 if consumers else 64,  # two sharing dQ's columns: 32-query steps (masked)
   )
   eqn = _kernel_call(h, features, heads, kv_heads=kv_heads)
-  assert (
-    mosaic_gpu.supports(
-      [v.aval for v in eqn.invars], TARGETS["h100"], config, stage="bwd", **op_params(eqn.params)
-    )
-    is None
-  )
+  assert _supports(eqn, config) is None
   # One kernel. Its name is JAX's: a kernel given a ``jax.new_ref`` (dQ^T's
   # sum) is traced again as ``new_body`` when JAX discharges the ref.
   _compiles_spill_free(eqn, config, ("new_body",))
+
+
+@pytest.mark.parametrize(
+  "features, t, refused",
+  [("plain", 1024, None), ("causal", 1024, "no masks"), ("plain", 1000, "whole blocks of 128")],
+)
+def test_the_fused_wide_steps_take_unmasked_calls_alone(features, t, refused):
+  """FlashAttention-3's tile (``fused_wide_steps``) where no step is masked; 32-query steps else.
+
+  Masked steps spilled 176-2132 bytes compiled for H100: causal masks, and
+  keys short of whole blocks of threads (the fused kernel masks padded keys).
+  """
+  eqn = _kernel_call(128, features, 16, kv_heads=16, t=t)
+  reason = _supports(eqn, FUSED_WIDE)
+  assert reason is None if refused is None else refused in reason, reason
+  assert _supports(eqn, FUSED_TWO) is None
+
+
+@pytest.mark.compilers
+@pytest.mark.parametrize("heads, kv_heads", [(16, 16), (8, 2), (8, 1)])
+def test_the_fused_wide_steps_compile_spill_free_for_a_batch(heads, kv_heads):
+  """FlashAttention-3's tile compiled for H100 at batch 2, 1024 queries and keys: no spills.
+
+  Its consumers take ``mgpu.WIDE_REGISTERS`` (at 232 they spilled 4 bytes).
+  """
+  eqn = _kernel_call(128, "plain", heads, kv_heads=kv_heads, t=1024)
+  assert _supports(eqn, FUSED_WIDE) is None
+  _compiles_spill_free(eqn, FUSED_WIDE, ("new_body",))
 
 
 @pytest.mark.compilers

@@ -26,11 +26,13 @@ DQ, DKDV = "dot_product_attention_dq", "dot_product_attention_dkdv"
 # Head dim 128: the dk/dv kernel's steps of 64 queries in one consumer or two,
 # of 32 in two, crossed with one or two dq consumers: 6 configs of 3 dq and
 # dk/dv kernel pairs; and the dk/dv kernel computing dQ too in one consumer
-# or two (``fuse_dq``): 2 configs of a kernel each.
+# or two (``fuse_dq``), the two in 32- or 64-query steps (FlashAttention-3's
+# tile, unmasked calls with keys in whole blocks of 128): 3 configs of a kernel each.
 CASE = Case("attention", "bwd", (2, 1024, 8, 2, 128), "bfloat16")
 # 960 queries and keys pad to 1024 for two consumers of 64 (the dq kernel's,
 # the dk/dv kernel's) and stay 960 for one: both kernels take both padded
-# lengths (``bwd_lengths``), so fewer configs share them.
+# lengths (``bwd_lengths``), so fewer configs share them; FlashAttention-3's
+# tile takes no padded keys.
 PADDED = Case("attention", "bwd", (2, 960, 8, 2, 128), "bfloat16")
 # Lengths and segment ids: the padded queries reach the dk/dv kernel through
 # its segment runs too.
@@ -46,13 +48,13 @@ def test_configs_of_one_call_compile_each_kernel_once():
   jobs = _mosaic_gpu_jobs(CASE)
   compiled = {j.id: j for j in jobs if j.kernels_from is None}
   shared = [j for j in jobs if j.kernels_from is not None]
-  assert len(jobs) == 8 and len(compiled) == 5 and len(shared) == 3, [j.config for j in jobs]
+  assert len(jobs) == 9 and len(compiled) == 6 and len(shared) == 3, [j.config for j in jobs]
   padded = _mosaic_gpu_jobs(PADDED)
   assert len(padded) == 8 and sum(j.kernels_from is None for j in padded) == 8
   assert "heuristic" in jobs[0].sources and jobs[0].id in compiled
-  # 2 dq and 3 dk/dv kernels: 3 compiles at least, each a pair; 2 fused dk/dv kernels.
+  # 2 dq and 3 dk/dv kernels: 3 compiles at least, each a pair; 3 fused dk/dv kernels.
   kernels = lambda jobs: {item for j in jobs for item in j.kernel_keys.items()}
-  assert len(kernels(jobs)) == 7 and kernels(compiled.values()) == kernels(jobs)
+  assert len(kernels(jobs)) == 8 and kernels(compiled.values()) == kernels(jobs)
   for job in shared:
     assert set(job.kernels_from) == {DQ, DKDV}
     for name, owner in job.kernels_from.items():
@@ -120,7 +122,7 @@ def test_a_job_whose_kernels_did_not_compile_elsewhere_is_compiled(monkeypatch, 
   assert len(sent) == 2 and {j.id for j in jobs} - shared <= set(sent[0])  # and the forward's
   assert set(sent[1]) == shared and not shared & set(sent[0])
   bwd = [r for r in report.results if r["kernel"] == "dot_product_attention_bwd"]
-  assert len(bwd) == 8 and not any("kernels_from" in r for r in bwd)
+  assert len(bwd) == 9 and not any("kernels_from" in r for r in bwd)
   # Both passes' results are in the cache: a rerun compiles nothing.
   rerun = run()
   assert len(sent) == 2 and all(r["cached"] for r in rerun.results)

@@ -31,7 +31,7 @@ for deterministic ops: ``pallax.determinism``) the dk/dv kernel computes dQ too,
 dq kernel does not run: 5 matrix products where the two kernels do 7. Its
 steps take 32 queries (``FUSED_ROWS``: S^T, dP^T and a dQ^T tile take 16
 registers a thread each; 64 spilled 112-248 bytes beside dK's and dV's
-accumulators), in one consumer above head dim 64 or, with
+accumulators; but FlashAttention-3's tile, below), in one consumer above head dim 64 or, with
 ``dkdv_consumers=2``, two (FlashAttention-3's shape: 128 keys a block of
 threads), and per 64 of dQ's columns ``dQ^T = K^T dS^T`` (K's columns
 transposed, dS^T staged in SMEM) goes through a float32 SMEM tile to a TMA
@@ -39,7 +39,13 @@ reduce-add into a float32 dQ^T (``Form.add_to``; interpreted, a part of its
 own per key tile, summed after the kernel). Two consumers at head dim 128
 share dQ's columns (``config.shares_dq``): each computes 64 of them over
 both consumers' keys, from both dS^T tiles once a barrier says both are
-stored, and reduce-adds half the tiles. The adds' order varies, so dq
+stored, and reduce-adds half the tiles. With ``dkdv_rows=64`` they take
+FlashAttention-3's tile (``fused_wide_steps``: unmasked calls): 64-query
+steps, P^T stored to SMEM beside dS^T and dV's and dK's products reading
+both there, so a consumer holds only accumulators beside its products in
+flight (in ``mgpu.WIDE_REGISTERS``' 240 a thread: at 232, 4 bytes spilled;
+P^T and dS^T as register operands spilled 316-384 bytes in 64-query
+steps). The adds' order varies, so dq
 is not bitwise reproducible; padded keys are masked there (their
 probability could overflow, and ``inf`` times their zero K is NaN).
 
@@ -89,6 +95,7 @@ from pallax.kernels.attention.mosaic_gpu.config import (
   call_of,
   dkdv_steps,
   fused_dq_tiles,
+  fused_wide_steps,
   has_masks,
   head,
   out_cols,
@@ -218,6 +225,9 @@ class _Kernels:
     # dS^T feeds both dQ^T products, in one of two SMEM buffers by step.
     shared = fuse_dq and shares_dq(h, consumers)
     dq_tiles = fused_dq_tiles(h, consumers)  # a consumer adds a step
+    # FlashAttention-3's tile: 64-query steps whose P^T and dS^T go to SMEM
+    # for dV's and dK's products (registers: ``mgpu.WIDE_REGISTERS``).
+    wide = fused_wide_steps(p, self.config)
     # A step issues P^T dO before dS^T waits for dP^T: ptxas moves work below
     # a wait it does not feed (P^T's exponentials after dP^T's wait: 26 of 32
     # a thread), not below the issue of a product that reads it. dS^T comes
@@ -340,14 +350,15 @@ class _Kernels:
             z = ready(1)
             probs = jnp.exp2(z - column(lse_smem))
             ds = None if dv_first else probs * read(0, 0)  # P (dP - delta)
-            weights = form.operand(probs.astype(p.dtype), st_smem, wg, 0)
+            weights = form.operand(probs.astype(p.dtype), st_smem, wg, 0, smem=wide)
             plgpu.wgmma(dv_ref, weights, columns(do_smem.at[s]))
             ds = probs * read(0, 1) if dv_first else ds
             ds = (ds if p.soft_cap is None else ds * tiles.cap_slope(p, z)).astype(p.dtype)
             if fuse_dq:  # dS^T to SMEM too: dQ^T's right operand
               ds_tile(u, wg)[...] = ds
               plgpu.commit_smem()
-            plgpu.wgmma(dk_ref, form.operand(ds, st_smem, wg, 1), columns(q_smem.at[s]))
+            left = ds_tile(u, wg) if wide else form.operand(ds, st_smem, wg, 1)
+            plgpu.wgmma(dk_ref, left, columns(q_smem.at[s]))
             if shared:
               both_ready()
               dq_product(u, own_cols, range(consumers), dq_ref[0])
@@ -434,8 +445,9 @@ class _Kernels:
 
         ring.produce(copies)
 
-      form.consumers(consumers, _consumer)
-      form.producer(consumers, _producer)
+      registers = mgpu.WIDE_REGISTERS if wide else mgpu.REGISTERS
+      form.consumers(consumers, _consumer, registers=registers)
+      form.producer(consumers, _producer, registers=registers)
 
     copies = 1 if form.hopper else 2
     scratch = [
@@ -448,7 +460,7 @@ class _Kernels:
         plgpu.SMEM((stages, bq), jnp.float32),
         None if form.hopper else self._tile(stages, h, bq),
         None if form.hopper else self._tile(stages, h, bq),
-        form.staging((consumers, 2, bk, bq), p.dtype),
+        form.staging((consumers, 2 - wide, bk, bq), p.dtype, smem=wide),  # P^T, dS^T
         tiles.segment_smem(segs, (consumers, bk), (stages, bq)),
         None if chunks == 1 else self._tile(consumers, bk, cols),
         self._tile((1 + shared) * consumers, bk, bq) if fuse_dq else None,

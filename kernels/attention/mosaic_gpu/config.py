@@ -62,8 +62,10 @@ class MosaicGpuAttentionConfig(KernelConfig):
     share one, and with ``dkdv_consumers=2`` two consumer warpgroups of 64
     keys, sharing dQ's columns (``shares_dq``), take no lengths, windows
     only with one query head a kv head, and causal masks with up to 8 query
-    heads a kv head, 2 on one (``_fuse_reason``). The forward and the
-    tangent ignore it.
+    heads a kv head, 2 on one (``_fuse_reason``), in 32-query steps
+    (``dkdv_rows=32``); in 64 (FlashAttention-3's tile, ``fused_wide_steps``)
+    calls without masks whose keys fill the blocks of threads. The forward
+    and the tangent ignore it.
   dq_consumers: consumer warpgroups of the backward's dq kernel, 64 queries
     each: 1 (the heuristic's) or 2, where one consumer's softmax runs beside
     the other's matrix products, up to head dim 128 (an autotuning candidate
@@ -74,7 +76,8 @@ class MosaicGpuAttentionConfig(KernelConfig):
   dkdv_rows: queries a step of the backward's dk/dv kernel: 64, or 32 above
     head dim 64 up to 128, in two consumer warpgroups of 64 keys (an
     autotuning candidate until timed on a GPU). ``fuse_dq`` takes its own
-    steps (``FUSED_ROWS``). The forward and the tangent ignore it.
+    steps (``FUSED_ROWS``), except in two consumers sharing dQ's columns: 64
+    or 32 there (``fused_wide_steps``). The forward and the tangent ignore it.
   dkdv_consumers: consumer warpgroups of 64 keys in the backward's dk/dv
     kernel: None for its steps' own (``dkdv_steps``: two of 32-query steps,
     of 64-query steps two up to head dim 64 and one above), or 2. Two of
@@ -204,7 +207,8 @@ _SEGMENT_REGISTERS = 192
 FUSED_DQ_COLS = 64
 # Queries a step of the fused dk/dv kernel: its S^T, dP^T and dQ^T tiles take
 # 16 registers a thread each at 32 (at 64, 32 each spilled 112-248 bytes
-# beside dK's and dV's accumulators, compiled for H100).
+# beside dK's and dV's accumulators, compiled for H100). Two consumers sharing
+# dQ's columns take ``dkdv_rows`` instead (``fused_wide_steps``).
 FUSED_ROWS = 32
 # Queries a step of the dk/dv kernel's two consumers above head dim 64
 # (``dkdv_rows``): S^T and dP^T take 16 registers a thread each, as in the fused one's.
@@ -226,7 +230,8 @@ RING_SLOTS = (2, 3)
 def dkdv_steps(p: Problem, config: MosaicGpuAttentionConfig) -> tuple[int, int]:
   """The dk/dv kernel's queries a step and consumer warpgroups (of 64 keys each).
 
-  ``FUSED_ROWS`` with ``fuse_dq``, else ``config.dkdv_rows``; consumers
+  ``FUSED_ROWS`` with ``fuse_dq`` (``config.dkdv_rows`` where two consumers
+  share dQ's columns), else ``config.dkdv_rows``; consumers
   ``config.dkdv_consumers``, by default ``wide_consumers`` and two of
   ``NARROW_ROWS``-query steps. Compiled for H100 at head dim 128 (batch 2),
   two consumers of 32-query steps are spill-free with every mask, lengths,
@@ -238,11 +243,11 @@ def dkdv_steps(p: Problem, config: MosaicGpuAttentionConfig) -> tuple[int, int]:
   bytes with lengths, 104 with a causal mask at 8 query heads on 1, 176
   with a window (``_bwd_reason``, ``_fuse_reason``).
   """
+  rows = config.dkdv_rows
   if config.fuse_dq:
-    rows, default = FUSED_ROWS, wide_consumers(head(p))
-  else:
-    rows = config.dkdv_rows
-    default = CONSUMERS if rows == NARROW_ROWS else wide_consumers(head(p))
+    consumers = config.dkdv_consumers or wide_consumers(head(p))
+    return (rows if shares_dq(head(p), consumers) else FUSED_ROWS), consumers
+  default = CONSUMERS if rows == NARROW_ROWS else wide_consumers(head(p))
   return rows, config.dkdv_consumers or default
 
 
@@ -256,6 +261,26 @@ def shares_dq(h: int, consumers: int) -> bool:
   twice as many tiles.
   """
   return consumers > 1 and h == consumers * FUSED_DQ_COLS
+
+
+def fused_wide_steps(p: Problem, config: MosaicGpuAttentionConfig) -> bool:
+  """Whether the fused dk/dv kernel runs FlashAttention-3's tile: 64-query steps, operands in SMEM.
+
+  Two consumers sharing dQ's columns (``shares_dq``) with ``dkdv_rows=64``
+  store P^T and dS^T to SMEM, and dV's and dK's products read them there,
+  as dQ^T's reads dS^T: beside the products in flight a consumer holds
+  their accumulators alone, where as those products' register operands
+  (the 32-query steps') P^T and dS^T spilled 316-384 bytes in 64-query
+  steps, or ptxas serialized the products. Compiled for H100 (head dim
+  128, batch 2, 16 on 16, 8 on 2, 8 on 1 and 2 on 2 heads, unmasked, keys
+  filling the blocks) spill-free with the consumers at ``WIDE_REGISTERS``
+  (at 232, 4 bytes spilled): a step of 64 queries takes 513 instructions
+  and 32 ``HGMMA`` of N=64, two 32-query steps 690 and 56 of N=32. A masked
+  step (causal, windows, padded keys) spilled 176-2132 bytes: those calls
+  take ``dkdv_rows=32`` (``_fuse_reason``).
+  """
+  rows, consumers = dkdv_steps(p, config)
+  return config.fuse_dq and shares_dq(head(p), consumers) and rows == BWD_BLOCKS[0]
 
 
 def fused_dq_tiles(h: int, consumers: int) -> int:
@@ -375,8 +400,8 @@ def smem_bytes(p: Problem, config: MosaicGpuAttentionConfig, stage: str) -> int:
     seg = int(p.has_segments)
     stats = n * (k.own_stats + seg) * own + c.num_stages * (k.ring_stats + seg) * ring
     dq_tiles = 0
-    if fused:  # dS^T (two buffers where consumers share it) and dQ^T's float32 tiles
-      ds_buffers = 1 + shares_dq(h, n)
+    if fused:  # dS^T (two buffers where consumers share it), P^T's, dQ^T's float32 tiles
+      ds_buffers = 1 + shares_dq(h, n) + fused_wide_steps(p, config)
       dq_tiles = n * (ds_buffers * own * item + 4 * fused_dq_tiles(h, n) * FUSED_DQ_COLS) * ring
     sizes.append(elements * item + 4 * stats + dq_tiles)
   return max(sizes)
@@ -407,9 +432,12 @@ def _bwd_reason(p: Problem, config: MosaicGpuAttentionConfig) -> Optional[str]:
     return f"dq_consumers={n}: the fused backward (fuse_dq) runs no dq kernel"
   if rows not in (NARROW_ROWS, BWD_BLOCKS[0]):
     return f"dkdv_rows={rows}: the dk/dv kernel streams 64 or {NARROW_ROWS} queries a step"
-  if rows == NARROW_ROWS and fused:
-    return f"dkdv_rows={rows}: fuse_dq takes its own steps ({FUSED_ROWS} queries)"
   kv = config.dkdv_consumers
+  if rows == NARROW_ROWS and fused and not shares_dq(h, kv or wide_consumers(h)):
+    return (
+      f"dkdv_rows={rows}: fuse_dq takes its own steps ({FUSED_ROWS} queries)"
+      " unless two consumers share dQ's columns"
+    )
   if kv not in (None, CONSUMERS):
     return f"dkdv_consumers={kv}: the dk/dv kernel takes None (its steps' own) or {CONSUMERS}"
   if rows == NARROW_ROWS and not 64 < h <= 128:
@@ -440,7 +468,8 @@ def _fuse_reason(p: Problem, config: MosaicGpuAttentionConfig) -> Optional[str]:
   columns shared: ``shares_dq``) unmasked at 16 on 16, 8 on 2 and 8 on 1,
   causal at 16 on 16, 8 on 8, 16 on 4, 16 on 2, 8 on 2 and 2 on 1, a
   window at 16 on 16 and 4 on 4: lengths spilled 284 bytes (8 on 2), a
-  window with GQA 400-460, a causal mask at 4 on 1 24.
+  window with GQA 400-460, a causal mask at 4 on 1 24 (32-query steps;
+  64, ``fused_wide_steps``, unmasked alone).
   """
   h = head(p)
   if determinism.required():
@@ -457,6 +486,15 @@ def _fuse_reason(p: Problem, config: MosaicGpuAttentionConfig) -> Optional[str]:
     heads = f"not {p.groups * p.kv_heads} on {p.kv_heads} (spills)"
     if p.has_lengths:
       return f"{two} no lengths (spills)"
+    wide = "fuse_dq with dkdv_consumers=2 and dkdv_rows=64 (64-query steps) takes"
+    keys = CONSUMERS * BWD_BLOCKS[1]  # a block of threads' keys
+    if fused_wide_steps(p, config) and has_masks(p):
+      return f"{wide} no masks (masked steps spill); dkdv_rows={NARROW_ROWS} does"
+    if fused_wide_steps(p, config) and p.s % keys:
+      return (
+        f"{wide} keys in whole blocks of {keys}, not {p.s} (masked steps spill);"
+        f" dkdv_rows={NARROW_ROWS} does"
+      )
     if windowed(p) and p.groups > 1:
       return f"{two} windows with one query head a kv head, {heads}"
     if bounded(p) and p.groups > max_groups:
@@ -520,6 +558,8 @@ def _space(p: Problem, stage: str) -> list[MosaicGpuAttentionConfig]:
   if stage == "bwd":
     fused = MosaicGpuAttentionConfig(*BWD_BLOCKS, 2, fuse_dq=True)
     configs += [dataclasses.replace(fused, dkdv_consumers=kv) for kv in wide]
+    if CONSUMERS in wide:  # two sharing dQ's columns: 64-query steps (unmasked) or 32
+      configs.append(dataclasses.replace(fused, dkdv_rows=NARROW_ROWS, dkdv_consumers=CONSUMERS))
   return [c for c in configs if _config_reason(p, c, stage) is None]
 
 
