@@ -68,6 +68,7 @@ WGMMA_ROWS = 64
 # and 24; a producer held to 24 spilled 4 bytes).
 REGISTERS = (232, 40)
 WIDE_REGISTERS = (240, 32)
+_BLOCK_REGISTERS = 512  # 64K registers over a block's 128 threads of each warpgroup
 
 
 IMPLEMENTATION = "pallas_mosaic_gpu"
@@ -356,7 +357,7 @@ class Form:
     wg = lax.axis_index("wg")
 
     def run(c):
-      self._registers(consumers, registers[0], "increase")
+      self._registers(consumers, registers, producer=False)
       body(c)
 
     if copies and self.hopper:
@@ -370,18 +371,30 @@ class Form:
   ) -> None:
     """Runs ``body()`` in the producer warpgroup (the last).
 
-    Beside two consumers it first gives up most of its registers (``consumers``).
+    Beside two consumers it first gives up most of its registers: it keeps
+    ``registers[1]`` (``registers`` as the ``consumers`` call's).
     """
 
     @pl.when(lax.axis_index("wg") == consumers)
     def _producer():
-      self._registers(consumers, registers[1], "decrease")
+      self._registers(consumers, registers, producer=True)
       body()
 
-  def _registers(self, consumers: int, count: int, action: str) -> None:
-    """Beside two consumers (on a GPU), the producer gives up registers and they take them."""
+  def _registers(self, consumers: int, registers: tuple[int, int], producer: bool) -> None:
+    """Beside two consumers (on a GPU), the producer gives up registers and they take them.
+
+    Raises:
+      ValueError: ``registers`` (a consumer's, the producer's) over the 512 a
+        thread the warpgroups share (the consumers' increase would wait forever).
+    """
+    if consumers * registers[0] + registers[1] > _BLOCK_REGISTERS:
+      raise ValueError(
+        f"registers={registers}: {consumers} consumers and a producer take more"
+        f" than {_BLOCK_REGISTERS} a thread"
+      )
     if self.hopper and consumers == 2:
-      plgpu.set_max_registers(count, action=action)
+      count = registers[1] if producer else registers[0]
+      plgpu.set_max_registers(count, action="decrease" if producer else "increase")
 
   def barrier(self, values):
     """An optimization barrier on a GPU (it orders the softmax against the ``wgmma``)."""

@@ -101,3 +101,12 @@ def test_the_hopper_form_compiles_for_h100_without_spills():
   kernels = compile_kernels(fn, args, h100, mgpu.IMPLEMENTATION)
   assert [k["name"] for k in kernels] == ["pipeline_test_mosaic_gpu_kernel"]
   assert judge(kernels, h100) == {"status": "ok"}, kernels
+
+
+@pytest.mark.parametrize("producer", [False, True])
+def test_a_register_split_over_the_block_is_refused(producer):
+  """Two consumers of 248 and a producer of 32 take 528 of 512 registers a thread (a GPU hangs)."""
+  consumer, rest = mgpu.WIDE_REGISTERS
+  assert 2 * consumer + rest == 512  # the widest split that fits
+  with pytest.raises(ValueError, match=r"registers=\(248, 32\)"):
+    mgpu.Form(hopper=False)._registers(2, (248, 32), producer=producer)

@@ -371,7 +371,9 @@ def test_the_fused_dq_backward_hides_padded_keys(h, config, dtype, logit):
 def test_no_data_races_in_the_fused_dq_backward(h, config):
   """dS^T's, P^T's (FlashAttention-3's tile) and dQ^T's SMEM tiles under race detection.
 
-  The tiles are rewritten every step.
+  The tiles are rewritten every step. The detector does not see P^T's
+  reads (``wgmma``'s alone): FlashAttention-3's tile runs here for its
+  dS^T buffers in 64-query steps.
 
   Both consumers stream more query blocks than the ring has slots: at head
   dim 64 each adds its own keys' dQ^T; at 128 they share dQ's columns, each
@@ -720,6 +722,13 @@ def test_supports_and_the_ring_in_shared_memory():
   want = 2 * 2 * 64 * 128 * 2 + 2 * 2 * 64 * 128 * 2 + 2 * 2 * 64 * 4
   want += 2 * 3 * 64 * 64 * 2 + 2 * 4 * 64 * 64
   assert mosaic_gpu.smem_bytes(p128, fa3, "bwd") == want
+  assert mosaic_gpu.config.dkdv_steps(p128, fa3) == (64, 2)
+  assert mosaic_gpu.config.fused_wide_steps(p128, fa3)
+  p64 = Problem.of(_avals(h=64), **PARAMS)  # two consumers of their own keys' dQ: 32-query steps
+  assert mosaic_gpu.config.dkdv_steps(p64, fa3) == (32, 2)
+  for other in (fused, dataclasses.replace(fa3, dkdv_rows=32)):  # one consumer; 32-query steps
+    assert not mosaic_gpu.config.fused_wide_steps(p128, other)
+  assert not mosaic_gpu.config.fused_wide_steps(p64, fa3)
   assert "no masks" in supports(fa3, stage="bwd", **{**PARAMS, "window_right": 0})
   short = mosaic_gpu.supports(_avals(s=200), h100, fa3, stage="bwd", **PARAMS)
   assert "whole blocks of 128, not 200" in short
@@ -1056,7 +1065,7 @@ def test_the_fused_wide_steps_take_unmasked_calls_alone(features, t, refused):
 
 
 @pytest.mark.compilers
-@pytest.mark.parametrize("heads, kv_heads", [(16, 16), (8, 2), (8, 1)])
+@pytest.mark.parametrize("heads, kv_heads", [(16, 16), (8, 2), (8, 1), (2, 2)])
 def test_the_fused_wide_steps_compile_spill_free_for_a_batch(heads, kv_heads):
   """FlashAttention-3's tile compiled for H100 at batch 2, 1024 queries and keys: no spills.
 

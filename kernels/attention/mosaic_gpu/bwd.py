@@ -208,7 +208,8 @@ class _Kernels:
     """``dk, dv (B, K, Sp, h)`` and with ``fuse_dq`` ``dq (B, K, G, Tp, h)``, else None.
 
     Per key tile, every query head's query blocks that see it. With
-    ``fuse_dq`` each step of ``FUSED_ROWS`` queries also adds its keys' share
+    ``fuse_dq`` each step (``FUSED_ROWS`` queries, ``dkdv_rows`` in two
+    consumers sharing dQ's columns) also adds its keys' share
     of dQ, ``dQ^T = K^T dS^T`` in ``FUSED_DQ_COLS`` of its columns a product,
     to a float32 dQ^T (``Form.add_to``): of every column, or (``shares_dq``)
     of the consumer's columns, both consumers' keys.

@@ -63,9 +63,10 @@ class MosaicGpuAttentionConfig(KernelConfig):
     keys, sharing dQ's columns (``shares_dq``), take no lengths, windows
     only with one query head a kv head, and causal masks with up to 8 query
     heads a kv head, 2 on one (``_fuse_reason``), in 32-query steps
-    (``dkdv_rows=32``); in 64 (FlashAttention-3's tile, ``fused_wide_steps``)
-    calls without masks whose keys fill the blocks of threads. The forward
-    and the tangent ignore it.
+    (``dkdv_rows=32``); with ``dkdv_rows=64`` (the default)
+    FlashAttention-3's tile (``fused_wide_steps``): calls without masks
+    whose key length is a multiple of 128 only. The forward and the
+    tangent ignore it.
   dq_consumers: consumer warpgroups of the backward's dq kernel, 64 queries
     each: 1 (the heuristic's) or 2, where one consumer's softmax runs beside
     the other's matrix products, up to head dim 128 (an autotuning candidate
@@ -275,7 +276,8 @@ def fused_wide_steps(p: Problem, config: MosaicGpuAttentionConfig) -> bool:
   128, batch 2, 16 on 16, 8 on 2, 8 on 1 and 2 on 2 heads, unmasked, keys
   filling the blocks) spill-free with the consumers at ``WIDE_REGISTERS``
   (at 232, 4 bytes spilled): a step of 64 queries takes 513 instructions
-  and 32 ``HGMMA`` of N=64, two 32-query steps 690 and 56 of N=32. A masked
+  and 32 ``HGMMA`` (S^T's, dP^T's and dQ^T's 24 of N=64, dV's and dK's 8
+  of N=128, the head dim), two 32-query steps 690 and 56 (48 of N=32). A masked
   step (causal, windows, padded keys) spilled 176-2132 bytes: those calls
   take ``dkdv_rows=32`` (``_fuse_reason``).
   """
@@ -433,13 +435,13 @@ def _bwd_reason(p: Problem, config: MosaicGpuAttentionConfig) -> Optional[str]:
   if rows not in (NARROW_ROWS, BWD_BLOCKS[0]):
     return f"dkdv_rows={rows}: the dk/dv kernel streams 64 or {NARROW_ROWS} queries a step"
   kv = config.dkdv_consumers
-  if rows == NARROW_ROWS and fused and not shares_dq(h, kv or wide_consumers(h)):
-    return (
-      f"dkdv_rows={rows}: fuse_dq takes its own steps ({FUSED_ROWS} queries)"
-      " unless two consumers share dQ's columns"
-    )
   if kv not in (None, CONSUMERS):
     return f"dkdv_consumers={kv}: the dk/dv kernel takes None (its steps' own) or {CONSUMERS}"
+  if rows == NARROW_ROWS and fused and not shares_dq(h, kv or wide_consumers(h)):
+    return (
+      f"dkdv_rows={rows}: fuse_dq sets its own steps ({FUSED_ROWS} queries) unless two"
+      " consumers share dQ's columns (dkdv_consumers=2 at head dim 128): leave dkdv_rows at 64"
+    )
   if rows == NARROW_ROWS and not 64 < h <= 128:
     return f"dkdv_rows={rows}: 32-query steps in two consumers above head dim 64 up to 128"
   if kv == CONSUMERS and h > 128:
@@ -486,6 +488,11 @@ def _fuse_reason(p: Problem, config: MosaicGpuAttentionConfig) -> Optional[str]:
     heads = f"not {p.groups * p.kv_heads} on {p.kv_heads} (spills)"
     if p.has_lengths:
       return f"{two} no lengths (spills)"
+    if windowed(p) and p.groups > 1:
+      return f"{two} windows with one query head a kv head, {heads}"
+    if bounded(p) and p.groups > max_groups:
+      return f"{two} causal masks with up to 8 query heads a kv head (2 on one kv head), {heads}"
+    # Last: the 32-query steps take what these refuse.
     wide = "fuse_dq with dkdv_consumers=2 and dkdv_rows=64 (64-query steps) takes"
     keys = CONSUMERS * BWD_BLOCKS[1]  # a block of threads' keys
     if fused_wide_steps(p, config) and has_masks(p):
@@ -495,10 +502,6 @@ def _fuse_reason(p: Problem, config: MosaicGpuAttentionConfig) -> Optional[str]:
         f"{wide} keys in whole blocks of {keys}, not {p.s} (masked steps spill);"
         f" dkdv_rows={NARROW_ROWS} does"
       )
-    if windowed(p) and p.groups > 1:
-      return f"{two} windows with one query head a kv head, {heads}"
-    if bounded(p) and p.groups > max_groups:
-      return f"{two} causal masks with up to 8 query heads a kv head (2 on one kv head), {heads}"
   elif h > 64 and bounded(p) and p.groups > 1 and p.kv_heads > 1:
     return (
       f"fuse_dq above head dim 64 takes causal or window masks with one query head a kv head"
