@@ -227,7 +227,7 @@ class _Kernels:
     shared = fuse_dq and shares_dq(h, consumers)
     dq_tiles = fused_dq_tiles(h, consumers)  # a consumer adds a step
     # FlashAttention-3's tile: 64-query steps whose P^T and dS^T go to SMEM
-    # for dV's and dK's products (registers: ``mgpu.WIDE_REGISTERS``).
+    # for dV's and dK's products.
     wide = fused_wide_steps(p, self.config)
     # A step issues P^T dO before dS^T waits for dP^T: ptxas moves work below
     # a wait it does not feed (P^T's exponentials after dP^T's wait: 26 of 32
@@ -446,7 +446,10 @@ class _Kernels:
 
         ring.produce(copies)
 
-      registers = mgpu.WIDE_REGISTERS if wide else mgpu.REGISTERS
+      # Consumers sharing dQ's columns take all the producer can spare: at 232
+      # FlashAttention-3's tile spilled 4 bytes, 32-query steps 24 with a
+      # causal mask at 4 query heads on one kv head (none at 240).
+      registers = mgpu.WIDE_REGISTERS if shared else mgpu.REGISTERS
       form.consumers(consumers, _consumer, registers=registers)
       form.producer(consumers, _producer, registers=registers)
 

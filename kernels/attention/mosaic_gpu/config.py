@@ -60,9 +60,8 @@ class MosaicGpuAttentionConfig(KernelConfig):
     segment ids or a soft cap, in 2 slots; there one consumer takes causal
     or window masks only where the query heads do not share kv heads or
     share one, and with ``dkdv_consumers=2`` two consumer warpgroups of 64
-    keys, sharing dQ's columns (``shares_dq``), take no lengths, windows
-    only with one query head a kv head, and causal masks with up to 8 query
-    heads a kv head, 2 on one (``_fuse_reason``), in 32-query steps
+    keys, sharing dQ's columns (``shares_dq``), take no lengths and windows
+    only with one query head a kv head (``_fuse_reason``), in 32-query steps
     (``dkdv_rows=32``); with ``dkdv_rows=64`` (the default)
     FlashAttention-3's tile (``fused_wide_steps``): calls without masks
     whose key length is a multiple of 128 only. The forward and the
@@ -467,11 +466,13 @@ def _fuse_reason(p: Problem, config: MosaicGpuAttentionConfig) -> Optional[str]:
   threads or step; where both vary (GQA: 4 or 8 on 2) the masks spilled
   20-48 bytes. Segment ids spilled 48 with a causal mask at 8 on 8, and 4
   slots 132. Two consumers at head dim 128 (``dkdv_consumers=2``, dQ's
-  columns shared: ``shares_dq``) unmasked at 16 on 16, 8 on 2 and 8 on 1,
-  causal at 16 on 16, 8 on 8, 16 on 4, 16 on 2, 8 on 2 and 2 on 1, a
-  window at 16 on 16 and 4 on 4: lengths spilled 284 bytes (8 on 2), a
-  window with GQA 400-460, a causal mask at 4 on 1 24 (32-query steps;
-  64, ``fused_wide_steps``, unmasked alone).
+  columns shared: ``shares_dq``; at ``mgpu.WIDE_REGISTERS``) in 32-query
+  steps unmasked at 16 on 16, 8 on 2 and 8 on 1, causal at 16 on 16, 8 on
+  8, 16 on 4, 8 on 2, 32 on 2, 8 on 1 and 32 on 1, a window at 16 on 16
+  and 4 on 4: lengths spilled 112-148 bytes with GQA (none at 16 on 16 and
+  8 on 8, unmasked), 36 with a causal mask; a window with GQA 232 (at 232
+  registers: lengths 284, a window with GQA 460, a causal mask at 4 on 1
+  24); in 64 (``fused_wide_steps``) unmasked alone.
   """
   h = head(p)
   if determinism.required():
@@ -483,15 +484,12 @@ def _fuse_reason(p: Problem, config: MosaicGpuAttentionConfig) -> Optional[str]:
   if h > 64 and config.num_stages > 2:
     return f"num_stages={config.num_stages}: fuse_dq above head dim 64 takes 2 slots (4 spill)"
   if h > 64 and dkdv_steps(p, config)[1] == CONSUMERS:
-    max_groups = 2 if p.kv_heads == 1 else 8
     two = "fuse_dq with dkdv_consumers=2 above head dim 64 takes"
     heads = f"not {p.groups * p.kv_heads} on {p.kv_heads} (spills)"
     if p.has_lengths:
       return f"{two} no lengths (spills)"
     if windowed(p) and p.groups > 1:
       return f"{two} windows with one query head a kv head, {heads}"
-    if bounded(p) and p.groups > max_groups:
-      return f"{two} causal masks with up to 8 query heads a kv head (2 on one kv head), {heads}"
     # Last: the 32-query steps take what these refuse.
     wide = "fuse_dq with dkdv_consumers=2 and dkdv_rows=64 (64-query steps) takes"
     keys = CONSUMERS * BWD_BLOCKS[1]  # a block of threads' keys
