@@ -331,16 +331,17 @@ class Form:
     plgpu.commit_smem()
     return ref
 
-  def consumers(
+  def warpgroups(
     self,
     consumers: int,
-    body: Callable[[Any], None],
+    consumer: Callable[[Any], None],
+    producer: Optional[Callable[[], None]] = None,
     copies: bool = True,
     registers: tuple[int, int] = REGISTERS,
   ) -> None:
-    """Runs ``body(wg)`` in each consumer warpgroup ``wg < consumers``.
+    """Runs ``consumer(wg)`` in consumer warpgroups ``wg < consumers``, ``producer()`` in the last.
 
-    ``copies``: on a GPU one copy of ``body`` a consumer, ``wg`` a Python
+    ``copies``: on a GPU one copy of ``consumer`` a consumer, ``wg`` a Python
     int, so each one's SMEM addresses (its tiles, barriers and ``wgmma``
     descriptors) are constants, where a traced index keeps them in
     registers: compiled for H100, the fused dk/dv kernel's two consumers at
@@ -348,9 +349,9 @@ class Form:
     and a step took 358 instructions where it took 432. Else, and always
     interpreted (no registers to save; each copy would be traced), one copy
     for all, ``wg`` traced.
-    With two consumers each first takes the registers the producer gives up
-    (on a GPU: ``registers``, a consumer's and the producer's, the same as
-    the ``producer`` call's); one consumer and the producer fit 255
+    With two consumers (on a GPU) the producer first gives up registers and
+    the consumers take them: ``registers``, a consumer's and the producer's,
+    given once for both sides; one consumer and the producer fit 255
     registers a thread each without (held to 24, a producer spilled 4
     bytes beside a consumer of 255).
     """
@@ -358,27 +359,19 @@ class Form:
 
     def run(c):
       self._registers(consumers, registers, producer=False)
-      body(c)
+      consumer(c)
 
     if copies and self.hopper:
       for c in range(consumers):
         pl.when(wg == c)(functools.partial(run, c))
     else:
       pl.when(wg < consumers)(lambda: run(wg))
+    if producer is not None:
 
-  def producer(
-    self, consumers: int, body: Callable[[], None], registers: tuple[int, int] = REGISTERS
-  ) -> None:
-    """Runs ``body()`` in the producer warpgroup (the last).
-
-    Beside two consumers it first gives up most of its registers: it keeps
-    ``registers[1]`` (``registers`` as the ``consumers`` call's).
-    """
-
-    @pl.when(lax.axis_index("wg") == consumers)
-    def _producer():
-      self._registers(consumers, registers, producer=True)
-      body()
+      @pl.when(wg == consumers)
+      def _producer():
+        self._registers(consumers, registers, producer=True)
+        producer()
 
   def _registers(self, consumers: int, registers: tuple[int, int], producer: bool) -> None:
     """Beside two consumers (on a GPU), the producer gives up registers and they take them.

@@ -58,7 +58,7 @@ def _pipelined(form: mgpu.Form, a: jax.Array, b: jax.Array) -> list[jax.Array]:
         plgpu.copy_smem_to_gmem(out_smem.at[k], ref)
       plgpu.wait_smem_to_gmem(0)
 
-    form.consumers(1, consumer)
+    form.warpgroups(1, consumer)
 
   scratch = [
     [swizzled(), swizzled(), plgpu.SMEM((3, N, N), jnp.float32)],

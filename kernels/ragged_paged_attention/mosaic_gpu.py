@@ -200,7 +200,7 @@ def ragged_paged_attention(
     # Two warpgroups fit the register file at 255 registers a thread each: no
     # rebalancing (``setmaxnreg``). Held to 24, the producer's page-table
     # arithmetic spilled (compiled for H100). The branches are this kernel's
-    # own: through ``Form.consumers`` and ``Form.producer`` (the same code,
+    # own: through ``Form.warpgroups`` (the same code,
     # the warpgroup's index read in each) 6 of its 54 configs spilled.
 
     @pl.when(wg == 0)

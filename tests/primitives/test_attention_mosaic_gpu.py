@@ -1097,7 +1097,7 @@ def test_the_backward_with_two_consumers_compiles_spill_free_for_a_batch(
   The dq kernel's two consumers (``dq_consumers=2``), and the dk/dv
   kernel's two with 32-query steps (with a causal mask they spilled 24-76
   bytes before each consumer's code was a copy of its own,
-  ``Form.consumers``) or 64 (``dkdv_consumers=2``: with lengths they spilled
+  ``Form.warpgroups``) or 64 (``dkdv_consumers=2``: with lengths they spilled
   196 bytes). ptxas reports the launch's 168 registers a thread; the
   consumers' code takes up to the 232 their ``setmaxnreg`` asks (R229 in
   the dq kernel's SASS with causal masks, lengths, segment ids, a cap and

@@ -13,7 +13,7 @@ forward's softmax statistics nor using atomics (unless ``fuse_dq``, below):
 * the dk/dv kernel: one block of threads per (kv head, 64 keys a consumer,
   batch), two consumers up to head dim 64, one above, or two where a config
   asks (``dkdv_steps`` in ``config.py``: 32- or 64-query steps), each a copy
-  of its own (``Form.consumers``); each keeps its keys' K and V and streams,
+  of its own (``Form.warpgroups``); each keeps its keys' K and V and streams,
   for every query head of the kv head (GQA sums in the accumulators, never
   a partial per query head), the blocks of Q, dO, lse and -delta that see its keys:
   ``P^T``, ``dV += P^T dO``, ``dP^T = V dO^T``, ``dK += dS^T Q``.
@@ -450,8 +450,7 @@ class _Kernels:
       # FlashAttention-3's tile spilled 4 bytes, 32-query steps 24 with a
       # causal mask at 4 query heads on one kv head (none at 240).
       registers = mgpu.WIDE_REGISTERS if shared else mgpu.REGISTERS
-      form.consumers(consumers, _consumer, registers=registers)
-      form.producer(consumers, _producer, registers=registers)
+      form.warpgroups(consumers, _consumer, _producer, registers=registers)
 
     copies = 1 if form.hopper else 2
     scratch = [

@@ -27,7 +27,7 @@ CONSUMERS = 2  # consumer warpgroups a block of threads; a producer warpgroup be
 # uses R179); two warpgroups get 255. At 128 columns the tangent's
 # accumulators spill in 232, and the dk/dv kernel's of 64-query steps with
 # lengths, segment ids or windows (without them they fit, each consumer's
-# code a copy of its own, ``Form.consumers``): two consumers up to head dim
+# code a copy of its own, ``Form.warpgroups``): two consumers up to head dim
 # 64, one above, unless a config asks (``dkdv_steps``). The dq kernel's:
 # ``MosaicGpuAttentionConfig.dq_consumers``.
 DQ_ROWS = 64  # queries a consumer of the dq and tangent kernels
@@ -493,9 +493,11 @@ def _fuse_reason(p: Problem, config: MosaicGpuAttentionConfig) -> Optional[str]:
     # Last: the 32-query steps take what these refuse.
     wide = "fuse_dq with dkdv_consumers=2 and dkdv_rows=64 (64-query steps) takes"
     keys = CONSUMERS * BWD_BLOCKS[1]  # a block of threads' keys
-    if fused_wide_steps(p, config) and has_masks(p):
+    if not fused_wide_steps(p, config):
+      return None
+    if has_masks(p):
       return f"{wide} no masks (masked steps spill); dkdv_rows={NARROW_ROWS} does"
-    if fused_wide_steps(p, config) and p.s % keys:
+    if p.s % keys:
       return (
         f"{wide} keys in whole blocks of {keys}, not {p.s} (masked steps spill);"
         f" dkdv_rows={NARROW_ROWS} does"

@@ -235,11 +235,10 @@ def fwd(*operands, config: MosaicGpuAttentionConfig, interpret: Any, **params) -
 
       ring.produce(copies)
 
-    # One copy for all consumers: copies of their own (``Form.consumers``)
+    # One copy for all consumers: copies of their own (``Form.warpgroups``)
     # gained nothing here (an unmasked step at head dim 128: 470 instructions
     # against 467, compiled for H100).
-    form.consumers(consumers, _consumer, copies=False)
-    form.producer(consumers, _producer)
+    form.warpgroups(consumers, _consumer, _producer, copies=False)
 
   swizzled = mgpu.swizzle_transforms(p.dtype)
   k_tile = (bk, h) if form.hopper else (h, bk)

@@ -258,11 +258,10 @@ class QueryKernel:
 
         ring.produce(copies)
 
-      # One copy for all consumers: as copies of their own (``Form.consumers``)
+      # One copy for all consumers: as copies of their own (``Form.warpgroups``)
       # the dq kernel's two spilled 4-8 bytes at head dim 128 with a causal
       # mask, segment ids, a soft cap and GQA (compiled for H100).
-      form.consumers(self.consumers, _consumer, copies=False)
-      form.producer(self.consumers, _producer)
+      form.warpgroups(self.consumers, _consumer, _producer, copies=False)
 
     c = self.consumers
     scratch = [
