@@ -12,6 +12,11 @@ the host's dispatch) of:
   primitive's ``(batch, kv heads, group, sequence, head dim)`` operands would
   need are folded away: ``tiles.sequence_first``);
 * ``cudnn``: ``jax.nn.dot_product_attention(implementation="cudnn")``;
+* ``pallax-fused2`` and, without a causal mask, ``pallax-fa3``
+  (``fwd+bwd``): the backward pinned to the dk/dv kernel computing dQ too
+  in two consumers, of 32-query steps and of FlashAttention-3's 64
+  (``bench/test_attention_hopper.py``'s pins; left out under
+  ``PALLAX_BENCH_FUSED=0``), against cuDNN's one backward kernel;
 * ``jax-mgpu`` (``fwd``): JAX's own Mosaic GPU kernel
   (``jax.experimental.pallas.ops.gpu.attention_mgpu``, float16: its scratch
   is float16; 64-query tiles, 128-key blocks, 2 slots), a reference point
@@ -21,6 +26,7 @@ TFLOP/s count the kernels' time alone (causal: the visible half).
 """
 
 import functools
+import os
 import sys
 from pathlib import Path
 
@@ -28,7 +34,7 @@ import jax
 import jax.numpy as jnp
 
 sys.path.insert(0, str(Path(__file__).parent))
-from test_attention_hopper import CASES, _function, _inputs, _work  # noqa: E402
+from test_attention_hopper import CASES, _compiled, _inputs, _work  # noqa: E402
 from throughput import kernel_times  # noqa: E402
 
 
@@ -41,9 +47,9 @@ def _jax_mgpu(case):
 
 
 def _report(name: str, make, args, flops: float) -> None:
-  """Prints the kernels of ``make()(*args)``, or why it failed."""
+  """Prints the kernels of ``make()(*args)``, or why it failed (``make`` compiling too)."""
   try:
-    times = kernel_times(jax.jit(make()), args)
+    times = kernel_times(make(), args)
   except Exception as e:  # a peer that fails here is reported, the rest still run
     print(f"attention-breakdown {name}: failed: {type(e).__name__}: {str(e)[:300]}", flush=True)
     return
@@ -62,11 +68,15 @@ def main() -> None:
       args = inputs[:3] if mode == "fwd" else inputs
       what = f"B{case.batch}-{case.id}-{mode}"
       flops = _work(case, mode).flops
-      for impl in ("pallax", "cudnn"):
-        _report(f"{what} {impl}", functools.partial(_function, impl, case, mode), args, flops)
+      impls = ["pallax", "cudnn"]
+      if mode == "fwd+bwd" and os.environ.get("PALLAX_BENCH_FUSED") != "0":
+        impls += ["pallax-fused2", *([] if case.causal else ["pallax-fa3"])]
+      for impl in impls:
+        make = lambda impl=impl: _compiled(impl, case, mode, inputs)[0]
+        _report(f"{what} {impl}", make, args, flops)
       if mode == "fwd":  # its backward needs tuned blocks and takes no causal mask
         half = [x.astype(jnp.float16) for x in args]
-        _report(f"{what} jax-mgpu", functools.partial(_jax_mgpu, case), half, flops)
+        _report(f"{what} jax-mgpu", lambda: jax.jit(_jax_mgpu(case)), half, flops)
 
 
 if __name__ == "__main__":

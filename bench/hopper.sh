@@ -5,7 +5,7 @@
 #   OUT=results [STEPS="tune ragged_bench ..."] [TUNE="ragged attention"] \
 #     bash bench/hopper.sh [seconds, default 480]
 #
-# Steps, in this order (STEPS picks some; default all):
+# Steps (STEPS picks some and runs them in its order; default all, in this order):
 # - tune: bench/hopper_tune.py (its cases: TUNE), every candidate of the benches' kernel calls
 #   timed (what the heuristics should pick), the winners exported to tuned.json.
 # - fused_smoke: the fused dq backward's causal and two-consumer tests, the consumers
@@ -51,10 +51,9 @@ all="tune fused_smoke attention_bench attention_breakdown matmul_bench paged_ben
 all+=" ragged_breakdown mosaic_tests tests serving_tests"
 steps=" ${STEPS:-$all} "
 step() {  # step NAME CAP_SECONDS COMMAND...: the command under the smaller of the cap and what is left
-  # Returns the command's status (0 for a step not chosen; 124 for one not run).
+  # Returns the command's status (124 for one not run).
   local name=$1 cap=$2 s rc
   shift 2
-  [[ $steps == *" $name "* ]] || return 0
   s=$(budget "$cap")
   echo "=== $name: ${s}s of $(left)s left"
   if ((s < 20)); then
@@ -77,33 +76,45 @@ python3 -c "import jax, pallax; print('jax', jax.__version__, jax.devices(), pal
 bench=(python3 -m pytest -n 0 -p no:cacheprovider -q --tb=long)
 tests=(env PALLAX_TEST_PLATFORM=gpu python3 -m pytest -n 0 -p no:cacheprovider -q --tb=short
   --durations=10 -k "not mosaic_tpu")
-# Tuned into a cache of its own: the benches time the heuristics' picks.
-# shellcheck disable=SC2086  # TUNE: the cases, words
-step tune 240 env PALLAX_CACHE_DIR="$out/tune_cache" python3 bench/hopper_tune.py "$out" \
-  ${TUNE:-paged ragged attention}
-if ! step fused_smoke 180 "${tests[@]}" -m "not compilers" \
-  -k "fused_dq_backward and (causal or two or shared or wide)" \
-  tests/primitives/test_attention_mosaic_gpu.py; then
-  export PALLAX_BENCH_FUSED=0
-fi
-step attention_bench 340 "${bench[@]}" bench/test_attention_hopper.py \
-  --benchmark-json "$out/attention_bench.json"
-step attention_breakdown 150 python3 bench/attention_breakdown.py
-step matmul_bench 80 "${bench[@]}" bench/test_matmul_hopper.py \
-  --benchmark-json "$out/matmul_bench.json"
-step paged_bench 70 "${bench[@]}" bench/test_paged_attention.py -k full \
-  --benchmark-json "$out/paged_bench.json"
-step ragged_bench 90 "${bench[@]}" bench/test_ragged_paged_attention.py \
-  --benchmark-json "$out/ragged_bench.json"
-step ragged_breakdown 60 python3 bench/ragged_breakdown.py
-step mosaic_tests 300 "${tests[@]}" -m "not compilers" tests/test_pallas_mosaic_gpu.py \
-  tests/primitives/test_attention_mosaic_gpu.py
-step tests 600 "${tests[@]}" tests/primitives/test_attention.py \
-  tests/primitives/test_attention_features.py \
-  tests/primitives/test_paged_attention.py tests/kernels/test_paged_attention.py \
-  tests/primitives/test_matmul.py tests/kernels/test_matmul.py
-step serving_tests 300 "${tests[@]}" tests/primitives/test_ragged_paged_attention.py \
-  tests/primitives/test_ragged_paged_attention_mosaic_gpu.py tests/test_kv_cache.py \
-  tests/primitives/test_rotary.py tests/test_serving.py
+# One step by name: its command under its cap.
+run() {
+  case $1 in
+  # Tuned into a cache of its own: the benches time the heuristics' picks.
+  # shellcheck disable=SC2086  # TUNE: the cases, words
+  tune) step tune 240 env PALLAX_CACHE_DIR="$out/tune_cache" python3 bench/hopper_tune.py "$out" \
+    ${TUNE:-paged ragged attention} ;;
+  fused_smoke)
+    if ! step fused_smoke 180 "${tests[@]}" -m "not compilers" \
+      -k "fused_dq_backward and (causal or two or shared or wide)" \
+      tests/primitives/test_attention_mosaic_gpu.py; then
+      export PALLAX_BENCH_FUSED=0
+    fi
+    ;;
+  attention_bench) step attention_bench 340 "${bench[@]}" bench/test_attention_hopper.py \
+    --benchmark-json "$out/attention_bench.json" ;;
+  attention_breakdown) step attention_breakdown 150 python3 bench/attention_breakdown.py ;;
+  matmul_bench) step matmul_bench 80 "${bench[@]}" bench/test_matmul_hopper.py \
+    --benchmark-json "$out/matmul_bench.json" ;;
+  paged_bench) step paged_bench 70 "${bench[@]}" bench/test_paged_attention.py -k full \
+    --benchmark-json "$out/paged_bench.json" ;;
+  ragged_bench) step ragged_bench 90 "${bench[@]}" bench/test_ragged_paged_attention.py \
+    --benchmark-json "$out/ragged_bench.json" ;;
+  ragged_breakdown) step ragged_breakdown 60 python3 bench/ragged_breakdown.py ;;
+  mosaic_tests) step mosaic_tests 300 "${tests[@]}" -m "not compilers" tests/test_pallas_mosaic_gpu.py \
+    tests/primitives/test_attention_mosaic_gpu.py ;;
+  tests) step tests 600 "${tests[@]}" tests/primitives/test_attention.py \
+    tests/primitives/test_attention_features.py \
+    tests/primitives/test_paged_attention.py tests/kernels/test_paged_attention.py \
+    tests/primitives/test_matmul.py tests/kernels/test_matmul.py ;;
+  serving_tests) step serving_tests 300 "${tests[@]}" tests/primitives/test_ragged_paged_attention.py \
+    tests/primitives/test_ragged_paged_attention_mosaic_gpu.py tests/test_kv_cache.py \
+    tests/primitives/test_rotary.py tests/test_serving.py ;;
+  *) echo "=== $1: no such step (steps: $all)" ;;
+  esac
+}
+
+for name in $steps; do
+  run "$name"
+done
 echo "=== done, $(left)s before the deadline"
 echo "=== PALLAX_BENCH_FUSED=${PALLAX_BENCH_FUSED:-1}"

@@ -40,7 +40,10 @@ implementations:
 tangent, ``dQ K^T``, ``Q dK^T``, ``(P dS) V`` and ``P dV``) and twice its bytes.
 
 The benchmark itself is pallax's; the others are timed the same way (median
-of ``side_by_side.ROUNDS`` calls after a warm-up). ``extra_info``: ``tflop_per_s`` of each
+of ``side_by_side.ROUNDS`` samples of calls back to back, the same count a
+sample for each, ``calls_per_sample``; and ``one_call_*``: each call alone,
+the host's dispatch and wait included, as the sessions before stop 55
+measured). ``extra_info``: ``tflop_per_s`` of each
 (``pallax.roofline.attention_work``'s FLOPs, causal counting the visible half),
 ``fraction_of_peak_flops`` (989 TFLOP/s dense bf16 on an H100 SXM) and
 ``ratio_to_cudnn`` (cuDNN's time over the implementation's: above 1 is faster;

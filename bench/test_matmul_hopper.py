@@ -17,7 +17,8 @@ times, in one process and one test, three implementations:
 * ``cublas``: ``jnp.matmul`` (XLA's GEMM, cuBLAS/cuBLASLt on an NVIDIA GPU).
 
 The benchmark itself is pallax's; the others are timed the same way (median
-of ``side_by_side.ROUNDS`` calls after a warm-up). ``extra_info``: each one's
+of ``side_by_side.ROUNDS`` samples of calls back to back, and of single
+calls as ``one_call_*``). ``extra_info``: each one's
 ``tflop_per_s`` (``pallax.roofline.matmul_work``), ``fraction_of_peak_flops``
 and ``ratio_to_cublas`` (cuBLAS's time over the implementation's: above 1 is
 faster), and its max error on the first rows against a float64 product.

@@ -1,5 +1,6 @@
 """The benches' fixture: a peer that raises is reported with its error, never skipped;
-each case's memory; a case's own summary line.
+each case's memory; a case's own summary line; ``side_by_side.compare``'s
+samples of calls back to back.
 
 Runs pytest-benchmark on a small bench file next to copies of
 ``bench/conftest.py`` and the modules it imports, with a
@@ -48,6 +49,20 @@ def test_memory(bench, request):
 
 def test_ours_failing_is_a_failure(bench):
   bench(peer, jnp.ones(3), jnp.ones(3), rounds=2)  # two arguments for one: a TypeError
+
+
+def test_side_by_side(benchmark, request):
+  from side_by_side import compare
+
+  from pallax import roofline
+
+  x = jnp.ones((64, 64))
+  ours = jax.jit(lambda x: x @ x).lower(x).compile()
+  theirs = jax.jit(lambda x: jnp.dot(x, x, precision="highest")).lower(x).compile()
+  calls = {"pallax": lambda: ours(x), "base": lambda: theirs(x)}
+  error = lambda result: float(jnp.max(jnp.abs(result - 64.0)))
+  work = roofline.Work(flops=2 * 64**3, bytes=3 * 64 * 64 * 4)
+  compare(benchmark, request, calls, error, 1e-6, work, jnp.float32, "base")
 """
 
 
@@ -57,8 +72,9 @@ def test_a_raising_peer_is_reported(tmp_path):
   (tmp_path / "test_cases.py").write_text(CASES)
   args = ["-p", "no:xdist", "--benchmark-json", "out.json", "test_cases.py"]
   out = run_pytest(args, tmp_path, timeout=300)
-  assert "1 failed, 5 passed" in out.stdout, out.stdout[-3000:]
+  assert "1 failed, 6 passed" in out.stdout, out.stdout[-3000:]
   assert "a line of the case's own" in out.stdout
+  assert "(one call): pallax " in out.stdout
   assert "raised: test_case[peer-jvp]: TypeError: can't apply forward-mode autodiff" in out.stdout
   data = json.loads((tmp_path / "out.json").read_text())
   timed = sorted(b["name"] for b in data["benchmarks"])
@@ -67,7 +83,17 @@ def test_a_raising_peer_is_reported(tmp_path):
     "test_case[ours-jvp]",
     "test_case[peer-fwd]",
     "test_memory",
+    "test_side_by_side",
   ]
+  (side,) = [b for b in data["benchmarks"] if b["name"] == "test_side_by_side"]
+  info, n = side["extra_info"], side["extra_info"]["calls_per_sample"]
+  # The fixture's rounds are samples of n calls, its statistics a call's seconds.
+  assert 1 < n <= 64 and side["stats"]["iterations"] == n, side["stats"]
+  assert side["stats"]["rounds"] == 20
+  for prefix in ("", "one_call_"):
+    assert info[f"base_{prefix}ratio_to_base"] == 1.0
+    for impl in ("pallax", "base"):
+      assert info[f"{impl}_{prefix}tflop_per_s"] > 0
   (memory,) = [b["extra_info"]["memory"] for b in data["benchmarks"] if b["name"] == "test_memory"]
   assert memory["outputs"] == 2**26 and memory["peak"] >= 2 * 2**26
   assert memory["rss_growth"] >= 2**26, memory  # the CPU: measured

@@ -121,12 +121,15 @@ def back_to_back_time(
   return median_time(fn, args, warmup=0, repeats=repeats, calls=calls)
 
 
-def calls_per_sample(fn: Callable, args: Sequence[Any]) -> int:
-  """How many calls of ``fn(*args)`` take about 2 ms (at least 1, at most 64), from one call."""
+def calls_per_sample(fn: Callable, args: Sequence[Any], sample_s: float = _SAMPLE_S) -> int:
+  """How many calls of ``fn(*args)`` take about ``sample_s`` (at least 1, at most 64).
+
+  Counted from one call's time.
+  """
   start = time.perf_counter()
   jax.block_until_ready(fn(*args))
   once = time.perf_counter() - start
-  return max(1, min(_MOST_CALLS, int(_SAMPLE_S / max(once, 1e-9))))
+  return max(1, min(_MOST_CALLS, int(sample_s / max(once, 1e-9))))
 
 
 def wall_clock_benchmark(
