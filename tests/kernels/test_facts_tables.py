@@ -6,9 +6,9 @@ Before issue 27, ``kernels/attention/config.py`` held three tables of
 ``kernels/paged_attention/config.py`` a largest-block rule; they are data now
 (``pallax/executor/defaults/{h100,a100}/*.json``). The tables and rules are
 copied here as they were (the attention backward's order of preference
-since updated from an H200 run), and the candidates and ``supports`` of the configs
-built from the data must match them on ``cuda`` (which takes the verdicts of
-both GPUs).
+since updated from an H200 run, and one spill found since added), and the
+candidates and ``supports`` of the configs built from the data must match
+them on ``cuda`` (which takes the verdicts of both GPUs).
 """
 
 import itertools
@@ -78,6 +78,7 @@ OLD_SPILL_WITH_FEATURES = {
   ("jvp", 4, 64): {(16, 16, 4, 2), (16, 16, 4, 3)},
   ("bwd", 2, 128): {(64, 32, 4, 2)},
   ("bwd", 2, 256): {(32, 32, 8, 2), (32, 32, 8, 1)},
+  ("bwd", 4, 128): {(16, 16, 4, 2)},  # found since (5c6dca7): 12 bytes on H100
 }
 OLD_RAW_SPILLS = {
   ("fwd", 2, 128): {(128, 64, 8, 2), (128, 64, 8, 3), (64, 64, 4, 2)},
