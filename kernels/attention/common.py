@@ -129,6 +129,27 @@ class Problem:
     """Dtype of logits, softmax statistics and accumulators."""
     return stat_dtype(self.dtype)
 
+  @property
+  def last_query_tile_first(self) -> bool:
+    """Whether the GPU kernels' query tiles run last to first: under a causal mask.
+
+    A GPU starts blocks of threads in the grid's order, and under a causal
+    mask (a window's right bound alone) a later query tile sees more keys, so
+    the query tiles run last to first there: the longest start first and the
+    shortest fill the last wave, as FlashAttention's schedulers order causal
+    tiles. In a greedy model of 132 SMs taking blocks of threads in order (a
+    tile's time its key blocks plus one), the Mosaic GPU causal forward at
+    B=4, S=4096, 16 heads (2048 blocks of threads, batch outermost) left the
+    SMs 5.7% idle first to last and 0.9% last to first; at B=2, S=8192, 5.8%
+    and 0.4%. Key tiles need no turning: under a causal mask the first see
+    the most queries.
+    """
+    return self.right is not None and self.left is None
+
+  def query_tile(self, index, tiles: int):
+    """Grid index ``index``'s query tile of ``tiles`` (``last_query_tile_first``)."""
+    return tiles - 1 - index if self.last_query_tile_first else index
+
 
 @dataclasses.dataclass(frozen=True)
 class Blocks:
@@ -145,6 +166,14 @@ class Blocks:
   @property
   def nk(self) -> int:
     return -(-self.p.s // self.bk)
+
+  def query_block(self, index):
+    """The query block the grid's index ``index`` computes (``Problem.query_tile``)."""
+    return self.p.query_tile(index, self.nq)
+
+  def query_start(self, index):
+    """The first query of the block the grid's index ``index`` computes."""
+    return self.query_block(index) * self.bq
 
   def heads(self, n):
     """``(kv head, group)`` of the grid's query head ``n``."""

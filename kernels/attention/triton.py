@@ -56,7 +56,7 @@ class _Layout(common.Blocks):
     rows = self.bq if per_block else self.nq * self.bq
 
     def index(i, n, b):
-      return (b, *self.heads(n), i if per_block else 0, 0)
+      return (b, *self.heads(n), self.query_block(i) if per_block else 0, 0)
 
     return pl.BlockSpec((None, None, None, rows, self.width(x)), index)
 
@@ -64,7 +64,8 @@ class _Layout(common.Blocks):
     """A (B, K, G, T) operand (lse, delta)."""
     rows = self.bq if per_block else self.nq * self.bq
     return pl.BlockSpec(
-      (None, None, None, rows), lambda i, n, b: (b, *self.heads(n), i if per_block else 0)
+      (None, None, None, rows),
+      lambda i, n, b: (b, *self.heads(n), self.query_block(i) if per_block else 0),
     )
 
   def keys(self, x: int, per_block: bool):
@@ -75,6 +76,10 @@ class _Layout(common.Blocks):
       lambda i, n, b: (b, self.heads(n)[0], i if per_block else 0, 0),
     )
 
+  def _program_block(self, query_side: bool):
+    """``i ->`` the block of the grid's side (queries or keys) that grid index ``i`` computes."""
+    return self.query_block if query_side else lambda i: i
+
   def length(self):
     return pl.BlockSpec((1,), lambda i, n, b: (b,))
 
@@ -83,12 +88,14 @@ class _Layout(common.Blocks):
     rows = self.bq if query_side else self.bk
     if not per_block:
       rows *= self.nq if query_side else self.nk
-    return pl.BlockSpec((None, rows), lambda i, n, b: (b, i if per_block else 0))
+    block = self._program_block(query_side)
+    return pl.BlockSpec((None, rows), lambda i, n, b: (b, block(i) if per_block else 0))
 
   def table(self, query_side: bool, per_block: bool):
     """A (B, blocks, 4) segment table: the program's block's row, or the whole table."""
     if per_block:
-      return pl.BlockSpec((None, None, 4), lambda i, n, b: (b, i, 0))
+      block = self._program_block(query_side)
+      return pl.BlockSpec((None, None, 4), lambda i, n, b: (b, block(i), 0))
     rows = self.nq if query_side else self.nk
     return pl.BlockSpec((None, rows, 4), lambda i, n, b: (b, 0, 0))
 
@@ -98,7 +105,7 @@ class _Layout(common.Blocks):
 
     def index(i, n, b):
       lead = common.extra_lead(aval, b, *self.heads(n))
-      return (*lead, i, 0) if query_blocks else (*lead, 0, i)
+      return (*lead, self.query_block(i), 0) if query_blocks else (*lead, 0, i)
 
     return pl.BlockSpec((None, None, None, *shape), index)
 
@@ -178,7 +185,7 @@ def _over_key_blocks(lay: _Layout, r: _Refs, step, init, extra_loads=(), skipped
   the blocks in the loop's range whose segments do not meet.
   """
   p = lay.p
-  t0 = pl.program_id(0) * lay.bq
+  t0 = lay.query_start(pl.program_id(0))
   t_pos, t_ok = _positions(t0, lay.bq, p.t)
   h_ok, hv_ok = lay.cols_ok(p.head_dim), lay.cols_ok(p.value_dim)
   q = load(r.q, tile_mask(t_ok, h_ok))
@@ -308,7 +315,7 @@ def jvp(*operands, config: AttentionConfig, interpret: Any, **params):
   st = p.stat
 
   def kernel(r: _Refs):
-    t0 = pl.program_id(0) * lay.bq
+    t0 = lay.query_start(pl.program_id(0))
     _, t_ok = _positions(t0, lay.bq, p.t)
     h_ok = lay.cols_ok(p.head_dim)
     lse_blk = load(r.lse, t_ok, other=NEG_INF)[:, None]
@@ -371,7 +378,7 @@ def _dq(c: Call, lay: _Layout, config, interpret, *stats) -> dict[str, jax.Array
 
   def kernel(r: _Refs):
     ds_ref = r.ds
-    t0 = pl.program_id(0) * lay.bq
+    t0 = lay.query_start(pl.program_id(0))
     _, t_ok = _positions(t0, lay.bq, p.t)
     hv_ok = lay.cols_ok(p.value_dim)
     lse_blk = load(r.lse, t_ok, other=NEG_INF)[:, None]

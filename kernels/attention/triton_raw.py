@@ -145,7 +145,9 @@ class _Consts(NamedTuple):
   the query and key blocks; BH, BHV: the head dims padded to powers of two;
   SCALE, CAP: the logits' scale and soft cap (None: none); LEFT, RIGHT: the
   window (None: unbounded); HAS_LENGTHS: whether lengths are read (else T
-  and S are the lengths); PRECISION: the dots' (see ``_dot``).
+  and S are the lengths); PRECISION: the dots' (see ``_dot``);
+  LAST_FIRST: the query blocks run last to first
+  (``Problem.last_query_tile_first``).
   """
 
   T: int
@@ -164,6 +166,7 @@ class _Consts(NamedTuple):
   RIGHT: Optional[int]
   HAS_LENGTHS: bool
   PRECISION: Optional[str]
+  LAST_FIRST: bool
 
 
 @triton.jit
@@ -254,7 +257,10 @@ def _query_block(q_ptr, k_ptr, v_ptr, q_len_ptr, kv_len_ptr, C: tl.constexpr):
   pointers at its kv head's keys and values.
   """
   row, kv, q_len, kv_len = _program(q_len_ptr, kv_len_ptr, C)
-  t0 = tl.program_id(0) * C.BQ
+  t0 = tl.program_id(0)
+  if C.LAST_FIRST:
+    t0 = tl.num_programs(0) - 1 - t0
+  t0 = t0 * C.BQ
   t_pos = t0 + tl.arange(0, C.BQ)
   bounds = _ranges(t0, q_len, kv_len, C.BQ, C.BK, C.T, C.S, C.RIGHT, C.LEFT)
   q = _load(q_ptr + row * (C.T * C.H), t_pos, C.T, C.H, C.BH, True)
@@ -477,6 +483,7 @@ class _Launch(common.Blocks):
       RIGHT=p.right,
       HAS_LENGTHS=p.has_lengths,
       PRECISION=_precision(p.dtype, interpret),
+      LAST_FIRST=p.last_query_tile_first,
     )
 
   def launch(self, kernel, args, out_shape, blocks: int, config, interpret):
