@@ -11,15 +11,17 @@
 # - fused_smoke: the fused dq backward's causal and two-consumer tests, the consumers
 #   sharing dQ's columns with padded keys too and in 64-query steps (fuse_dq: TMA
 #   reduce-adds and a barrier a step, never run on a GPU before) compiled and run on
-#   the GPU; if they fail, hang or are not run (the deadline), attention_bench leaves
-#   pallax-fused, pallax-fused2 and pallax-fa3 out (PALLAX_BENCH_FUSED=0), so a hang
-#   there costs this step's cap, not the bench's numbers.
+#   the GPU; if they fail, hang or are not run (the deadline), attention_bench and
+#   attention_breakdown leave pallax-fused, pallax-fused2 and pallax-fa3 out
+#   (PALLAX_BENCH_FUSED=0), so a hang there costs this step's cap, not the bench's
+#   numbers: list it before them.
 # - attention_bench: bench/test_attention_hopper.py, Mosaic GPU attention vs
 #   Pallas-Triton vs cuDNN (forward, forward+backward), and vs XLA under jvp
 #   (where cuDNN's custom_vjp raises); the forward's candidate with its
 #   softmax beside the previous block's P V too (pallax-overlap).
 # - attention_breakdown: bench/attention_breakdown.py, the device's kernels of
-#   pallax's, cuDNN's and JAX's Mosaic GPU attention at B=4, S=4096.
+#   pallax's, cuDNN's and JAX's Mosaic GPU attention at B=4, S=4096, and of the
+#   fused backward's two-consumer configs (pallax-fused2, pallax-fa3).
 # - matmul_bench: bench/test_matmul_hopper.py, Mosaic GPU matmul vs the
 #   executor's choice vs cuBLAS.
 # - paged_bench: bench/test_paged_attention.py, the full-context decode case
@@ -49,7 +51,7 @@ left() { echo $((deadline - $(date +%s))); }
 budget() { local l; l=$(left); echo $((l < $1 ? l : $1)); }
 all="tune fused_smoke attention_bench attention_breakdown matmul_bench paged_bench ragged_bench"
 all+=" ragged_breakdown mosaic_tests tests serving_tests"
-steps=" ${STEPS:-$all} "
+steps="${STEPS:-$all}"
 step() {  # step NAME CAP_SECONDS COMMAND...: the command under the smaller of the cap and what is left
   # Returns the command's status (124 for one not run).
   local name=$1 cap=$2 s rc

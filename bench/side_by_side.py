@@ -62,23 +62,24 @@ def back_to_back(call, calls: int) -> Callable[[], None]:
 
 
 def record(
-  info: dict, seconds: dict, work: roofline.Work, dtype, baseline: str, prefix: str = ""
+  info: dict, seconds: dict, work: roofline.Work, dtype, baseline: str, measure: str = ""
 ) -> str:
   """Each implementation's rates and its speed over ``baseline``'s in ``info``; a summary line.
 
-  Keys per implementation ``i``: ``{i}_{prefix}tflop_per_s``,
-  ``{i}_{prefix}fraction_of_peak_flops`` (None on a device ``pallax.roofline``
-  does not know) and ``{i}_{prefix}ratio_to_{baseline}`` (the baseline's time
-  over ``i``'s: above 1 is faster).
+  Keys per implementation ``i``: ``{i}_{measure}tflop_per_s``,
+  ``{i}_{measure}fraction_of_peak_flops`` (None on a device ``pallax.roofline``
+  does not know) and ``{i}_{measure}ratio_to_{baseline}`` (the baseline's time
+  over ``i``'s: above 1 is faster); ``measure`` names how ``seconds`` were
+  timed (``"one_call_"``; empty for the samples of calls back to back).
   """
   kind = jax.devices()[0].device_kind
   cells = []
   for impl, s in seconds.items():
     rates = roofline.throughput(work, s, kind, dtype)
     ratio = seconds[baseline] / s
-    info[f"{impl}_{prefix}tflop_per_s"] = rates["tflop_per_s"]
-    info[f"{impl}_{prefix}fraction_of_peak_flops"] = rates.get("fraction_of_peak_flops")
-    info[f"{impl}_{prefix}ratio_to_{baseline}"] = ratio
+    info[f"{impl}_{measure}tflop_per_s"] = rates["tflop_per_s"]
+    info[f"{impl}_{measure}fraction_of_peak_flops"] = rates.get("fraction_of_peak_flops")
+    info[f"{impl}_{measure}ratio_to_{baseline}"] = ratio
     cells.append(f"{impl} {rates['tflop_per_s']:.0f} TFLOP/s ({ratio:.2f}x {baseline})")
   return ", ".join(cells)
 
@@ -111,6 +112,8 @@ def compare(
   for name, call in calls.items():
     info[f"{name}_max_rel_err"] = err = error(call())
     assert err < tolerance, f"{name} is wrong: max rel err {err:.2e}"
+  if not benchmark.enabled:  # --benchmark-disable, or under xdist: checked, not timed
+    return
   info["calls_per_sample"] = n = calls_per_sample(calls[baseline], (), SAMPLE_S)
   seconds, one_call = {}, {}
   for name, call in calls.items():
@@ -120,6 +123,6 @@ def compare(
   benchmark.pedantic(back_to_back(calls["pallax"], n), rounds=ROUNDS, iterations=n, warmup_rounds=1)
   seconds["pallax"] = benchmark.stats.stats.median
   line = record(info, {name: seconds[name] for name in calls}, work, dtype, baseline)
-  alone = record(info, one_call, work, dtype, baseline, prefix="one_call_")
+  alone = record(info, one_call, work, dtype, baseline, measure="one_call_")
   request.node.user_properties.append(("summary", f"{benchmark.group}: {line}"))
   request.node.user_properties.append(("summary", f"{benchmark.group} (one call): {alone}"))

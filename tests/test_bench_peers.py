@@ -66,7 +66,7 @@ def test_side_by_side(benchmark, request):
 """
 
 
-def test_a_raising_peer_is_reported(tmp_path):
+def test_a_raising_peer_is_reported_and_side_by_side_times_per_call(tmp_path):
   for name in ("conftest.py", "modes.py", "peak_memory.py", "side_by_side.py"):
     shutil.copy(BENCH / name, tmp_path / name)
   (tmp_path / "test_cases.py").write_text(CASES)

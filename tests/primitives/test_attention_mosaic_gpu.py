@@ -485,6 +485,8 @@ def _jvp(fn, statics, ops, tangents):
 # (P dS is rounded to bfloat16 for its product with V, its row sum is not).
 JVP_CASES = [
   CASES["sinks-hv-T<S"][0],
+  # Causal: two query tiles of 128, run last to first (Problem.last_query_tile_first).
+  Case(b=1, t=200, s=200, n=2, k=1, h=64, is_causal=True),
   # Windows: the forward and backward case has them (the default run leaves this one).
   pytest.param(Case(b=1, t=64, s=150, n=2, k=1, h=64, window=(70, 10)), marks=pytest.mark.slow),
   # Unsorted ids from {0, 1, 2}: blocks of the segments' run that need a mask
