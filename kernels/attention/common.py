@@ -139,10 +139,12 @@ class Problem:
     shortest fill the last wave, as FlashAttention's schedulers order causal
     tiles. In a greedy model of 132 SMs taking blocks of threads in order (a
     tile's time its key blocks plus one), the Mosaic GPU causal forward at
-    B=4, S=4096, 16 heads (2048 blocks of threads, batch outermost) left the
+    B=4, S=4096, 16 heads (2048 blocks of threads, heads innermost) left the
     SMs 5.7% idle first to last and 0.9% last to first; at B=2, S=8192, 5.8%
-    and 0.4%. Key tiles need no turning: under a causal mask the first see
-    the most queries.
+    and 0.4%. The Triton grids take a head's query blocks innermost, so the
+    order turns within each head there and gains less (``docs/mosaic_gpu.md``).
+    Key tiles need no turning: under a causal mask the first see the most
+    queries.
     """
     return self.right is not None and self.left is None
 

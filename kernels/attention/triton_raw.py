@@ -257,10 +257,10 @@ def _query_block(q_ptr, k_ptr, v_ptr, q_len_ptr, kv_len_ptr, C: tl.constexpr):
   pointers at its kv head's keys and values.
   """
   row, kv, q_len, kv_len = _program(q_len_ptr, kv_len_ptr, C)
-  t0 = tl.program_id(0)
+  block = tl.program_id(0)
   if C.LAST_FIRST:
-    t0 = tl.num_programs(0) - 1 - t0
-  t0 = t0 * C.BQ
+    block = tl.num_programs(0) - 1 - block
+  t0 = block * C.BQ
   t_pos = t0 + tl.arange(0, C.BQ)
   bounds = _ranges(t0, q_len, kv_len, C.BQ, C.BK, C.T, C.S, C.RIGHT, C.LEFT)
   q = _load(q_ptr + row * (C.T * C.H), t_pos, C.T, C.H, C.BH, True)

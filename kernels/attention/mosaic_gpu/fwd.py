@@ -80,7 +80,7 @@ def fwd(*operands, config: MosaicGpuAttentionConfig, interpret: Any, **params) -
     qo_smem, k_smem, v_smem, lse_smem, p_smem, seg_smem = smem
     n, b = lax.axis_index("heads"), lax.axis_index("batch")
     kh, g = lax.div(n, jnp.int32(p.groups)), lax.rem(n, jnp.int32(p.groups))
-    t_tile = p.query_tile(lax.axis_index("q"), tp // rows) * rows
+    t_tile = tiles.query_tile_start(p, tp, rows)
     blocks = call_tiles.at(fact_refs, b, (rows, bq))
     lo, hi = blocks.key_blocks(t_tile, rows)
     ring = mgpu.Ring(stages, lo, hi, full, consumed)

@@ -187,7 +187,7 @@ class QueryKernel:
       n, b = lax.axis_index("heads"), lax.axis_index("batch")
       n, out_cols = tiles.column_share(n, chunks, cols)
       kh, g = lax.div(n, jnp.int32(p.groups)), lax.rem(n, jnp.int32(p.groups))
-      t_tile = p.query_tile(lax.axis_index("q"), tp // rows) * rows
+      t_tile = tiles.query_tile_start(p, tp, rows)
       blocks = tiles.Tiles(p, bq, bk).at(fact_refs, b, (rows, bq))
       lo, hi = blocks.key_blocks(t_tile, rows)
       ring = mgpu.Ring(stages, lo, hi, *ring_bars)

@@ -64,6 +64,11 @@ def column_share(axis, chunks: int, cols: int):
   return _div(axis, chunks), pl.ds(pl.multiple_of(share * cols, cols), cols)
 
 
+def query_tile_start(p: Problem, tp: int, rows: int):
+  """The first query of this block of threads' tile of ``rows`` (``Problem.query_tile``)."""
+  return p.query_tile(lax.axis_index("q"), tp // rows) * rows
+
+
 # Columns of a ``segment_runs`` row: the blocks a tile's segments meet, and
 # those all in one segment with it.
 MEET_LO, MEET_HI, ONE_LO, ONE_HI = range(4)
