@@ -7,10 +7,10 @@ the same way, and each one's rates and its ratio to the baseline go into
 ``extra_info``.
 
 A sample dispatches a case's calls back to back and waits for the last
-(``pallax.executor.autotune.median_time``), as a model's steps run: a call
-timed alone also holds the host's dispatch and wait, about 170 us on an
-H200 (stop 39), 15% of a 1 ms attention forward, which pulls every ratio
-towards 1. Every implementation of a case takes the same count of calls a
+(``pallax.executor.autotune.back_to_back_time``, the autotuner's timing), as
+a model's steps run: a call timed alone also holds the host's dispatch and
+wait, about 170 us on an H200 (stop 39), 15% of a 1 ms attention forward,
+which pulls every ratio towards 1. Every implementation of a case takes the same count of calls a
 sample (about ``SAMPLE_S`` of the baseline's). The one-call times, the
 measure of the sessions before, are kept beside them (``one_call_*``).
 """
@@ -22,7 +22,7 @@ import jax
 import numpy as np
 
 from pallax import roofline
-from pallax.executor.autotune import calls_per_sample, median_time
+from pallax.executor.autotune import back_to_back_time, calls_per_sample, median_time
 from pallax.executor.executor import device_target
 from pallax.executor.implementation import implementation
 from pallax.pallas_mosaic_gpu import IMPLEMENTATION as MOSAIC_GPU
@@ -103,7 +103,7 @@ def compare(
 
   ``error(result)`` of each one's first result must stay below ``tolerance``
   (``{name}_max_rel_err``). ``calls["pallax"]`` is the benchmark; the others
-  are timed by ``median_time`` with as many calls a sample
+  are timed by ``back_to_back_time`` with as many calls a sample
   (``calls_per_sample`` in ``extra_info``), and every one alone too
   (``one_call_*``). ``record`` adds the rates, and the terminal summary gets
   one line for the case.
@@ -119,7 +119,7 @@ def compare(
   for name, call in calls.items():
     one_call[name] = median_time(call, (), warmup=1, repeats=ROUNDS)
     if name != "pallax":
-      seconds[name] = median_time(call, (), warmup=1, repeats=ROUNDS, calls=n)
+      seconds[name] = back_to_back_time(call, (), repeats=ROUNDS, calls=n)
   benchmark.pedantic(back_to_back(calls["pallax"], n), rounds=ROUNDS, iterations=n, warmup_rounds=1)
   seconds["pallax"] = benchmark.stats.stats.median
   line = record(info, {name: seconds[name] for name in calls}, work, dtype, baseline)
