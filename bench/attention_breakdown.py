@@ -12,7 +12,7 @@ the host's dispatch) of:
   primitive's ``(batch, kv heads, group, sequence, head dim)`` operands would
   need are folded away: ``tiles.sequence_first``);
 * ``cudnn``: ``jax.nn.dot_product_attention(implementation="cudnn")``;
-* ``pallax-fused2`` and, without a causal mask, ``pallax-fa3``
+* ``pallax-fused2`` and ``pallax-fa3``
   (``fwd+bwd``): the backward pinned to the dk/dv kernel computing dQ too
   in two consumers, of 32-query steps and of FlashAttention-3's 64
   (``bench/test_attention_hopper.py``'s pins; left out under
@@ -70,7 +70,7 @@ def main() -> None:
       flops = _work(case, mode).flops
       impls = ["pallax", "cudnn"]
       if mode == "fwd+bwd" and os.environ.get("PALLAX_BENCH_FUSED") != "0":
-        impls += ["pallax-fused2", *([] if case.causal else ["pallax-fa3"])]
+        impls += ["pallax-fused2", "pallax-fa3"]
       for impl in impls:
         make = lambda impl=impl: _compiled(impl, case, mode, inputs)[0]
         _report(f"{what} {impl}", make, args, flops)

@@ -9,7 +9,7 @@
 # - tune: bench/hopper_tune.py (its cases: TUNE), every candidate of the benches' kernel calls
 #   timed (what the heuristics should pick), the winners exported to tuned.json.
 # - fused_smoke: the fused dq backward's causal and two-consumer tests, the consumers
-#   sharing dQ's columns with padded keys too and in 64-query steps (fuse_dq: TMA
+#   sharing dQ's columns with padded keys too and in 64-query steps, causal too (fuse_dq: TMA
 #   reduce-adds and a barrier a step, never run on a GPU before) compiled and run on
 #   the GPU; if they fail, hang or are not run (the deadline), attention_bench and
 #   attention_breakdown leave pallax-fused, pallax-fused2 and pallax-fa3 out

@@ -21,8 +21,8 @@ implementations:
   to the Mosaic GPU dk/dv kernel computing dQ too (``fuse_dq``: 5 products
   against 7, TMA reduce-adds) in one consumer warpgroup, and in two
   (``dkdv_consumers=2``, FlashAttention-3's shape) of 32-query steps, and
-  on the cases without a causal mask ``pallax-fa3``: the two in 64-query
-  steps (FlashAttention-3's tile, ``fused_wide_steps``), autotuning
+  ``pallax-fa3``: the two in 64-query steps (FlashAttention-3's tile,
+  ``fused_wide_steps``; a causal mask masks every step), autotuning
   candidates (never the heuristic's) until their times here say more; left out under
   ``PALLAX_BENCH_FUSED=0``
   (``bench/hopper.sh`` sets it when the fused kernel's tests failed on the
@@ -117,7 +117,7 @@ MOSAIC_PIN = MosaicGpuAttentionConfig(block_k=64, num_stages=2)
 # (FlashAttention-3's shape).
 FUSED_PIN = MosaicGpuAttentionConfig(block_k=64, num_stages=2, fuse_dq=True)
 FUSED2_PIN = dataclasses.replace(FUSED_PIN, dkdv_consumers=2, dkdv_rows=32)
-FA3_PIN = dataclasses.replace(FUSED2_PIN, dkdv_rows=64)  # unmasked calls alone
+FA3_PIN = dataclasses.replace(FUSED2_PIN, dkdv_rows=64)
 # The backward's autotuning candidates of two consumers on the cases' fwd+bwd:
 # ``pallax-dq2`` the dq kernel's, ``pallax-wide`` and ``pallax-two`` the dk/dv
 # kernel's too (32- and 64-query steps).
@@ -262,7 +262,7 @@ def test_hopper_attention(benchmark, request, case, mode):
   if mode == "fwd+bwd":
     impls = (*impls, "pallax-dq2", "pallax-wide", "pallax-two")
   if mode == "fwd+bwd" and os.environ.get("PALLAX_BENCH_FUSED") != "0":
-    impls = (*impls, "pallax-fused", "pallax-fused2", *(() if case.causal else ("pallax-fa3",)))
+    impls = (*impls, "pallax-fused", "pallax-fused2", "pallax-fa3")
   compiled = {impl: _compiled(impl, case, mode, inputs) for impl in impls}
   picks = pallax.explain(_function("pallax", case, mode), *compiled["pallax"][1])
   benchmark.extra_info["pallax_kernels"] = [

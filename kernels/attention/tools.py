@@ -111,8 +111,8 @@ def _padded_batch(q, k, v, query_seq_lengths, key_value_seq_lengths, q_seg, kv_s
 
 # Sweep sizes (B, T, N, K, H), self-attention: head dims 64, a padded 80 and
 # 128 with GQA and odd lengths, 256, 32, and 128 in whole blocks of 128 keys
-# (FlashAttention-3's tile in the fused Mosaic GPU backward takes no padded
-# keys: ``fused_wide_steps``); causal: the first four. Every
+# (FlashAttention-3's tile in the fused Mosaic GPU backward unmasked: padded
+# keys mask its every step, ``masks_every_step``); causal: the first four. Every
 # batch is above 1: with one example a kernel's grid has no batch index, and
 # the Mosaic GPU backward at head dim 128 compiled spill-free there while
 # spilling 12-96 bytes from a batch of 2 up.

@@ -237,6 +237,14 @@ FUSED_CASES = {
   "h128-gqa-wide": Case(b=1, t=100, s=128, n=4, k=2, h=128),
   # Slow: MQA, two examples, two blocks of threads, more steps than ring slots.
   "h128-mqa-wide": Case(b=2, t=150, s=256, n=2, k=1, h=128),
+  # Masked (``masks_every_step``): causal with GQA, padded keys (200 of 256),
+  # the second consumer's keys hidden from the first query block.
+  "h128-causal-gqa-wide": Case(b=1, t=200, s=200, n=4, k=2, h=128, is_causal=True),
+  # Slow: causal with more keys than queries (the mask's right bound 30), one
+  # query head a kv head, two examples.
+  "h128-causal-mha-wide": Case(b=2, t=100, s=130, n=2, k=2, h=128, is_causal=True),
+  # Slow: unmasked, keys short of a block of threads (70 of 128), MQA.
+  "h128-padded-mqa-wide": Case(b=1, t=90, s=70, n=2, k=1, h=128),
 }
 FUSED_SLOW = (
   "h128-lengths-gqa",
@@ -246,6 +254,8 @@ FUSED_SLOW = (
   "h128-gqa-two",
   "h128-window-mha-two",
   "h128-mqa-wide",
+  "h128-causal-mha-wide",
+  "h128-padded-mqa-wide",
 )
 # The cases named "-two": two consumers sharing dQ's columns in 32-query steps;
 # "-wide": in 64 (``fused_wide_steps``).
@@ -382,9 +392,8 @@ def test_no_data_races_in_the_fused_dq_backward(h, config):
   barrier the numbers come out wrong instead (non-finite here).
   """
   extra = dict(kv_len=(120,), soft_cap=20.0) if h == 64 else {}  # no lengths at 128: refused
-  # FlashAttention-3's tile takes keys in whole blocks of threads (128) alone.
-  s = 128 if config == FUSED_WIDE else 130
-  case = Case(b=1, t=200, s=s, n=2, k=1, h=h, **extra)
+  # 130 keys: FlashAttention-3's tile masks every step (``masks_every_step``).
+  case = Case(b=1, t=200, s=130, n=2, k=1, h=h, **extra)
   with mgpu.detecting_races():
     _run_case(case, jnp.bfloat16, PATH, config=config, seed=12)
 
@@ -731,9 +740,18 @@ def test_supports_and_the_ring_in_shared_memory():
   for other in (fused, dataclasses.replace(fa3, dkdv_rows=32)):  # one consumer; 32-query steps
     assert not mosaic_gpu.config.fused_wide_steps(p128, other)
   assert not mosaic_gpu.config.fused_wide_steps(p64, fa3)
-  assert "no masks" in supports(fa3, stage="bwd", **{**PARAMS, "window_right": 0})
-  short = mosaic_gpu.supports(_avals(s=200), h100, fa3, stage="bwd", **PARAMS)
-  assert "whole blocks of 128, not 200" in short
+  # A causal mask, or keys short of its blocks of threads, mask every step:
+  # each slot brings its queries' positions too (int32).
+  causal = {**PARAMS, "window_right": 0}
+  p_causal = Problem.of(_avals(), **causal)
+  assert supports(fa3, stage="bwd", **causal) is None
+  assert mosaic_gpu.config.masks_every_step(p_causal, fa3)
+  assert not mosaic_gpu.config.masks_every_step(p128, fa3)
+  assert mosaic_gpu.smem_bytes(p_causal, fa3, "bwd") == want + 2 * 64 * 4
+  assert mosaic_gpu.supports(_avals(s=200), h100, fa3, stage="bwd", **PARAMS) is None
+  assert mosaic_gpu.config.masks_every_step(Problem.of(_avals(s=200), **PARAMS), fa3)
+  window = {**PARAMS, "window_left": 100, "window_right": 0}
+  assert "left bound" in mosaic_gpu.supports(_avals(groups=1), h100, fa3, stage="bwd", **window)
   with pytest.MonkeyPatch.context() as mp:  # read at each call (pallax.determinism)
     mp.setenv("XLA_FLAGS", "--xla_gpu_exclude_nondeterministic_ops=true")
     assert "deterministic ops" in supports(fused, stage="bwd", **PARAMS)
@@ -1053,13 +1071,18 @@ def test_the_fused_dq_backward_compiles_spill_free_for_a_batch(
 
 @pytest.mark.parametrize(
   "features, t, refused",
-  [("plain", 1024, None), ("causal", 1024, "no masks"), ("plain", 1000, "whole blocks of 128")],
+  [
+    ("plain", 1024, None),
+    ("causal", 1024, None),
+    ("plain", 1000, None),
+    ("window", 1024, "left bound"),
+  ],
 )
-def test_the_fused_wide_steps_take_unmasked_calls_alone(features, t, refused):
-  """FlashAttention-3's tile (``fused_wide_steps``) where no step is masked; 32-query steps else.
+def test_the_fused_wide_steps_take_no_window(features, t, refused):
+  """FlashAttention-3's tile (``fused_wide_steps``) but with a window's left bound; 32-query steps.
 
-  Masked steps spilled 176-2132 bytes compiled for H100: causal masks, and
-  keys short of whole blocks of threads (the fused kernel masks padded keys).
+  Compiled for H100, a window's masked steps spilled 260-300 bytes; a
+  causal mask's and padded keys' (``masks_every_step``) none.
   """
   eqn = _kernel_call(128, features, 16, kv_heads=16, t=t)
   reason = _supports(eqn, FUSED_WIDE)
@@ -1068,13 +1091,27 @@ def test_the_fused_wide_steps_take_unmasked_calls_alone(features, t, refused):
 
 
 @pytest.mark.compilers
-@pytest.mark.parametrize("heads, kv_heads", [(16, 16), (8, 2), (8, 1), (2, 2)])
-def test_the_fused_wide_steps_compile_spill_free_for_a_batch(heads, kv_heads):
-  """FlashAttention-3's tile compiled for H100 at batch 2, 1024 queries and keys: no spills.
+@pytest.mark.parametrize(
+  "features, heads, kv_heads, t",
+  [
+    ("plain", 16, 16, 1024),
+    ("plain", 8, 2, 1024),
+    ("plain", 8, 1, 1024),
+    ("plain", 2, 2, 1024),
+    ("causal", 16, 16, 1024),
+    ("causal", 8, 2, 1024),
+    ("causal", 32, 1, 1024),
+    ("causal", 8, 2, 1000),
+    ("plain", 8, 1, 1000),
+  ],
+)
+def test_the_fused_wide_steps_compile_spill_free_for_a_batch(features, heads, kv_heads, t):
+  """FlashAttention-3's tile compiled for H100 at batch 2, ``t`` queries and keys: no spills.
 
   Its consumers take ``mgpu.WIDE_REGISTERS`` (at 232 they spilled 4 bytes).
+  A causal mask or padded keys (1000) mask every step (``masks_every_step``).
   """
-  eqn = _kernel_call(128, "plain", heads, kv_heads=kv_heads, t=1024)
+  eqn = _kernel_call(128, features, heads, kv_heads=kv_heads, t=t)
   assert _supports(eqn, FUSED_WIDE) is None
   _compiles_spill_free(eqn, FUSED_WIDE, ("new_body",))
 

@@ -27,12 +27,12 @@ DQ, DKDV = "dot_product_attention_dq", "dot_product_attention_dkdv"
 # of 32 in two, crossed with one or two dq consumers: 6 configs of 3 dq and
 # dk/dv kernel pairs; and the dk/dv kernel computing dQ too in one consumer
 # or two (``fuse_dq``), the two in 32- or 64-query steps (FlashAttention-3's
-# tile, unmasked calls with keys in whole blocks of 128): 3 configs of a kernel each.
+# tile): 3 configs of a kernel each.
 CASE = Case("attention", "bwd", (2, 1024, 8, 2, 128), "bfloat16")
 # 960 queries and keys pad to 1024 for two consumers of 64 (the dq kernel's,
 # the dk/dv kernel's) and stay 960 for one: both kernels take both padded
-# lengths (``bwd_lengths``), so fewer configs share them; FlashAttention-3's
-# tile takes no padded keys.
+# lengths (``bwd_lengths``), so no configs share them; FlashAttention-3's
+# tile masks every step there (``masks_every_step``).
 PADDED = Case("attention", "bwd", (2, 960, 8, 2, 128), "bfloat16")
 # Lengths and segment ids: the padded queries reach the dk/dv kernel through
 # its segment runs too.
@@ -50,7 +50,7 @@ def test_configs_of_one_call_compile_each_kernel_once():
   shared = [j for j in jobs if j.kernels_from is not None]
   assert len(jobs) == 9 and len(compiled) == 6 and len(shared) == 3, [j.config for j in jobs]
   padded = _mosaic_gpu_jobs(PADDED)
-  assert len(padded) == 8 and sum(j.kernels_from is None for j in padded) == 8
+  assert len(padded) == 9 and sum(j.kernels_from is None for j in padded) == 9
   assert "heuristic" in jobs[0].sources and jobs[0].id in compiled
   # 2 dq and 3 dk/dv kernels: 3 compiles at least, each a pair; 3 fused dk/dv kernels.
   kernels = lambda jobs: {item for j in jobs for item in j.kernel_keys.items()}

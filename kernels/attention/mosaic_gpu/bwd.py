@@ -40,12 +40,14 @@ own per key tile, summed after the kernel). Two consumers at head dim 128
 share dQ's columns (``config.shares_dq``): each computes 64 of them over
 both consumers' keys, from both dS^T tiles once a barrier says both are
 stored, and reduce-adds half the tiles. With ``dkdv_rows=64`` they take
-FlashAttention-3's tile (``fused_wide_steps``: unmasked calls): 64-query
+FlashAttention-3's tile (``fused_wide_steps``: no window's left bound): 64-query
 steps, P^T stored to SMEM beside dS^T and dV's and dK's products reading
 both there, so a consumer holds only accumulators beside its products in
 flight (in ``mgpu.WIDE_REGISTERS``' 240 a thread: at 232, 4 bytes spilled;
 P^T and dS^T as register operands spilled 316-384 bytes in 64-query
-steps). The adds' order varies, so dq
+steps); with a causal mask or padded keys every step is masked, in one
+loop, from its queries' positions that the ring brings
+(``masks_every_step``). The adds' order varies, so dq
 is not bitwise reproducible; padded keys are masked there (their
 probability could overflow, and ``inf`` times their zero K is NaN).
 
@@ -98,6 +100,7 @@ from pallax.kernels.attention.mosaic_gpu.config import (
   fused_wide_steps,
   has_masks,
   head,
+  masks_every_step,
   out_cols,
   shares_dq,
 )
@@ -229,13 +232,16 @@ class _Kernels:
     # FlashAttention-3's tile: 64-query steps whose P^T and dS^T go to SMEM
     # for dV's and dK's products.
     wide = fused_wide_steps(p, self.config)
+    # Its masked calls mask every step in one loop, from the positions of the
+    # step's queries that the ring brings (``masks_every_step``).
+    mask_all = masks_every_step(p, self.config)
     # A step issues P^T dO before dS^T waits for dP^T: ptxas moves work below
     # a wait it does not feed (P^T's exponentials after dP^T's wait: 26 of 32
     # a thread), not below the issue of a product that reads it. dS^T comes
     # first where that spilled (compiled for H100): two consumers above head
     # dim 64 with masks, fused (16 bytes, causal) or of 64-query steps (24).
     two_wide = consumers == CONSUMERS and h > 64 and (fuse_dq or bq > NARROW_ROWS)
-    dv_first = not (two_wide and has_masks(p))
+    dv_first = mask_all or not (two_wide and has_masks(p))
     rows = consumers * bk
     q_t, do_t = self._transposed(queries["q"]), self._transposed(queries["do"])
     # dP^T's accumulator starts from -delta broadcast over the keys: no delta
@@ -250,17 +256,19 @@ class _Kernels:
     segs = tiles.padded_segments(self.ops, tp, sp)
     seg_ops = [] if segs is None else list(segs)
     facts = blocks.inputs(self.ops, segs, (rows, bk), queries_own=False)
-    operands += transposed + seg_ops + facts
-    n_tr, n_seg = len(transposed), len(seg_ops)
+    positions = [jnp.arange(tp, dtype=jnp.int32)] if mask_all else []
+    operands += transposed + seg_ops + positions + facts
+    n_tr, n_seg, n_pos = len(transposed), len(seg_ops), len(positions)
 
     def body(k_ref, v_ref, q_ref, do_ref, lse_ref, neg_delta_ref, *rest):
       transposed, seg_refs = rest[:n_tr], rest[n_tr : n_tr + n_seg]
-      *fact_refs, dk_ref, dv_ref, scoped = rest[n_tr + n_seg :]
+      pos_refs = rest[n_tr + n_seg : n_tr + n_seg + n_pos]
+      *fact_refs, dk_ref, dv_ref, scoped = rest[n_tr + n_seg + n_pos :]
       if fuse_dq:
         *fact_refs, dq_ref = fact_refs
       smem, own_full, (full, consumed), ds_ready = scoped
       k_smem, v_smem, q_smem, do_smem, lse_smem, neg_delta_smem, *others = smem
-      qt_smem, dot_smem, st_smem, seg_smem, out_smem, ds_smem, kt_smem, dq_smem = others
+      qt_smem, dot_smem, st_smem, seg_smem, out_smem, ds_smem, kt_smem, dq_smem, t_smem = others
       kh, b = lax.axis_index("heads"), lax.axis_index("batch")
       kh, share = tiles.column_share(kh, chunks, cols)
       columns = lambda ref: ref if share is None else ref.at[:, share]
@@ -326,7 +334,8 @@ class _Kernels:
 
           def keep():
             ids = None if k_seg is None else (k_seg, form.vector(seg_smem[1].at[s], 1))
-            return blocks.keep_queries(form, s0, i, ids)
+            t_vec = form.vector(t_smem.at[s], 1) if mask_all else None
+            return blocks.keep_queries(form, s0, i, ids, t_vec)
 
           logits = lambda x: tiles.hiding(masked, keep)(tiles.logits2(p, x))
           ring.wait(0, u)
@@ -365,10 +374,11 @@ class _Kernels:
               dq_product(u, own_cols, range(consumers), dq_ref[0])
 
           # In steps the loops know to be unmasked (``masked`` False: not the
-          # one-consumer loop of a masked call) S^T runs with dP^T; else S^T
-          # and its mask come first: beside dP^T in flight they spilled.
+          # one-consumer loop of a masked call) and in ``mask_all``'s S^T runs
+          # with dP^T; else S^T and its mask come first: beside dP^T in flight
+          # they spilled.
           (_, dv, dk, *dq_t), _ = form.pipeline_after(
-            (bk, bq), s_t, logits, masked is False, starts, grads
+            (bk, bq), s_t, logits, masked is False or mask_all, starts, grads
           )
           ring.release(2, u)
           ring.release(1, u)
@@ -398,16 +408,17 @@ class _Kernels:
           g, i = lax.div(u, count), lo + lax.rem(u, count)
           # Without masks no step is masked: no lax.cond of two identities.
           masks = has_masks(p) or blocks.hides_padded_keys
-          masked = tiles.masked_step(i, unmasked) if masks else False
+          masked = mask_all or (tiles.masked_step(i, unmasked) if masks else False)
           return step(u, g, i, carry, masked)
 
         zeros = lambda: form.zeros((bk, cols))
-        if consumers == 1:
-          # One consumer (above head dim 64, 64-query steps): dK and dV take up
-          # to 128 registers a thread: one loop over every query head's blocks,
-          # masked or not (the consumer owns its block of threads' range).
-          # Loops per query head and per kind of step spilled at their edges
-          # (with GQA, compiled for H100).
+        if consumers == 1 or mask_all:
+          # One consumer (above head dim 64, 64-query steps), or FlashAttention-3's
+          # tile with masks: dK and dV take up to 128 registers a thread: one
+          # loop over every query head's blocks, masked or not (the consumer
+          # owns its block of threads' range, or shares take every step). Loops
+          # per query head and per kind of step spilled at their edges (with
+          # GQA, compiled for H100).
           dk, dv = lax.fori_loop(0, p.groups * count, flat, (zeros(), zeros()))
         else:
           dk, dv = lax.fori_loop(0, p.groups, per_group, (zeros(), zeros()))
@@ -438,6 +449,8 @@ class _Kernels:
             [(lse_ref.at[b, kh, g, block], lse_smem.at[s])],
           ]
           groups[2].append((neg_delta_ref.at[b, kh, g, block], neg_delta_smem.at[s]))
+          if pos_refs:  # the queries' positions, with their statistics
+            groups[2].append((pos_refs[0].at[block], t_smem.at[s]))
           if seg_refs:  # the queries' segment ids, with the queries
             groups[0].append((seg_refs[0].at[b, block], seg_smem[1].at[s]))
           for group, ref, buf in zip(groups, transposed[:2], (qt_smem, dot_smem)):
@@ -475,9 +488,10 @@ class _Kernels:
         )
         if fuse_dq
         else None,
+        plgpu.SMEM((stages, bq), jnp.int32) if mask_all else None,
       ],
       plgpu.Barrier(num_arrivals=2 + bool(segs) + k_t, num_barriers=consumers),
-      mgpu.Ring.barriers((copies + bool(segs), copies, 2), stages, consumers),
+      mgpu.Ring.barriers((copies + bool(segs), copies, 2 + mask_all), stages, consumers),
       plgpu.Barrier(num_arrivals=consumers) if shared else None,
     ]
     shape = jax.ShapeDtypeStruct((p.batch, sp, p.kv_heads, h), p.dtype)

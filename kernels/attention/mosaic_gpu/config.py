@@ -63,9 +63,9 @@ class MosaicGpuAttentionConfig(KernelConfig):
     keys, sharing dQ's columns (``shares_dq``), take no lengths and windows
     only with one query head a kv head (``_fuse_reason``), in 32-query steps
     (``dkdv_rows=32``); with ``dkdv_rows=64`` (the default)
-    FlashAttention-3's tile (``fused_wide_steps``): calls without masks
-    whose key length is a multiple of 128 only. The forward and the
-    tangent ignore it.
+    FlashAttention-3's tile (``fused_wide_steps``): no window's left bound,
+    and a causal mask or keys short of its blocks of 128 mask every step
+    (``masks_every_step``). The forward and the tangent ignore it.
   dq_consumers: consumer warpgroups of the backward's dq kernel, 64 queries
     each: 1 (the heuristic's) or 2, where one consumer's softmax runs beside
     the other's matrix products, up to head dim 128 (an autotuning candidate
@@ -276,12 +276,34 @@ def fused_wide_steps(p: Problem, config: MosaicGpuAttentionConfig) -> bool:
   filling the blocks) spill-free with the consumers at ``WIDE_REGISTERS``
   (at 232, 4 bytes spilled): a step of 64 queries takes 513 instructions
   and 32 ``HGMMA`` (S^T's, dP^T's and dQ^T's 24 of N=64, dV's and dK's 8
-  of N=128, the head dim), two 32-query steps 690 and 56 (48 of N=32). A masked
-  step (causal, windows, padded keys) spilled 176-2132 bytes: those calls
-  take ``dkdv_rows=32`` (``_fuse_reason``).
+  of N=128, the head dim), two 32-query steps 690 and 56 (48 of N=32).
+  Masked steps (a causal mask, padded keys) run as ``masks_every_step``
+  says; a window's left bound spilled, and those calls take
+  ``dkdv_rows=32`` (``_fuse_reason``).
   """
   rows, consumers = dkdv_steps(p, config)
   return config.fuse_dq and shares_dq(head(p), consumers) and rows == BWD_BLOCKS[0]
+
+
+def masks_every_step(p: Problem, config: MosaicGpuAttentionConfig) -> bool:
+  """Whether FlashAttention-3's tile masks its steps: a right bound, or keys short of its blocks.
+
+  Then every step of every query head runs in one loop, each masked
+  (``tiles.Tiles.keep_queries``) from the positions of its queries, a
+  vector the ring brings with the step's lse. Compiled for H100 (head dim
+  128, batch 2) spill-free causal at 16 on 16, 8 on 8, 16 on 4, 8 on 2, 32
+  on 2, 8 on 1, 32 on 1, 4 on 1 and 2 on 2 heads, at 1024-8192 keys and
+  with padded keys (1000). What spilled: masked and unmasked steps in
+  loops of their own, 124-440 bytes even with no mask in either (ptxas at
+  the loops' edges); one loop per query head, 28 with GQA; the positions
+  computed in registers, 20-84 (the query positions, loop invariants,
+  stay live); dS^T before dV's product (``dv_first``), 28; the mask as a
+  float32 or bfloat16 bias tile in SMEM, 180-396; windows (a left bound)
+  260-300 and lengths 432-476 even with the ringed positions, so those
+  calls take 32-query steps (``_fuse_reason``).
+  """
+  keys = CONSUMERS * BWD_BLOCKS[1]  # a block of threads'
+  return fused_wide_steps(p, config) and (has_masks(p) or p.s % keys != 0)
 
 
 def fused_dq_tiles(h: int, consumers: int) -> int:
@@ -399,7 +421,8 @@ def smem_bytes(p: Problem, config: MosaicGpuAttentionConfig, stage: str) -> int:
     out = k.out_tiles if k.own == "dq" or cols < h else 0
     elements = n * (k.own_tiles * h + out * cols) * own + c.num_stages * k.ring_tiles * ring * h
     seg = int(p.has_segments)
-    stats = n * (k.own_stats + seg) * own + c.num_stages * (k.ring_stats + seg) * ring
+    ringed = int(fused and masks_every_step(p, config))  # the steps' query positions
+    stats = n * (k.own_stats + seg) * own + c.num_stages * (k.ring_stats + seg + ringed) * ring
     dq_tiles = 0
     if fused:  # dS^T (two buffers where consumers share it), P^T's, dQ^T's float32 tiles
       ds_buffers = 1 + shares_dq(h, n) + fused_wide_steps(p, config)
@@ -472,7 +495,8 @@ def _fuse_reason(p: Problem, config: MosaicGpuAttentionConfig) -> Optional[str]:
   and 4 on 4: lengths spilled 112-148 bytes with GQA (none at 16 on 16 and
   8 on 8, unmasked), 36 with a causal mask; a window with GQA 232 (at 232
   registers: lengths 284, a window with GQA 460, a causal mask at 4 on 1
-  24); in 64 (``fused_wide_steps``) unmasked alone.
+  24); in 64 (``fused_wide_steps``) no window's left bound
+  (``masks_every_step``: 260-300 bytes).
   """
   h = head(p)
   if determinism.required():
@@ -491,16 +515,10 @@ def _fuse_reason(p: Problem, config: MosaicGpuAttentionConfig) -> Optional[str]:
     if windowed(p) and p.groups > 1:
       return f"{two} windows with one query head a kv head, {heads}"
     # Last: the 32-query steps take what these refuse.
-    wide = "fuse_dq with dkdv_consumers=2 and dkdv_rows=64 (64-query steps) takes"
-    keys = CONSUMERS * BWD_BLOCKS[1]  # a block of threads' keys
-    if not fused_wide_steps(p, config):
-      return None
-    if has_masks(p):
-      return f"{wide} no masks (masked steps spill); dkdv_rows={NARROW_ROWS} does"
-    if p.s % keys:
+    if fused_wide_steps(p, config) and p.left is not None:
       return (
-        f"{wide} keys in whole blocks of {keys}, not {p.s} (masked steps spill);"
-        f" dkdv_rows={NARROW_ROWS} does"
+        "fuse_dq with dkdv_consumers=2 and dkdv_rows=64 (64-query steps) takes no window's"
+        f" left bound (spills); dkdv_rows={NARROW_ROWS} does"
       )
   elif h > 64 and bounded(p) and p.groups > 1 and p.kv_heads > 1:
     return (
@@ -561,7 +579,7 @@ def _space(p: Problem, stage: str) -> list[MosaicGpuAttentionConfig]:
   if stage == "bwd":
     fused = MosaicGpuAttentionConfig(*BWD_BLOCKS, 2, fuse_dq=True)
     configs += [dataclasses.replace(fused, dkdv_consumers=kv) for kv in wide]
-    if CONSUMERS in wide:  # two sharing dQ's columns: 64-query steps (unmasked) or 32
+    if CONSUMERS in wide:  # two sharing dQ's columns: 64-query steps or 32
       configs.append(dataclasses.replace(fused, dkdv_rows=NARROW_ROWS, dkdv_consumers=CONSUMERS))
   return [c for c in configs if _config_reason(p, c, stage) is None]
 

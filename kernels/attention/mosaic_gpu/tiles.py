@@ -232,17 +232,22 @@ class Tiles:
     u_lo = lo if behind is None else _ceil_div(start + (own - 1 - behind), other)
     return _clamp(*self._one_segment(start, own, u_lo, u_hi), lo, hi)
 
-  def keep_queries(self, form: mgpu.Form, s0, i, segs=None) -> Optional[jax.Array]:
+  def keep_queries(self, form: mgpu.Form, s0, i, segs=None, t_vec=None) -> Optional[jax.Array]:
     """Which (key, query) pairs of keys ``[s0, s0 + bk)`` and query block ``i`` are visible.
 
     ``segs``: the keys' and the block's queries' segment id vectors (with segments).
+    ``t_vec``: the block's query positions as a vector read from SMEM, where
+    positions computed in registers would be loop invariants ptxas keeps
+    live (``masks_every_step``); by default computed.
     Queries past their length are left visible: ``lse2`` gives them an lse
     of +inf, their probabilities 0 (a mask column less to hold: at head dim
     128 its registers spilled).
     """
     shape = (self.bk, self.bq)
     s_pos = broadcast(s0 + form.positions(self.bk, 0), shape, 0)
-    t_pos = broadcast(i * self.bq + form.positions(self.bq, 1), shape, 1)
+    if t_vec is None:
+      t_vec = i * self.bq + form.positions(self.bq, 1)
+    t_pos = broadcast(t_vec, shape, 1)
     kv_seg, q_seg = _tiles(segs, shape)
     keep = common.visible(self.p, t_pos, s_pos, None, self.kv_len, q_seg, kv_seg)
     if self.hides_padded_keys:
