@@ -222,15 +222,26 @@ FUSED_CASES = {
   # Slow (the h64 cases run the same two consumers by default): head dim 128,
   # two consumers (``dkdv_consumers=2``), causal, one query head a kv head;
   # 130 keys pad to two blocks of threads of 128 keys, the second's second
-  # tile padding alone.
-  "h128-causal-mha-two": Case(b=1, t=100, s=130, n=2, k=2, h=128, is_causal=True),
+  # tile padding alone. (Not fewer queries than keys: refused, spills.)
+  "h128-causal-mha-two": Case(b=1, t=150, s=130, n=2, k=2, h=128, is_causal=True),
   # Slow: two consumers unmasked with GQA, two examples.
   "h128-gqa-two": Case(b=2, t=100, s=130, n=4, k=2, h=128),
   # Two consumers sharing dQ's columns (``shares_dq``): causal with GQA, the
   # second consumer's keys hidden from the first query block.
-  "h128-causal-gqa-two": Case(b=1, t=100, s=130, n=4, k=2, h=128, is_causal=True),
+  "h128-causal-gqa-two": Case(b=1, t=130, s=130, n=4, k=2, h=128, is_causal=True),
   # Slow: the same with a window, one query head a kv head.
-  "h128-window-mha-two": Case(b=1, t=100, s=130, n=2, k=2, h=128, window=(40, 10)),
+  "h128-window-mha-two": Case(b=1, t=130, s=130, n=2, k=2, h=128, window=(40, 10)),
+  # Every step masked (``masks_every_step``): a window with GQA, more queries
+  # than keys.
+  "h128-window-gqa-two": Case(b=1, t=150, s=130, n=4, k=2, h=128, window=(40, 10)),
+  # Slow: lengths with GQA, both ragged, two examples.
+  "h128-lengths-gqa-two": Case(
+    b=2, t=100, s=130, n=4, k=2, h=128, q_len=(70, 100), kv_len=(110, 60)
+  ),
+  # Slow: causal lengths, MQA.
+  "h128-causal-lengths-mqa-two": Case(
+    b=1, t=130, s=130, n=2, k=1, h=128, is_causal=True, q_len=(120,), kv_len=(90,)
+  ),
   # FlashAttention-3's tile (``fused_wide_steps``): two consumers sharing dQ's
   # columns in 64-query steps, P^T and dS^T from SMEM; unmasked, keys in whole
   # blocks of threads (128), GQA, padded queries (100 of 128).
@@ -240,9 +251,9 @@ FUSED_CASES = {
   # Masked (``masks_every_step``): causal with GQA, padded keys (200 of 256),
   # the second consumer's keys hidden from the first query block.
   "h128-causal-gqa-wide": Case(b=1, t=200, s=200, n=4, k=2, h=128, is_causal=True),
-  # Slow: causal with more keys than queries (the mask's right bound 30), one
-  # query head a kv head, two examples.
-  "h128-causal-mha-wide": Case(b=2, t=100, s=130, n=2, k=2, h=128, is_causal=True),
+  # Slow: causal with more queries than keys, one query head a kv head, two
+  # examples.
+  "h128-causal-mha-wide": Case(b=2, t=130, s=100, n=2, k=2, h=128, is_causal=True),
   # Slow: unmasked, keys short of a block of threads (70 of 128), MQA.
   "h128-padded-mqa-wide": Case(b=1, t=90, s=70, n=2, k=1, h=128),
 }
@@ -253,6 +264,8 @@ FUSED_SLOW = (
   "h128-causal-mha-two",
   "h128-gqa-two",
   "h128-window-mha-two",
+  "h128-lengths-gqa-two",
+  "h128-causal-lengths-mqa-two",
   "h128-mqa-wide",
   "h128-causal-mha-wide",
   "h128-padded-mqa-wide",
@@ -751,7 +764,12 @@ def test_supports_and_the_ring_in_shared_memory():
   assert mosaic_gpu.supports(_avals(s=200), h100, fa3, stage="bwd", **PARAMS) is None
   assert mosaic_gpu.config.masks_every_step(Problem.of(_avals(s=200), **PARAMS), fa3)
   window = {**PARAMS, "window_left": 100, "window_right": 0}
-  assert "left bound" in mosaic_gpu.supports(_avals(groups=1), h100, fa3, stage="bwd", **window)
+  no_window = "no lengths and no window but a causal mask"
+  assert no_window in mosaic_gpu.supports(_avals(groups=1), h100, fa3, stage="bwd", **window)
+  lengths = {**PARAMS, "has_lengths": True}
+  assert no_window in mosaic_gpu.supports(_avals(groups=1), h100, fa3, stage="bwd", **lengths)
+  fewer = mosaic_gpu.supports(_avals(t=128, s=256), h100, fa3, stage="bwd", **causal)
+  assert "fewer queries than keys" in fewer
   with pytest.MonkeyPatch.context() as mp:  # read at each call (pallax.determinism)
     mp.setenv("XLA_FLAGS", "--xla_gpu_exclude_nondeterministic_ops=true")
     assert "deterministic ops" in supports(fused, stage="bwd", **PARAMS)
@@ -830,20 +848,33 @@ def test_supports_and_the_ring_in_shared_memory():
   assert two not in mosaic_gpu.candidates(_avals(h=64), h100, stage="bwd", **PARAMS)
   # Fused, two consumers of 32-query steps sharing dQ's columns: unmasked,
   # causal (at 240 registers a consumer: ``mgpu.WIDE_REGISTERS``), windows
-  # with one query head a kv head; no lengths.
+  # and lengths (every step masked: ``masks_every_step``), not both; no
+  # causal mask or window with fewer queries than keys.
   fused_two = config(64, 64, fuse_dq=True, dkdv_rows=32, dkdv_consumers=2)
+  every = lambda avals, **params: mosaic_gpu.config.masks_every_step(
+    Problem.of(avals, **params), fused_two
+  )
   assert supports(fused_two, stage="bwd", **PARAMS) is None
   assert supports(fused_two, stage="bwd", **causal) is None  # 4 on 2
+  assert not every(_avals(), **causal)  # masked and unmasked steps in loops of their own
   mha = functools.partial(mosaic_gpu.supports, _avals(groups=1), h100)
   window = {**PARAMS, "window_left": 60, "window_right": 20}
   assert mha(fused_two, stage="bwd", **causal) is None
   assert mha(fused_two, stage="bwd", **window) is None
-  assert "windows with one query head a kv head" in supports(fused_two, stage="bwd", **window)
+  assert supports(fused_two, stage="bwd", **window) is None  # 4 on 2
+  assert every(_avals(), **window) and every(_avals(), **lengths)
   mqa = functools.partial(mosaic_gpu.supports, _avals(kv_heads=1, groups=8), h100)
   assert mqa(fused_two, stage="bwd", **causal) is None  # 8 on 1
-  assert "not 8 on 1" in mqa(fused_two, stage="bwd", **window)
+  assert mqa(fused_two, stage="bwd", **window) is None
   assert mqa(config(64, 64, fuse_dq=True), stage="bwd", **causal) is None  # one consumer
-  assert "no lengths" in mha(fused_two, stage="bwd", **lengths)
+  assert mha(fused_two, stage="bwd", **lengths) is None
+  window_lengths = {**window, "has_lengths": True}
+  assert "no lengths with a window" in mha(fused_two, stage="bwd", **window_lengths)
+  right = {**PARAMS, "window_right": 20}  # a right bound alone, with GQA
+  assert "only with a left bound" in supports(fused_two, stage="bwd", **right)
+  fewer = functools.partial(mosaic_gpu.supports, _avals(t=128, s=256), h100)
+  assert "fewer queries than keys (128 < 256" in fewer(fused_two, stage="bwd", **causal)
+  assert fewer(fused_two, stage="bwd", **PARAMS) is None
   assert "its own steps" in supports(
     config(64, 64, fuse_dq=True, dkdv_rows=32), stage="bwd", **PARAMS
   )
@@ -1075,19 +1106,46 @@ def test_the_fused_dq_backward_compiles_spill_free_for_a_batch(
     ("plain", 1024, None),
     ("causal", 1024, None),
     ("plain", 1000, None),
-    ("window", 1024, "left bound"),
+    ("window", 1024, "no window but a causal mask"),
   ],
 )
 def test_the_fused_wide_steps_take_no_window(features, t, refused):
-  """FlashAttention-3's tile (``fused_wide_steps``) but with a window's left bound; 32-query steps.
+  """FlashAttention-3's tile (``fused_wide_steps``) but with a window; 32-query steps there.
 
-  Compiled for H100, a window's masked steps spilled 260-300 bytes; a
+  Compiled for H100, a window's masked steps spilled 260-364 bytes; a
   causal mask's and padded keys' (``masks_every_step``) none.
   """
   eqn = _kernel_call(128, features, 16, kv_heads=16, t=t)
   reason = _supports(eqn, FUSED_WIDE)
   assert reason is None if refused is None else refused in reason, reason
   assert _supports(eqn, FUSED_TWO) is None
+
+
+@pytest.mark.compilers
+@pytest.mark.parametrize(
+  "features, heads, kv_heads, t",
+  [
+    ("lengths", 8, 2, 1000),
+    ("causal-lengths", 8, 1, 1000),
+    ("window", 8, 2, 1000),
+    ("causal-window", 32, 2, 1000),
+    ("causal-window", 16, 16, 2048),
+  ],
+)
+def test_the_shared_32_query_steps_masking_every_step_compile_spill_free(
+  features, heads, kv_heads, t
+):
+  """Two consumers of 32-query steps sharing dQ's columns, every step masked, compiled for H100.
+
+  ``masks_every_step``: lengths and windows, in loops of their own per
+  query head and kind of step, spilled 112-232 bytes with GQA, and a causal
+  window 32 at 16 on 16 heads and 2048 keys.
+  """
+  eqn = _kernel_call(128, features, heads, kv_heads=kv_heads, t=t)
+  assert _supports(eqn, FUSED_TWO) is None
+  p = Problem.of([v.aval for v in eqn.invars], **op_params(eqn.params))
+  assert mosaic_gpu.config.masks_every_step(p, FUSED_TWO)
+  _compiles_spill_free(eqn, FUSED_TWO, ("new_body",))
 
 
 @pytest.mark.compilers

@@ -45,7 +45,9 @@ steps, P^T stored to SMEM beside dS^T and dV's and dK's products reading
 both there, so a consumer holds only accumulators beside its products in
 flight (in ``mgpu.WIDE_REGISTERS``' 240 a thread: at 232, 4 bytes spilled;
 P^T and dS^T as register operands spilled 316-384 bytes in 64-query
-steps); with a causal mask or padded keys every step is masked, in one
+steps). Where their masked and unmasked steps in loops of their own
+spilled (FlashAttention-3's tile with a causal mask or padded keys,
+32-query steps with lengths or a window) every step is masked, in one
 loop, from its queries' positions that the ring brings
 (``masks_every_step``). The adds' order varies, so dq
 is not bitwise reproducible; padded keys are masked there (their
@@ -232,8 +234,8 @@ class _Kernels:
     # FlashAttention-3's tile: 64-query steps whose P^T and dS^T go to SMEM
     # for dV's and dK's products.
     wide = fused_wide_steps(p, self.config)
-    # Its masked calls mask every step in one loop, from the positions of the
-    # step's queries that the ring brings (``masks_every_step``).
+    # Consumers sharing dQ's columns may mask every step in one loop, from the
+    # positions of the step's queries that the ring brings (``masks_every_step``).
     mask_all = masks_every_step(p, self.config)
     # A step issues P^T dO before dS^T waits for dP^T: ptxas moves work below
     # a wait it does not feed (P^T's exponentials after dP^T's wait: 26 of 32
@@ -413,8 +415,8 @@ class _Kernels:
 
         zeros = lambda: form.zeros((bk, cols))
         if consumers == 1 or mask_all:
-          # One consumer (above head dim 64, 64-query steps), or FlashAttention-3's
-          # tile with masks: dK and dV take up to 128 registers a thread: one
+          # One consumer (above head dim 64, 64-query steps), or consumers
+          # masking every step: dK and dV take up to 128 registers a thread: one
           # loop over every query head's blocks, masked or not (the consumer
           # owns its block of threads' range, or shares take every step). Loops
           # per query head and per kind of step spilled at their edges (with

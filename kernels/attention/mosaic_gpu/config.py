@@ -60,12 +60,14 @@ class MosaicGpuAttentionConfig(KernelConfig):
     segment ids or a soft cap, in 2 slots; there one consumer takes causal
     or window masks only where the query heads do not share kv heads or
     share one, and with ``dkdv_consumers=2`` two consumer warpgroups of 64
-    keys, sharing dQ's columns (``shares_dq``), take no lengths and windows
-    only with one query head a kv head (``_fuse_reason``), in 32-query steps
-    (``dkdv_rows=32``); with ``dkdv_rows=64`` (the default)
-    FlashAttention-3's tile (``fused_wide_steps``): no window's left bound,
-    and a causal mask or keys short of its blocks of 128 mask every step
-    (``masks_every_step``). The forward and the tangent ignore it.
+    keys, sharing dQ's columns (``shares_dq``), take no causal mask or
+    window with fewer queries than keys, in 32-query steps
+    (``dkdv_rows=32``) no lengths with a window, and with ``dkdv_rows=64``
+    (the default: FlashAttention-3's tile, ``fused_wide_steps``) no lengths
+    and no window but a causal mask (``_fuse_reason``); lengths, windows
+    and, in FlashAttention-3's tile, a causal mask or keys short of its
+    blocks of 128 mask every step (``masks_every_step``). The forward and
+    the tangent ignore it.
   dq_consumers: consumer warpgroups of the backward's dq kernel, 64 queries
     each: 1 (the heuristic's) or 2, where one consumer's softmax runs beside
     the other's matrix products, up to head dim 128 (an autotuning candidate
@@ -286,24 +288,45 @@ def fused_wide_steps(p: Problem, config: MosaicGpuAttentionConfig) -> bool:
 
 
 def masks_every_step(p: Problem, config: MosaicGpuAttentionConfig) -> bool:
-  """Whether FlashAttention-3's tile masks its steps: a right bound, or keys short of its blocks.
+  """Whether the fused consumers sharing dQ's columns mask every step, in one loop.
 
-  Then every step of every query head runs in one loop, each masked
-  (``tiles.Tiles.keep_queries``) from the positions of its queries, a
-  vector the ring brings with the step's lse. Compiled for H100 (head dim
-  128, batch 2) spill-free causal at 16 on 16, 8 on 8, 16 on 4, 8 on 2, 32
-  on 2, 8 on 1, 32 on 1, 4 on 1 and 2 on 2 heads, at 1024-8192 keys and
-  with padded keys (1000). What spilled: masked and unmasked steps in
-  loops of their own, 124-440 bytes even with no mask in either (ptxas at
-  the loops' edges); one loop per query head, 28 with GQA; the positions
-  computed in registers, 20-84 (the query positions, loop invariants,
-  stay live); dS^T before dV's product (``dv_first``), 28; the mask as a
-  float32 or bfloat16 bias tile in SMEM, 180-396; windows (a left bound)
-  260-300 and lengths 432-476 even with the ringed positions, so those
-  calls take 32-query steps (``_fuse_reason``).
+  Each step is masked (``tiles.Tiles.keep_queries``) from the positions of
+  its queries, a vector the ring brings with the step's lse: computed in
+  registers, they are loop invariants ptxas keeps live (16 registers a
+  thread at 64 queries). Where the masked and the unmasked steps ran in
+  loops of their own, per query head, these spilled, compiled for H100
+  (head dim 128, batch 2):
+
+  * FlashAttention-3's tile (``fused_wide_steps``) with a causal mask or
+    keys short of its blocks of threads (128): 328-1164 bytes; 124-440
+    even without a mask in either loop (ptxas at the loops' edges); one
+    loop per query head, every step masked, 28 with GQA; the positions in
+    registers, 20-84; dS^T before dV's product (``dv_first``), 28; the mask
+    as a float32 or bfloat16 bias tile in SMEM, 180-396. Masking every
+    step: spill-free causal at 16 on 16, 8 on 8, 16 on 4, 8 on 2, 32 on 2,
+    8 on 1, 32 on 1, 4 on 1 and 2 on 2 heads, at 1024-8192 keys and with
+    padded keys (1000-8192), also with fewer keys than queries. Windows
+    spilled 260-364 bytes that way and lengths 384-476 (``_fuse_reason``:
+    32-query steps take them);
+  * 32-query steps with lengths (112-148 bytes with GQA) or a window (232
+    with GQA; 32 causal at 16 on 16 heads and 2048 keys), where their split
+    loops are spill-free with a causal mask alone: masking every step,
+    lengths, causal lengths, windows and causal windows are spill-free at
+    16 on 16, 8 on 8, 8 on 2, 8 on 1, 32 on 2, 16 on 4 and 2 on 2 heads
+    (1000-8192 keys); lengths with a window spilled 16-36 bytes.
+
+  Both spilled with a causal mask (or a window) and fewer queries than keys
+  (FlashAttention-3's tile 276-364 bytes, 32-query steps 16-32, at 512 or
+  1024 queries on 1024 or 2048 keys): ``_fuse_reason`` refuses those, as
+  it refuses what spilled above. Every step masked pays the mask (compares
+  and selects, the positions' loads), also where it hides nothing.
   """
-  keys = CONSUMERS * BWD_BLOCKS[1]  # a block of threads'
-  return fused_wide_steps(p, config) and (has_masks(p) or p.s % keys != 0)
+  rows, consumers = dkdv_steps(p, config)
+  if not (config.fuse_dq and shares_dq(head(p), consumers)):
+    return False
+  if fused_wide_steps(p, config):
+    return has_masks(p) or p.s % (CONSUMERS * BWD_BLOCKS[1]) != 0
+  return p.has_lengths or windowed(p)
 
 
 def fused_dq_tiles(h: int, consumers: int) -> int:
@@ -489,14 +512,9 @@ def _fuse_reason(p: Problem, config: MosaicGpuAttentionConfig) -> Optional[str]:
   threads or step; where both vary (GQA: 4 or 8 on 2) the masks spilled
   20-48 bytes. Segment ids spilled 48 with a causal mask at 8 on 8, and 4
   slots 132. Two consumers at head dim 128 (``dkdv_consumers=2``, dQ's
-  columns shared: ``shares_dq``; at ``mgpu.WIDE_REGISTERS``) in 32-query
-  steps unmasked at 16 on 16, 8 on 2 and 8 on 1, causal at 16 on 16, 8 on
-  8, 16 on 4, 8 on 2, 32 on 2, 8 on 1 and 32 on 1, a window at 16 on 16
-  and 4 on 4: lengths spilled 112-148 bytes with GQA (none at 16 on 16 and
-  8 on 8, unmasked), 36 with a causal mask; a window with GQA 232 (at 232
-  registers: lengths 284, a window with GQA 460, a causal mask at 4 on 1
-  24); in 64 (``fused_wide_steps``) no window's left bound
-  (``masks_every_step``: 260-300 bytes).
+  columns shared: ``shares_dq``; at ``mgpu.WIDE_REGISTERS``): what spilled
+  is in ``masks_every_step``'s docstring; at 232 registers, lengths 284
+  bytes, a window with GQA 460, a causal mask at 4 on 1 24.
   """
   h = head(p)
   if determinism.required():
@@ -509,16 +527,20 @@ def _fuse_reason(p: Problem, config: MosaicGpuAttentionConfig) -> Optional[str]:
     return f"num_stages={config.num_stages}: fuse_dq above head dim 64 takes 2 slots (4 spill)"
   if h > 64 and dkdv_steps(p, config)[1] == CONSUMERS:
     two = "fuse_dq with dkdv_consumers=2 above head dim 64 takes"
-    heads = f"not {p.groups * p.kv_heads} on {p.kv_heads} (spills)"
-    if p.has_lengths:
-      return f"{two} no lengths (spills)"
-    if windowed(p) and p.groups > 1:
-      return f"{two} windows with one query head a kv head, {heads}"
-    # Last: the 32-query steps take what these refuse.
-    if fused_wide_steps(p, config) and p.left is not None:
+    if bounded(p) and p.t < p.s:
+      return f"{two} no causal mask or window with fewer queries than keys ({p.t} < {p.s}: spills)"
+    if fused_wide_steps(p, config):
+      if p.has_lengths or p.left is not None or (p.right or 0) > 0:
+        return (
+          "fuse_dq with dkdv_consumers=2 and dkdv_rows=64 (64-query steps) takes no lengths"
+          f" and no window but a causal mask (spills); dkdv_rows={NARROW_ROWS} does"
+        )
+    elif p.has_lengths and windowed(p):
+      return f"{two} no lengths with a window (spills)"
+    elif windowed(p) and p.groups > 1 and p.left is None:
       return (
-        "fuse_dq with dkdv_consumers=2 and dkdv_rows=64 (64-query steps) takes no window's"
-        f" left bound (spills); dkdv_rows={NARROW_ROWS} does"
+        f"{two} a window with {p.groups * p.kv_heads} query heads on {p.kv_heads} only with a"
+        " left bound (spills)"
       )
   elif h > 64 and bounded(p) and p.groups > 1 and p.kv_heads > 1:
     return (
