@@ -1123,55 +1123,41 @@ def test_the_fused_wide_steps_take_no_window(features, t, refused):
 
 @pytest.mark.compilers
 @pytest.mark.parametrize(
-  "features, heads, kv_heads, t",
+  "tile, features, heads, kv_heads, t",
   [
-    ("lengths", 8, 2, 1000),
-    ("causal-lengths", 8, 1, 1000),
-    ("window", 8, 2, 1000),
-    ("causal-window", 32, 2, 1000),
-    ("causal-window", 16, 16, 2048),
+    ("wide", "plain", 16, 16, 1024),
+    ("wide", "plain", 8, 2, 1024),
+    ("wide", "plain", 8, 1, 1024),
+    ("wide", "plain", 2, 2, 1024),
+    ("wide", "causal", 16, 16, 1024),
+    ("wide", "causal", 8, 2, 1024),
+    ("wide", "causal", 32, 1, 1024),
+    ("wide", "causal", 8, 2, 1000),
+    ("wide", "plain", 8, 1, 1000),
+    ("two", "lengths", 8, 2, 1000),
+    ("two", "causal-lengths", 8, 1, 1000),
+    ("two", "window", 8, 2, 1000),
+    ("two", "causal-window", 32, 2, 1000),
+    ("two", "causal-window", 16, 16, 2048),
   ],
 )
-def test_the_shared_32_query_steps_masking_every_step_compile_spill_free(
-  features, heads, kv_heads, t
-):
-  """Two consumers of 32-query steps sharing dQ's columns, every step masked, compiled for H100.
+def test_consumers_sharing_dq_compile_spill_free_for_a_batch(tile, features, heads, kv_heads, t):
+  """Two consumers sharing dQ's columns compiled for H100 at batch 2, ``t`` queries and keys.
 
-  ``masks_every_step``: lengths and windows, in loops of their own per
-  query head and kind of step, spilled 112-232 bytes with GQA, and a causal
-  window 32 at 16 on 16 heads and 2048 keys.
+  FlashAttention-3's tile (``wide``) takes ``mgpu.WIDE_REGISTERS`` (at 232
+  it spilled 4 bytes); a causal mask or padded keys (1000) mask its every
+  step (``masks_every_step``). The 32-query steps (``two``) mask every step
+  with lengths and windows, which in loops of their own per query head and
+  kind of step spilled 112-232 bytes with GQA, and a causal window 32 at 16
+  on 16 heads and 2048 keys.
   """
+  config = FUSED_CONFIGS[tile]
   eqn = _kernel_call(128, features, heads, kv_heads=kv_heads, t=t)
-  assert _supports(eqn, FUSED_TWO) is None
+  assert _supports(eqn, config) is None
   p = Problem.of([v.aval for v in eqn.invars], **op_params(eqn.params))
-  assert mosaic_gpu.config.masks_every_step(p, FUSED_TWO)
-  _compiles_spill_free(eqn, FUSED_TWO, ("new_body",))
-
-
-@pytest.mark.compilers
-@pytest.mark.parametrize(
-  "features, heads, kv_heads, t",
-  [
-    ("plain", 16, 16, 1024),
-    ("plain", 8, 2, 1024),
-    ("plain", 8, 1, 1024),
-    ("plain", 2, 2, 1024),
-    ("causal", 16, 16, 1024),
-    ("causal", 8, 2, 1024),
-    ("causal", 32, 1, 1024),
-    ("causal", 8, 2, 1000),
-    ("plain", 8, 1, 1000),
-  ],
-)
-def test_the_fused_wide_steps_compile_spill_free_for_a_batch(features, heads, kv_heads, t):
-  """FlashAttention-3's tile compiled for H100 at batch 2, ``t`` queries and keys: no spills.
-
-  Its consumers take ``mgpu.WIDE_REGISTERS`` (at 232 they spilled 4 bytes).
-  A causal mask or padded keys (1000) mask every step (``masks_every_step``).
-  """
-  eqn = _kernel_call(128, features, heads, kv_heads=kv_heads, t=t)
-  assert _supports(eqn, FUSED_WIDE) is None
-  _compiles_spill_free(eqn, FUSED_WIDE, ("new_body",))
+  masked = features != "plain" or t % 128 != 0
+  assert mosaic_gpu.config.masks_every_step(p, config) == masked
+  _compiles_spill_free(eqn, config, ("new_body",))
 
 
 @pytest.mark.compilers
