@@ -157,6 +157,15 @@ def _picks(case: Case, dtype, config=None) -> dict:
   return {r.op: r for r in report}
 
 
+def _bwd_problem(case: Case, dtype) -> Problem:
+  """The ``Problem`` of the backward kernel's call in the gradient of ``case``."""
+  ops, statics = inputs(case, dtype)
+  loss = lambda q: jnp.sum(_call(_pallax(None), statics, {**ops, "query": q}).astype(jnp.float32))
+  jaxpr = jax.make_jaxpr(jax.grad(loss))(ops["query"]).jaxpr
+  (eqn,) = [e for e in kernel_calls(jaxpr) if e.primitive.name == BWD]
+  return Problem.of([v.aval for v in eqn.invars], **op_params(eqn.params))
+
+
 def _chosen(case: Case, dtype, config=None) -> dict[str, str]:
   """Kernel -> implementation of the gradient of ``case`` under the Mosaic GPU switch."""
   return {op: r.implementation for op, r in _picks(case, dtype, config).items()}
@@ -271,7 +280,18 @@ FUSED_SLOW = (
   "h128-padded-mqa-wide",
 )
 # The cases named "-two": two consumers sharing dQ's columns in 32-query steps;
-# "-wide": in 64 (``fused_wide_steps``).
+# "-wide": in 64 (``fused_wide_steps``). Those whose every step is masked
+# (``masks_every_step``); the others' masked and unmasked steps run in loops
+# of their own.
+FUSED_EVERY_STEP = (
+  "h128-window-mha-two",
+  "h128-window-gqa-two",
+  "h128-lengths-gqa-two",
+  "h128-causal-lengths-mqa-two",
+  "h128-causal-gqa-wide",
+  "h128-causal-mha-wide",
+  "h128-padded-mqa-wide",
+)
 FUSED_WIDE = dataclasses.replace(FUSED, dkdv_consumers=2)
 FUSED_TWO = dataclasses.replace(FUSED_WIDE, dkdv_rows=32)
 FUSED_CONFIGS = {"two": FUSED_TWO, "wide": FUSED_WIDE}
@@ -287,6 +307,8 @@ def test_the_fused_dq_backward(name):
   assert _chosen(case, jnp.bfloat16, config) == {FWD: MOSAIC, BWD: MOSAIC}
   assert _picks(case, jnp.bfloat16, config)[BWD].config == config
   assert not _picks(case, jnp.bfloat16)[BWD].config.fuse_dq  # never the heuristic's
+  every = mosaic_gpu.config.masks_every_step(_bwd_problem(case, jnp.bfloat16), config)
+  assert every == (name in FUSED_EVERY_STEP)
   _run_case(case, jnp.bfloat16, PATH, config=config, seed=7)
 
 
@@ -404,8 +426,10 @@ def test_no_data_races_in_the_fused_dq_backward(h, config):
   sees the tiles' stores and loads, not ``wgmma``'s reads: without the
   barrier the numbers come out wrong instead (non-finite here).
   """
-  extra = dict(kv_len=(120,), soft_cap=20.0) if h == 64 else {}  # no lengths at 128: refused
-  # 130 keys: FlashAttention-3's tile masks every step (``masks_every_step``).
+  # At 128 no cap (refused); lengths mask every step of the 32-query steps,
+  # and 130 keys every step of FlashAttention-3's tile (``masks_every_step``).
+  extra = dict(kv_len=(120,), soft_cap=20.0) if h == 64 else {}
+  extra = dict(kv_len=(120,)) if config == FUSED_TWO else extra
   case = Case(b=1, t=200, s=130, n=2, k=1, h=h, **extra)
   with mgpu.detecting_races():
     _run_case(case, jnp.bfloat16, PATH, config=config, seed=12)
@@ -737,7 +761,7 @@ def test_supports_and_the_ring_in_shared_memory():
   assert mosaic_gpu.smem_bytes(Problem.of(_avals(), **PARAMS), fused, "bwd") == want
   cands = mosaic_gpu.candidates(_avals(), h100, stage="bwd", **PARAMS)
   # Autotuning's candidates: one consumer and two, unless XLA asks for deterministic ops.
-  # Two sharing dQ's columns: FlashAttention-3's tile (64-query steps, unmasked) and 32-query steps.
+  # Two sharing dQ's columns: FlashAttention-3's tile (64-query steps) and 32-query steps.
   fa3 = config(64, 64, fuse_dq=True, dkdv_consumers=2)
   fused_cands = [c for c in cands if c.fuse_dq]
   assert fused_cands == [fused, fa3, dataclasses.replace(fa3, dkdv_rows=32)]
@@ -764,7 +788,7 @@ def test_supports_and_the_ring_in_shared_memory():
   assert mosaic_gpu.supports(_avals(s=200), h100, fa3, stage="bwd", **PARAMS) is None
   assert mosaic_gpu.config.masks_every_step(Problem.of(_avals(s=200), **PARAMS), fa3)
   window = {**PARAMS, "window_left": 100, "window_right": 0}
-  no_window = "no lengths and no window but a causal mask"
+  no_window = "no lengths and no window (a causal mask only"
   assert no_window in mosaic_gpu.supports(_avals(groups=1), h100, fa3, stage="bwd", **window)
   lengths = {**PARAMS, "has_lengths": True}
   assert no_window in mosaic_gpu.supports(_avals(groups=1), h100, fa3, stage="bwd", **lengths)
@@ -1083,8 +1107,8 @@ def test_the_fused_dq_backward_compiles_spill_free_for_a_batch(
   or windowed with one query head a kv head or one kv head (GQA spilled);
   with ``dkdv_consumers=2`` two consumers at head dim 128 sharing dQ's
   columns, unmasked and causal with GQA (8 on 1: 24 bytes spilled at 4 on
-  1 before they took ``mgpu.WIDE_REGISTERS``), and windowed with one query
-  head a kv head.
+  1 before they took ``mgpu.WIDE_REGISTERS``), and windowed (every step
+  masked: ``masks_every_step``).
   """
   config = mosaic_gpu.MosaicGpuAttentionConfig(
     block_k=64,
@@ -1106,7 +1130,7 @@ def test_the_fused_dq_backward_compiles_spill_free_for_a_batch(
     ("plain", 1024, None),
     ("causal", 1024, None),
     ("plain", 1000, None),
-    ("window", 1024, "no window but a causal mask"),
+    ("window", 1024, "no window (a causal mask only"),
   ],
 )
 def test_the_fused_wide_steps_take_no_window(features, t, refused):

@@ -40,7 +40,7 @@ own per key tile, summed after the kernel). Two consumers at head dim 128
 share dQ's columns (``config.shares_dq``): each computes 64 of them over
 both consumers' keys, from both dS^T tiles once a barrier says both are
 stored, and reduce-adds half the tiles. With ``dkdv_rows=64`` they take
-FlashAttention-3's tile (``fused_wide_steps``: no window's left bound): 64-query
+FlashAttention-3's tile (``fused_wide_steps``: no lengths or windows): 64-query
 steps, P^T stored to SMEM beside dS^T and dV's and dK's products reading
 both there, so a consumer holds only accumulators beside its products in
 flight (in ``mgpu.WIDE_REGISTERS``' 240 a thread: at 232, 4 bytes spilled;
@@ -60,7 +60,9 @@ P^T beside dP^T, issues ``P^T dO`` before it waits for dP^T (else ptxas
 moves the exponentials below that wait; not where that spilled:
 ``dv_first``) and ``dS^T Q`` beside ``P^T dO``; the dq kernel issues S
 and dP at once in such steps. Other steps compute S's mask before dP^T
-(or dP): beside it in flight their registers spilled.
+(or dP): beside it in flight their registers spilled (but where every
+step is masked, ``masks_every_step``, whose mask reads its positions from
+SMEM).
 
 Blocks hidden entirely (causal, window, lengths, outside the segments' runs)
 are not loaded; partly hidden ones are masked. The soft cap's slope scales
@@ -241,7 +243,8 @@ class _Kernels:
     # a wait it does not feed (P^T's exponentials after dP^T's wait: 26 of 32
     # a thread), not below the issue of a product that reads it. dS^T comes
     # first where that spilled (compiled for H100): two consumers above head
-    # dim 64 with masks, fused (16 bytes, causal) or of 64-query steps (24).
+    # dim 64 with masks, fused (16 bytes, causal) or of 64-query steps (24);
+    # not where every step is masked (there dS^T first spilled 28).
     two_wide = consumers == CONSUMERS and h > 64 and (fuse_dq or bq > NARROW_ROWS)
     dv_first = mask_all or not (two_wide and has_masks(p))
     rows = consumers * bk
@@ -378,7 +381,8 @@ class _Kernels:
           # In steps the loops know to be unmasked (``masked`` False: not the
           # one-consumer loop of a masked call) and in ``mask_all``'s S^T runs
           # with dP^T; else S^T and its mask come first: beside dP^T in flight
-          # they spilled.
+          # they spilled. (``mask_all``'s mask reads the step's positions, ring
+          # group 2: S^T with dP^T, ``starts`` has waited for them.)
           (_, dv, dk, *dq_t), _ = form.pipeline_after(
             (bk, bq), s_t, logits, masked is False or mask_all, starts, grads
           )

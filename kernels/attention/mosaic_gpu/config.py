@@ -280,7 +280,7 @@ def fused_wide_steps(p: Problem, config: MosaicGpuAttentionConfig) -> bool:
   and 32 ``HGMMA`` (S^T's, dP^T's and dQ^T's 24 of N=64, dV's and dK's 8
   of N=128, the head dim), two 32-query steps 690 and 56 (48 of N=32).
   Masked steps (a causal mask, padded keys) run as ``masks_every_step``
-  says; a window's left bound spilled, and those calls take
+  says; windows and lengths spilled, and those calls take
   ``dkdv_rows=32`` (``_fuse_reason``).
   """
   rows, consumers = dkdv_steps(p, config)
@@ -530,17 +530,17 @@ def _fuse_reason(p: Problem, config: MosaicGpuAttentionConfig) -> Optional[str]:
     if bounded(p) and p.t < p.s:
       return f"{two} no causal mask or window with fewer queries than keys ({p.t} < {p.s}: spills)"
     if fused_wide_steps(p, config):
-      if p.has_lengths or p.left is not None or (p.right or 0) > 0:
+      if p.has_lengths or windowed(p):
         return (
           "fuse_dq with dkdv_consumers=2 and dkdv_rows=64 (64-query steps) takes no lengths"
-          f" and no window but a causal mask (spills); dkdv_rows={NARROW_ROWS} does"
+          f" and no window (a causal mask only: spills); dkdv_rows={NARROW_ROWS} does"
         )
     elif p.has_lengths and windowed(p):
       return f"{two} no lengths with a window (spills)"
     elif windowed(p) and p.groups > 1 and p.left is None:
       return (
         f"{two} a window with {p.groups * p.kv_heads} query heads on {p.kv_heads} only with a"
-        " left bound (spills)"
+        " left bound (a right bound alone, refused with GQA before, is untried)"
       )
   elif h > 64 and bounded(p) and p.groups > 1 and p.kv_heads > 1:
     return (
