@@ -10,8 +10,8 @@ A sample dispatches a case's calls back to back and waits for the last
 (``pallax.executor.autotune.back_to_back_time``, the autotuner's timing), as
 a model's steps run: a call timed alone also holds the host's dispatch and
 wait, about 170 us on an H200 (stop 39), 15% of a 1 ms attention forward,
-which pulls every ratio towards 1. Every implementation of a case takes the same count of calls a
-sample (about ``SAMPLE_S`` of the baseline's). The one-call times, the
+which pulls every ratio towards 1. Every implementation of a case takes the
+same count of calls a sample (about ``SAMPLE_S`` of the baseline's). The one-call times, the
 measure of the sessions before, are kept beside them (``one_call_*``).
 """
 

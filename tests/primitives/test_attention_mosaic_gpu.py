@@ -163,6 +163,11 @@ def _bwd_problem(case: Case, dtype) -> Problem:
   loss = lambda q: jnp.sum(_call(_pallax(None), statics, {**ops, "query": q}).astype(jnp.float32))
   jaxpr = jax.make_jaxpr(jax.grad(loss))(ops["query"]).jaxpr
   (eqn,) = [e for e in kernel_calls(jaxpr) if e.primitive.name == BWD]
+  return _problem(eqn)
+
+
+def _problem(eqn) -> Problem:
+  """The ``Problem`` of a kernel call's equation."""
   return Problem.of([v.aval for v in eqn.invars], **op_params(eqn.params))
 
 
@@ -1178,9 +1183,8 @@ def test_consumers_sharing_dq_compile_spill_free_for_a_batch(tile, features, hea
   config = FUSED_CONFIGS[tile]
   eqn = _kernel_call(128, features, heads, kv_heads=kv_heads, t=t)
   assert _supports(eqn, config) is None
-  p = Problem.of([v.aval for v in eqn.invars], **op_params(eqn.params))
   masked = features != "plain" or t % 128 != 0
-  assert mosaic_gpu.config.masks_every_step(p, config) == masked
+  assert mosaic_gpu.config.masks_every_step(_problem(eqn), config) == masked
   _compiles_spill_free(eqn, config, ("new_body",))
 
 

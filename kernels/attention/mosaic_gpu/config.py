@@ -321,11 +321,10 @@ def masks_every_step(p: Problem, config: MosaicGpuAttentionConfig) -> bool:
   it refuses what spilled above. Every step masked pays the mask (compares
   and selects, the positions' loads), also where it hides nothing.
   """
-  rows, consumers = dkdv_steps(p, config)
-  if not (config.fuse_dq and shares_dq(head(p), consumers)):
+  if not (config.fuse_dq and shares_dq(head(p), dkdv_steps(p, config)[1])):
     return False
-  if fused_wide_steps(p, config):
-    return has_masks(p) or p.s % (CONSUMERS * BWD_BLOCKS[1]) != 0
+  if fused_wide_steps(p, config):  # padded keys are masked (``bwd_lengths``' keys)
+    return has_masks(p) or bwd_lengths(p, config)[1] != p.s
   return p.has_lengths or windowed(p)
 
 
