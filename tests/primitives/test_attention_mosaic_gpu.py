@@ -322,6 +322,8 @@ def test_the_fused_dq_backward(name):
 # dim 64, the dk/dv kernel's with 32-query steps (``dkdv_rows=32``).
 TWO_DQ = mosaic_gpu.MosaicGpuAttentionConfig(block_k=64, num_stages=2, dq_consumers=2)
 WIDE = mosaic_gpu.MosaicGpuAttentionConfig(block_k=64, dq_consumers=2, dkdv_rows=32)
+# The dk/dv kernel's two consumers of 64-query steps (``dkdv_consumers=2``).
+TWO_WIDE = mosaic_gpu.MosaicGpuAttentionConfig(block_k=64, dq_consumers=2, dkdv_consumers=2)
 TWO_CONSUMER_CASES = {
   # Head dim 128, both kernels' two consumers: two query heads on one kv head
   # (summed in dK and dV), lengths; 100 queries pad to one block of 128.
@@ -342,7 +344,22 @@ TWO_CONSUMER_CASES = {
   # GQA, a soft cap (dK's and dV's columns split in two), two examples.
   "h128-causal-cap-gqa": (
     Case(b=2, t=100, s=130, n=4, k=2, h=128, is_causal=True, soft_cap=20.0),
-    mosaic_gpu.MosaicGpuAttentionConfig(block_k=64, dq_consumers=2, dkdv_consumers=2),
+    TWO_WIDE,
+  ),
+  # The dk/dv kernel's two of 64-query steps masking every step
+  # (``masks_every_step``): a window with lengths and GQA, two examples;
+  # packed documents, causal, MQA; slow: a window and a soft cap, GQA.
+  "h128-window-lengths-gqa-every": (
+    Case(b=2, t=100, s=130, n=4, k=2, h=128, window=(40, 10), q_len=(70, 100), kv_len=(110, 60)),
+    TWO_WIDE,
+  ),
+  "h128-packed-causal-mqa-every": (
+    Case(b=2, t=150, s=130, n=2, k=1, h=128, is_causal=True, segments="packed"),
+    TWO_WIDE,
+  ),
+  "h128-window-cap-gqa-every": (
+    Case(b=1, t=130, s=200, n=4, k=2, h=128, window=(60, 20), soft_cap=20.0),
+    TWO_WIDE,
   ),
 }
 TWO_CONSUMER_SLOW = (
@@ -350,6 +367,7 @@ TWO_CONSUMER_SLOW = (
   "h128-packed-cap",
   "h64-lengths-packed-causal",
   "h128-causal-cap-gqa",
+  "h128-window-cap-gqa-every",
 )
 
 
@@ -361,12 +379,15 @@ TWO_CONSUMER_SLOW = (
   ],
 )
 def test_the_backward_with_two_consumers(name):
-  """The dq kernel's two consumers of 64 queries, and the dk/dv kernel's of 32-query steps.
+  """The dq kernel's two consumers of 64 queries, and the dk/dv kernel's of 32- or 64-query steps.
 
-  Output, lse and every gradient against float64.
+  Output, lse and every gradient against float64. The cases named
+  "-every" mask every step of the dk/dv kernel (``masks_every_step``).
   """
   case, config = TWO_CONSUMER_CASES[name]
   assert _picks(case, jnp.bfloat16, config)[BWD].config == config
+  every = mosaic_gpu.config.masks_every_step(_bwd_problem(case, jnp.bfloat16), config)
+  assert every == name.endswith("-every")
   default = _picks(case, jnp.bfloat16)[BWD]  # the heuristic's
   if case.soft_cap is None:
     assert (default.config.dq_consumers, default.config.dkdv_rows) == (1, 64)
@@ -858,20 +879,30 @@ def test_supports_and_the_ring_in_shared_memory():
   assert wide in mosaic_gpu.candidates(_avals(), h100, stage="bwd", **causal)
   assert "in two consumers" in small(wide, stage="bwd", **PARAMS)
   assert "or 2" in supports(config(64, 64, dkdv_consumers=1), stage="bwd", **PARAMS)
-  # Two dk/dv consumers of 64-query steps at head dim 128: no lengths, segment
-  # ids or windows (a window bounding the keys after a query's too).
+  # Two dk/dv consumers of 64-query steps at head dim 128: lengths, segment
+  # ids and windows (a window bounding the keys after a query's too) mask
+  # every step, a causal mask alone does not; its positions in the ring.
   two = config(64, 64, dkdv_consumers=2)
-  assert supports(two, stage="bwd", **PARAMS) is None
-  assert supports(two, stage="bwd", **causal) is None
-  assert supports(two, stage="bwd", **capped) is None
-  assert two in mosaic_gpu.candidates(_avals(), h100, stage="bwd", **causal)
   ahead = {**PARAMS, "window_right": 20}
   ids = {**PARAMS, "has_segments": True}
-  for refused in (supports(two, stage="bwd", **lengths), supports(two, stage="bwd", **ahead)):
-    assert "no lengths, segment ids or windows" in refused
-  two_ids = mosaic_gpu.supports(_avals(segments=True), h100, two, stage="bwd", **ids)
-  assert "no lengths, segment ids or windows" in two_ids
-  assert two not in mosaic_gpu.candidates(_avals(), h100, stage="bwd", **lengths)
+  every = lambda avals, **params: mosaic_gpu.config.masks_every_step(
+    Problem.of(avals, **params), two
+  )
+  for params in (PARAMS, causal, capped):
+    assert supports(two, stage="bwd", **params) is None
+    assert not every(_avals(), **params)
+  for params in (lengths, ahead):
+    assert supports(two, stage="bwd", **params) is None
+    assert every(_avals(), **params)
+  assert mosaic_gpu.supports(_avals(segments=True), h100, two, stage="bwd", **ids) is None
+  assert every(_avals(segments=True), **ids)
+  assert two in mosaic_gpu.candidates(_avals(), h100, stage="bwd", **causal)
+  assert two in mosaic_gpu.candidates(_avals(), h100, stage="bwd", **lengths)
+  # K and V of two consumers; a 2-slot ring of Q, dO, lse and delta; with
+  # every step masked, the queries' positions in the ring too.
+  want = 2 * 2 * 64 * 128 * 2 + 2 * 2 * 64 * 128 * 2 + 2 * 2 * 64 * 4
+  assert mosaic_gpu.smem_bytes(Problem.of(_avals(), **PARAMS), two, "bwd") == want
+  assert mosaic_gpu.smem_bytes(Problem.of(_avals(), **lengths), two, "bwd") == want + 2 * 64 * 4
   assert "up to head dim 128" in h256(two, stage="bwd", **PARAMS)
   assert small(two, stage="bwd", **lengths) is None  # two consumers' own head dim
   assert two not in mosaic_gpu.candidates(_avals(h=64), h100, stage="bwd", **PARAMS)
@@ -1198,6 +1229,8 @@ def test_consumers_sharing_dq_compile_spill_free_for_a_batch(tile, features, hea
     ("causal-lengths", 32, None),
     ("window", 32, None),
     ("causal-cap", 64, 2),
+    ("causal-lengths-segments-cap", 64, 2),
+    ("window", 64, 2),
   ],
 )
 def test_the_backward_with_two_consumers_compiles_spill_free_for_a_batch(
@@ -1208,8 +1241,9 @@ def test_the_backward_with_two_consumers_compiles_spill_free_for_a_batch(
   The dq kernel's two consumers (``dq_consumers=2``), and the dk/dv
   kernel's two with 32-query steps (with a causal mask they spilled 24-76
   bytes before each consumer's code was a copy of its own,
-  ``Form.warpgroups``) or 64 (``dkdv_consumers=2``: with lengths they spilled
-  196 bytes). ptxas reports the launch's 168 registers a thread; the
+  ``Form.warpgroups``) or 64 (``dkdv_consumers=2``: with lengths, segment
+  ids or a window they spilled 20-268 bytes in loops of their own, and mask
+  every step, ``masks_every_step``). ptxas reports the launch's 168 registers a thread; the
   consumers' code takes up to the 232 their ``setmaxnreg`` asks (R229 in
   the dq kernel's SASS with causal masks, lengths, segment ids, a cap and
   GQA).

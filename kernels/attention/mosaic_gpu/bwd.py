@@ -45,11 +45,12 @@ steps, P^T stored to SMEM beside dS^T and dV's and dK's products reading
 both there, so a consumer holds only accumulators beside its products in
 flight (in ``mgpu.WIDE_REGISTERS``' 240 a thread: at 232, 4 bytes spilled;
 P^T and dS^T as register operands spilled 316-384 bytes in 64-query
-steps). Where their masked and unmasked steps in loops of their own
-spilled (FlashAttention-3's tile with a causal mask or padded keys,
-32-query steps with lengths or a window) every step is masked, in one
-loop, from its queries' positions that the ring brings
-(``masks_every_step``). The adds' order varies, so dq
+steps). Where two consumers' masked and unmasked steps in loops of their
+own spilled (FlashAttention-3's tile with a causal mask or padded keys,
+32-query steps with lengths or a window, and unfused 64-query steps with
+lengths, segment ids or a window) every step is masked, in one loop, from
+its queries' positions that the ring brings (``masks_every_step``), in
+240 registers a thread. The adds' order varies, so dq
 is not bitwise reproducible; padded keys are masked there (their
 probability could overflow, and ``inf`` times their zero K is NaN).
 
@@ -236,7 +237,7 @@ class _Kernels:
     # FlashAttention-3's tile: 64-query steps whose P^T and dS^T go to SMEM
     # for dV's and dK's products.
     wide = fused_wide_steps(p, self.config)
-    # Consumers sharing dQ's columns may mask every step in one loop, from the
+    # Two consumers above head dim 64 may mask every step in one loop, from the
     # positions of the step's queries that the ring brings (``masks_every_step``).
     mask_all = masks_every_step(p, self.config)
     # A step issues P^T dO before dS^T waits for dP^T: ptxas moves work below
@@ -465,10 +466,11 @@ class _Kernels:
 
         ring.produce(copies)
 
-      # Consumers sharing dQ's columns take all the producer can spare: at 232
-      # FlashAttention-3's tile spilled 4 bytes, 32-query steps 24 with a
-      # causal mask at 4 query heads on one kv head (none at 240).
-      registers = mgpu.WIDE_REGISTERS if shared else mgpu.REGISTERS
+      # Consumers sharing dQ's columns, or masking every step, take all the
+      # producer can spare: at 232 FlashAttention-3's tile spilled 4 bytes,
+      # 32-query steps 24 with a causal mask at 4 query heads on one kv head,
+      # the unfused 64-query steps masking every step 16-44 (none at 240).
+      registers = mgpu.WIDE_REGISTERS if shared or mask_all else mgpu.REGISTERS
       form.warpgroups(consumers, _consumer, _producer, registers=registers)
 
     copies = 1 if form.hopper else 2

@@ -27,7 +27,8 @@ CONSUMERS = 2  # consumer warpgroups a block of threads; a producer warpgroup be
 # uses R179); two warpgroups get 255. At 128 columns the tangent's
 # accumulators spill in 232, and the dk/dv kernel's of 64-query steps with
 # lengths, segment ids or windows (without them they fit, each consumer's
-# code a copy of its own, ``Form.warpgroups``): two consumers up to head dim
+# code a copy of its own, ``Form.warpgroups``; with them they fit 240 where
+# every step is masked, ``masks_every_step``): two consumers up to head dim
 # 64, one above, unless a config asks (``dkdv_steps``). The dq kernel's:
 # ``MosaicGpuAttentionConfig.dq_consumers``.
 DQ_ROWS = 64  # queries a consumer of the dq and tangent kernels
@@ -84,7 +85,8 @@ class MosaicGpuAttentionConfig(KernelConfig):
     kernel: None for its steps' own (``dkdv_steps``: two of 32-query steps,
     of 64-query steps two up to head dim 64 and one above), or 2. Two of
     64-query steps above head dim 64 (up to 128: an autotuning candidate
-    until timed on a GPU) take no lengths, segment ids or windows (they
+    until timed on a GPU) mask every step with lengths, segment ids or
+    windows (``masks_every_step``: in loops of their own those steps
     spilled). The forward and the tangent ignore it.
   fwd_overlap: the forward's consumers issue a block's ``S = Q K^T`` beside
     the previous block's ``P V`` and run the block's softmax while ``P V``
@@ -239,9 +241,10 @@ def dkdv_steps(p: Problem, config: MosaicGpuAttentionConfig) -> tuple[int, int]:
   two consumers of 32-query steps are spill-free with every mask, lengths,
   segment ids and a soft cap, in 2 slots (S^T and dP^T take 16 registers a
   thread each at 32, 32 at 64). Two of 64-query steps are spill-free
-  unmasked, with causal masks and with a soft cap, and spilled 196 bytes
-  with lengths (8 query heads on 2),
-  268 with segment ids, 20-100 with windows; fused, two spilled 84-328
+  unmasked, with causal masks and with a soft cap, and with lengths,
+  segment ids or windows where every step is masked (``masks_every_step``:
+  in the loops of their own, 196 bytes with lengths at 8 query heads on 2,
+  268 with segment ids, 20-100 with windows); fused, two spilled 84-328
   bytes with lengths, 104 with a causal mask at 8 query heads on 1, 176
   with a window (``_bwd_reason``, ``_fuse_reason``).
   """
@@ -288,7 +291,7 @@ def fused_wide_steps(p: Problem, config: MosaicGpuAttentionConfig) -> bool:
 
 
 def masks_every_step(p: Problem, config: MosaicGpuAttentionConfig) -> bool:
-  """Whether the fused consumers sharing dQ's columns mask every step, in one loop.
+  """Whether the dk/dv kernel's two consumers above head dim 64 mask every step, in one loop.
 
   Each step is masked (``tiles.Tiles.keep_queries``) from the positions of
   its queries, a vector the ring brings with the step's lse: computed in
@@ -318,10 +321,25 @@ def masks_every_step(p: Problem, config: MosaicGpuAttentionConfig) -> bool:
   Both spilled with a causal mask (or a window) and fewer queries than keys
   (FlashAttention-3's tile 276-364 bytes, 32-query steps 16-32, at 512 or
   1024 queries on 1024 or 2048 keys): ``_fuse_reason`` refuses those, as
-  it refuses what spilled above. Every step masked pays the mask (compares
-  and selects, the positions' loads), also where it hides nothing.
+  it refuses what spilled above.
+
+  Unfused, two consumers of 64-query steps (``dkdv_consumers=2``) spilled
+  196 bytes with lengths (8 on 2 heads), 268 with segment ids and 20-100
+  with windows in those loops; every step masked, at
+  ``mgpu.WIDE_REGISTERS`` (at 232, lengths 16 and windows 44), lengths,
+  segment ids, windows and their mixes with a causal mask, each other and
+  a soft cap are spill-free at 16 on 16, 8 on 8, 8 on 2, 8 on 1, 32 on 2,
+  16 on 4 and 2 on 2 heads (512-4096 queries and keys, fewer queries than
+  keys too). A causal mask alone keeps the loops of their own.
+
+  Every step masked pays the mask (compares and selects, the positions'
+  loads), also where it hides nothing.
   """
-  if not (config.fuse_dq and shares_dq(head(p), dkdv_steps(p, config)[1])):
+  h, (rows, consumers) = head(p), dkdv_steps(p, config)
+  if not config.fuse_dq:  # two consumers of 64-query steps (``_bwd_reason``)
+    two_wide = h > 64 and consumers == CONSUMERS and rows == BWD_BLOCKS[0]
+    return two_wide and (p.has_lengths or p.has_segments or windowed(p))
+  if not shares_dq(h, consumers):
     return False
   if fused_wide_steps(p, config):  # padded keys are masked (``bwd_lengths``' keys)
     return has_masks(p) or bwd_lengths(p, config)[1] != p.s
@@ -443,7 +461,7 @@ def smem_bytes(p: Problem, config: MosaicGpuAttentionConfig, stage: str) -> int:
     out = k.out_tiles if k.own == "dq" or cols < h else 0
     elements = n * (k.own_tiles * h + out * cols) * own + c.num_stages * k.ring_tiles * ring * h
     seg = int(p.has_segments)
-    ringed = int(fused and masks_every_step(p, config))  # the steps' query positions
+    ringed = int(k.own == "k" and masks_every_step(p, config))  # the steps' query positions
     stats = n * (k.own_stats + seg) * own + c.num_stages * (k.ring_stats + seg + ringed) * ring
     dq_tiles = 0
     if fused:  # dS^T (two buffers where consumers share it), P^T's, dQ^T's float32 tiles
@@ -490,12 +508,6 @@ def _bwd_reason(p: Problem, config: MosaicGpuAttentionConfig) -> Optional[str]:
     return f"dkdv_rows={rows}: 32-query steps in two consumers above head dim 64 up to 128"
   if kv == CONSUMERS and h > 128:
     return f"dkdv_consumers={kv}: two dk/dv consumers up to head dim 128"
-  features = p.has_lengths or p.has_segments or windowed(p)
-  if kv == CONSUMERS and rows > NARROW_ROWS and h > 64 and not fused and features:
-    return (
-      f"dkdv_consumers={kv}: two dk/dv consumers of {rows}-query steps above head dim 64"
-      " take no lengths, segment ids or windows (spills)"
-    )
   return _fuse_reason(p, config) if fused else None
 
 
