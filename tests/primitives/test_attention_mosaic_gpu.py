@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import importlib
 from typing import Optional
 
 import jax
@@ -45,6 +46,7 @@ from tests.helpers import (
   deviceless_mesh,
   on_path,
   rand,
+  sharding_devices,
   to64,
   x64,
 )
@@ -930,8 +932,10 @@ def test_supports_and_the_ring_in_shared_memory():
   assert mha(fused_two, stage="bwd", **lengths) is None
   window_lengths = {**window, "has_lengths": True}
   assert "no lengths with a window" in mha(fused_two, stage="bwd", **window_lengths)
-  right = {**PARAMS, "window_right": 20}  # a right bound alone, with GQA
-  assert "only with a left bound" in supports(fused_two, stage="bwd", **right)
+  for bound in (20, -1):  # a right bound alone (context parallelism's pieces), with GQA
+    right = {**PARAMS, "window_right": bound}
+    assert supports(fused_two, stage="bwd", **right) is None
+    assert every(_avals(), **right)
   fewer = functools.partial(mosaic_gpu.supports, _avals(t=128, s=256), h100)
   assert "fewer queries than keys (128 < 256" in fewer(fused_two, stage="bwd", **causal)
   assert fewer(fused_two, stage="bwd", **PARAMS) is None
@@ -1078,7 +1082,11 @@ def test_the_wide_backward_compiles_spill_free_for_a_batch(h, features):
 def _kernel_call(
   h: int, features: str, heads: int = 8, stage: str = BWD, kv_heads: int = 2, t: int = 1000
 ):
-  """Attention's ``stage`` kernel call with ``features`` at batch 2 (T = S = ``t``)."""
+  """Attention's ``stage`` kernel call with ``features`` at batch 2 (T = S = ``t``).
+
+  ``right``: a right bound of -1 alone, as context parallelism's pieces
+  have (the public API's windows bound both sides).
+  """
   b = 2
   q = jnp.zeros((b, t, heads, h), jnp.bfloat16)
   kv = jnp.zeros((b, t, kv_heads, h), jnp.bfloat16)
@@ -1095,6 +1103,8 @@ def _kernel_call(
   loss = lambda q, k, v: jnp.sum(pallax.dot_product_attention(q, k, v, **extra).astype(jnp.float32))
   jaxpr = jax.make_jaxpr(jax.grad(loss, argnums=(0, 1, 2)))(q, kv, kv).jaxpr
   (eqn,) = [e for e in kernel_calls(jaxpr) if e.primitive.name == stage]
+  if "right" in features:
+    eqn = eqn.replace(params={**eqn.params, "window_left": None, "window_right": -1})
   return eqn
 
 
@@ -1181,6 +1191,50 @@ def test_the_fused_wide_steps_take_no_window(features, t, refused):
   assert _supports(eqn, FUSED_TWO) is None
 
 
+def test_the_shared_fused_steps_take_a_right_bound_alone(monkeypatch):
+  """Causal context parallelism over a striped layout: pieces with a right bound alone.
+
+  Over two devices each (query piece, key piece) pair runs with a window of
+  its own: the pair whose keys' stripe comes after the queries' sees keys up
+  to one stripe before each query's (a right bound of -1, no left bound).
+  The 32-query steps of two consumers sharing dQ's columns take it with GQA,
+  every step masked; gradients against float64.
+  """
+  rng = np.random.default_rng(21)
+  q = rand(rng, (1, 256, 4, 128), jnp.bfloat16)
+  k, v = (rand(rng, (1, 256, 2, 128), jnp.bfloat16) for _ in range(2))
+  ct = rand(rng, (1, 256, 4, 128), jnp.float32)
+  mesh = jax.sharding.Mesh(np.array(sharding_devices(2)), ("sp",))
+  layout = pallax.SequenceLayout("striped", 2)
+  lay = functools.partial(pallax.context_parallel, layout)
+  local = functools.partial(
+    pallax.dot_product_attention,
+    is_causal=True,
+    sequence_layout=layout,
+    sequence_axis="sp",
+    config=FUSED_TWO,
+  )
+  sharded = jax.shard_map(local, mesh=mesh, in_specs=(P(None, "sp"),) * 3, out_specs=P(None, "sp"))
+  loss = lambda q, k, v: jnp.sum(lay(sharded(*lay(q, k, v)), inverse=True)[0] * ct)
+  pieces = set()  # (left, right, every step masked) of each backward kernel's call
+  every = mosaic_gpu.config.masks_every_step
+  bwd = importlib.import_module(mosaic_gpu.bwd.__module__)
+
+  def spy(p, config):
+    pieces.add((p.left, p.right, every(p, config)))
+    return every(p, config)
+
+  monkeypatch.setattr(bwd, "masks_every_step", spy)
+  with on_path(PATH):
+    got = jax.jit(jax.grad(loss, (0, 1, 2)))(q, k, v)
+  assert pieces == {(None, 0, False), (None, -1, True)}, pieces
+  ref = lambda q, k, v: jnp.sum(reference(q, k, v, is_causal=True) * to64(ct))
+  with x64():
+    want = jax.grad(ref, (0, 1, 2))(*map(to64, (q, k, v)))
+  for name, g, w in zip(("dq", "dk", "dv"), got, want):
+    assert_close(g, w, jnp.bfloat16, f"striped causal over two devices: {name}")
+
+
 @pytest.mark.compilers
 @pytest.mark.parametrize(
   "tile, features, heads, kv_heads, t",
@@ -1199,6 +1253,8 @@ def test_the_fused_wide_steps_take_no_window(features, t, refused):
     ("two", "window", 8, 2, 1000),
     ("two", "causal-window", 32, 2, 1000),
     ("two", "causal-window", 16, 16, 2048),
+    ("two", "right", 8, 2, 1000),
+    ("two", "right", 32, 1, 2048),
   ],
 )
 def test_consumers_sharing_dq_compile_spill_free_for_a_batch(tile, features, heads, kv_heads, t):
@@ -1209,7 +1265,7 @@ def test_consumers_sharing_dq_compile_spill_free_for_a_batch(tile, features, hea
   step (``masks_every_step``). The 32-query steps (``two``) mask every step
   with lengths and windows, which in loops of their own per query head and
   kind of step spilled 112-232 bytes with GQA, and a causal window 32 at 16
-  on 16 heads and 2048 keys.
+  on 16 heads and 2048 keys; a right bound alone (``right``) with GQA too.
   """
   config = FUSED_CONFIGS[tile]
   eqn = _kernel_call(128, features, heads, kv_heads=kv_heads, t=t)

@@ -316,7 +316,10 @@ def masks_every_step(p: Problem, config: MosaicGpuAttentionConfig) -> bool:
     loops are spill-free with a causal mask alone: masking every step,
     lengths, causal lengths, windows and causal windows are spill-free at
     16 on 16, 8 on 8, 8 on 2, 8 on 1, 32 on 2, 16 on 4 and 2 on 2 heads
-    (1000-8192 keys); lengths with a window spilled 16-36 bytes.
+    (1000-8192 keys); a right bound alone (context parallelism's pieces:
+    -64, -1, 20, 200) at 8 on 2, 8 on 1, 32 on 2, 16 on 4, 4 on 1 and 32 on
+    1 heads (1000-4096 keys, 1024 queries on 512) too; lengths with a
+    window spilled 16-36 bytes.
 
   Both spilled with a causal mask (or a window) and fewer queries than keys
   (FlashAttention-3's tile 276-364 bytes, 32-query steps 16-32, at 512 or
@@ -548,11 +551,6 @@ def _fuse_reason(p: Problem, config: MosaicGpuAttentionConfig) -> Optional[str]:
         )
     elif p.has_lengths and windowed(p):
       return f"{two} no lengths with a window (spills)"
-    elif windowed(p) and p.groups > 1 and p.left is None:
-      return (
-        f"{two} a window with {p.groups * p.kv_heads} query heads on {p.kv_heads} only with a"
-        " left bound (a right bound alone, refused with GQA before, is untried)"
-      )
   elif h > 64 and bounded(p) and p.groups > 1 and p.kv_heads > 1:
     return (
       f"fuse_dq above head dim 64 takes causal or window masks with one query head a kv head"
