@@ -111,8 +111,7 @@ SPLIT_RUNS = [
 ]
 MOSAIC_PIN = MosaicGpuAttentionConfig(block_k=64, num_stages=2)
 # The backward's dk/dv kernel computing dQ too (TMA reduce-adds, not bitwise
-# reproducible): ``pallax-fused`` on the cases' fwd+bwd (one query head
-# a kv head: it takes their causal masks at head dim 128), ``pallax-fused2``
+# reproducible): ``pallax-fused`` on the cases' fwd+bwd, ``pallax-fused2``
 # with two consumer warpgroups of 64 keys sharing dQ's columns
 # (FlashAttention-3's shape).
 FUSED_PIN = MosaicGpuAttentionConfig(block_k=64, num_stages=2, fuse_dq=True)

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import importlib
+import sys
 from typing import Optional
 
 import jax
@@ -235,6 +235,16 @@ FUSED_CASES = {
   "h64-lengths-packed-causal": CASES["lengths-packed-causal"][0],
   # Slow: a window at head dim 128, one query head a kv head, two of each.
   "h128-window-mha": Case(b=2, t=100, s=130, n=2, k=2, h=128, window=(40, 10)),
+  # Causal with GQA (4 on 2), padded keys.
+  "h128-causal-gqa": Case(b=1, t=100, s=130, n=4, k=2, h=128, is_causal=True),
+  # Packed documents (segment ids) with GQA, causal, two examples.
+  "h128-packed-causal-gqa": Case(
+    b=2, t=150, s=130, n=4, k=2, h=128, is_causal=True, segments="packed"
+  ),
+  # Slow: a window with lengths and GQA, two examples.
+  "h128-window-lengths-gqa": Case(
+    b=2, t=100, s=130, n=4, k=2, h=128, window=(40, 10), q_len=(70, 100), kv_len=(110, 60)
+  ),
   # Slow (the h64 cases run the same two consumers by default): head dim 128,
   # two consumers (``dkdv_consumers=2``), causal, one query head a kv head;
   # 130 keys pad to two blocks of threads of 128 keys, the second's second
@@ -275,6 +285,7 @@ FUSED_CASES = {
 }
 FUSED_SLOW = (
   "h128-lengths-gqa",
+  "h128-window-lengths-gqa",
   "h64-lengths-packed-causal",
   "h128-window-mha",
   "h128-causal-mha-two",
@@ -732,6 +743,11 @@ def test_the_softmax_takes_the_logits_as_a_product_with_a_positive_factor(scale,
   np.testing.assert_allclose(np.max(np.asarray(y), axis=1) * factor, row_max, rtol=1e-6)
 
 
+def _masks_every_step(config, avals, **params) -> bool:
+  """Whether the dk/dv kernel masks every step of the call of ``avals`` with ``config``."""
+  return mosaic_gpu.config.masks_every_step(Problem.of(avals, **params), config)
+
+
 def test_supports_and_the_ring_in_shared_memory():
   h100 = Target("cuda", "h100")
   config = mosaic_gpu.MosaicGpuAttentionConfig
@@ -753,16 +769,15 @@ def test_supports_and_the_ring_in_shared_memory():
   assert not mosaic_gpu.heuristic(_avals(), h100, stage="fwd", **PARAMS).fwd_overlap
   h256 = mosaic_gpu.candidates(_avals(h=256), h100, stage="fwd", **PARAMS)
   assert h256 and not any(c.fwd_overlap for c in h256)
-  # dQ from the dk/dv kernel: at head dim 128 unmasked (or with lengths) in 2
-  # slots, masked with one query head a kv head or one kv head (not GQA's 4 on 2).
+  # dQ from the dk/dv kernel: at head dim 128 in 2 slots, unmasked, with
+  # lengths, causal and window masks, GQA's 4 on 2 too.
   fused = config(64, 64, fuse_dq=True)
   assert supports(fused, stage="bwd", **PARAMS) is None
   assert supports(fused, stage="fwd", **PARAMS) is None  # the forward ignores it
   assert "2 slots" in supports(config(64, 64, 4, fuse_dq=True), stage="bwd", **PARAMS)
   for bound in ({"window_right": 0}, {"window_left": 60, "window_right": 60}):
     masked = {**PARAMS, **bound, "has_lengths": True}
-    assert "not 4 on 2" in supports(fused, stage="bwd", **masked)
-    for heads in ({"groups": 1}, {"kv_heads": 1, "groups": 8}):
+    for heads in ({}, {"groups": 1}, {"kv_heads": 1, "groups": 8}):
       assert mosaic_gpu.supports(_avals(**heads), h100, fused, stage="bwd", **masked) is None
   assert "runs no dq kernel" in supports(
     config(64, 64, fuse_dq=True, dq_consumers=2), stage="bwd", **PARAMS
@@ -782,8 +797,14 @@ def test_supports_and_the_ring_in_shared_memory():
   want = 2 * 3 * 64 * 128 * 2 + 2 * 2 * 64 * 128 * 2 + 2 * 2 * 64 * 4
   p128 = Problem.of(_avals(), **PARAMS)
   assert mosaic_gpu.smem_bytes(p128, two_dq, "bwd") == want
-  ids_mha = functools.partial(mosaic_gpu.supports, _avals(segments=True, groups=1), h100)
-  assert "no segment ids" in ids_mha(fused, stage="bwd", **{**PARAMS, "has_segments": True})
+  # Segment ids in one fused consumer at head dim 128, not in two sharing dQ's columns.
+  ids = functools.partial(mosaic_gpu.supports, _avals(segments=True), h100, stage="bwd")
+  ids_params = {**PARAMS, "has_segments": True, "window_right": 0}
+  assert ids(fused, **ids_params) is None
+  for two_fused in (
+    config(64, 64, fuse_dq=True, dkdv_consumers=2, dkdv_rows=rows) for rows in (32, 64)
+  ):
+    assert "no segment ids" in ids(two_fused, **ids_params)
   # K and V; a 2-slot ring of 32 queries' Q, dO, lse and delta; dS^T; dQ^T's float32 tiles.
   want = 2 * 64 * 128 * 2 + 2 * 2 * 32 * 128 * 2 + 2 * 2 * 32 * 4 + 64 * 32 * 2 + 4 * 32 * 128
   assert mosaic_gpu.smem_bytes(Problem.of(_avals(), **PARAMS), fused, "bwd") == want
@@ -887,9 +908,7 @@ def test_supports_and_the_ring_in_shared_memory():
   two = config(64, 64, dkdv_consumers=2)
   ahead = {**PARAMS, "window_right": 20}
   ids = {**PARAMS, "has_segments": True}
-  every = lambda avals, **params: mosaic_gpu.config.masks_every_step(
-    Problem.of(avals, **params), two
-  )
+  every = functools.partial(_masks_every_step, two)
   for params in (PARAMS, causal, capped):
     assert supports(two, stage="bwd", **params) is None
     assert not every(_avals(), **params)
@@ -913,9 +932,7 @@ def test_supports_and_the_ring_in_shared_memory():
   # and lengths (every step masked: ``masks_every_step``), not both; no
   # causal mask or window with fewer queries than keys.
   fused_two = config(64, 64, fuse_dq=True, dkdv_rows=32, dkdv_consumers=2)
-  every = lambda avals, **params: mosaic_gpu.config.masks_every_step(
-    Problem.of(avals, **params), fused_two
-  )
+  every = functools.partial(_masks_every_step, fused_two)
   assert supports(fused_two, stage="bwd", **PARAMS) is None
   assert supports(fused_two, stage="bwd", **causal) is None  # 4 on 2
   assert not every(_avals(), **causal)  # masked and unmasked steps in loops of their own
@@ -1136,6 +1153,9 @@ def _compiles_spill_free(eqn, config, kernels: tuple[str, ...]) -> list[dict]:
     (128, "plain", 2, 2, 2, None),
     (128, "causal-lengths", 8, 8, 2, None),
     (128, "causal-window", 8, 1, 2, None),
+    (128, "causal", 8, 2, 2, None),
+    (128, "window-lengths", 16, 4, 2, None),
+    (128, "causal-lengths-segments", 8, 2, 2, None),
     (128, "plain", 8, 2, 2, 2),
     (128, "causal", 8, 8, 2, 2),
     (128, "causal", 8, 2, 2, 2),
@@ -1150,7 +1170,8 @@ def test_the_fused_dq_backward_compiles_spill_free_for_a_batch(
 
   Head dim 64 with every feature and 4 slots; head dim 128 with lengths and
   GQA, unmasked (padded keys masked: 1000 keys in 64-key tiles), and causal
-  or windowed with one query head a kv head or one kv head (GQA spilled);
+  or windowed, GQA and segment ids too (they spilled 20-48 bytes before
+  stop 57);
   with ``dkdv_consumers=2`` two consumers at head dim 128 sharing dQ's
   columns, unmasked and causal with GQA (8 on 1: 24 bytes spilled at 4 on
   1 before they took ``mgpu.WIDE_REGISTERS``), and windowed (every step
@@ -1218,7 +1239,7 @@ def test_the_shared_fused_steps_take_a_right_bound_alone(monkeypatch):
   loss = lambda q, k, v: jnp.sum(lay(sharded(*lay(q, k, v)), inverse=True)[0] * ct)
   pieces = set()  # (left, right, every step masked) of each backward kernel's call
   every = mosaic_gpu.config.masks_every_step
-  bwd = importlib.import_module(mosaic_gpu.bwd.__module__)
+  bwd = sys.modules["pallax.kernels.attention.mosaic_gpu.bwd"]  # the module, not the function
 
   def spy(p, config):
     pieces.add((p.left, p.right, every(p, config)))
@@ -1287,6 +1308,7 @@ def test_consumers_sharing_dq_compile_spill_free_for_a_batch(tile, features, hea
     ("causal-cap", 64, 2),
     ("causal-lengths-segments-cap", 64, 2),
     ("window", 64, 2),
+    ("right", 64, 2),
   ],
 )
 def test_the_backward_with_two_consumers_compiles_spill_free_for_a_batch(
@@ -1299,7 +1321,8 @@ def test_the_backward_with_two_consumers_compiles_spill_free_for_a_batch(
   bytes before each consumer's code was a copy of its own,
   ``Form.warpgroups``) or 64 (``dkdv_consumers=2``: with lengths, segment
   ids or a window they spilled 20-268 bytes in loops of their own, and mask
-  every step, ``masks_every_step``). ptxas reports the launch's 168 registers a thread; the
+  every step, ``masks_every_step``; ``right``: a right bound alone, as
+  context parallelism's pieces have). ptxas reports the launch's 168 registers a thread; the
   consumers' code takes up to the 232 their ``setmaxnreg`` asks (R229 in
   the dq kernel's SASS with causal masks, lengths, segment ids, a cap and
   GQA).

@@ -245,7 +245,8 @@ class _Kernels:
     # a thread), not below the issue of a product that reads it. dS^T comes
     # first where that spilled (compiled for H100): two consumers above head
     # dim 64 with masks, fused (16 bytes, causal) or of 64-query steps (24);
-    # not where every step is masked (there dS^T first spilled 28).
+    # not where every step is masked (there FlashAttention-3's tile spilled
+    # 28 with dS^T first; the unfused 64-query steps fit either way).
     two_wide = consumers == CONSUMERS and h > 64 and (fuse_dq or bq > NARROW_ROWS)
     dv_first = mask_all or not (two_wide and has_masks(p))
     rows = consumers * bk
@@ -423,7 +424,8 @@ class _Kernels:
           # One consumer (above head dim 64, 64-query steps), or consumers
           # masking every step: dK and dV take up to 128 registers a thread: one
           # loop over every query head's blocks, masked or not (the consumer
-          # owns its block of threads' range, or shares take every step). Loops
+          # owns its block of threads' range; two masking every step each take
+          # all of it, their own keys' hidden steps masked). Loops
           # per query head and per kind of step spilled at their edges (with
           # GQA, compiled for H100).
           dk, dv = lax.fori_loop(0, p.groups * count, flat, (zeros(), zeros()))

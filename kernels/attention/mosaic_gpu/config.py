@@ -58,11 +58,10 @@ class MosaicGpuAttentionConfig(KernelConfig):
     choice), refused where ``XLA_FLAGS`` asks for deterministic ops
     (``pallax.determinism``: the switch that makes XLA's attention
     deterministic). Up to head dim 64 with every feature; at 128 without
-    segment ids or a soft cap, in 2 slots; there one consumer takes causal
-    or window masks only where the query heads do not share kv heads or
-    share one, and with ``dkdv_consumers=2`` two consumer warpgroups of 64
-    keys, sharing dQ's columns (``shares_dq``), take no causal mask or
-    window with fewer queries than keys, in 32-query steps
+    a soft cap, in 2 slots; there with ``dkdv_consumers=2`` two consumer
+    warpgroups of 64 keys, sharing dQ's columns (``shares_dq``), take no
+    segment ids, no causal mask or window with fewer queries than keys, in
+    32-query steps
     (``dkdv_rows=32``) no lengths with a window, and with ``dkdv_rows=64``
     (the default: FlashAttention-3's tile, ``fused_wide_steps``) no lengths
     and no window but a causal mask (``_fuse_reason``); lengths, windows
@@ -519,13 +518,13 @@ def _fuse_reason(p: Problem, config: MosaicGpuAttentionConfig) -> Optional[str]:
 
   Compiled for H100 with a batch of 2: at head dim 64 (two consumers) every
   mask, segment ids and a soft cap, 2-4 slots, spill-free; at head dim 128
-  (one consumer, 255) in 2 slots unmasked or with lengths at 1-8 query
-  heads a kv head, and with causal and window masks (and lengths) at one
-  query head a kv head or one kv head (16 on 16, 4 on 4, 8 on 1, 2 on 1).
-  There a kv head's index or its query head's is the same in every block of
-  threads or step; where both vary (GQA: 4 or 8 on 2) the masks spilled
-  20-48 bytes. Segment ids spilled 48 with a causal mask at 8 on 8, and 4
-  slots 132. Two consumers at head dim 128 (``dkdv_consumers=2``, dQ's
+  (one consumer, 255) in 2 slots unmasked, with lengths, and with causal and
+  window masks (and lengths) at 1-32 query heads a kv head (GQA's 4 or 8 on
+  2 spilled 20-48 bytes before stop 57; since, 8 on 2, 16 on 4, 32 on 2 and
+  4 on 2 are spill-free at 512-8192 keys), and with segment ids (48 bytes
+  with a causal mask at 8 on 8 before stop 57; since, spill-free with
+  lengths, causal masks and windows at 8 on 8, 8 on 2, 16 on 4, 32 on 2
+  and 8 on 1 heads); 4 slots spilled 132. Two consumers at head dim 128 (``dkdv_consumers=2``, dQ's
   columns shared: ``shares_dq``; at ``mgpu.WIDE_REGISTERS``): what spilled
   is in ``masks_every_step``'s docstring; at 232 registers, lengths 284
   bytes, a window with GQA 460, a causal mask at 4 on 1 24.
@@ -535,12 +534,12 @@ def _fuse_reason(p: Problem, config: MosaicGpuAttentionConfig) -> Optional[str]:
     return f"fuse_dq: {determinism.reason()}; the fused dQ's reduce-adds run in no fixed order"
   if out_cols(p, "dkdv") < h:
     return "fuse_dq: the dk/dv kernel splits dK's and dV's columns here (a share has no whole dQ)"
-  if h > 64 and p.has_segments:
-    return "fuse_dq above head dim 64 takes no segment ids (spills)"
   if h > 64 and config.num_stages > 2:
     return f"num_stages={config.num_stages}: fuse_dq above head dim 64 takes 2 slots (4 spill)"
   if h > 64 and dkdv_steps(p, config)[1] == CONSUMERS:
     two = "fuse_dq with dkdv_consumers=2 above head dim 64 takes"
+    if p.has_segments:
+      return f"{two} no segment ids (spills)"
     if bounded(p) and p.t < p.s:
       return f"{two} no causal mask or window with fewer queries than keys ({p.t} < {p.s}: spills)"
     if fused_wide_steps(p, config):
@@ -551,11 +550,6 @@ def _fuse_reason(p: Problem, config: MosaicGpuAttentionConfig) -> Optional[str]:
         )
     elif p.has_lengths and windowed(p):
       return f"{two} no lengths with a window (spills)"
-  elif h > 64 and bounded(p) and p.groups > 1 and p.kv_heads > 1:
-    return (
-      f"fuse_dq above head dim 64 takes causal or window masks with one query head a kv head"
-      f" or one kv head, not {p.groups * p.kv_heads} on {p.kv_heads} (spills)"
-    )
   return None
 
 
