@@ -1086,11 +1086,12 @@ def test_the_wide_backward_compiles_spill_free_for_a_batch(h, features):
   eqn = _kernel_call(h, features)
   h100 = TARGETS["h100"]
   # The heuristic's config, or with split columns the autotuning candidate
-  # (one consumer in the dq kernel, 64-query dk/dv steps in their own consumers).
+  # (one consumer in the dq kernel, 64-query dk/dv steps in their own
+  # consumers, not fused: the fused candidates have compile tests of their own).
   (config,) = {
     c
     for source, c in configs_for(eqn, h100, heuristic_only=True, preferred=True)
-    if c.implementation == MOSAIC and c.num_stages == 2
+    if c.implementation == MOSAIC and c.num_stages == 2 and not c.fuse_dq
     if c.dq_consumers == 1 and c.dkdv_rows == 64 and c.dkdv_consumers is None
   }
   _compiles_spill_free(eqn, config, ("dot_product_attention_dq", "dot_product_attention_dkdv"))
@@ -1156,6 +1157,7 @@ def _compiles_spill_free(eqn, config, kernels: tuple[str, ...]) -> list[dict]:
     (128, "causal", 8, 2, 2, None),
     (128, "window-lengths", 16, 4, 2, None),
     (128, "causal-lengths-segments", 8, 2, 2, None),
+    (128, "right-segments", 8, 2, 2, None),
     (128, "plain", 8, 2, 2, 2),
     (128, "causal", 8, 8, 2, 2),
     (128, "causal", 8, 2, 2, 2),
@@ -1331,7 +1333,13 @@ def test_the_backward_with_two_consumers_compiles_spill_free_for_a_batch(
     block_k=64, dq_consumers=2, dkdv_rows=rows, dkdv_consumers=dkdv_consumers
   )
   kernels = ("dot_product_attention_dq", "dot_product_attention_dkdv")
-  compiled = _compiles_spill_free(_kernel_call(128, features), config, kernels)
+  eqn = _kernel_call(128, features)
+  assert _supports(eqn, config) is None
+  every = dkdv_consumers == 2 and any(
+    f in features for f in ("lengths", "segments", "window", "right")
+  )
+  assert mosaic_gpu.config.masks_every_step(_problem(eqn), config) == every
+  compiled = _compiles_spill_free(eqn, config, kernels)
   threads = {k["name"]: k["threads"] for k in compiled}
   two = rows == 32 or dkdv_consumers == 2
   assert threads == {

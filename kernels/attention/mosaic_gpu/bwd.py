@@ -421,7 +421,7 @@ class _Kernels:
 
         zeros = lambda: form.zeros((bk, cols))
         if consumers == 1 or mask_all:
-          # One consumer (above head dim 64, 64-query steps), or consumers
+          # One consumer (above head dim 64: 64-query steps, fused 32), or consumers
           # masking every step: dK and dV take up to 128 registers a thread: one
           # loop over every query head's blocks, masked or not (the consumer
           # owns its block of threads' range; two masking every step each take

@@ -519,9 +519,10 @@ def _fuse_reason(p: Problem, config: MosaicGpuAttentionConfig) -> Optional[str]:
   Compiled for H100 with a batch of 2: at head dim 64 (two consumers) every
   mask, segment ids and a soft cap, 2-4 slots, spill-free; at head dim 128
   (one consumer, 255) in 2 slots unmasked, with lengths, and with causal and
-  window masks (and lengths) at 1-32 query heads a kv head (GQA's 4 or 8 on
-  2 spilled 20-48 bytes before stop 57; since, 8 on 2, 16 on 4, 32 on 2 and
-  4 on 2 are spill-free at 512-8192 keys), and with segment ids (48 bytes
+  window masks (and lengths) at one kv head or 1-16 query heads a kv head
+  (GQA's 4 or 8 on 2 spilled 20-48 bytes before stop 57; since, 8 on 2, 16
+  on 4, 32 on 2 and 4 on 2 are spill-free at 512-8192 keys, with a right
+  bound alone too), and with segment ids (48 bytes
   with a causal mask at 8 on 8 before stop 57; since, spill-free with
   lengths, causal masks and windows at 8 on 8, 8 on 2, 16 on 4, 32 on 2
   and 8 on 1 heads); 4 slots spilled 132. Two consumers at head dim 128 (``dkdv_consumers=2``, dQ's
