@@ -91,12 +91,10 @@ from pallax.kernels.attention.common import Problem
 from pallax.kernels.attention.mosaic_gpu import tiles
 from pallax.kernels.attention.mosaic_gpu.config import (
   BWD_BLOCKS,
-  CONSUMERS,
   DKDV_KERNEL,
   DQ_KERNEL,
   DQ_ROWS,
   FUSED_DQ_COLS,
-  NARROW_ROWS,
   MosaicGpuAttentionConfig,
   bwd_lengths,
   call_of,
@@ -108,6 +106,7 @@ from pallax.kernels.attention.mosaic_gpu.config import (
   masks_every_step,
   out_cols,
   shares_dq,
+  two_wide_consumers,
 )
 from pallax.kernels.attention.mosaic_gpu.query_side import QueryKernel
 from pallax.kernels.attention.mosaic_gpu.tiles import broadcast
@@ -247,8 +246,7 @@ class _Kernels:
     # dim 64 with masks, fused (16 bytes, causal) or of 64-query steps (24);
     # not where every step is masked (there FlashAttention-3's tile spilled
     # 28 with dS^T first; the unfused 64-query steps fit either way).
-    two_wide = consumers == CONSUMERS and h > 64 and (fuse_dq or bq > NARROW_ROWS)
-    dv_first = mask_all or not (two_wide and has_masks(p))
+    dv_first = mask_all or not (two_wide_consumers(p, self.config) and has_masks(p))
     rows = consumers * bk
     q_t, do_t = self._transposed(queries["q"]), self._transposed(queries["do"])
     # dP^T's accumulator starts from -delta broadcast over the keys: no delta

@@ -289,6 +289,12 @@ def fused_wide_steps(p: Problem, config: MosaicGpuAttentionConfig) -> bool:
   return config.fuse_dq and shares_dq(head(p), consumers) and rows == BWD_BLOCKS[0]
 
 
+def two_wide_consumers(p: Problem, config: MosaicGpuAttentionConfig) -> bool:
+  """Whether the dk/dv kernel runs two consumers above head dim 64, fused or of 64-query steps."""
+  rows, consumers = dkdv_steps(p, config)
+  return consumers == CONSUMERS and head(p) > 64 and (config.fuse_dq or rows > NARROW_ROWS)
+
+
 def masks_every_step(p: Problem, config: MosaicGpuAttentionConfig) -> bool:
   """Whether the dk/dv kernel's two consumers above head dim 64 mask every step, in one loop.
 
@@ -337,11 +343,10 @@ def masks_every_step(p: Problem, config: MosaicGpuAttentionConfig) -> bool:
   Every step masked pays the mask (compares and selects, the positions'
   loads), also where it hides nothing.
   """
-  h, (rows, consumers) = head(p), dkdv_steps(p, config)
   if not config.fuse_dq:  # two consumers of 64-query steps (``_bwd_reason``)
-    two_wide = h > 64 and consumers == CONSUMERS and rows == BWD_BLOCKS[0]
-    return two_wide and (p.has_lengths or p.has_segments or windowed(p))
-  if not shares_dq(h, consumers):
+    features = p.has_lengths or p.has_segments or windowed(p)
+    return two_wide_consumers(p, config) and features
+  if not shares_dq(head(p), dkdv_steps(p, config)[1]):
     return False
   if fused_wide_steps(p, config):  # padded keys are masked (``bwd_lengths``' keys)
     return has_masks(p) or bwd_lengths(p, config)[1] != p.s
