@@ -245,6 +245,10 @@ FUSED_CASES = {
   "h128-window-lengths-gqa": Case(
     b=2, t=100, s=130, n=4, k=2, h=128, window=(40, 10), q_len=(70, 100), kv_len=(110, 60)
   ),
+  # Slow: packed documents under a window, GQA, two examples.
+  "h128-window-packed-gqa": Case(
+    b=2, t=130, s=130, n=4, k=2, h=128, window=(40, 10), segments="packed"
+  ),
   # Slow (the h64 cases run the same two consumers by default): head dim 128,
   # two consumers (``dkdv_consumers=2``), causal, one query head a kv head;
   # 130 keys pad to two blocks of threads of 128 keys, the second's second
@@ -286,6 +290,7 @@ FUSED_CASES = {
 FUSED_SLOW = (
   "h128-lengths-gqa",
   "h128-window-lengths-gqa",
+  "h128-window-packed-gqa",
   "h64-lengths-packed-causal",
   "h128-window-mha",
   "h128-causal-mha-two",
