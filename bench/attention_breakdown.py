@@ -12,6 +12,8 @@ the host's dispatch) of:
   primitive's ``(batch, kv heads, group, sequence, head dim)`` operands would
   need are folded away: ``tiles.sequence_first``);
 * ``cudnn``: ``jax.nn.dot_product_attention(implementation="cudnn")``;
+* ``pallax-k192`` (``fwd``, not causal): the forward pinned to 192-key
+  blocks (``bench/test_attention_hopper.py``'s pin);
 * ``pallax-fused2`` and ``pallax-fa3``
   (``fwd+bwd``): the backward pinned to the dk/dv kernel computing dQ too
   in two consumers, of 32-query steps and of FlashAttention-3's 64
@@ -69,6 +71,8 @@ def main() -> None:
       what = f"B{case.batch}-{case.id}-{mode}"
       flops = _work(case, mode).flops
       impls = ["pallax", "cudnn"]
+      if mode == "fwd" and not case.causal:
+        impls.append("pallax-k192")
       if mode == "fwd+bwd" and os.environ.get("PALLAX_BENCH_FUSED") != "0":
         impls += ["pallax-fused2", "pallax-fa3"]
       for impl in impls:

@@ -18,7 +18,8 @@
 # - attention_bench: bench/test_attention_hopper.py, Mosaic GPU attention vs
 #   Pallas-Triton vs cuDNN (forward, forward+backward), and vs XLA under jvp
 #   (where cuDNN's custom_vjp raises); the forward's candidate with its
-#   softmax beside the previous block's P V too (pallax-overlap).
+#   softmax beside the previous block's P V too (pallax-overlap), and its 192-key
+#   blocks (pallax-k192, not causal).
 # - attention_breakdown: bench/attention_breakdown.py, the device's kernels of
 #   pallax's, cuDNN's and JAX's Mosaic GPU attention at B=4, S=4096, and of the
 #   fused backward's two-consumer configs (pallax-fused2, pallax-fa3).

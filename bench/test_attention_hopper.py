@@ -34,7 +34,10 @@ implementations:
   autotuning candidates;
 * ``pallax-overlap`` (``fwd``): the forward pinned to its autotuning
   candidate with FlashAttention-3's intra-warpgroup overlap
-  (``fwd_overlap``: a block's ``S`` beside the previous block's ``P V``).
+  (``fwd_overlap``: a block's ``S`` beside the previous block's ``P V``);
+* ``pallax-k192`` (``fwd``, not causal): the forward pinned to its autotuning
+  candidate of 192-key blocks (FlashAttention-3's unmasked forward takes 176
+  at head dim 128; a causal mask takes 128 there).
 
 ``jvp`` counts 3x the forward's FLOPs (``Q K^T``, ``P V`` and, for the
 tangent, ``dQ K^T``, ``Q dK^T``, ``(P dS) V`` and ``P dV``) and twice its bytes.
@@ -126,6 +129,8 @@ TWO_PIN = dataclasses.replace(TWO_DQ_PIN, dkdv_consumers=2)
 # The forward's candidate with a block's softmax beside the previous block's P V
 # (the heuristic's blocks and ring): ``pallax-overlap`` on the cases' fwd.
 OVERLAP_PIN = MosaicGpuAttentionConfig(fwd_overlap=True)
+# The forward's candidate of 192-key blocks: ``pallax-k192`` on the unmasked cases' fwd.
+K192_PIN = MosaicGpuAttentionConfig(block_k=192)
 
 
 pytestmark = pytest.mark.nvidia_gpu  # deselected off an NVIDIA GPU (bench/conftest.py)
@@ -231,6 +236,7 @@ _PINS = {
   "pallax-wide": _stage_pins(WIDE_PIN),
   "pallax-two": _stage_pins(TWO_PIN),
   "pallax-overlap": _stage_pins(OVERLAP_PIN, "fwd"),
+  "pallax-k192": _stage_pins(K192_PIN, "fwd"),
 }
 
 
@@ -257,7 +263,7 @@ def test_hopper_attention(benchmark, request, case, mode):
   baseline = IMPLS[mode]
   impls = ("pallax", "pallax-triton", baseline)
   if mode == "fwd":
-    impls = (*impls, "pallax-overlap")
+    impls = (*impls, "pallax-overlap", *([] if case.causal else ["pallax-k192"]))
   if mode == "fwd+bwd":
     impls = (*impls, "pallax-dq2", "pallax-wide", "pallax-two")
   if mode == "fwd+bwd" and os.environ.get("PALLAX_BENCH_FUSED") != "0":

@@ -55,9 +55,10 @@ def unavailable_reason() -> Optional[str]:
 # Shared memory a block may use on sm_90a with opt-in (H100, H200): 227 KiB.
 SMEM_LIMIT = 232448
 # What a kernel's own buffers may take: Mosaic GPU adds its barriers and
-# alignment (an attention kernel whose buffers take 229888 bytes needs
-# 232568 compiled for H100, over the limit).
-SMEM_BUDGET = SMEM_LIMIT - 4096
+# alignment (an attention kernel whose buffers take 229888 bytes needs 230489
+# compiled for H100; 232537 before ``compiler_params`` gave up the reductions'
+# scratch, over the limit).
+SMEM_BUDGET = SMEM_LIMIT - 1024
 # Rows of one warpgroup's ``wgmma`` (its M): a consumer warpgroup's tile height.
 WGMMA_ROWS = 64
 # Beside two consumers, a consumer warpgroup's and the producer's registers a
@@ -178,9 +179,17 @@ def compiler_params(approx_math: bool) -> Any:
   warpgroup semantics unless told otherwise, and there the attention kernels
   fail to lower (a loop's constant carry: "Shaped arrays must be represented
   by ir.Values", seen on an H200 with jax 0.11.2).
+
+  No SMEM is reserved for reductions across warps (``reduction_scratch_bytes``:
+  2 KiB a block by default, reserved for any kernel that reduces): the kernels
+  reduce a ``wgmma`` tile's rows, within a warp's lanes, and a reduction that
+  needed the scratch would fail to lower, not run without it. The 2 KiB let
+  the forward's 192-key blocks at head dim 128 fit (229888 bytes of buffers).
   """
   return plgpu.CompilerParams(
-    approx_math=approx_math, lowering_semantics=plgpu.LoweringSemantics.Lane
+    approx_math=approx_math,
+    lowering_semantics=plgpu.LoweringSemantics.Lane,
+    reduction_scratch_bytes=0,
   )
 
 

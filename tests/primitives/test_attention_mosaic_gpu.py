@@ -564,6 +564,35 @@ def test_the_forward_with_softmax_beside_the_previous_blocks_values(name, monkey
   assert overlaps  # the pipelined steps (the forward's one use of it), not the plain ones
 
 
+# The forward's autotuning candidate of 192-key blocks (FlashAttention-3's
+# unmasked forward takes 176 at head dim 128). name -> (case, ring slots).
+WIDE_KEY_CASES = {
+  # Head dim 128, GQA (4 on 2), ragged lengths and a soft cap: 300 keys in two
+  # blocks, the second padded past S (masked) and past the second example's
+  # keys' length.
+  "h128-lengths-cap-gqa": (
+    Case(b=2, t=200, s=300, n=4, k=2, h=128, q_len=(200, 90), kv_len=(300, 150), soft_cap=20.0),
+    2,
+  ),
+  # Head dim 64, causal under a window, MQA, fewer queries than keys, a ring
+  # of 3 slots refilled: unmasked blocks between masked ones.
+  "h64-causal-window-mqa": (
+    Case(b=1, t=300, s=700, n=2, k=1, h=64, is_causal=True, window=(400, 0)),
+    3,
+  ),
+}
+
+
+@pytest.mark.parametrize("name", list(WIDE_KEY_CASES))
+def test_the_forward_with_192_key_blocks(name):
+  """``block_k=192``: output, lse and padded rows vs float64; a candidate, not the heuristic's."""
+  case, stages = WIDE_KEY_CASES[name]
+  config = mosaic_gpu.MosaicGpuAttentionConfig(block_k=192, num_stages=stages)
+  picks = _forward_vs_float64(case, config, 8, name)
+  assert picks[config].implementation == MOSAIC and picks[config].config == config
+  assert picks[None].config.block_k == 128
+
+
 def _jvp(fn, statics, ops, tangents):
   names = tuple(tangents)
   f = lambda *d: _call(fn, statics, {**ops, **dict(zip(names, d))})
@@ -854,9 +883,17 @@ def test_supports_and_the_ring_in_shared_memory():
     cands = mosaic_gpu.candidates(_avals(), h100, stage="bwd", **PARAMS)
     assert cands and not any(c.fuse_dq for c in cands)
   assert "128 spills" in supports(config(block_q=128), stage="fwd", **PARAMS)
-  # 229888 bytes of buffers: Mosaic GPU's barriers and alignment take it over 227 KiB.
-  assert "SMEM" in supports(config(block_k=128, num_stages=3), stage="fwd", **PARAMS)
-  causal = {**PARAMS, "window_right": 0}
+  # 229888 bytes of buffers fit 227 KiB with Mosaic GPU's barriers and
+  # alignment (no reductions' scratch: ``compiler_params``); 262656 do not.
+  assert supports(config(block_k=128, num_stages=3), stage="fwd", **PARAMS) is None
+  assert supports(config(block_k=192), stage="fwd", **PARAMS) is None
+  assert "SMEM" in supports(config(block_k=192, num_stages=3), stage="fwd", **PARAMS)
+  # 192-key blocks: above head dim 64 not with a causal mask or a window.
+  assert "up to 128 keys" in supports(config(block_k=192), stage="fwd", **causal)
+  h64 = functools.partial(mosaic_gpu.supports, _avals(h=64), h100, stage="fwd")
+  assert h64(config(block_k=192), **causal) is None
+  assert config(block_k=192) in mosaic_gpu.candidates(_avals(), h100, stage="fwd", **PARAMS)
+  assert mosaic_gpu.heuristic(_avals(), h100, stage="fwd", **PARAMS).block_k == 128
   assert supports(config(64, 64), stage="bwd", **causal) is None
   # Masked dk/dv steps at head dim 128 fit in registers with a 2-slot ring only.
   assert "2 slots with masks" in supports(config(64, 64, 4), stage="bwd", **causal)
@@ -886,7 +923,8 @@ def test_supports_and_the_ring_in_shared_memory():
   assert mosaic_gpu.config.fwd_consumers(Problem.of(_avals(h=256), **windowed)) == 2
   assert mosaic_gpu.heuristic(_avals(h=256), h100, stage="fwd", **windowed) == config(block_k=64)
   assert mosaic_gpu.smem_bytes(p, config(64, 64), "fwd") == (64 + 2 * 2 * 64) * 256 * 2 + 64 * 4
-  assert "SMEM" in h256(config(64, 64, 3), stage="fwd", **capped_causal)
+  assert h256(config(64, 64, 3), stage="fwd", **capped_causal) is None  # 229632 bytes
+  assert "SMEM" in h256(config(64, 64, 4), stage="fwd", **capped_causal)
   assert mosaic_gpu.heuristic(_avals(h=256), h100, stage="fwd", **capped_causal) is None
   # The backward at head dim 256: its dq kernel's Q, dO and half of dQ, and a
   # 2-slot ring of K and V; the dk/dv kernel takes less (a quarter of dK, dV).
@@ -1131,10 +1169,10 @@ def _kernel_call(
   return eqn
 
 
-def _supports(eqn, config) -> Optional[str]:
-  """``supports``' answer for ``config`` on ``eqn``'s call, for H100."""
+def _supports(eqn, config, stage: str = "bwd") -> Optional[str]:
+  """``supports``' answer for ``config`` on ``eqn``'s call at ``stage``, for H100."""
   avals = [v.aval for v in eqn.invars]
-  return mosaic_gpu.supports(avals, TARGETS["h100"], config, stage="bwd", **op_params(eqn.params))
+  return mosaic_gpu.supports(avals, TARGETS["h100"], config, stage=stage, **op_params(eqn.params))
 
 
 def _compiles_spill_free(eqn, config, kernels: tuple[str, ...]) -> list[dict]:
@@ -1387,6 +1425,27 @@ def test_the_capped_forward_at_head_dim_256_compiles_spill_free_for_a_batch(feat
   p = Problem.of([v.aval for v in eqn.invars], **op_params(eqn.params))
   assert mosaic_gpu.config.fwd_consumers(p) == consumers
   config = mosaic_gpu.MosaicGpuAttentionConfig(block_k=64, num_stages=2)
+  _compiles_spill_free(eqn, config, ("dot_product_attention_fwd",))
+
+
+@pytest.mark.compilers
+@pytest.mark.parametrize(
+  "h, features, block_k, stages",
+  [
+    (128, "lengths-cap", 192, 2),
+    (64, "causal-window-lengths", 192, 3),
+    (128, "causal-window-lengths-cap", 128, 3),
+  ],
+)
+def test_the_forward_with_wide_blocks_or_rings_compiles_spill_free(h, features, block_k, stages):
+  """192-key blocks, and 3 slots of 128 at head dim 128, for H100 (batch 2, 8 heads on 2).
+
+  Both fit SMEM without the reductions' 2 KiB (``compiler_params``); 192-key
+  blocks fit the registers with the mask's positions as vectors.
+  """
+  eqn = _kernel_call(h, features, stage=FWD)
+  config = mosaic_gpu.MosaicGpuAttentionConfig(block_k=block_k, num_stages=stages)
+  assert _supports(eqn, config, "fwd") is None
   _compiles_spill_free(eqn, config, ("dot_product_attention_fwd",))
 
 

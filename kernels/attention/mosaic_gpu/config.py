@@ -47,8 +47,11 @@ class MosaicGpuAttentionConfig(KernelConfig):
   ``block_k`` keys a step.
 
   block_q, block_k: the forward's: 64 (``wgmma``'s rows) and a multiple of
-    64; the backward's and the tangent's are ``BWD_BLOCKS`` whatever a
-    config says (the dk/dv kernel's steps: ``dkdv_rows``).
+    64: 128 by the heuristic, 64, 192 and 256 autotuning candidates (192
+    until timed on a GPU: FlashAttention-3's unmasked forward takes 176 keys
+    a block at head dim 128; above head dim 64 a causal mask or window takes
+    up to 128); the backward's and the tangent's are ``BWD_BLOCKS`` whatever
+    a config says (the dk/dv kernel's steps: ``dkdv_rows``).
   num_stages: slots of the producer's SMEM ring (at least 2).
   fuse_dq: the backward's dk/dv kernel computes dQ too (``dS K``: 5 matrix
     products where the dq and dk/dv kernels do 7), each block of threads
@@ -204,6 +207,13 @@ _SMEM = {
 # of a register a key, a thread): compiled for H100 (pallax.verify), head dim
 # plus block_k up to 192 fits its consumers' registers, 256 spills.
 _SEGMENT_REGISTERS = 192
+
+# Above head dim 64 a causal mask or a window takes the forward up to 128
+# keys a block, as FlashAttention-3's forward does: compiled for H100 at head
+# dim 128, 192-key blocks spilled 8-32 bytes with windows and causal masks
+# of fewer queries than keys; unmasked, padded, with lengths or a soft cap
+# they fit (the mask's positions vectors, ``Tiles.keep_keys``).
+_BOUNDED_BLOCK_K = 128
 
 # dQ's columns a product (and a TMA reduce-add) of the fused dk/dv kernel
 # (``fuse_dq``): dQ^T's 64 rows, ``wgmma``'s M, are K's columns transposed.
@@ -566,6 +576,11 @@ def _config_reason(p: Problem, config: MosaicGpuAttentionConfig, stage: str) -> 
     return f"block_q={config.block_q}: the forward takes 64 (a consumer's wgmma rows; 128 spills)"
   if stage == "fwd" and bk % 64:
     return f"block_k={bk} must be a multiple of 64 on Mosaic GPU"
+  if stage == "fwd" and bk > _BOUNDED_BLOCK_K and head(p) > 64 and bounded(p):
+    return (
+      f"block_k={bk}: with a causal mask or window above head dim 64 the forward takes"
+      f" up to {_BOUNDED_BLOCK_K} keys a block (spills)"
+    )
   if stage == "fwd" and p.has_segments and head(p) + bk > _SEGMENT_REGISTERS:
     return f"block_k={bk}: with segment ids the forward takes head dim + block_k <= 192"
   if stage == "fwd" and config.fwd_overlap and (head(p) > 128 or bk > 128):
@@ -593,7 +608,7 @@ def _space(p: Problem, stage: str) -> list[MosaicGpuAttentionConfig]:
   deterministic ops (``pallax.determinism``). The forward's: its blocks
   with ``fwd_overlap`` too, in 2 slots.
   """
-  blocks = [(64, b) for b in (128, 64, 256)] if stage == "fwd" else [BWD_BLOCKS]
+  blocks = [(64, b) for b in (128, 64, 192, 256)] if stage == "fwd" else [BWD_BLOCKS]
   wide = [None, CONSUMERS] if wide_consumers(head(p)) == 1 else [None]
   # The backward's consumers: the dq kernel's, and the dk/dv kernel's steps and consumers.
   shapes = [(n, 64, kv) for kv in wide for n in (1, CONSUMERS)]

@@ -184,9 +184,13 @@ class Tiles:
     """Which (query, key) pairs of queries ``[t0, t0 + bq)`` and key block ``j`` are visible.
 
     ``segs``: the queries' and the block's keys' segment id vectors (with segments).
+    The positions are vectors broadcast to the tile, as in ``keep_queries``:
+    from two ``iota`` tiles, 192-key blocks spilled 200-2136 bytes with masks
+    (compiled for H100, head dim 64).
     """
     shape = (self.bq, self.bk)
-    t_pos, s_pos = t0 + form.iota(shape, 0), j * self.bk + form.iota(shape, 1)
+    t_pos = broadcast(t0 + form.positions(self.bq, 0), shape, 0)
+    s_pos = broadcast(j * self.bk + form.positions(self.bk, 1), shape, 1)
     keep = common.visible(self.p, t_pos, s_pos, self.q_len, self.kv_len, *_tiles(segs, shape))
     if self.p.s % self.bk:
       inside = s_pos < self.p.s
