@@ -55,9 +55,11 @@ def unavailable_reason() -> Optional[str]:
 # Shared memory a block may use on sm_90a with opt-in (H100, H200): 227 KiB.
 SMEM_LIMIT = 232448
 # What a kernel's own buffers may take: Mosaic GPU adds its barriers and
-# alignment (an attention kernel whose buffers take 229888 bytes needs 230489
-# compiled for H100; 232537 before ``compiler_params`` gave up the reductions'
-# scratch, over the limit).
+# alignment, each buffer rounded up to 1 KiB (an attention kernel whose
+# buffers take 229888 bytes, one of them 512, needs 230489 compiled for H100;
+# 232536 before ``compiler_params`` gave up the reductions' scratch, over the
+# limit). Configs of several buffers under 1 KiB near the limit could pass
+# this and fail to compile: ``pallax.verify`` compiles every choosable one.
 SMEM_BUDGET = SMEM_LIMIT - 1024
 # Rows of one warpgroup's ``wgmma`` (its M): a consumer warpgroup's tile height.
 WGMMA_ROWS = 64

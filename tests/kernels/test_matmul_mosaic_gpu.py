@@ -23,6 +23,7 @@ import pallax
 from pallax.executor import Target
 from pallax.executor.executor import candidate_configs
 from pallax.executor.registry import kernel_spec
+from pallax.executor.tools import kernel_calls
 from pallax.kernels.matmul import mosaic_gpu
 from pallax.kernels.matmul.mosaic_gpu import MosaicGpuMatmulConfig
 from tests.helpers import assert_close, f64, rand, x64
@@ -182,6 +183,12 @@ def test_vmap_matches_a_loop():
 S = jax.ShapeDtypeStruct
 
 
+# The largest buffers a choosable config takes: 128x128 tiles in 3 slots, a
+# float32 result and its pre-activation, a bias.
+WIDEST = MosaicGpuMatmulConfig(tile_m=128, tile_n=128, stages=3)
+WIDEST_PARAMS = dict(out_dtype=jnp.float32, activation="relu", save_preactivation=True)
+
+
 def _avals(dtype=jnp.bfloat16, b_dtype=None, bias=None):
   out = [S((M, K), dtype), S((K, N), b_dtype or dtype)]
   return out + ([S((N,), bias)] if bias else [])
@@ -206,6 +213,8 @@ def test_supports_refuses_what_the_kernel_cannot_take():
   assert _reason(MosaicGpuMatmulConfig(tile_m=64), activation="gelu") is None
   assert "at least 2" in _reason(MosaicGpuMatmulConfig(stages=1))
   assert "bytes of SMEM" in _reason(MosaicGpuMatmulConfig(tile_m=64, tile_n=256, stages=8))
+  # 229632 bytes of buffers fit (``SMEM_BUDGET``: compiled, below).
+  assert _reason(WIDEST, avals=_avals(bias=jnp.bfloat16), **WIDEST_PARAMS) is None
 
 
 def test_hopper_prefers_cublas_for_plain_products_and_tunes_mosaic_gpu():
@@ -259,3 +268,23 @@ def test_every_mosaic_gpu_config_compiles_for_h100():
     assert k["spill_bytes"] == 0 and 0 < k["registers"] <= 255, r
     assert 0 < k["smem_bytes"] <= TARGETS["h100"].shared_memory_limit, r
     assert k["threads"] == 128, r
+
+
+@pytest.mark.compilers
+def test_the_widest_buffers_compile_for_h100():
+  """``WIDEST`` (229632 bytes of buffers) compiles for H100 within its SMEM, without spills."""
+  from pallax.verify.compile import _arguments, compile_kernels, judge
+  from pallax.verify.targets import TARGETS
+
+  a, b = jnp.zeros((1024, 512), jnp.bfloat16), jnp.zeros((512, 1024), jnp.bfloat16)
+  bias = jnp.zeros((1024,), jnp.bfloat16)
+  fwd = lambda a, b, bias: pallax.matmul(
+    a, b, bias=bias, activation="relu", preferred_element_type=jnp.float32
+  )
+  loss = lambda *args: jnp.sum(fwd(*args))
+  jaxpr = jax.make_jaxpr(jax.grad(loss, (0, 1, 2)))(a, b, bias).jaxpr
+  (eqn,) = [e for e in kernel_calls(jaxpr) if e.params["save_preactivation"]]
+  assert all(eqn.params[k] == v for k, v in WIDEST_PARAMS.items())
+  call = lambda *args: eqn.primitive.bind(*args, **{**eqn.params, "config": WIDEST})
+  compiled = compile_kernels(call, _arguments(eqn), TARGETS["h100"], MOSAIC)
+  assert judge(compiled, TARGETS["h100"]) == {"status": "ok"}, compiled

@@ -568,16 +568,17 @@ def test_the_forward_with_softmax_beside_the_previous_blocks_values(name, monkey
 # unmasked forward takes 176 at head dim 128). name -> (case, ring slots).
 WIDE_KEY_CASES = {
   # Head dim 128, GQA (4 on 2), ragged lengths and a soft cap: 300 keys in two
-  # blocks, the second padded past S (masked) and past the second example's
-  # keys' length.
+  # blocks, the second padded past S (masked); the second example's 150 keys
+  # end inside the first (masked), its second block skipped.
   "h128-lengths-cap-gqa": (
     Case(b=2, t=200, s=300, n=4, k=2, h=128, q_len=(200, 90), kv_len=(300, 150), soft_cap=20.0),
     2,
   ),
-  # Head dim 64, causal under a window, MQA, fewer queries than keys, a ring
-  # of 3 slots refilled: unmasked blocks between masked ones.
+  # Head dim 64, causal under a window, MQA, a ring of 3 slots refilled:
+  # queries 512-639 see 4 blocks, masked (the window's edge), unmasked, then
+  # masked (the diagonal; the last padded past S).
   "h64-causal-window-mqa": (
-    Case(b=1, t=300, s=700, n=2, k=1, h=64, is_causal=True, window=(400, 0)),
+    Case(b=1, t=700, s=700, n=2, k=1, h=64, is_causal=True, window=(450, 0)),
     3,
   ),
 }
@@ -884,12 +885,17 @@ def test_supports_and_the_ring_in_shared_memory():
     assert cands and not any(c.fuse_dq for c in cands)
   assert "128 spills" in supports(config(block_q=128), stage="fwd", **PARAMS)
   # 229888 bytes of buffers fit 227 KiB with Mosaic GPU's barriers and
-  # alignment (no reductions' scratch: ``compiler_params``); 262656 do not.
+  # alignment (no reductions' scratch: ``compiler_params``); 328192 do not.
   assert supports(config(block_k=128, num_stages=3), stage="fwd", **PARAMS) is None
   assert supports(config(block_k=192), stage="fwd", **PARAMS) is None
   assert "SMEM" in supports(config(block_k=192, num_stages=3), stage="fwd", **PARAMS)
   # 192-key blocks: above head dim 64 not with a causal mask or a window.
   assert "up to 128 keys" in supports(config(block_k=192), stage="fwd", **causal)
+  window = {**PARAMS, "window_left": 100, "window_right": 20}
+  assert "up to 128 keys" in supports(config(block_k=192), stage="fwd", **window)
+  overlap192 = supports(config(block_k=192, fwd_overlap=True), stage="fwd", **PARAMS)
+  assert "not 128 and 192" in overlap192
+  assert mgpu.compiler_params(True).reduction_scratch_bytes == 0
   h64 = functools.partial(mosaic_gpu.supports, _avals(h=64), h100, stage="fwd")
   assert h64(config(block_k=192), **causal) is None
   assert config(block_k=192) in mosaic_gpu.candidates(_avals(), h100, stage="fwd", **PARAMS)

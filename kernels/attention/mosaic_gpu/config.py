@@ -47,11 +47,12 @@ class MosaicGpuAttentionConfig(KernelConfig):
   ``block_k`` keys a step.
 
   block_q, block_k: the forward's: 64 (``wgmma``'s rows) and a multiple of
-    64: 128 by the heuristic, 64, 192 and 256 autotuning candidates (192
-    until timed on a GPU: FlashAttention-3's unmasked forward takes 176 keys
-    a block at head dim 128; above head dim 64 a causal mask or window takes
-    up to 128); the backward's and the tangent's are ``BWD_BLOCKS`` whatever
-    a config says (the dk/dv kernel's steps: ``dkdv_rows``).
+    64: 128 by the heuristic; 64, 192 and 256 are autotuning candidates (192,
+    never the heuristic's until timed on a GPU, as FlashAttention-3's
+    unmasked forward takes 176 keys a block at head dim 128; above head dim
+    64 a causal mask or window takes up to 128). The backward's and the
+    tangent's are ``BWD_BLOCKS`` whatever a config says (the dk/dv kernel's
+    steps: ``dkdv_rows``).
   num_stages: slots of the producer's SMEM ring (at least 2).
   fuse_dq: the backward's dk/dv kernel computes dQ too (``dS K``: 5 matrix
     products where the dq and dk/dv kernels do 7), each block of threads
@@ -599,7 +600,9 @@ def _config_reason(p: Problem, config: MosaicGpuAttentionConfig, stage: str) -> 
 
 
 def _space(p: Problem, stage: str) -> list[MosaicGpuAttentionConfig]:
-  """Configs in order of preference: fewer consumers, long blocks, fewer slots, within SMEM.
+  """Configs in order of preference: fewer consumers, blocks, fewer slots, within SMEM.
+
+  The forward's blocks: the heuristic's 128 keys, then 64, 192 and 256.
 
   The backward's consumers: one or two in the dq kernel, and the dk/dv
   kernel's 64-query steps (in two consumers where one is its default), or
