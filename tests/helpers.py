@@ -287,3 +287,18 @@ def deviceless_mesh(target: str, axis: str) -> jax.sharding.Mesh:
     kwargs["topology"] = "1x1x8"
   devices = topologies.get_topology_desc(**kwargs).devices
   return jax.sharding.Mesh(np.array(devices), (axis,))
+
+
+def compile_pinned(eqn, config, target: str = "h100") -> list[dict]:
+  """``eqn``'s kernel call with ``config`` pinned, compiled for ``target`` without its device.
+
+  Asserts ``pallax.verify``'s judgement (no spills, within the target's
+  memory) and returns ``compile_kernels``' records.
+  """
+  from pallax.verify.compile import _arguments, compile_kernels, judge
+  from pallax.verify.targets import TARGETS
+
+  call = lambda *args: eqn.primitive.bind(*args, **{**eqn.params, "config": config})
+  compiled = compile_kernels(call, _arguments(eqn), TARGETS[target], config.implementation)
+  assert judge(compiled, TARGETS[target]) == {"status": "ok"}, compiled
+  return compiled

@@ -26,7 +26,7 @@ from pallax.executor.registry import kernel_spec
 from pallax.executor.tools import kernel_calls
 from pallax.kernels.matmul import mosaic_gpu
 from pallax.kernels.matmul.mosaic_gpu import MosaicGpuMatmulConfig
-from tests.helpers import assert_close, f64, rand, x64
+from tests.helpers import assert_close, compile_pinned, f64, rand, x64
 from tests.primitives.test_matmul import matmul_ref
 
 MOSAIC = mosaic_gpu.IMPLEMENTATION
@@ -273,9 +273,6 @@ def test_every_mosaic_gpu_config_compiles_for_h100():
 @pytest.mark.compilers
 def test_the_widest_buffers_compile_for_h100():
   """``WIDEST`` (229632 bytes of buffers) compiles for H100 within its SMEM, without spills."""
-  from pallax.verify.compile import _arguments, compile_kernels, judge
-  from pallax.verify.targets import TARGETS
-
   a, b = jnp.zeros((1024, 512), jnp.bfloat16), jnp.zeros((512, 1024), jnp.bfloat16)
   bias = jnp.zeros((1024,), jnp.bfloat16)
   fwd = lambda a, b, bias: pallax.matmul(
@@ -285,6 +282,4 @@ def test_the_widest_buffers_compile_for_h100():
   jaxpr = jax.make_jaxpr(jax.grad(loss, (0, 1, 2)))(a, b, bias).jaxpr
   (eqn,) = [e for e in kernel_calls(jaxpr) if e.params["save_preactivation"]]
   assert all(eqn.params[k] == v for k, v in WIDEST_PARAMS.items())
-  call = lambda *args: eqn.primitive.bind(*args, **{**eqn.params, "config": WIDEST})
-  compiled = compile_kernels(call, _arguments(eqn), TARGETS["h100"], MOSAIC)
-  assert judge(compiled, TARGETS["h100"]) == {"status": "ok"}, compiled
+  compile_pinned(eqn, WIDEST)

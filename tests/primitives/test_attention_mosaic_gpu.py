@@ -37,12 +37,12 @@ from pallax.kernels.attention import mosaic_gpu
 from pallax.kernels.attention.common import Problem
 from pallax.kernels.attention.mosaic_gpu import tiles
 from pallax.op import op_params
-from pallax.verify.compile import _arguments, compile_kernels, judge
 from pallax.verify.sweep import configs_for
 from pallax.verify.targets import TARGETS
 from tests.helpers import (
   NATIVE_KERNELS,
   assert_close,
+  compile_pinned,
   deviceless_mesh,
   on_path,
   rand,
@@ -1186,11 +1186,8 @@ def _compiles_spill_free(eqn, config, kernels: tuple[str, ...]) -> list[dict]:
 
   Returns ``compile_kernels``' records.
   """
-  h100 = TARGETS["h100"]
-  call = lambda *args: eqn.primitive.bind(*args, **{**eqn.params, "config": config})
-  compiled = compile_kernels(call, _arguments(eqn), h100, MOSAIC)
+  compiled = compile_pinned(eqn, config)
   assert {k["name"] for k in compiled} == {f"{n}_mosaic_gpu_kernel" for n in kernels}
-  assert judge(compiled, h100) == {"status": "ok"}, compiled
   return compiled
 
 

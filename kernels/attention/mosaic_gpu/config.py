@@ -211,7 +211,7 @@ _SEGMENT_REGISTERS = 192
 
 # Above head dim 64 a causal mask or a window takes the forward up to 128
 # keys a block, as FlashAttention-3's forward does: compiled for H100 at head
-# dim 128, 192-key blocks spilled 8-32 bytes with windows and causal masks
+# dim 128, 192-key blocks spilled 8-36 bytes with windows and causal masks
 # of fewer queries than keys; unmasked, padded, with lengths or a soft cap
 # they fit (the mask's positions vectors, ``Tiles.keep_keys``).
 _BOUNDED_BLOCK_K = 128

@@ -184,18 +184,11 @@ class Tiles:
     """Which (query, key) pairs of queries ``[t0, t0 + bq)`` and key block ``j`` are visible.
 
     ``segs``: the queries' and the block's keys' segment id vectors (with segments).
-    The positions are vectors broadcast to the tile, as in ``keep_queries``:
-    from two ``iota`` tiles, 192-key blocks spilled 200-2136 bytes with masks
-    (compiled for H100, head dim 64).
     """
     shape = (self.bq, self.bk)
-    t_pos = broadcast(t0 + form.positions(self.bq, 0), shape, 0)
-    s_pos = broadcast(j * self.bk + form.positions(self.bk, 1), shape, 1)
+    t_pos, s_pos = _positions(form, t0, shape, 0), _positions(form, j * self.bk, shape, 1)
     keep = common.visible(self.p, t_pos, s_pos, self.q_len, self.kv_len, *_tiles(segs, shape))
-    if self.p.s % self.bk:
-      inside = s_pos < self.p.s
-      keep = inside if keep is None else keep & inside
-    return keep
+    return _inside(keep, s_pos, self.p.s) if self.p.s % self.bk else keep
 
   # Keys own the rows (the dk/dv kernel): blocks of queries. Padded queries
   # need no mask there (a padded query's lse is +inf: its probabilities 0),
@@ -248,16 +241,14 @@ class Tiles:
     128 its registers spilled).
     """
     shape = (self.bk, self.bq)
-    s_pos = broadcast(s0 + form.positions(self.bk, 0), shape, 0)
+    s_pos = _positions(form, s0, shape, 0)
     if t_vec is None:
-      t_vec = i * self.bq + form.positions(self.bq, 1)
-    t_pos = broadcast(t_vec, shape, 1)
+      t_pos = _positions(form, i * self.bq, shape, 1)
+    else:
+      t_pos = broadcast(t_vec, shape, 1)
     kv_seg, q_seg = _tiles(segs, shape)
     keep = common.visible(self.p, t_pos, s_pos, None, self.kv_len, q_seg, kv_seg)
-    if self.hides_padded_keys:
-      inside = s_pos < self.p.s
-      keep = inside if keep is None else keep & inside
-    return keep
+    return _inside(keep, s_pos, self.p.s) if self.hides_padded_keys else keep
 
 
 def padded_segments(ops, tp: int, sp: int) -> Optional[tuple[jax.Array, jax.Array]]:
@@ -279,6 +270,23 @@ def segment_smem(segs, own: tuple[int, int], ring: tuple[int, int]) -> Optional[
   if segs is None:
     return None
   return [plgpu.SMEM(own, jnp.int32), plgpu.SMEM(ring, jnp.int32)]
+
+
+def _positions(form: mgpu.Form, start, shape: tuple[int, int], dim: int) -> jax.Array:
+  """Positions ``start, start + 1, ...`` along ``dim`` of a tile of ``shape``.
+
+  A vector broadcast to the tile: a mask compared from two of them holds
+  fewer registers than from two ``iota`` tiles (compiled for H100: with
+  ``iota`` tiles the forward's 192-key blocks with masks spilled 200-2136
+  bytes at head dim 64).
+  """
+  return broadcast(start + form.positions(shape[dim], dim), shape, dim)
+
+
+def _inside(keep: Optional[jax.Array], s_pos: jax.Array, s: int) -> jax.Array:
+  """``keep`` (None: every pair) and the keys before ``s``: padded keys hidden."""
+  inside = s_pos < s
+  return inside if keep is None else keep & inside
 
 
 def _tiles(segs, shape) -> tuple:
