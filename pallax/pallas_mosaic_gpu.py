@@ -195,6 +195,10 @@ def compiler_params(approx_math: bool) -> Any:
   )
 
 
+# The GMEM zero of the kernel ``Form.launch`` traces (its first operand): ``Form.opaque_zero``.
+_STEP_ZERO: list[Any] = []
+
+
 @dataclasses.dataclass(frozen=True)
 class Form:
   """Which form of a kernel runs: the Hopper one (``hopper``) or the interpreted one."""
@@ -284,13 +288,18 @@ class Form:
     parts are summed after the kernel.
     """
 
-    def entry(*refs):
-      pl.run_scoped(lambda *scoped: body(*refs, scoped), *scratch, collective_axes="wg")
+    def entry(zero_ref, *refs):
+      _STEP_ZERO.append(zero_ref)
+      try:
+        pl.run_scoped(lambda *scoped: body(*refs, scoped), *scratch, collective_axes="wg")
+      finally:
+        _STEP_ZERO.pop()
 
     entry.__name__ = entry.__qualname__ = name
     mesh = dict(grid=grid, grid_names=grid_names, num_threads=consumers + 1, thread_name="wg")
     common = dict(compiler_params=compiler_params(approx_math), interpret=self.interpret)
     races = name if _RACES.active else None
+    operands = (jnp.zeros((1,), jnp.int32), *operands)  # ``opaque_zero``'s
     if not sums:
       kernel = plgpu.kernel(entry, out_type=tuple(out_types), **mesh, **common)
       if self.hopper:
@@ -311,6 +320,21 @@ class Form:
       return run(*operands)
     outs = on_host(run, [*out_types, *types], *operands, races=races)
     return [*outs[: len(out_types)], *(x.sum(0) for x in outs[len(out_types) :])]
+
+  def opaque_zero(self) -> jax.Array:
+    """0 as an int32 ptxas cannot prove constant, loaded from GMEM where it is called.
+
+    For the index of a ``wgmma`` operand constant in a loop (a consumer's own
+    K or V tile): at a constant index its descriptors (64 bits for each
+    16-wide slice of the contraction: 16 registers a 128-wide operand) are
+    loop invariants, which ptxas computes before the loop and holds in
+    registers across it; at the index plus this zero, read in each step,
+    they are computed in the step, in uniform registers. Compiled for H100,
+    the fused dk/dv kernel in FlashAttention-3's tile with a window spilled
+    300 bytes with them held, none computed in the step. The zero is
+    ``launch``'s first operand.
+    """
+    return _STEP_ZERO[-1][0]
 
   def add_to(self, tile: Any, sum_ref: Any, index: tuple, part: Any) -> None:
     """Adds SMEM ``tile`` to ``sum_ref.at[index]`` (a ``launch`` sum), asynchronously.

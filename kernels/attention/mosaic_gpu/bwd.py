@@ -40,17 +40,21 @@ own per key tile, summed after the kernel). Two consumers at head dim 128
 share dQ's columns (``config.shares_dq``): each computes 64 of them over
 both consumers' keys, from both dS^T tiles once a barrier says both are
 stored, and reduce-adds half the tiles. With ``dkdv_rows=64`` they take
-FlashAttention-3's tile (``fused_wide_steps``: no lengths or windows): 64-query
+FlashAttention-3's tile (``fused_wide_steps``): 64-query
 steps, P^T stored to SMEM beside dS^T and dV's and dK's products reading
 both there, so a consumer holds only accumulators beside its products in
 flight (in ``mgpu.WIDE_REGISTERS``' 240 a thread: at 232, 4 bytes spilled;
 P^T and dS^T as register operands spilled 316-384 bytes in 64-query
 steps). Where two consumers' masked and unmasked steps in loops of their
-own spilled (FlashAttention-3's tile with a causal mask or padded keys,
-32-query steps with lengths or a window, and unfused 64-query steps with
-lengths, segment ids or a window) every step is masked, in one loop, from
-its queries' positions that the ring brings (``masks_every_step``), in
-240 registers a thread. The adds' order varies, so dq
+own spilled (FlashAttention-3's tile with any mask or padded keys,
+32-query steps with lengths, segment ids or a window, and unfused 64-query
+steps with lengths, segment ids or a window) every step is masked, in one
+loop, from its queries' positions that the ring brings
+(``masks_every_step``), in 240 registers a thread. The dk/dv kernel's
+products read its consumer's K and V at an index loaded in the step
+(``mgpu.Form.opaque_zero``): their ``wgmma`` descriptors, held in registers
+across the loop at a constant index, spilled the shared fused kernels
+with segment ids, windows or lengths. The adds' order varies, so dq
 is not bitwise reproducible; padded keys are masked there (their
 probability could overflow, and ``inf`` times their zero K is NaN).
 
@@ -309,11 +313,14 @@ class _Kernels:
 
         # The other consumer's K: its TMA waited for by that consumer, which
         # arrived at ``ds_ready`` after it, before this one reads it.
-        def dq_product(u, dq_cols, sources, acc_ref):
-          """Issues step ``u``'s ``K^T dS^T`` over ``sources``' keys: dQ^T's columns ``dq_cols``."""
+        def dq_product(u, zero, dq_cols, sources, acc_ref):
+          """Issues step ``u``'s ``K^T dS^T`` over ``sources``' keys: dQ^T's columns ``dq_cols``.
+
+          ``zero``: the step's ``opaque_zero``, K's tiles' index.
+          """
           for src in sources:
             if form.hopper:  # K^T's rows: a view of K's columns transposed
-              k_rows = plgpu.transpose_ref(k_smem.at[src].at[:, dq_cols], (1, 0))
+              k_rows = plgpu.transpose_ref(k_smem.at[src + zero].at[:, dq_cols], (1, 0))
             else:
               k_rows = kt_smem.at[src].at[dq_cols]
             plgpu.wgmma(acc_ref, k_rows, ds_tile(u, src))
@@ -334,8 +341,12 @@ class _Kernels:
           dk, dv = carry
           s = ring.slot(u)
           column = lambda ref: broadcast(form.vector(ref.at[s], 1), (bk, bq), 1)
-          s_t = lambda acc_ref: plgpu.wgmma(acc_ref, k_smem.at[wg], self._t(q_smem, qt_smem, s))
-          dp_t = lambda acc_ref: plgpu.wgmma(acc_ref, v_smem.at[wg], self._t(do_smem, dot_smem, s))
+          # This consumer's K and V at an index read in the step: no descriptors
+          # held across the loop (``opaque_zero``).
+          zero = form.opaque_zero()
+          keys, values = k_smem.at[wg + zero], v_smem.at[wg + zero]
+          s_t = lambda acc_ref: plgpu.wgmma(acc_ref, keys, self._t(q_smem, qt_smem, s))
+          dp_t = lambda acc_ref: plgpu.wgmma(acc_ref, values, self._t(do_smem, dot_smem, s))
 
           def keep():
             ids = None if k_seg is None else (k_seg, form.vector(seg_smem[1].at[s], 1))
@@ -376,7 +387,7 @@ class _Kernels:
             plgpu.wgmma(dk_ref, left, columns(q_smem.at[s]))
             if shared:
               both_ready()
-              dq_product(u, own_cols, range(consumers), dq_ref[0])
+              dq_product(u, zero, own_cols, range(consumers), dq_ref[0])
 
           # In steps the loops know to be unmasked (``masked`` False: not the
           # one-consumer loop of a masked call) and in ``mask_all``'s S^T runs
@@ -395,7 +406,7 @@ class _Kernels:
             for c in range(dq_tiles):
               dq_cols = pl.ds(c * FUSED_DQ_COLS, FUSED_DQ_COLS)
               dq_t = mgpu.fresh_product(
-                (FUSED_DQ_COLS, bq), functools.partial(dq_product, u, dq_cols, [wg])
+                (FUSED_DQ_COLS, bq), functools.partial(dq_product, u, zero, dq_cols, [wg])
               )
               add_dq(g, i, c, dq_cols, dq_t)
           return dk, dv
