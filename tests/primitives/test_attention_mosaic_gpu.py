@@ -252,7 +252,7 @@ FUSED_CASES = {
   # Slow (the h64 cases run the same two consumers by default): head dim 128,
   # two consumers (``dkdv_consumers=2``), causal, one query head a kv head;
   # 130 keys pad to two blocks of threads of 128 keys, the second's second
-  # tile padding alone. (Not fewer queries than keys: refused, spills.)
+  # tile padding alone.
   "h128-causal-mha-two": Case(b=1, t=150, s=130, n=2, k=2, h=128, is_causal=True),
   # Slow: two consumers unmasked with GQA, two examples.
   "h128-gqa-two": Case(b=2, t=100, s=130, n=4, k=2, h=128),
@@ -264,6 +264,16 @@ FUSED_CASES = {
   # Every step masked (``masks_every_step``): a window with GQA, more queries
   # than keys.
   "h128-window-gqa-two": Case(b=1, t=150, s=130, n=4, k=2, h=128, window=(40, 10)),
+  # Packed documents (segment ids) in two consumers sharing dQ's columns, every
+  # step masked: GQA, two examples, more queries than keys.
+  "h128-packed-gqa-two": Case(b=2, t=150, s=130, n=4, k=2, h=128, segments="packed"),
+  # Slow: packed documents under a causal mask with lengths, MQA.
+  "h128-packed-causal-lengths-mqa-two": dataclasses.replace(
+    Case(b=1, t=130, s=130, n=2, k=1, h=128, is_causal=True, q_len=(120,), kv_len=(100,)),
+    segments="packed",
+  ),
+  # Slow: causal with fewer queries than keys, GQA, two examples.
+  "h128-causal-fewer-gqa-two": Case(b=2, t=100, s=230, n=4, k=2, h=128, is_causal=True),
   # Slow: lengths with GQA, both ragged, two examples.
   "h128-lengths-gqa-two": Case(
     b=2, t=100, s=130, n=4, k=2, h=128, q_len=(70, 100), kv_len=(110, 60)
@@ -286,6 +296,14 @@ FUSED_CASES = {
   "h128-causal-mha-wide": Case(b=2, t=130, s=100, n=2, k=2, h=128, is_causal=True),
   # Slow: unmasked, keys short of a block of threads (70 of 128), MQA.
   "h128-padded-mqa-wide": Case(b=1, t=90, s=70, n=2, k=1, h=128),
+  # A window with lengths, GQA, fewer queries than keys (every step masked).
+  "h128-window-lengths-gqa-wide": Case(
+    b=1, t=150, s=230, n=4, k=2, h=128, window=(60, 20), q_len=(140,), kv_len=(200,)
+  ),
+  # Slow: packed documents under a causal mask, MQA, two examples.
+  "h128-packed-causal-mqa-wide": Case(
+    b=2, t=130, s=130, n=2, k=1, h=128, is_causal=True, segments="packed"
+  ),
 }
 FUSED_SLOW = (
   "h128-lengths-gqa",
@@ -298,9 +316,12 @@ FUSED_SLOW = (
   "h128-window-mha-two",
   "h128-lengths-gqa-two",
   "h128-causal-lengths-mqa-two",
+  "h128-packed-causal-lengths-mqa-two",
+  "h128-causal-fewer-gqa-two",
   "h128-mqa-wide",
   "h128-causal-mha-wide",
   "h128-padded-mqa-wide",
+  "h128-packed-causal-mqa-wide",
 )
 # The cases named "-two": two consumers sharing dQ's columns in 32-query steps;
 # "-wide": in 64 (``fused_wide_steps``). Those whose every step is masked
@@ -311,9 +332,13 @@ FUSED_EVERY_STEP = (
   "h128-window-gqa-two",
   "h128-lengths-gqa-two",
   "h128-causal-lengths-mqa-two",
+  "h128-packed-gqa-two",
+  "h128-packed-causal-lengths-mqa-two",
   "h128-causal-gqa-wide",
   "h128-causal-mha-wide",
   "h128-padded-mqa-wide",
+  "h128-window-lengths-gqa-wide",
+  "h128-packed-causal-mqa-wide",
 )
 FUSED_WIDE = dataclasses.replace(FUSED, dkdv_consumers=2)
 FUSED_TWO = dataclasses.replace(FUSED_WIDE, dkdv_rows=32)
@@ -832,14 +857,18 @@ def test_supports_and_the_ring_in_shared_memory():
   want = 2 * 3 * 64 * 128 * 2 + 2 * 2 * 64 * 128 * 2 + 2 * 2 * 64 * 4
   p128 = Problem.of(_avals(), **PARAMS)
   assert mosaic_gpu.smem_bytes(p128, two_dq, "bwd") == want
-  # Segment ids in one fused consumer at head dim 128, not in two sharing dQ's columns.
+  # Segment ids in one fused consumer at head dim 128, and in two sharing
+  # dQ's columns (32-query steps or FlashAttention-3's tile) masking every
+  # step, with GQA too.
   ids = functools.partial(mosaic_gpu.supports, _avals(segments=True), h100, stage="bwd")
   ids_params = {**PARAMS, "has_segments": True, "window_right": 0}
   assert ids(fused, **ids_params) is None
-  for two_fused in (
-    config(64, 64, fuse_dq=True, dkdv_consumers=2, dkdv_rows=rows) for rows in (32, 64)
-  ):
-    assert "no segment ids" in ids(two_fused, **ids_params)
+  for heads in ({}, {"groups": 1}, {"kv_heads": 1, "groups": 8}):
+    avals = _avals(segments=True, **heads)
+    for rows in (64, 32):
+      shared = config(64, 64, fuse_dq=True, dkdv_consumers=2, dkdv_rows=rows)
+      assert mosaic_gpu.supports(avals, h100, shared, stage="bwd", **ids_params) is None
+      assert _masks_every_step(shared, avals, **{**PARAMS, "has_segments": True})
   # K and V; a 2-slot ring of 32 queries' Q, dO, lse and delta; dS^T; dQ^T's float32 tiles.
   want = 2 * 64 * 128 * 2 + 2 * 2 * 32 * 128 * 2 + 2 * 2 * 32 * 4 + 64 * 32 * 2 + 4 * 32 * 128
   assert mosaic_gpu.smem_bytes(Problem.of(_avals(), **PARAMS), fused, "bwd") == want
@@ -871,13 +900,13 @@ def test_supports_and_the_ring_in_shared_memory():
   assert mosaic_gpu.smem_bytes(p_causal, fa3, "bwd") == want + 2 * 64 * 4
   assert mosaic_gpu.supports(_avals(s=200), h100, fa3, stage="bwd", **PARAMS) is None
   assert mosaic_gpu.config.masks_every_step(Problem.of(_avals(s=200), **PARAMS), fa3)
+  # Windows and lengths too (every step masked), and fewer queries than keys.
   window = {**PARAMS, "window_left": 100, "window_right": 0}
-  no_window = "no lengths and no window (a causal mask only"
-  assert no_window in mosaic_gpu.supports(_avals(groups=1), h100, fa3, stage="bwd", **window)
   lengths = {**PARAMS, "has_lengths": True}
-  assert no_window in mosaic_gpu.supports(_avals(groups=1), h100, fa3, stage="bwd", **lengths)
-  fewer = mosaic_gpu.supports(_avals(t=128, s=256), h100, fa3, stage="bwd", **causal)
-  assert "fewer queries than keys" in fewer
+  for params in (window, lengths, {**window, **lengths}):
+    assert supports(fa3, stage="bwd", **params) is None
+    assert _masks_every_step(fa3, _avals(), **params)
+  assert mosaic_gpu.supports(_avals(t=128, s=256), h100, fa3, stage="bwd", **causal) is None
   with pytest.MonkeyPatch.context() as mp:  # read at each call (pallax.determinism)
     mp.setenv("XLA_FLAGS", "--xla_gpu_exclude_nondeterministic_ops=true")
     assert "deterministic ops" in supports(fused, stage="bwd", **PARAMS)
@@ -978,8 +1007,8 @@ def test_supports_and_the_ring_in_shared_memory():
   assert two not in mosaic_gpu.candidates(_avals(h=64), h100, stage="bwd", **PARAMS)
   # Fused, two consumers of 32-query steps sharing dQ's columns: unmasked,
   # causal (at 240 registers a consumer: ``mgpu.WIDE_REGISTERS``), windows
-  # and lengths (every step masked: ``masks_every_step``), not both; no
-  # causal mask or window with fewer queries than keys.
+  # and lengths (every step masked: ``masks_every_step``), both together, and
+  # a causal mask or window with fewer queries than keys.
   fused_two = config(64, 64, fuse_dq=True, dkdv_rows=32, dkdv_consumers=2)
   every = functools.partial(_masks_every_step, fused_two)
   assert supports(fused_two, stage="bwd", **PARAMS) is None
@@ -997,13 +1026,14 @@ def test_supports_and_the_ring_in_shared_memory():
   assert mqa(config(64, 64, fuse_dq=True), stage="bwd", **causal) is None  # one consumer
   assert mha(fused_two, stage="bwd", **lengths) is None
   window_lengths = {**window, "has_lengths": True}
-  assert "no lengths with a window" in mha(fused_two, stage="bwd", **window_lengths)
+  assert mha(fused_two, stage="bwd", **window_lengths) is None
+  assert supports(fused_two, stage="bwd", **window_lengths) is None  # 4 on 2
   for bound in (20, -1):  # a right bound alone (context parallelism's pieces), with GQA
     right = {**PARAMS, "window_right": bound}
     assert supports(fused_two, stage="bwd", **right) is None
     assert every(_avals(), **right)
   fewer = functools.partial(mosaic_gpu.supports, _avals(t=128, s=256), h100)
-  assert "fewer queries than keys (128 < 256" in fewer(fused_two, stage="bwd", **causal)
+  assert fewer(fused_two, stage="bwd", **causal) is None
   assert fewer(fused_two, stage="bwd", **PARAMS) is None
   assert "its own steps" in supports(
     config(64, 64, fuse_dq=True, dkdv_rows=32), stage="bwd", **PARAMS
@@ -1147,24 +1177,31 @@ def test_the_wide_backward_compiles_spill_free_for_a_batch(h, features):
 
 
 def _kernel_call(
-  h: int, features: str, heads: int = 8, stage: str = BWD, kv_heads: int = 2, t: int = 1000
+  h: int,
+  features: str,
+  heads: int = 8,
+  stage: str = BWD,
+  kv_heads: int = 2,
+  t: int = 1000,
+  s: Optional[int] = None,
 ):
-  """Attention's ``stage`` kernel call with ``features`` at batch 2 (T = S = ``t``).
+  """Attention's ``stage`` kernel call with ``features`` at batch 2 (T = ``t``, S = ``s`` or T).
 
   ``right``: a right bound of -1 alone, as context parallelism's pieces
   have (the public API's windows bound both sides).
   """
-  b = 2
+  b, s = 2, t if s is None else s
   q = jnp.zeros((b, t, heads, h), jnp.bfloat16)
-  kv = jnp.zeros((b, t, kv_heads, h), jnp.bfloat16)
-  lens, ids = jnp.full((b,), t, jnp.int32), jnp.zeros((b, t), jnp.int32)
+  kv = jnp.zeros((b, s, kv_heads, h), jnp.bfloat16)
+  q_lens, kv_lens = jnp.full((b,), t, jnp.int32), jnp.full((b,), s, jnp.int32)
   extra = {"is_causal": True} if "causal" in features else {}
   if "window" in features:
     extra.update(local_window_size=(100, 20))
   if "lengths" in features:
-    extra.update(query_seq_lengths=lens, key_value_seq_lengths=lens)
+    extra.update(query_seq_lengths=q_lens, key_value_seq_lengths=kv_lens)
   if "segments" in features:
-    extra.update(q_segment_ids=ids, kv_segment_ids=ids)
+    ids = lambda n: jnp.zeros((b, n), jnp.int32)
+    extra.update(q_segment_ids=ids(t), kv_segment_ids=ids(s))
   if "cap" in features:
     extra.update(logits_soft_cap=30.0)
   loss = lambda q, k, v: jnp.sum(pallax.dot_product_attention(q, k, v, **extra).astype(jnp.float32))
@@ -1209,6 +1246,8 @@ def _compiles_spill_free(eqn, config, kernels: tuple[str, ...]) -> list[dict]:
     (128, "causal", 8, 2, 2, 2),
     (128, "causal", 8, 1, 2, 2),
     (128, "window", 8, 8, 2, 2),
+    (128, "segments", 8, 8, 2, 2),
+    (128, "causal-lengths-segments", 8, 1, 2, 2),
   ],
 )
 def test_the_fused_dq_backward_compiles_spill_free_for_a_batch(
@@ -1239,25 +1278,33 @@ def test_the_fused_dq_backward_compiles_spill_free_for_a_batch(
   _compiles_spill_free(eqn, config, ("new_body",))
 
 
+@pytest.mark.compilers
 @pytest.mark.parametrize(
-  "features, t, refused",
+  "name, features, heads, kv_heads, t, s",
   [
-    ("plain", 1024, None),
-    ("causal", 1024, None),
-    ("plain", 1000, None),
-    ("window", 1024, "no window (a causal mask only"),
+    ("wide", "window-lengths-segments", 8, 2, 1000, 1000),
+    ("wide", "causal-window", 16, 16, 1024, 1024),
+    ("wide", "causal-lengths", 32, 2, 512, 1024),
+    ("two", "causal-window-lengths-segments", 8, 2, 1000, 1000),
+    ("two", "segments", 16, 4, 1024, 1024),
   ],
 )
-def test_the_fused_wide_steps_take_no_window(features, t, refused):
-  """FlashAttention-3's tile (``fused_wide_steps``) but with a window; 32-query steps there.
+def test_the_shared_fused_steps_compile_spill_free_with_every_mask(
+  name, features, heads, kv_heads, t, s
+):
+  """Two fused consumers sharing dQ's columns with windows, lengths and segment ids, GQA.
 
-  Compiled for H100, a window's masked steps spilled 260-364 bytes; a
-  causal mask's and padded keys' (``masks_every_step``) none.
+  FlashAttention-3's tile (``fused_wide_steps``) and 32-query steps, every
+  step masked (``masks_every_step``), compiled for H100 at batch 2. They
+  spilled 16-484 bytes while K's and V's ``wgmma`` descriptors were held in
+  registers across the loop, none at an index read in each step
+  (``mgpu.Form.opaque_zero``); fewer queries than keys too.
   """
-  eqn = _kernel_call(128, features, 16, kv_heads=16, t=t)
-  reason = _supports(eqn, FUSED_WIDE)
-  assert reason is None if refused is None else refused in reason, reason
-  assert _supports(eqn, FUSED_TWO) is None
+  config = FUSED_CONFIGS[name]
+  eqn = _kernel_call(128, features, heads, kv_heads=kv_heads, t=t, s=s)
+  assert _supports(eqn, config) is None
+  assert mosaic_gpu.config.masks_every_step(_problem(eqn), config)
+  _compiles_spill_free(eqn, config, ("new_body",))
 
 
 def test_the_shared_fused_steps_take_a_right_bound_alone(monkeypatch):

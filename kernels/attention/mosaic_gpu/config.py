@@ -63,15 +63,13 @@ class MosaicGpuAttentionConfig(KernelConfig):
     (``pallax.determinism``: the switch that makes XLA's attention
     deterministic). Up to head dim 64 with every feature; at 128 without
     a soft cap, in 2 slots; there with ``dkdv_consumers=2`` two consumer
-    warpgroups of 64 keys, sharing dQ's columns (``shares_dq``), take no
-    segment ids, no causal mask or window with fewer queries than keys, in
-    32-query steps
-    (``dkdv_rows=32``) no lengths with a window, and with ``dkdv_rows=64``
-    (the default: FlashAttention-3's tile, ``fused_wide_steps``) no lengths
-    and no window but a causal mask (``_fuse_reason``); lengths, windows
-    and, in FlashAttention-3's tile, a causal mask or keys short of its
-    blocks of 128 mask every step (``masks_every_step``). The forward and
-    the tangent ignore it.
+    warpgroups of 64 keys, sharing dQ's columns (``shares_dq``), in
+    32-query steps (``dkdv_rows=32``) or FlashAttention-3's tile
+    (``dkdv_rows=64``, the default: ``fused_wide_steps``), every feature
+    too (``_fuse_reason``); lengths, segment ids, windows and, in
+    FlashAttention-3's tile, a causal mask or keys short of its blocks of
+    128 mask every step (``masks_every_step``). The forward and the
+    tangent ignore it.
   dq_consumers: consumer warpgroups of the backward's dq kernel, 64 queries
     each: 1 (the heuristic's) or 2, where one consumer's softmax runs beside
     the other's matrix products, up to head dim 128 (an autotuning candidate
@@ -292,9 +290,8 @@ def fused_wide_steps(p: Problem, config: MosaicGpuAttentionConfig) -> bool:
   (at 232, 4 bytes spilled): a step of 64 queries takes 513 instructions
   and 32 ``HGMMA`` (S^T's, dP^T's and dQ^T's 24 of N=64, dV's and dK's 8
   of N=128, the head dim), two 32-query steps 690 and 56 (48 of N=32).
-  Masked steps (a causal mask, padded keys) run as ``masks_every_step``
-  says; windows and lengths spilled, and those calls take
-  ``dkdv_rows=32`` (``_fuse_reason``).
+  Masked steps (a causal mask, windows, lengths, segment ids, padded keys)
+  run as ``masks_every_step`` says.
   """
   rows, consumers = dkdv_steps(p, config)
   return config.fuse_dq and shares_dq(head(p), consumers) and rows == BWD_BLOCKS[0]
@@ -324,9 +321,10 @@ def masks_every_step(p: Problem, config: MosaicGpuAttentionConfig) -> bool:
     as a float32 or bfloat16 bias tile in SMEM, 180-396. Masking every
     step: spill-free causal at 16 on 16, 8 on 8, 16 on 4, 8 on 2, 32 on 2,
     8 on 1, 32 on 1, 4 on 1 and 2 on 2 heads, at 1024-8192 keys and with
-    padded keys (1000-8192), also with fewer keys than queries. Windows
-    spilled 260-364 bytes that way and lengths 384-476 (``_fuse_reason``:
-    32-query steps take them);
+    padded keys (1000-8192), also with fewer keys than queries; windows,
+    lengths and segment ids too, since K's and V's ``wgmma`` descriptors are
+    computed in the step (``mgpu.Form.opaque_zero``: before, windows spilled
+    260-364 bytes that way, lengths 384-476; ``_fuse_reason``);
   * 32-query steps with lengths (112-148 bytes with GQA) or a window (232
     with GQA; 32 causal at 16 on 16 heads and 2048 keys), where their split
     loops are spill-free with a causal mask alone: masking every step,
@@ -334,13 +332,9 @@ def masks_every_step(p: Problem, config: MosaicGpuAttentionConfig) -> bool:
     16 on 16, 8 on 8, 8 on 2, 8 on 1, 32 on 2, 16 on 4 and 2 on 2 heads
     (1000-8192 keys); a right bound alone (context parallelism's pieces:
     -64, -1, 20, 200) at 8 on 2, 8 on 1, 32 on 2, 16 on 4, 4 on 1 and 32 on
-    1 heads (1000-4096 keys, 1024 queries on 512) too; lengths with a
-    window spilled 16-36 bytes.
-
-  Both spilled with a causal mask (or a window) and fewer queries than keys
-  (FlashAttention-3's tile 276-364 bytes, 32-query steps 16-32, at 512 or
-  1024 queries on 1024 or 2048 keys): ``_fuse_reason`` refuses those, as
-  it refuses what spilled above.
+    1 heads (1000-4096 keys, 1024 queries on 512) too; segment ids, and
+    lengths with a window, since ``opaque_zero`` (before, 16-48 bytes with
+    GQA).
 
   Unfused, two consumers of 64-query steps (``dkdv_consumers=2``) spilled
   196 bytes with lengths (8 on 2 heads), 268 with segment ids and 20-100
@@ -361,7 +355,7 @@ def masks_every_step(p: Problem, config: MosaicGpuAttentionConfig) -> bool:
     return False
   if fused_wide_steps(p, config):  # padded keys are masked (``bwd_lengths``' keys)
     return has_masks(p) or bwd_lengths(p, config)[1] != p.s
-  return p.has_lengths or windowed(p)
+  return p.has_lengths or p.has_segments or windowed(p)
 
 
 def fused_dq_tiles(h: int, consumers: int) -> int:
@@ -534,17 +528,19 @@ def _fuse_reason(p: Problem, config: MosaicGpuAttentionConfig) -> Optional[str]:
 
   Compiled for H100 with a batch of 2: at head dim 64 (two consumers) every
   mask, segment ids and a soft cap, 2-4 slots, spill-free; at head dim 128
-  (one consumer, 255) in 2 slots unmasked, with lengths, and with causal and
-  window masks (and lengths) at one kv head or 1-16 query heads a kv head
-  (GQA's 4 or 8 on 2 spilled 20-48 bytes before stop 57; since, 8 on 2, 16
-  on 4, 32 on 2 and 4 on 2 are spill-free at 512-8192 keys, with a right
-  bound alone too), and with segment ids (48 bytes
-  with a causal mask at 8 on 8 before stop 57; since, spill-free with
-  lengths, causal masks and windows at 8 on 8, 8 on 2, 16 on 4, 32 on 2
-  and 8 on 1 heads); 4 slots spilled 132. Two consumers at head dim 128 (``dkdv_consumers=2``, dQ's
-  columns shared: ``shares_dq``; at ``mgpu.WIDE_REGISTERS``): what spilled
-  is in ``masks_every_step``'s docstring; at 232 registers, lengths 284
-  bytes, a window with GQA 460, a causal mask at 4 on 1 24.
+  in 2 slots (4 spilled 132 bytes), one consumer (at 255 registers) or two
+  sharing dQ's columns (``shares_dq``, at ``mgpu.WIDE_REGISTERS``; 32-query
+  steps or FlashAttention-3's tile), every mask, lengths and segment ids,
+  GQA and fewer queries than keys too (``masks_every_step`` says which
+  calls mask every step). Two consumers spilled with segment ids (16-48
+  bytes with GQA), lengths with a window (16-36), a causal mask or window
+  with fewer queries than keys (16-364) and, in FlashAttention-3's tile,
+  lengths, windows and segment ids (260-484) while their K's and V's
+  ``wgmma`` descriptors were held in registers across the loop; computed
+  in the step (``mgpu.Form.opaque_zero``), 492 such calls compiled
+  spill-free (head layouts 16 on 16, 8 on 2, 8 on 1, 32 on 2, 16 on 4;
+  T = S = 1000, 1024 and 4096, 512 on 1024, 1024 on 512; 12 mixes of
+  causal masks, windows, lengths and segment ids).
   """
   h = head(p)
   if determinism.required():
@@ -553,20 +549,6 @@ def _fuse_reason(p: Problem, config: MosaicGpuAttentionConfig) -> Optional[str]:
     return "fuse_dq: the dk/dv kernel splits dK's and dV's columns here (a share has no whole dQ)"
   if h > 64 and config.num_stages > 2:
     return f"num_stages={config.num_stages}: fuse_dq above head dim 64 takes 2 slots (4 spill)"
-  if h > 64 and dkdv_steps(p, config)[1] == CONSUMERS:
-    two = "fuse_dq with dkdv_consumers=2 above head dim 64 takes"
-    if p.has_segments:
-      return f"{two} no segment ids (spills)"
-    if bounded(p) and p.t < p.s:
-      return f"{two} no causal mask or window with fewer queries than keys ({p.t} < {p.s}: spills)"
-    if fused_wide_steps(p, config):
-      if p.has_lengths or windowed(p):
-        return (
-          "fuse_dq with dkdv_consumers=2 and dkdv_rows=64 (64-query steps) takes no lengths"
-          f" and no window (a causal mask only: spills); dkdv_rows={NARROW_ROWS} does"
-        )
-    elif p.has_lengths and windowed(p):
-      return f"{two} no lengths with a window (spills)"
   return None
 
 
