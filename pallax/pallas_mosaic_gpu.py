@@ -195,8 +195,18 @@ def compiler_params(approx_math: bool) -> Any:
   )
 
 
-# The GMEM zero of the kernel ``Form.launch`` traces (its first operand): ``Form.opaque_zero``.
-_STEP_ZERO: list[Any] = []
+class _StepZero(threading.local):
+  """The GMEM zeros of the kernels ``Form.launch`` is tracing in this thread, innermost last.
+
+  ``Form.opaque_zero`` reads the innermost. A thread's own: autotuning traces
+  candidates in a pool of threads (``pallax.executor.autotune``).
+  """
+
+  def __init__(self):
+    self.refs: list[Any] = []
+
+
+_STEP_ZERO = _StepZero()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -277,6 +287,8 @@ class Form:
     name when it discharges their refs). ``approx_math``: fast
     approximate ``exp2``, ``tanh``, ... on a GPU (the interpreter computes them
     exactly). Interpreted, the kernel runs in a host callback (``on_host``).
+    The kernel's first operand, before ``operands``, is ``opaque_zero``'s
+    zero; ``body`` does not see it.
 
     ``sums``: results that many blocks of threads add tiles to (``add_to``),
     zero before the kernel, returned after ``out_types``' results. Their refs
@@ -289,11 +301,11 @@ class Form:
     """
 
     def entry(zero_ref, *refs):
-      _STEP_ZERO.append(zero_ref)
+      _STEP_ZERO.refs.append(zero_ref)
       try:
         pl.run_scoped(lambda *scoped: body(*refs, scoped), *scratch, collective_axes="wg")
       finally:
-        _STEP_ZERO.pop()
+        _STEP_ZERO.refs.pop()
 
     entry.__name__ = entry.__qualname__ = name
     mesh = dict(grid=grid, grid_names=grid_names, num_threads=consumers + 1, thread_name="wg")
@@ -333,8 +345,13 @@ class Form:
     the fused dk/dv kernel in FlashAttention-3's tile with a window spilled
     300 bytes with them held, none computed in the step. The zero is
     ``launch``'s first operand.
+
+    Raises:
+      RuntimeError: outside the body of a kernel ``launch`` traces.
     """
-    return _STEP_ZERO[-1][0]
+    if not _STEP_ZERO.refs:
+      raise RuntimeError("opaque_zero: only in the body of a kernel Form.launch runs")
+    return _STEP_ZERO.refs[-1][0]
 
   def add_to(self, tile: Any, sum_ref: Any, index: tuple, part: Any) -> None:
     """Adds SMEM ``tile`` to ``sum_ref.at[index]`` (a ``launch`` sum), asynchronously.

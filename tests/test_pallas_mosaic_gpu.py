@@ -1,4 +1,6 @@
-"""``pallax.pallas_mosaic_gpu.Form.pipeline``: products in flight at once, read before the last.
+"""``pallax.pallas_mosaic_gpu.Form``: ``pipeline``'s products in flight, and ``opaque_zero``.
+
+``Form.pipeline``: products in flight at once, read before the last.
 
 A kernel of one consumer issues products onto two accumulators (the first
 starting from a nonzero tile), reads the first while the second's product
@@ -13,6 +15,9 @@ on an H100 or H200 the numerics test runs the Hopper form.
 """
 
 from __future__ import annotations
+
+import concurrent.futures
+import time
 
 import jax
 import jax.numpy as jnp
@@ -110,3 +115,56 @@ def test_a_register_split_over_the_block_is_refused(producer):
   assert 2 * consumer + rest == 512  # the widest split that fits
   with pytest.raises(ValueError, match=r"registers=\(248, 32\)"):
     mgpu.Form(hopper=False)._registers(2, (248, 32), producer=producer)
+
+
+def _through_tile(form: mgpu.Form, x: jax.Array, pause: float = 0.0) -> jax.Array:
+  """``x`` by TMA into SMEM tile 0 of two and out of tile ``opaque_zero()`` (after ``pause`` s)."""
+
+  def body(x_ref, out_ref, scoped):
+    tiles, loaded = scoped
+
+    def consumer(_):
+      plgpu.copy_gmem_to_smem(x_ref, tiles.at[0], loaded)
+      plgpu.barrier_wait(loaded)
+      time.sleep(pause)  # while tracing: another thread's kernel may be traced meanwhile
+      plgpu.copy_smem_to_gmem(tiles.at[form.opaque_zero()], out_ref)
+      plgpu.wait_smem_to_gmem(0)
+
+    form.warpgroups(1, consumer)
+
+  (out,) = form.launch(
+    body,
+    [x],
+    [jax.ShapeDtypeStruct(x.shape, x.dtype)],
+    grid=(1,),
+    grid_names=("x",),
+    scratch=[plgpu.SMEM((2, *x.shape), x.dtype), plgpu.Barrier(num_arrivals=1)],
+    name="opaque_zero_test",
+    consumers=1,
+  )
+  return out
+
+
+def test_opaque_zero_indexes_as_zero():
+  x = jnp.asarray(np.random.default_rng(1).standard_normal((N, N)), jnp.float32)
+  got = _through_tile(mgpu.Form(hopper="mosaic_gpu" in NATIVE_KERNELS), x)
+  np.testing.assert_array_equal(np.asarray(got), np.asarray(x))
+
+
+def test_opaque_zero_reads_its_own_threads_kernel():
+  """Autotuning traces kernels in a pool of threads: each kernel reads its own zero.
+
+  The first thread's kernel reads its zero while the second's is being
+  traced (a zero shared by the threads: a ref of the other kernel's jaxpr).
+  """
+  x = jax.ShapeDtypeStruct((N, N), jnp.float32)
+  trace = lambda pause: jax.make_jaxpr(lambda x: _through_tile(mgpu.Form(True), x, pause))(x)
+  with concurrent.futures.ThreadPoolExecutor(2) as pool:
+    jaxprs = list(pool.map(trace, [0.3, 1.0]))
+  assert all(j.eqns for j in jaxprs)
+  assert not mgpu._STEP_ZERO.refs  # every launch's zero popped
+
+
+def test_opaque_zero_outside_a_launch_raises():
+  with pytest.raises(RuntimeError, match="opaque_zero: only in the body of a kernel"):
+    mgpu.Form(hopper=False).opaque_zero()

@@ -1261,8 +1261,8 @@ def test_the_fused_dq_backward_compiles_spill_free_for_a_batch(
   stop 57);
   with ``dkdv_consumers=2`` two consumers at head dim 128 sharing dQ's
   columns, unmasked and causal with GQA (8 on 1: 24 bytes spilled at 4 on
-  1 before they took ``mgpu.WIDE_REGISTERS``), and windowed (every step
-  masked: ``masks_every_step``).
+  1 before they took ``mgpu.WIDE_REGISTERS``), windowed, and with segment
+  ids (every step masked: ``masks_every_step``; since stop 59).
   """
   config = mosaic_gpu.MosaicGpuAttentionConfig(
     block_k=64,
@@ -1280,30 +1280,32 @@ def test_the_fused_dq_backward_compiles_spill_free_for_a_batch(
 
 @pytest.mark.compilers
 @pytest.mark.parametrize(
-  "name, features, heads, kv_heads, t, s",
+  "name, features, heads, kv_heads, t, s, every",
   [
-    ("wide", "window-lengths-segments", 8, 2, 1000, 1000),
-    ("wide", "causal-window", 16, 16, 1024, 1024),
-    ("wide", "causal-lengths", 32, 2, 512, 1024),
-    ("two", "causal-window-lengths-segments", 8, 2, 1000, 1000),
-    ("two", "segments", 16, 4, 1024, 1024),
+    ("wide", "window-lengths-segments", 8, 2, 1000, 1000, True),
+    ("wide", "causal-window", 16, 16, 1024, 1024, True),
+    ("wide", "causal-lengths", 32, 2, 512, 1024, True),
+    ("two", "causal-window-lengths-segments", 8, 2, 1000, 1000, True),
+    ("two", "segments", 16, 4, 1024, 1024, True),
+    ("two", "causal", 8, 2, 512, 1024, False),
   ],
 )
 def test_the_shared_fused_steps_compile_spill_free_with_every_mask(
-  name, features, heads, kv_heads, t, s
+  name, features, heads, kv_heads, t, s, every
 ):
   """Two fused consumers sharing dQ's columns with windows, lengths and segment ids, GQA.
 
-  FlashAttention-3's tile (``fused_wide_steps``) and 32-query steps, every
-  step masked (``masks_every_step``), compiled for H100 at batch 2. They
-  spilled 16-484 bytes while K's and V's ``wgmma`` descriptors were held in
-  registers across the loop, none at an index read in each step
+  FlashAttention-3's tile (``fused_wide_steps``) and 32-query steps, compiled
+  for H100 at batch 2, every step masked (``masks_every_step``) but for a
+  causal mask alone in 32-query steps (loops of masked and unmasked steps).
+  They spilled 16-484 bytes while K's and V's ``wgmma`` descriptors were
+  held in registers across the loop, none at an index read in each step
   (``mgpu.Form.opaque_zero``); fewer queries than keys too.
   """
   config = FUSED_CONFIGS[name]
   eqn = _kernel_call(128, features, heads, kv_heads=kv_heads, t=t, s=s)
   assert _supports(eqn, config) is None
-  assert mosaic_gpu.config.masks_every_step(_problem(eqn), config)
+  assert mosaic_gpu.config.masks_every_step(_problem(eqn), config) == every
   _compiles_spill_free(eqn, config, ("new_body",))
 
 

@@ -40,23 +40,23 @@ own per key tile, summed after the kernel). Two consumers at head dim 128
 share dQ's columns (``config.shares_dq``): each computes 64 of them over
 both consumers' keys, from both dS^T tiles once a barrier says both are
 stored, and reduce-adds half the tiles. With ``dkdv_rows=64`` they take
-FlashAttention-3's tile (``fused_wide_steps``): 64-query
-steps, P^T stored to SMEM beside dS^T and dV's and dK's products reading
-both there, so a consumer holds only accumulators beside its products in
-flight (in ``mgpu.WIDE_REGISTERS``' 240 a thread: at 232, 4 bytes spilled;
-P^T and dS^T as register operands spilled 316-384 bytes in 64-query
-steps). Where two consumers' masked and unmasked steps in loops of their
-own spilled (FlashAttention-3's tile with any mask or padded keys,
-32-query steps with lengths, segment ids or a window, and unfused 64-query
-steps with lengths, segment ids or a window) every step is masked, in one
-loop, from its queries' positions that the ring brings
-(``masks_every_step``), in 240 registers a thread. The dk/dv kernel's
-products read its consumer's K and V at an index loaded in the step
-(``mgpu.Form.opaque_zero``): their ``wgmma`` descriptors, held in registers
-across the loop at a constant index, spilled the shared fused kernels
-with segment ids, windows or lengths. The adds' order varies, so dq
-is not bitwise reproducible; padded keys are masked there (their
-probability could overflow, and ``inf`` times their zero K is NaN).
+FlashAttention-3's tile (``fused_wide_steps``): 64-query steps, P^T stored
+to SMEM beside dS^T and dV's and dK's products reading both there, so a
+consumer holds only accumulators beside its products in flight (in
+``mgpu.WIDE_REGISTERS``' 240 a thread: at 232, 4 bytes spilled; P^T and
+dS^T as register operands spilled 316-384 bytes in 64-query steps). Where
+two consumers' masked and unmasked steps in loops of their own spilled
+(FlashAttention-3's tile with any mask or padded keys, 32-query steps with
+lengths, segment ids or a window, and unfused 64-query steps with lengths,
+segment ids or a window) every step is masked, in one loop, from its
+queries' positions that the ring brings (``masks_every_step``), in 240
+registers a thread. The dk/dv kernel's products read its consumer's K and V
+at an index loaded in the step (``mgpu.Form.opaque_zero``): their ``wgmma``
+descriptors, held in registers across the loop at a constant index, spilled
+the shared fused kernels with segment ids, windows or lengths. The adds'
+order varies, so dq is not bitwise reproducible; padded keys are masked
+there (their probability could overflow, and ``inf`` times their zero K is
+NaN).
 
 Within a consumer, products run while it computes (``Form.pipeline``):
 the dk/dv kernel issues S^T and dP^T at once in the steps its loops know

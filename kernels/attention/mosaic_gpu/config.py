@@ -332,9 +332,9 @@ def masks_every_step(p: Problem, config: MosaicGpuAttentionConfig) -> bool:
     16 on 16, 8 on 8, 8 on 2, 8 on 1, 32 on 2, 16 on 4 and 2 on 2 heads
     (1000-8192 keys); a right bound alone (context parallelism's pieces:
     -64, -1, 20, 200) at 8 on 2, 8 on 1, 32 on 2, 16 on 4, 4 on 1 and 32 on
-    1 heads (1000-4096 keys, 1024 queries on 512) too; segment ids, and
-    lengths with a window, since ``opaque_zero`` (before, 16-48 bytes with
-    GQA).
+    1 heads (1000-4096 keys, 1024 queries on 512) too; segment ids (their
+    split loops spilled 8-216 bytes), and lengths with a window, since
+    ``opaque_zero`` (before, every step masked, 16-48 bytes with GQA).
 
   Unfused, two consumers of 64-query steps (``dkdv_consumers=2``) spilled
   196 bytes with lengths (8 on 2 heads), 268 with segment ids and 20-100
