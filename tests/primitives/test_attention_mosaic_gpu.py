@@ -268,8 +268,16 @@ FUSED_CASES = {
   # step masked: GQA, two examples, more queries than keys.
   "h128-packed-gqa-two": Case(b=2, t=150, s=130, n=4, k=2, h=128, segments="packed"),
   # Slow: packed documents under a causal mask with lengths, MQA.
-  "h128-packed-causal-lengths-mqa-two": dataclasses.replace(
-    Case(b=1, t=130, s=130, n=2, k=1, h=128, is_causal=True, q_len=(120,), kv_len=(100,)),
+  "h128-packed-causal-lengths-mqa-two": Case(
+    b=1,
+    t=130,
+    s=130,
+    n=2,
+    k=1,
+    h=128,
+    is_causal=True,
+    q_len=(120,),
+    kv_len=(100,),
     segments="packed",
   ),
   # Slow: causal with fewer queries than keys, GQA, two examples.
