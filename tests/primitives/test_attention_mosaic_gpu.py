@@ -143,6 +143,24 @@ CASES = {
     ),
     MOSAIC,
   ),
+  # Slow: packed documents at head dim 256 under a window (Gemma's local
+  # layers), lengths, GQA: the backward's split columns (pinned), the dq
+  # kernel's own tiles at an index read in each step.
+  "h256-packed-window-lengths": (
+    Case(
+      b=2,
+      t=100,
+      s=130,
+      n=4,
+      k=2,
+      h=256,
+      window=(50, 0),
+      q_len=(100, 60),
+      kv_len=(130, 90),
+      segments="packed",
+    ),
+    "pallas",
+  ),
   # Sinks make the forward's lse of a row past q_len finite (the sink's
   # logit): the backward must still give that row no probability.
   "h128-lengths-sinks": (Case(b=1, t=64, s=64, n=1, k=1, h=128, q_len=(40,), sinks=True), MOSAIC),
@@ -178,13 +196,14 @@ def _chosen(case: Case, dtype, config=None) -> dict[str, str]:
   return {op: r.implementation for op, r in _picks(case, dtype, config).items()}
 
 
-# The default run leaves six cases to ``-m slow`` (a minute or two each
+# The default run leaves seven cases to ``-m slow`` (a minute or two each
 # interpreted): the capped MQA window, whose features the smaller capped window
 # runs; plain causal GQA, in the padded batches' cases too; the padded batch at
 # head dim 64, whose features the head dim 128 case and the race test (at 64:
 # lengths, segment ids, numerics) run; the GQA batch of two at head dim
 # 128, whose loop the MQA head dim 128 case runs (its spills: a compilers
-# test); and head dim 256, whose split columns the capped window runs.
+# test); and head dim 256, whose split columns the capped window runs (and
+# its forward with segment ids, a test of its own).
 SLOW_CASES = (
   "window-mqa-h80-cap",
   "causal-gqa",
@@ -192,6 +211,7 @@ SLOW_CASES = (
   "h128-gqa-lengths-packed-causal",
   "h256-window",
   "h256-cap-gqa",
+  "h256-packed-window-lengths",
 )
 # The autotuning candidate a case pins where the heuristic leaves its backward to Triton.
 PIN = mosaic_gpu.MosaicGpuAttentionConfig(block_k=64, num_stages=2)
@@ -546,6 +566,22 @@ def test_the_one_consumer_forward_with_a_soft_cap_and_masks_at_head_dim_256():
   picks = _forward_vs_float64(case, PIN, 5, "one-consumer forward")
   assert picks[None].implementation == "pallas" and "autotuning" in picks[None].note
   assert picks[PIN].implementation == MOSAIC
+
+
+def test_the_forward_takes_segment_ids_at_head_dim_256():
+  """Packed documents at head dim 256 (Gemma's), causal, GQA: the heuristic's two consumers.
+
+  The forward refused segment ids above head dim 128 while their registers
+  beside Q's ``wgmma`` descriptors (held across the loop) spilled: Q's index
+  is read in each step now (``mgpu.Form.opaque_zero``). Output, lse and rows
+  past their lengths against float64; the backward is the slow case below.
+  """
+  case = Case(
+    b=2, t=130, s=100, n=4, k=2, h=256, is_causal=True, segments="packed", kv_len=(100, 70)
+  )
+  config = mosaic_gpu.MosaicGpuAttentionConfig(block_k=64, num_stages=2)
+  picks = _forward_vs_float64(case, config, 9, "segment ids at head dim 256")
+  assert picks[None].implementation == MOSAIC and picks[None].config == config
 
 
 # The forward's autotuning candidate with FlashAttention-3's intra-warpgroup
@@ -1067,24 +1103,33 @@ def test_supports_and_the_ring_in_shared_memory():
   assert "splits" in h256(config(64, 64, fuse_dq=True), stage="bwd", **PARAMS)
   assert "SMEM" in supports(config(block_k=256, num_stages=4), stage="fwd", **PARAMS)
   assert "multiple of 64" in supports(config(block_k=96), stage="fwd", **PARAMS)
-  # With segment ids the forward holds a block's key ids in registers too.
+  # Segment ids at every head dim (own tiles' index read in each step:
+  # ``mgpu.Form.opaque_zero``), in forward blocks of up to 192 keys, 128 by the heuristic.
   segments = {**PARAMS, "has_segments": True}
   with_ids = functools.partial(mosaic_gpu.supports, _avals(segments=True), h100)
-  assert with_ids(config(), stage="bwd", **segments) is None
-  assert "head dim + block_k <= 192" in with_ids(config(), stage="fwd", **segments)
-  assert with_ids(config(block_k=64), stage="fwd", **segments) is None
-  assert mosaic_gpu.heuristic(_avals(segments=True), h100, stage="fwd", **segments).block_k == 64
+  for stage in ("fwd", "bwd"):
+    assert with_ids(config(), stage=stage, **segments) is None
+  assert mosaic_gpu.heuristic(_avals(segments=True), h100, stage="fwd", **segments).block_k == 128
+  assert "up to 192 keys" in with_ids64(config(block_k=256), stage="fwd", **segments)
   h256 = functools.partial(mosaic_gpu.supports, _avals(h=256, segments=True), h100)
-  assert "segment ids in the Mosaic GPU forward up to head dim 128" in h256(
-    config(block_k=64), stage="fwd", **segments
+  for stage in ("fwd", "bwd"):
+    assert h256(config(block_k=64), stage=stage, **segments) is None
+  # Their two int32 buffers count a KiB each: at head dim 256 with a soft cap
+  # and a causal mask (one consumer) 3 slots are over SMEM with them, not without.
+  capped = {**segments, "window_right": 0, "logits_soft_cap": 20.0}
+  assert "SMEM" in h256(config(block_k=64, num_stages=3), stage="fwd", **capped)
+  no_ids = functools.partial(mosaic_gpu.supports, _avals(h=256), h100)
+  assert (
+    no_ids(config(block_k=64, num_stages=3), stage="fwd", **{**capped, "has_segments": False})
+    is None
   )
-  assert "segment ids in the Mosaic GPU backward up to head dim 128" in h256(
-    config(), stage="bwd", **segments
+  p, p_ids = (
+    Problem.of(_avals(segments=ids), **{**PARAMS, "has_segments": ids}) for ids in (False, True)
   )
-  p = Problem.of(_avals(), **PARAMS)
   # Q/O (2 x 64 x 128), K and V (2 slots x 128 x 128), lse (2 x 64) floats.
   want = 2 * 64 * 128 * 2 + 4 * 128 * 128 * 2 + 2 * 64 * 4
   assert mosaic_gpu.smem_bytes(p, config(), "fwd") == want
+  assert mosaic_gpu.smem_bytes(p_ids, config(), "fwd") == want + 2 * 1024
   for candidate in mosaic_gpu.candidates(_avals(h=256), h100, stage="fwd", **PARAMS):
     assert mosaic_gpu.supports(_avals(h=256), h100, candidate, stage="fwd", **PARAMS) is None
 
@@ -1507,6 +1552,37 @@ def test_the_forward_with_wide_blocks_or_rings_compiles_spill_free(h, features, 
   config = mosaic_gpu.MosaicGpuAttentionConfig(block_k=block_k, num_stages=stages)
   assert _supports(eqn, config, "fwd") is None
   _compiles_spill_free(eqn, config, ("dot_product_attention_fwd",))
+
+
+@pytest.mark.compilers
+@pytest.mark.parametrize(
+  "stage, h, features, heads, kv_heads, t, s, config",
+  [
+    (FWD, 256, "segments", 8, 1, 1000, 1000, {}),
+    (FWD, 256, "segments-cap", 16, 16, 1000, 1000, {}),
+    (FWD, 256, "window-segments", 8, 2, 512, 1024, {}),
+    (FWD, 128, "causal-segments", 8, 2, 1024, 512, {"block_k": 128}),
+    (FWD, 128, "causal-segments", 8, 2, 512, 1024, {"block_k": 128, "fwd_overlap": True}),
+    (FWD, 64, "window-segments", 16, 16, 512, 1024, {"block_k": 192}),
+    (BWD, 256, "lengths-segments-cap", 8, 2, 1000, 1000, {}),
+  ],
+)
+def test_segment_ids_compile_spill_free_at_every_head_dim_and_block(
+  stage, h, features, heads, kv_heads, t, s, config
+):
+  """Segment ids up to head dim 256 and in the forward's blocks up to 192 keys, for H100 (batch 2).
+
+  The forward took them up to head dim + ``block_k`` 192 and the backward
+  up to head dim 128: beside the ids, Q's (the dq kernel's Q's and dO's)
+  ``wgmma`` descriptors, held across the loop, spilled 8-60 bytes here (the
+  dq kernel 8-68). With segment ids their index is read in each step
+  (``mgpu.Form.opaque_zero``).
+  """
+  eqn = _kernel_call(h, features, heads, stage=stage, kv_heads=kv_heads, t=t, s=s)
+  config = mosaic_gpu.MosaicGpuAttentionConfig(**{"block_k": 64, "num_stages": 2, **config})
+  assert _supports(eqn, config, "fwd" if stage == FWD else "bwd") is None
+  kernels = ("fwd",) if stage == FWD else ("dq", "dkdv")
+  _compiles_spill_free(eqn, config, tuple(f"dot_product_attention_{k}" for k in kernels))
 
 
 @pytest.mark.compilers

@@ -161,12 +161,6 @@ def feature_reason(p: Problem, stage: str = "fwd") -> Optional[str]:
     return (
       f"head dims up to {_MAX_HEAD[stage]} in the Mosaic GPU {stage} kernel{why}, got {head(p)}"
     )
-  if stage == "fwd" and p.has_segments and head(p) + 64 > _SEGMENT_REGISTERS:
-    return f"segment ids in the Mosaic GPU forward up to head dim {_SEGMENT_REGISTERS - 64}"
-  if stage == "bwd" and p.has_segments and head(p) > 128:
-    # Compiled for H100: at head dim 256 the dq kernel spilled 8 bytes with
-    # lengths and segment ids (68 with a soft cap), the dk/dv kernel 8 with a cap.
-    return "segment ids in the Mosaic GPU backward up to head dim 128"
   if p.t == 0 or p.s == 0:
     return "no queries or no keys"
   return None
@@ -202,17 +196,17 @@ _SMEM = {
 }
 
 
-# With segment ids the forward holds a block's key ids in registers (a quarter
-# of a register a key, a thread): compiled for H100 (pallax.verify), head dim
-# plus block_k up to 192 fits its consumers' registers, 256 spills.
-_SEGMENT_REGISTERS = 192
-
 # Above head dim 64 a causal mask or a window takes the forward up to 128
 # keys a block, as FlashAttention-3's forward does: compiled for H100 at head
 # dim 128, 192-key blocks spilled 8-36 bytes with windows and causal masks
 # of fewer queries than keys; unmasked, padded, with lengths or a soft cap
 # they fit (the mask's positions vectors, ``Tiles.keep_keys``).
 _BOUNDED_BLOCK_K = 128
+
+# With segment ids the forward takes up to 192 keys a block: compiled for
+# H100 at head dim 64 (batch 2), 256-key blocks spilled 32-420 bytes with
+# lengths or a window (the block's key ids beside the mask's positions).
+_SEGMENT_BLOCK_K = 192
 
 # dQ's columns a product (and a TMA reduce-add) of the fused dk/dv kernel
 # (``fuse_dq``): dQ^T's 64 rows, ``wgmma``'s M, are K's columns transposed.
@@ -472,9 +466,14 @@ def smem_bytes(p: Problem, config: MosaicGpuAttentionConfig, stage: str) -> int:
     # dK and dV whole go through K's and V's SMEM; dQ has a tile of its own.
     out = k.out_tiles if k.own == "dq" or cols < h else 0
     elements = n * (k.own_tiles * h + out * cols) * own + c.num_stages * k.ring_tiles * ring * h
-    seg = int(p.has_segments)
     ringed = int(k.own == "k" and masks_every_step(p, config))  # the steps' query positions
-    stats = n * (k.own_stats + seg) * own + c.num_stages * (k.ring_stats + seg + ringed) * ring
+    stats = n * k.own_stats * own + c.num_stages * (k.ring_stats + ringed) * ring
+    # Segment ids: two int32 buffers (the own rows', the ring's), each under
+    # SMEM's 1 KiB granule and counted whole (``mgpu.SMEM_ALIGN``): compiled
+    # for H100, the forward at head dim 256 in 3 slots took 232560 bytes with
+    # them, 1904 more than its buffers' elements, and 881 more without them.
+    ids = [n * own, c.num_stages * ring] if p.has_segments else []
+    stats += sum(round_up(i, mgpu.SMEM_ALIGN // 4) for i in ids)
     dq_tiles = 0
     if fused:  # dS^T (two buffers where consumers share it), P^T's, dQ^T's float32 tiles
       ds_buffers = 1 + shares_dq(h, n) + fused_wide_steps(p, config)
@@ -564,8 +563,11 @@ def _config_reason(p: Problem, config: MosaicGpuAttentionConfig, stage: str) -> 
       f"block_k={bk}: with a causal mask or window above head dim 64 the forward takes"
       f" up to {_BOUNDED_BLOCK_K} keys a block (spills)"
     )
-  if stage == "fwd" and p.has_segments and head(p) + bk > _SEGMENT_REGISTERS:
-    return f"block_k={bk}: with segment ids the forward takes head dim + block_k <= 192"
+  if stage == "fwd" and p.has_segments and bk > _SEGMENT_BLOCK_K:
+    return (
+      f"block_k={bk}: with segment ids the forward takes up to {_SEGMENT_BLOCK_K} keys a block"
+      " (spills)"
+    )
   if stage == "fwd" and config.fwd_overlap and (head(p) > 128 or bk > 128):
     return (
       f"fwd_overlap: up to head dim 128 and block_k 128, not {head(p)} and {bk}"
@@ -623,13 +625,13 @@ def splits_columns(p: Problem) -> bool:
 def heuristic(avals: Sequence[Any], target: str, *, stage: str, **params):
   """Forward: 128-key blocks in a 2-slot ring where they are legal, else 64; backward: 64 x 64.
 
-  128-key blocks are legal up to head dim 128 (SMEM), with segment ids up to
-  64 (registers: ``_config_reason``). None (the Triton kernels by default,
-  these an autotuning candidate) for a backward that splits its results'
-  columns (head dim 256, a soft cap above 64): its blocks of threads compute
-  S and dP once a share (at 256, 15 products' work against 7) and have not
-  been timed against the Triton backward on a GPU; and for a forward of one
-  consumer (``fwd_consumers``: no ping-pong), not timed either.
+  128-key blocks are legal up to head dim 128 (SMEM: ``_config_reason``).
+  None (the Triton kernels by default, these an autotuning candidate) for a
+  backward that splits its results' columns (head dim 256, a soft cap above
+  64): its blocks of threads compute S and dP once a share (at 256, 15
+  products' work against 7) and have not been timed against the Triton
+  backward on a GPU; and for a forward of one consumer (``fwd_consumers``: no
+  ping-pong), not timed either.
   """
   p = Problem.of(avals, **params)
   if stage == "fwd" and fwd_consumers(p) == 1 and feature_reason(p, stage) is None:

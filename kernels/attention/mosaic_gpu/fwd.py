@@ -116,7 +116,12 @@ def fwd(*operands, config: MosaicGpuAttentionConfig, interpret: Any, **params) -
       def issue_scores(j, acc_ref):  # S = Q K^T of block j
         s = ring.slot(j)
         keys = plgpu.transpose_ref(k_smem.at[s], (1, 0)) if form.hopper else k_smem.at[s]
-        plgpu.wgmma(acc_ref, q_smem, keys)
+        # With segment ids Q's index is read in each step: at a constant index
+        # its wgmma descriptors (32 registers at head dim 256) were held across
+        # the loop and spilled 8-60 bytes, compiled for H100 (``Form.opaque_zero``).
+        # Without them the code stays as it was timed on an H200.
+        queries = qo_smem.at[wg + form.opaque_zero()] if p.has_segments else q_smem
+        plgpu.wgmma(acc_ref, queries, keys)
 
       def probabilities(j, qk, m, denom, masked: bool):
         """Block ``j``'s ``S`` into the softmax (``e``, ``alpha``, maxima, sums); frees its K."""
