@@ -22,7 +22,8 @@ implementations:
   against 7, TMA reduce-adds) in one consumer warpgroup, and in two
   (``dkdv_consumers=2``, FlashAttention-3's shape) of 32-query steps, and
   ``pallax-fa3``: the two in 64-query steps (FlashAttention-3's tile,
-  ``fused_wide_steps``; a causal mask masks every step), autotuning
+  ``fused_wide_steps``; its causal steps in loops of masked and unmasked
+  ones here, one query head a kv head: ``causal_loops``), autotuning
   candidates (never the heuristic's) until their times here say more; left out under
   ``PALLAX_BENCH_FUSED=0``
   (``bench/hopper.sh`` sets it when the fused kernel's tests failed on the

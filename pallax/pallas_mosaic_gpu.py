@@ -61,8 +61,9 @@ SMEM_LIMIT = 232448
 # limit). Configs of several buffers under 1 KiB near the limit could pass
 # this and fail to compile: ``pallax.verify`` compiles every choosable one.
 SMEM_BUDGET = SMEM_LIMIT - 1024
-# The granule each SMEM buffer is rounded up to: a kernel of several buffers
-# under it counts each whole (``SMEM_BUDGET`` holds one).
+# The granule each SMEM buffer is rounded up to. ``SMEM_BUDGET`` holds one
+# buffer's rounding; a kernel's estimate counts its other small buffers (the
+# attention kernels' segment ids) in whole granules.
 SMEM_ALIGN = 1024
 # Rows of one warpgroup's ``wgmma`` (its M): a consumer warpgroup's tile height.
 WGMMA_ROWS = 64

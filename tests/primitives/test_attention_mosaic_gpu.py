@@ -322,6 +322,9 @@ FUSED_CASES = {
   # Slow: causal with more queries than keys, one query head a kv head, two
   # examples.
   "h128-causal-mha-wide": Case(b=2, t=130, s=100, n=2, k=2, h=128, is_causal=True),
+  # Causal, one query head a kv head, keys in whole blocks of threads: loops
+  # of unmasked steps and of masked ones (``causal_loops``), blocks skipped.
+  "h128-causal-loops-wide": Case(b=1, t=256, s=256, n=2, k=2, h=128, is_causal=True),
   # Slow: unmasked, keys short of a block of threads (70 of 128), MQA.
   "h128-padded-mqa-wide": Case(b=1, t=90, s=70, n=2, k=1, h=128),
   # A window with lengths, GQA, fewer queries than keys (every step masked).
@@ -574,14 +577,14 @@ def test_the_forward_takes_segment_ids_at_head_dim_256():
   The forward refused segment ids above head dim 128 while their registers
   beside Q's ``wgmma`` descriptors (held across the loop) spilled: Q's index
   is read in each step now (``mgpu.Form.opaque_zero``). Output, lse and rows
-  past their lengths against float64; the backward is the slow case below.
+  past their lengths against float64; the backward is ``CASES``'
+  ``h256-packed-window-lengths`` (slow).
   """
   case = Case(
     b=2, t=130, s=100, n=4, k=2, h=256, is_causal=True, segments="packed", kv_len=(100, 70)
   )
-  config = mosaic_gpu.MosaicGpuAttentionConfig(block_k=64, num_stages=2)
-  picks = _forward_vs_float64(case, config, 9, "segment ids at head dim 256")
-  assert picks[None].implementation == MOSAIC and picks[None].config == config
+  picks = _forward_vs_float64(case, PIN, 9, "segment ids at head dim 256")
+  assert picks[None].implementation == MOSAIC and picks[None].config == PIN
 
 
 # The forward's autotuning candidate with FlashAttention-3's intra-warpgroup
@@ -934,12 +937,16 @@ def test_supports_and_the_ring_in_shared_memory():
   for other in (fused, dataclasses.replace(fa3, dkdv_rows=32)):  # one consumer; 32-query steps
     assert not mosaic_gpu.config.fused_wide_steps(p128, other)
   assert not mosaic_gpu.config.fused_wide_steps(p64, fa3)
-  # A causal mask, or keys short of its blocks of threads, mask every step:
-  # each slot brings its queries' positions too (int32).
+  # A causal mask with GQA (or more queries than keys), or keys short of its
+  # blocks of threads, mask every step: each slot brings its queries'
+  # positions too (int32). One query head a kv head runs split loops.
   causal = {**PARAMS, "window_right": 0}
   p_causal = Problem.of(_avals(), **causal)
   assert supports(fa3, stage="bwd", **causal) is None
   assert mosaic_gpu.config.masks_every_step(p_causal, fa3)
+  for t, s, every in ((256, 256, False), (128, 256, False), (512, 256, True)):
+    p_mha = Problem.of(_avals(t=t, s=s, kv_heads=4, groups=1), **causal)
+    assert mosaic_gpu.config.masks_every_step(p_mha, fa3) == every
   assert not mosaic_gpu.config.masks_every_step(p128, fa3)
   assert mosaic_gpu.smem_bytes(p_causal, fa3, "bwd") == want + 2 * 64 * 4
   assert mosaic_gpu.supports(_avals(s=200), h100, fa3, stage="bwd", **PARAMS) is None
@@ -1130,6 +1137,16 @@ def test_supports_and_the_ring_in_shared_memory():
   want = 2 * 64 * 128 * 2 + 4 * 128 * 128 * 2 + 2 * 64 * 4
   assert mosaic_gpu.smem_bytes(p, config(), "fwd") == want
   assert mosaic_gpu.smem_bytes(p_ids, config(), "fwd") == want + 2 * 1024
+  # In whole KiB: 3 slots of 128 keys' ids take 1536 bytes, counted 2048.
+  p64, p64_ids = (
+    Problem.of(_avals(h=64, segments=ids), **{**PARAMS, "has_segments": ids})
+    for ids in (False, True)
+  )
+  three = config(num_stages=3)
+  assert (
+    mosaic_gpu.smem_bytes(p64_ids, three, "fwd")
+    == mosaic_gpu.smem_bytes(p64, three, "fwd") + 3 * 1024
+  )
   for candidate in mosaic_gpu.candidates(_avals(h=256), h100, stage="fwd", **PARAMS):
     assert mosaic_gpu.supports(_avals(h=256), h100, candidate, stage="fwd", **PARAMS) is None
 
@@ -1341,6 +1358,8 @@ def test_the_fused_dq_backward_compiles_spill_free_for_a_batch(
     ("two", "causal-window-lengths-segments", 8, 2, 1000, 1000, True),
     ("two", "segments", 16, 4, 1024, 1024, True),
     ("two", "causal", 8, 2, 512, 1024, False),
+    ("wide", "causal", 16, 16, 4096, 4096, False),
+    ("wide", "causal", 8, 8, 512, 1024, False),
   ],
 )
 def test_the_shared_fused_steps_compile_spill_free_with_every_mask(
@@ -1350,9 +1369,10 @@ def test_the_shared_fused_steps_compile_spill_free_with_every_mask(
 
   FlashAttention-3's tile (``fused_wide_steps``) and 32-query steps, compiled
   for H100 at batch 2, every step masked (``masks_every_step``) but for a
-  causal mask alone in 32-query steps (loops of masked and unmasked steps).
-  They spilled 16-484 bytes while K's and V's ``wgmma`` descriptors were
-  held in registers across the loop, none at an index read in each step
+  causal mask alone in 32-query steps, and in the tile at one query head a
+  kv head (``causal_loops``): loops of masked and unmasked steps. They
+  spilled 16-484 bytes while K's and V's ``wgmma`` descriptors were held in
+  registers across the loop, none at an index read in each step
   (``mgpu.Form.opaque_zero``); fewer queries than keys too.
   """
   config = FUSED_CONFIGS[name]
@@ -1432,16 +1452,19 @@ def test_consumers_sharing_dq_compile_spill_free_for_a_batch(tile, features, hea
   """Two consumers sharing dQ's columns compiled for H100 at batch 2, ``t`` queries and keys.
 
   FlashAttention-3's tile (``wide``) takes ``mgpu.WIDE_REGISTERS`` (at 232
-  it spilled 4 bytes); a causal mask or padded keys (1000) mask its every
-  step (``masks_every_step``). The 32-query steps (``two``) mask every step
-  with lengths and windows, which in loops of their own per query head and
-  kind of step spilled 112-232 bytes with GQA, and a causal window 32 at 16
-  on 16 heads and 2048 keys; a right bound alone (``right``) with GQA too.
+  it spilled 4 bytes); a causal mask with GQA or padded keys (1000) mask its
+  every step (``masks_every_step``), a causal mask at one query head a kv
+  head runs loops of masked and unmasked steps (``causal_loops``). The
+  32-query steps (``two``) mask every step with lengths and windows, which
+  in loops of their own per query head and kind of step spilled 112-232
+  bytes with GQA, and a causal window 32 at 16 on 16 heads and 2048 keys; a
+  right bound alone (``right``) with GQA too.
   """
   config = FUSED_CONFIGS[tile]
   eqn = _kernel_call(128, features, heads, kv_heads=kv_heads, t=t)
   assert _supports(eqn, config) is None
-  masked = features != "plain" or t % 128 != 0
+  loops = tile == "wide" and features == "causal" and heads == kv_heads
+  masked = (features != "plain" and not loops) or t % 128 != 0
   assert mosaic_gpu.config.masks_every_step(_problem(eqn), config) == masked
   _compiles_spill_free(eqn, config, ("new_body",))
 

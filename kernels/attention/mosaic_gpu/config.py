@@ -67,9 +67,10 @@ class MosaicGpuAttentionConfig(KernelConfig):
     32-query steps (``dkdv_rows=32``) or FlashAttention-3's tile
     (``dkdv_rows=64``, the default: ``fused_wide_steps``), every feature
     too (``_fuse_reason``); lengths, segment ids, windows and, in
-    FlashAttention-3's tile, a causal mask or keys short of its blocks of
-    128 mask every step (``masks_every_step``). The forward and the
-    tangent ignore it.
+    FlashAttention-3's tile, keys short of its blocks of 128 and a causal
+    mask with GQA or more queries than keys mask every step
+    (``masks_every_step``, ``causal_loops``). The forward and the tangent
+    ignore it.
   dq_consumers: consumer warpgroups of the backward's dq kernel, 64 queries
     each: 1 (the heuristic's) or 2, where one consumer's softmax runs beside
     the other's matrix products, up to head dim 128 (an autotuning candidate
@@ -318,7 +319,9 @@ def masks_every_step(p: Problem, config: MosaicGpuAttentionConfig) -> bool:
     padded keys (1000-8192), also with fewer keys than queries; windows,
     lengths and segment ids too, since K's and V's ``wgmma`` descriptors are
     computed in the step (``mgpu.Form.opaque_zero``: before, windows spilled
-    260-364 bytes that way, lengths 384-476; ``_fuse_reason``);
+    260-364 bytes that way, lengths 384-476; ``_fuse_reason``). Since then
+    (``causal_loops``) a causal mask alone, at one query head a kv head and
+    no more queries than keys, runs the split loops spill-free;
   * 32-query steps with lengths (112-148 bytes with GQA) or a window (232
     with GQA; 32 causal at 16 on 16 heads and 2048 keys), where their split
     loops are spill-free with a causal mask alone: masking every step,
@@ -348,8 +351,26 @@ def masks_every_step(p: Problem, config: MosaicGpuAttentionConfig) -> bool:
   if not shares_dq(head(p), dkdv_steps(p, config)[1]):
     return False
   if fused_wide_steps(p, config):  # padded keys are masked (``bwd_lengths``' keys)
-    return has_masks(p) or bwd_lengths(p, config)[1] != p.s
+    masked = has_masks(p) and not causal_loops(p)
+    return masked or bwd_lengths(p, config)[1] != p.s
   return p.has_lengths or p.has_segments or windowed(p)
+
+
+def causal_loops(p: Problem) -> bool:
+  """Whether FlashAttention-3's tile runs a causal call's unmasked steps in a loop of their own.
+
+  A causal mask alone (no window, lengths or segment ids), one query head a
+  kv head, no more queries than keys. Compiled for H100 (batch 2, head dim
+  128), those split loops are spill-free at 16 on 16, 8 on 8, 32 on 32, 4
+  on 4, 2 on 2 and 1 on 1 heads (1024-8192 keys, 512 queries on 1024, 1024
+  on 768, 4096 on 8192), where with GQA they spilled 820 bytes (8 on 2 and 8
+  on 1 heads) and with twice as many queries as keys 24. An unmasked step
+  takes 517-526 instructions there, a step masked in every step's loop
+  620-629 (SASS, 16 on 16 heads, 4096 keys): a causal call's steps are
+  mostly unmasked.
+  """
+  plain = not (windowed(p) or p.has_lengths or p.has_segments)
+  return bounded(p) and plain and p.groups == 1 and p.t <= p.s
 
 
 def fused_dq_tiles(h: int, consumers: int) -> int:
@@ -468,10 +489,10 @@ def smem_bytes(p: Problem, config: MosaicGpuAttentionConfig, stage: str) -> int:
     elements = n * (k.own_tiles * h + out * cols) * own + c.num_stages * k.ring_tiles * ring * h
     ringed = int(k.own == "k" and masks_every_step(p, config))  # the steps' query positions
     stats = n * k.own_stats * own + c.num_stages * (k.ring_stats + ringed) * ring
-    # Segment ids: two int32 buffers (the own rows', the ring's), each under
-    # SMEM's 1 KiB granule and counted whole (``mgpu.SMEM_ALIGN``): compiled
-    # for H100, the forward at head dim 256 in 3 slots took 232560 bytes with
-    # them, 1904 more than its buffers' elements, and 881 more without them.
+    # Segment ids: two int32 buffers (the own rows', the ring's), each rounded
+    # up to whole KiB (``mgpu.SMEM_ALIGN``): compiled for H100, the forward at
+    # head dim 256 in 3 slots took 232560 bytes with them, 1904 more than its
+    # buffers' elements, and 881 more without them.
     ids = [n * own, c.num_stages * ring] if p.has_segments else []
     stats += sum(round_up(i, mgpu.SMEM_ALIGN // 4) for i in ids)
     dq_tiles = 0

@@ -118,9 +118,9 @@ def fwd(*operands, config: MosaicGpuAttentionConfig, interpret: Any, **params) -
         keys = plgpu.transpose_ref(k_smem.at[s], (1, 0)) if form.hopper else k_smem.at[s]
         # With segment ids Q's index is read in each step: at a constant index
         # its wgmma descriptors (32 registers at head dim 256) were held across
-        # the loop and spilled 8-60 bytes, compiled for H100 (``Form.opaque_zero``).
+        # the loop and spilled 8-76 bytes, compiled for H100 (``Form.opaque_zero``).
         # Without them the code stays as it was timed on an H200.
-        queries = qo_smem.at[wg + form.opaque_zero()] if p.has_segments else q_smem
+        queries = qo_smem.at[wg + form.opaque_zero()] if seg_refs else q_smem
         plgpu.wgmma(acc_ref, queries, keys)
 
       def probabilities(j, qk, m, denom, masked: bool):

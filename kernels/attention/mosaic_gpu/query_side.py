@@ -228,10 +228,11 @@ class QueryKernel:
             return blocks.keep_keys(form, t0, j, ids)
 
           hide = tiles.hiding(masked, keep)
-          at = dict(slot=ring.slot(j), masked=masked)
+          fields = dict(slot=ring.slot(j), masked=masked)
           if seg_refs:  # own tiles at an index read in the step (``Form.opaque_zero``)
-            at["own"] = {name: bufs[name].at[wg + form.opaque_zero()] for name in own_names}
-          return step(dataclasses.replace(ctx, **at), j, carry, hide)
+            zero = form.opaque_zero()
+            fields["own"] = {name: bufs[name].at[wg + zero] for name in own_names}
+          return step(dataclasses.replace(ctx, **fields), j, carry, hide)
 
         unmasked = blocks.unmasked_keys(t0, *own)
         carry = tiles.over_steps(lo, own, unmasked, hi, skip, run, init(ctx), self.one_loop)
