@@ -341,7 +341,8 @@ class Form:
     """0 as an int32 ptxas cannot prove constant, loaded from GMEM where it is called.
 
     For the index of a ``wgmma`` operand constant in a loop (a consumer's own
-    K or V tile): at a constant index its descriptors (64 bits for each
+    tile: the dk/dv kernel's K and V; with segment ids the forward's Q, the
+    query-side kernels' own tiles): at a constant index its descriptors (64 bits for each
     16-wide slice of the contraction: 16 registers a 128-wide operand) are
     loop invariants, which ptxas computes before the loop and holds in
     registers across it; at the index plus this zero, read in each step,

@@ -1130,18 +1130,16 @@ def test_supports_and_the_ring_in_shared_memory():
     no_ids(config(block_k=64, num_stages=3), stage="fwd", **{**capped, "has_segments": False})
     is None
   )
-  p, p_ids = (
-    Problem.of(_avals(segments=ids), **{**PARAMS, "has_segments": ids}) for ids in (False, True)
+  problem = lambda ids, **shape: Problem.of(
+    _avals(segments=ids, **shape), **{**PARAMS, "has_segments": ids}
   )
+  p, p_ids = problem(False), problem(True)
   # Q/O (2 x 64 x 128), K and V (2 slots x 128 x 128), lse (2 x 64) floats.
   want = 2 * 64 * 128 * 2 + 4 * 128 * 128 * 2 + 2 * 64 * 4
   assert mosaic_gpu.smem_bytes(p, config(), "fwd") == want
   assert mosaic_gpu.smem_bytes(p_ids, config(), "fwd") == want + 2 * 1024
   # In whole KiB: 3 slots of 128 keys' ids take 1536 bytes, counted 2048.
-  p64, p64_ids = (
-    Problem.of(_avals(h=64, segments=ids), **{**PARAMS, "has_segments": ids})
-    for ids in (False, True)
-  )
+  p64, p64_ids = problem(False, h=64), problem(True, h=64)
   three = config(num_stages=3)
   assert (
     mosaic_gpu.smem_bytes(p64_ids, three, "fwd")
