@@ -25,7 +25,7 @@ from jax.experimental import pallas as pl
 from pallax import pallas_mosaic_gpu as mgpu
 from pallax.kernels.attention.common import Problem
 from pallax.kernels.attention.mosaic_gpu import tiles
-from pallax.kernels.attention.mosaic_gpu.config import DQ_ROWS
+from pallax.kernels.attention.mosaic_gpu.config import DQ_ROWS, head
 from pallax.pallas_mosaic_gpu import plgpu
 
 
@@ -229,7 +229,11 @@ class QueryKernel:
 
           hide = tiles.hiding(masked, keep)
           fields = dict(slot=ring.slot(j), masked=masked)
-          if seg_refs:  # own tiles at an index read in the step (``Form.opaque_zero``)
+          # With segment ids above head dim 128 own tiles sit at an index read
+          # in the step (``Form.opaque_zero``): their ``wgmma`` descriptors,
+          # held across the loop, spilled (the dq kernel 48 bytes at 256). At
+          # 128 and below they fit, and the read took 4-8 instructions a step.
+          if seg_refs and head(p) > 128:
             zero = form.opaque_zero()
             fields["own"] = {name: bufs[name].at[wg + zero] for name in own_names}
           return step(dataclasses.replace(ctx, **fields), j, carry, hide)
