@@ -690,6 +690,17 @@ JVP_CASES = [
   # Head dim 128: one consumer, masked and unmasked steps in one loop (one
   # example: 46 s interpreted with two; the slow head dim 64 case has two).
   Case(b=1, t=100, s=150, n=2, k=1, h=128, q_len=(70,), kv_len=(90,), segments="random"),
+  # Head dim 256: two blocks of threads a query tile, 128 output columns each,
+  # 32-key steps (pinned: the heuristic leaves it to Triton). Causal, GQA, a
+  # soft cap, padded keys: masked, unmasked and skipped steps.
+  Case(b=1, t=100, s=150, n=4, k=2, h=256, is_causal=True, soft_cap=20.0),
+  # A window at head dim 256 (64 columns a share) and head dim 192 (64 too:
+  # shares divide it) with lengths.
+  pytest.param(Case(b=1, t=100, s=150, n=2, k=1, h=256, window=(70, 10)), marks=pytest.mark.slow),
+  pytest.param(
+    Case(b=2, t=100, s=130, n=2, k=1, h=192, q_len=(100, 60), kv_len=(130, 80)),
+    marks=pytest.mark.slow,
+  ),
 ]
 
 
@@ -699,7 +710,8 @@ def test_jvp(case):
   ops, statics = inputs(case, jnp.bfloat16, seed=4)
   rng = np.random.default_rng(5)
   tangents = {n: rand(rng, ops[n].shape, jnp.bfloat16) for n in _diff_names(ops)}
-  jvp = functools.partial(_jvp, _pallax(), statics)
+  pin = PIN if case.h > 128 else None  # split columns: an autotuning candidate
+  jvp = functools.partial(_jvp, _pallax(pin), statics)
   with on_path(PATH):
     report = pallax.explain(jvp, ops, tangents)
     y, y_dot = jax.jit(jvp)(ops, tangents)
@@ -785,12 +797,13 @@ def test_the_executor_prefers_mosaic_gpu_on_hopper_only():
   capped = _selection(h100, grad=True, is_causal=True, logits_soft_cap=30.0)
   assert capped[FWD].implementation == MOSAIC and capped[BWD].implementation == "pallas"
   assert "leaves this call to autotuning" in capped[BWD].note
+  # A tangent that splits its output's columns (above head dim 128) likewise.
   for h, tangent_on in ((128, MOSAIC), (256, "pallas")):
     q, kv = jnp.zeros((2, 256, 4, h), jnp.bfloat16), jnp.zeros((2, 256, 2, h), jnp.bfloat16)
     tangent = lambda q: jax.jvp(lambda q: pallax.dot_product_attention(q, kv, kv), (q,), (q,))
     picks = {r.op: r for r in pallax.explain_on(h100, tangent, q)}
     assert picks[FWD].implementation == MOSAIC and picks[JVP].implementation == tangent_on
-  assert "up to 128 in the Mosaic GPU jvp kernel" in picks[JVP].note
+  assert "leaves this call to autotuning" in picks[JVP].note
   assert _selection(a100, grad=True)[BWD].implementation == "pallas"
   # What it refuses goes to the Triton kernel, and explain says why.
   refused = _selection(h100, jnp.float32)[FWD]
@@ -995,7 +1008,13 @@ def test_supports_and_the_ring_in_shared_memory():
   assert supports(config(), stage="fwd", **causal) is None
   assert supports(config(), stage="jvp", **PARAMS) is None
   h256 = functools.partial(mosaic_gpu.supports, _avals(h=256), h100)
-  assert "up to 128 in the Mosaic GPU jvp kernel" in h256(config(), stage="jvp", **PARAMS)
+  # The tangent above head dim 128: 32-key steps in 2 slots (4 are over SMEM).
+  assert h256(config(), stage="jvp", **PARAMS) is None
+  assert f"over {mgpu.SMEM_BUDGET}" in h256(config(num_stages=4), stage="jvp", **PARAMS)
+  assert mosaic_gpu.heuristic(_avals(h=256), h100, stage="jvp", **PARAMS) is None
+  assert mosaic_gpu.candidates(_avals(h=256), h100, stage="jvp", **PARAMS) == [config(64, 64)]
+  h320 = mosaic_gpu.supports(_avals(h=320), h100, config(), stage="jvp", **PARAMS)
+  assert "head dims up to 256 in the Mosaic GPU jvp kernels, got 320" in h320
   assert h256(config(), stage="bwd", **capped) is None
   assert h256(config(block_k=64), stage="fwd", **capped) is None
   # A soft cap with masks at head dim 256: one consumer (two spilled), 64-key
@@ -1255,6 +1274,8 @@ def _kernel_call(
 ):
   """Attention's ``stage`` kernel call with ``features`` at batch 2 (T = ``t``, S = ``s`` or T).
 
+  From its gradient, or its ``jax.jvp`` for ``JVP``.
+
   ``right``: a right bound of -1 alone, as context parallelism's pieces
   have (the public API's windows bound both sides).
   """
@@ -1272,8 +1293,12 @@ def _kernel_call(
     extra.update(q_segment_ids=ids(t), kv_segment_ids=ids(s))
   if "cap" in features:
     extra.update(logits_soft_cap=30.0)
-  loss = lambda q, k, v: jnp.sum(pallax.dot_product_attention(q, k, v, **extra).astype(jnp.float32))
-  jaxpr = jax.make_jaxpr(jax.grad(loss, argnums=(0, 1, 2)))(q, kv, kv).jaxpr
+  attend = lambda q, k, v: pallax.dot_product_attention(q, k, v, **extra)
+  if stage == JVP:
+    fn = lambda *x: jax.jvp(attend, x, x)
+  else:
+    fn = jax.grad(lambda *x: jnp.sum(attend(*x).astype(jnp.float32)), argnums=(0, 1, 2))
+  jaxpr = jax.make_jaxpr(fn)(q, kv, kv).jaxpr
   (eqn,) = [e for e in kernel_calls(jaxpr) if e.primitive.name == stage]
   if "right" in features:
     eqn = eqn.replace(params={**eqn.params, "window_left": None, "window_right": -1})
@@ -1604,6 +1629,24 @@ def test_segment_ids_compile_spill_free_at_every_head_dim_and_block(
   assert _supports(eqn, config, "fwd" if stage == FWD else "bwd") is None
   kernels = ("fwd",) if stage == FWD else ("dq", "dkdv")
   _compiles_spill_free(eqn, config, tuple(f"dot_product_attention_{k}" for k in kernels))
+
+
+@pytest.mark.compilers
+@pytest.mark.parametrize(
+  "h, features, heads, kv_heads, t, s",
+  [
+    (256, "causal-lengths-segments-cap", 8, 2, 1000, 1000),
+    (256, "window", 16, 16, 512, 1024),
+    (192, "lengths", 8, 1, 1024, 512),
+  ],
+)
+def test_the_tangent_above_head_dim_128_compiles_spill_free(h, features, heads, kv_heads, t, s):
+  """The tangent's column shares and 32-key steps, for H100 (batch 2): 2 slots fit SMEM."""
+  eqn = _kernel_call(h, features, heads, stage=JVP, kv_heads=kv_heads, t=t, s=s)
+  config = mosaic_gpu.MosaicGpuAttentionConfig(block_k=64, num_stages=2)
+  assert _supports(eqn, config, "jvp") is None
+  (compiled,) = _compiles_spill_free(eqn, config, ("dot_product_attention_jvp",))
+  assert compiled["smem_bytes"] <= mgpu.SMEM_LIMIT
 
 
 @pytest.mark.compilers

@@ -124,13 +124,9 @@ def head(p: Problem) -> int:
   return round_up(max(p.head_dim, p.value_dim), 64)
 
 
-# The largest padded head dim a stage's kernels take. The backward splits its
-# results' columns (``out_cols``); the tangent's output, S, P and dS fit 255
-# registers at 128 with one consumer and one loop (two consumers spilled 12
-# bytes), and at 256 its Q and dQ (64 KiB) and a 2-slot ring of K, V, dK and
-# dV (256 KiB) are over a block's SMEM.
-_MAX_HEAD = {"fwd": 256, "bwd": 256, "jvp": 128}
-_HEAD_REASON = {"jvp": " (at 256 its Q, dQ and ring of K, V, dK, dV are over a block's SMEM)"}
+# The largest padded head dim the kernels take. Above 128 the backward and
+# the tangent split their results' columns (``out_cols``).
+_MAX_HEAD = 256
 
 
 def has_masks(p: Problem) -> bool:
@@ -157,11 +153,8 @@ def feature_reason(p: Problem, stage: str = "fwd") -> Optional[str]:
       return f"the Mosaic GPU attention kernels take no {name} yet"
   if jnp.dtype(p.dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
     return f"the Mosaic GPU attention kernels take bfloat16 and float16, not {jnp.dtype(p.dtype)}"
-  if head(p) > _MAX_HEAD[stage]:
-    why = _HEAD_REASON.get(stage, "")
-    return (
-      f"head dims up to {_MAX_HEAD[stage]} in the Mosaic GPU {stage} kernel{why}, got {head(p)}"
-    )
+  if head(p) > _MAX_HEAD:
+    return f"head dims up to {_MAX_HEAD} in the Mosaic GPU {stage} kernels, got {head(p)}"
   if p.t == 0 or p.s == 0:
     return "no queries or no keys"
   return None
@@ -174,8 +167,9 @@ class _Smem(NamedTuple):
 
   own: the side whose rows each of its consumers owns (``"q"``, ``"k"``,
   ``"dq"`` or ``"jvp"``: 64 queries); the ring streams the other.
-  out_tiles: tiles of the results' columns (``out_cols``) besides, when the
-  kernel splits its results' columns (whole, they go through own tiles).
+  out_tiles: tiles of the results' columns (``out_cols``) besides (the dk/dv
+  kernel's, where it splits its results' columns: whole, they go through own
+  tiles). ``shared_tiles``: ring tiles of those columns alone.
   """
 
   own: str
@@ -184,6 +178,7 @@ class _Smem(NamedTuple):
   own_stats: int
   ring_stats: int
   out_tiles: int = 0
+  shared_tiles: int = 0
 
 
 _SMEM = {
@@ -192,8 +187,8 @@ _SMEM = {
   # whole, or one tile for their columns, one after the other); Q, dO, lse, delta.
   "bwd": [_Smem("dq", 2, 2, 2, 0, 1), _Smem("k", 2, 2, 0, 2, 1)],
   # The tangent: Q, dQ and the float32 output tile (two 16-bit tiles' worth),
-  # lse and the row sums; K, V, dK, dV.
-  "jvp": [_Smem("jvp", 4, 4, 2, 0)],
+  # lse and the row sums; K, dK, and V and dV in the output's columns.
+  "jvp": [_Smem("jvp", 2, 2, 2, 0, 2, 2)],
 }
 
 
@@ -411,9 +406,10 @@ def kernel_keys(
 
 
 def out_cols(p: Problem, kernel: str) -> int:
-  """Columns of its results a block of threads of the backward's ``kernel`` computes.
+  """Columns of its results a block of threads of ``kernel`` computes.
 
-  ``kernel``: ``"dq"`` or ``"dkdv"``. A block of threads that computes a share
+  ``kernel``: the backward's ``"dq"`` or ``"dkdv"``, or ``"jvp"`` (the
+  tangent's, split as dQ's). A block of threads that computes a share
   of the columns computes S and dP over the whole head dim for it; the shares
   split over blocks of threads (a grid axis). Compiled for H100 with a batch
   of 2 (pallax.verify): dQ takes 128 columns (256 whole is twice the
@@ -470,10 +466,10 @@ def smem_bytes(p: Problem, config: MosaicGpuAttentionConfig, stage: str) -> int:
   shapes = {
     "q": (c.block_q, c.block_k),
     "dq": (DQ_ROWS, c.block_k),
-    "jvp": (DQ_ROWS, c.block_k),
+    "jvp": (DQ_ROWS, jvp_block_k(p)),
     "k": (c.block_k, c.block_q),
   }
-  h_out = {"q": h, "jvp": h, "dq": out_cols(p, "dq"), "k": out_cols(p, "dkdv")}
+  h_out = {"q": h, "jvp": out_cols(p, "jvp"), "dq": out_cols(p, "dq"), "k": out_cols(p, "dkdv")}
   consumers = {
     "q": fwd_consumers(p),
     "dq": config.dq_consumers,
@@ -484,9 +480,10 @@ def smem_bytes(p: Problem, config: MosaicGpuAttentionConfig, stage: str) -> int:
   kernels = [k for k in _SMEM[stage] if not fused or k.own == "k"]  # fused: the dk/dv kernel
   for k in kernels:
     (own, ring), n, cols = shapes[k.own], consumers[k.own], h_out[k.own]
-    # dK and dV whole go through K's and V's SMEM; dQ has a tile of its own.
-    out = k.out_tiles if k.own == "dq" or cols < h else 0
-    elements = n * (k.own_tiles * h + out * cols) * own + c.num_stages * k.ring_tiles * ring * h
+    # dK and dV whole go through K's and V's SMEM; dQ and the tangent have tiles of their own.
+    out = k.out_tiles if k.own != "k" or cols < h else 0
+    ring_elements = (k.ring_tiles * h + k.shared_tiles * cols) * ring
+    elements = n * (k.own_tiles * h + out * cols) * own + c.num_stages * ring_elements
     ringed = int(k.own == "k" and masks_every_step(p, config))  # the steps' query positions
     stats = n * k.own_stats * own + c.num_stages * (k.ring_stats + ringed) * ring
     # Segment ids: two int32 buffers (the own rows', the ring's), each rounded
@@ -638,9 +635,20 @@ def _space(p: Problem, stage: str) -> list[MosaicGpuAttentionConfig]:
   return [c for c in configs if _config_reason(p, c, stage) is None]
 
 
-def splits_columns(p: Problem) -> bool:
-  """Whether the backward's blocks of threads split their results' columns (``out_cols``)."""
-  return min(out_cols(p, "dq"), out_cols(p, "dkdv")) < head(p)
+def splits_columns(p: Problem, stage: str = "bwd") -> bool:
+  """Whether the stage's blocks of threads split their results' columns (``out_cols``)."""
+  kernels = ("jvp",) if stage == "jvp" else ("dq", "dkdv")
+  return min(out_cols(p, k) for k in kernels) < head(p)
+
+
+def jvp_block_k(p: Problem) -> int:
+  """Keys a step of the tangent kernel: 64, and 32 at head dim 256.
+
+  There its Q and dQ (64 KiB), its output's float32 share (32 KiB), and a
+  2-slot ring of 64 keys' K and dK (128 KiB) and V and dV in 128 columns
+  (64 KiB) are over a block's SMEM; with 32 keys the ring takes 96 KiB.
+  """
+  return BWD_BLOCKS[1] // 2 if head(p) > 192 else BWD_BLOCKS[1]
 
 
 def heuristic(avals: Sequence[Any], target: str, *, stage: str, **params):
@@ -651,8 +659,9 @@ def heuristic(avals: Sequence[Any], target: str, *, stage: str, **params):
   backward that splits its results' columns (head dim 256, a soft cap above
   64): its blocks of threads compute S and dP once a share (at 256, 15
   products' work against 7) and have not been timed against the Triton
-  backward on a GPU; and for a forward of one consumer (``fwd_consumers``: no
-  ping-pong), not timed either.
+  backward on a GPU; likewise for a tangent that splits them (above head
+  dim 128: S and dS once a share, in steps of 32 keys at 256); and for a
+  forward of one consumer (``fwd_consumers``: no ping-pong), not timed either.
   """
   p = Problem.of(avals, **params)
   if stage == "fwd" and fwd_consumers(p) == 1 and feature_reason(p, stage) is None:
@@ -660,7 +669,7 @@ def heuristic(avals: Sequence[Any], target: str, *, stage: str, **params):
   if stage == "fwd":
     configs = [MosaicGpuAttentionConfig(block_k=bk) for bk in (128, 64)]
     return next((c for c in configs if _config_reason(p, c, stage) is None), configs[-1])
-  if stage == "bwd" and splits_columns(p) and feature_reason(p, stage) is None:
+  if stage != "fwd" and splits_columns(p, stage) and feature_reason(p, stage) is None:
     return None
   return MosaicGpuAttentionConfig(*BWD_BLOCKS)
 

@@ -1,9 +1,12 @@
 """The attention tangent (``jvp``) on Pallas Mosaic GPU (Hopper): one pass from the saved ``lse``.
 
-A query-side kernel (``query_side.QueryKernel``), head dims up to 128: each of
-its consumers (two up to head dim 64, one above: ``config.wide_consumers``)
-keeps its 64 queries' Q, their tangent dQ and lse, and the producer streams
-K, V and their tangents dK, dV. Per key block:
+A query-side kernel (``query_side.QueryKernel``): each of its consumers (two
+up to head dim 64, one above: ``config.wide_consumers``) keeps its 64
+queries' Q, their tangent dQ and lse, and the producer streams K, V and
+their tangents dK, dV. Above head dim 128 blocks of threads split the
+output's columns (``config.out_cols``): each computes S and dS whole and
+streams V and dV in its columns alone (at head dim 256 32 keys a step:
+``config.jvp_block_k``). Per key block:
 ``P = exp2(S - lse)``, the logits' tangent ``dS = scale (dQ K^T + Q dK^T)``
 (two ``wgmma`` into one accumulator, times the soft cap's slope), and
 ``A += (P dS) V + P dV``, ``r += rowsum(P dS)``. Then ``out_dot = A - r out``
@@ -24,11 +27,12 @@ import jax.numpy as jnp
 
 from pallax.kernels.attention.mosaic_gpu import tiles
 from pallax.kernels.attention.mosaic_gpu.config import (
-  BWD_BLOCKS,
   DQ_ROWS,
   MosaicGpuAttentionConfig,
   call_of,
   head,
+  jvp_block_k,
+  out_cols,
   round_up,
   wide_consumers,
 )
@@ -40,7 +44,7 @@ def jvp(*operands, config: MosaicGpuAttentionConfig, interpret: Any, **params) -
   """``(out_dot, lse_dot)``."""
   c, p, form = call_of("jvp", operands, params, interpret)
   ops = c.ops
-  h, bk = head(p), BWD_BLOCKS[1]
+  h, bk, cols = head(p), jvp_block_k(p), out_cols(p, "jvp")
   consumers = wide_consumers(h)
   tp, sp = round_up(p.t, consumers * DQ_ROWS), round_up(p.s, bk)
   rows = lambda x: tiles.pad(x, {3: tp, 4: h})
@@ -68,7 +72,9 @@ def jvp(*operands, config: MosaicGpuAttentionConfig, interpret: Any, **params) -
     # kernel's rule): a ragged last key block is masked, and the two loops
     # spilled 4 bytes at head dim 128 for that alone.
     one_loop=consumers == 1,
+    cols=cols,
     staged=2,
+    shared=("v", "dv"),
   )
   shape = (DQ_ROWS, bk)
 
@@ -102,7 +108,7 @@ def jvp(*operands, config: MosaicGpuAttentionConfig, interpret: Any, **params) -
 
   def init(ctx):
     rows = plgpu.Layout.WGMMA.reduce(1)
-    return form.zeros((DQ_ROWS, h)), form.layout(jnp.zeros((DQ_ROWS,), jnp.float32), rows)
+    return form.zeros((DQ_ROWS, cols)), form.layout(jnp.zeros((DQ_ROWS,), jnp.float32), rows)
 
   a, r = kernel(init, step, lambda ctx, carry: dict(zip("ar", carry)), tp, h)
   a, r = a[..., : p.t, : p.value_dim], r[..., : p.t]

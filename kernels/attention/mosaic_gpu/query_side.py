@@ -14,6 +14,8 @@ blocks of threads (``cols``: the backward's dq above head dim 128).
 from __future__ import annotations
 
 import dataclasses
+import functools
+import math
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Optional
 
@@ -108,13 +110,15 @@ class QueryKernel:
       sequence first: ``tiles.sequence_first``).
     own_stats: name -> ``(B, K, G, Tp)`` float32 statistic each keeps.
     ring: name -> ``(B, K, Sp, h)`` operand streamed (likewise), one ring group each;
-      ``transposed``: those of them a step reads transposed.
+      ``transposed``: those of them a step reads transposed; ``shared``: those
+      streamed in the block of threads' column share (``cols``) alone.
     outs: name -> (dtype, tile?): the outputs, a ``(Tp, h)`` tile or a
       ``(Tp,)`` vector per query head, written through SMEM.
     name: the kernel's name.
     one_loop: masked and unmasked steps in one loop (``tiles.over_steps``).
     cols: columns of the tile outputs a block of threads computes (a divisor
       of the head dim; None: all), its share chosen by the grid's heads axis.
+      Every share computes the vector outputs; the first writes them.
     staged: register ``wgmma`` operands a step issues before it waits for
       the first (the interpreted form stages each through an SMEM slot of
       its own).
@@ -135,10 +139,24 @@ class QueryKernel:
   one_loop: bool = False
   cols: Optional[int] = None
   staged: int = 1
+  shared: Sequence[str] = ()
 
-  def _tile(self, lead: int, rows: int, cols: int, dtype=None):
+  def _tile(self, lead: int, rows: int, cols: int, dtype=None, swizzled: Optional[int] = None):
+    """SMEM tiles of ``rows x cols``, swizzled within ``swizzled`` columns (default all)."""
     dtype = self.p.dtype if dtype is None else dtype
-    return plgpu.SMEM((lead, rows, cols), dtype, transforms=mgpu.swizzle_transforms(dtype, cols))
+    swizzle = mgpu.swizzle_transforms(dtype, cols if swizzled is None else swizzled)
+    return plgpu.SMEM((lead, rows, cols), dtype, transforms=swizzle)
+
+  def _ring_tile(self, name: str, h: int, cols: int):
+    """A ring slot's tiles of ``name``: its columns' share or whole.
+
+    Swizzled within a step's keys (``wgmma`` contracts over them: ``P V``),
+    but for those read transposed (contracted over their columns, swizzled
+    as the own tiles they meet: ``Q K^T``).
+    """
+    width = cols if name in self.shared else h
+    swizzled = width if name in self.transposed else math.gcd(self.bk, width)
+    return self._tile(self.stages, self.bk, width, swizzled=swizzled)
 
   def __call__(
     self,
@@ -245,10 +263,12 @@ class QueryKernel:
           buf.at[wg][...] = results[name].astype(self.outs[name][0])
         plgpu.commit_smem()
         for buf, ref, (_, is_tile) in zip(out_smem, outs, self.outs.values()):
-          at = (b, mine, kh, g) if is_tile else (b, kh, g, mine)
-          if is_tile and out_cols is not None:
-            at = (*at, out_cols)
-          plgpu.copy_smem_to_gmem(buf.at[wg], ref.at[at])
+          if not is_tile:
+            write = functools.partial(plgpu.copy_smem_to_gmem, buf.at[wg], ref.at[b, kh, g, mine])
+            pl.when(out_cols is None or out_cols.start == 0)(write)
+          else:
+            at = (b, mine, kh, g) if out_cols is None else (b, mine, kh, g, out_cols)
+            plgpu.copy_smem_to_gmem(buf.at[wg], ref.at[at])
         plgpu.wait_smem_to_gmem(0)
 
       def _producer():
@@ -256,7 +276,12 @@ class QueryKernel:
           block = pl.ds(j * bk, bk)
           groups = []
           for name in ring_names:
-            group = [(ring_gmem[name].at[b, block, kh], ring_refs[name].at[s])]
+            at = (
+              (b, block, kh, out_cols)
+              if name in self.shared and out_cols is not None
+              else (b, block, kh)
+            )
+            group = [(ring_gmem[name].at[at], ring_refs[name].at[s])]
             if name in t_gmem:
               group.append((t_gmem[name].at[b, kh, :, block], t_refs[name].at[s]))
             groups.append(group)
@@ -276,7 +301,7 @@ class QueryKernel:
       [
         [self._tile(c, bq, h) for _ in own_names],
         [plgpu.SMEM((c, bq), jnp.float32) for _ in stat_names],
-        [self._tile(stages, bk, h) for _ in ring_names],
+        [self._ring_tile(name, h, cols) for name in ring_names],
         [] if form.hopper else [self._tile(stages, h, bk) for _ in self.transposed],
         [
           self._tile(c, bq, cols, dtype) if is_tile else plgpu.SMEM((c, bq), dtype)
