@@ -56,6 +56,8 @@ measured). ``extra_info``: ``tflop_per_s`` of each
 S = 4096) and with a soft cap of 50 at 128 (B = 4): the executor's choice
 (the Triton backward), ``pallax-mosaic`` (the Mosaic GPU backward, an
 autotuning candidate there, pinned) and cuDNN (without the cap: it takes none);
+the tangent at head dim 256 likewise (the Mosaic GPU tangent splitting its
+output's columns, against the Triton one and XLA);
 and Gemma 2's global layers (head dim 256, causal, a cap of 50), forward
 and forward+backward, where the Mosaic GPU forward's one consumer is the
 autotuning candidate too.
@@ -110,6 +112,7 @@ GEMMA2_GLOBAL = Case(
 )
 SPLIT_RUNS = [
   *((case, "fwd+bwd") for case in SPLIT_CASES),
+  *((case, "jvp") for case in SPLIT_CASES if case.head_dim == 256),
   (GEMMA2_GLOBAL, "fwd"),
   (GEMMA2_GLOBAL, "fwd+bwd"),
 ]
@@ -288,8 +291,8 @@ def test_hopper_autotuning_candidates(benchmark, request, case, mode):
   """The executor's choice, the Mosaic GPU kernels pinned, cuDNN (no cap): autotuning candidates."""
   benchmark.group = f"hopper-B{case.batch}-H{case.head_dim}-{case.id}-{mode}"
   inputs = jax.block_until_ready(_inputs(case, mode))
-  want = reference_rows(case, mode, inputs)
-  baseline = "pallax" if case.soft_cap is not None else "cudnn"  # cuDNN takes no soft cap
+  want = _tangent_rows(case, inputs) if mode == "jvp" else reference_rows(case, mode, inputs)
+  baseline = "pallax" if case.soft_cap is not None else IMPLS[mode]  # cuDNN takes no soft cap
   impls = dict.fromkeys(("pallax", "pallax-mosaic", baseline))
   compiled = {impl: _compiled(impl, case, mode, inputs) for impl in impls}
   calls = {impl: functools.partial(exe, *args) for impl, (exe, args) in compiled.items()}

@@ -341,15 +341,15 @@ class Form:
     """0 as an int32 ptxas cannot prove constant, loaded from GMEM where it is called.
 
     For the index of a ``wgmma`` operand constant in a loop (a consumer's own
-    tile: the dk/dv kernel's K and V; with segment ids the forward's Q, the
-    query-side kernels' own tiles): at a constant index its descriptors (64 bits for each
-    16-wide slice of the contraction: 16 registers a 128-wide operand) are
-    loop invariants, which ptxas computes before the loop and holds in
-    registers across it; at the index plus this zero, read in each step,
-    they are computed in the step, in uniform registers. Compiled for H100,
-    the fused dk/dv kernel in FlashAttention-3's tile with a window spilled
-    300 bytes with them held, none computed in the step. The zero is
-    ``launch``'s first operand.
+    tile: the dk/dv kernel's K and V; with segment ids the forward's Q and,
+    above head dim 128, the query-side kernels' own tiles): at a constant
+    index its descriptors (64 bits for each 16-wide slice of the
+    contraction: 16 registers a 128-wide operand) are loop invariants, which
+    ptxas computes before the loop and holds in registers across it; at the
+    index plus this zero, read in each step, they are computed in the step,
+    in uniform registers. Compiled for H100, the fused dk/dv kernel in
+    FlashAttention-3's tile with a window spilled 300 bytes with them held,
+    none computed in the step. The zero is ``launch``'s first operand.
 
     Raises:
       RuntimeError: outside the body of a kernel ``launch`` traces.

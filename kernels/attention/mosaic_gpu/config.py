@@ -52,7 +52,7 @@ class MosaicGpuAttentionConfig(KernelConfig):
     unmasked forward takes 176 keys a block at head dim 128; above head dim
     64 a causal mask or window takes up to 128). The backward's and the
     tangent's are ``BWD_BLOCKS`` whatever a config says (the dk/dv kernel's
-    steps: ``dkdv_rows``).
+    steps: ``dkdv_rows``; the tangent's at head dim 256: ``jvp_block_k``).
   num_stages: slots of the producer's SMEM ring (at least 2).
   fuse_dq: the backward's dk/dv kernel computes dQ too (``dS K``: 5 matrix
     products where the dq and dk/dv kernels do 7), each block of threads
@@ -167,9 +167,9 @@ class _Smem(NamedTuple):
 
   own: the side whose rows each of its consumers owns (``"q"``, ``"k"``,
   ``"dq"`` or ``"jvp"``: 64 queries); the ring streams the other.
-  out_tiles: tiles of the results' columns (``out_cols``) besides (the dk/dv
-  kernel's, where it splits its results' columns: whole, they go through own
-  tiles). ``shared_tiles``: ring tiles of those columns alone.
+  out_tiles: tiles of the results' columns (``out_cols``) besides the own
+  tiles (none for the dk/dv kernel's whole results: they go through K's and
+  V's). ``shared_tiles``: ring tiles of those columns alone.
   """
 
   own: str
@@ -216,7 +216,7 @@ FUSED_ROWS = 32
 # (``dkdv_rows``): S^T and dP^T take 16 registers a thread each, as in the fused one's.
 NARROW_ROWS = 32
 
-# The backward's and the tangent's (block_q, block_k) by default: each accumulator
+# The backward's and the tangent's (block_q, block_k) (but ``jvp_block_k``): each accumulator
 # tile is 64 rows of one warpgroup, and wgmma contracts 64 at least with
 # 128-byte swizzles (the dk/dv kernel contracts over its query block; its
 # 32-query steps, ``dkdv_steps``, swizzle 64 bytes).
@@ -409,12 +409,13 @@ def out_cols(p: Problem, kernel: str) -> int:
   """Columns of its results a block of threads of ``kernel`` computes.
 
   ``kernel``: the backward's ``"dq"`` or ``"dkdv"``, or ``"jvp"`` (the
-  tangent's, split as dQ's). A block of threads that computes a share
-  of the columns computes S and dP over the whole head dim for it; the shares
-  split over blocks of threads (a grid axis). Compiled for H100 with a batch
-  of 2 (pallax.verify): dQ takes 128 columns (256 whole is twice the
-  registers), 64 at head dim 192 (shares divide the head dim) and with a
-  window at 256 (128 spilled 8-216 bytes); dK
+  tangent's). A block of threads that computes a share of the columns
+  computes S and dP (the tangent: dS) over the whole head dim for it; the
+  shares split over blocks of threads (a grid axis). Compiled for H100 with
+  a batch of 2 (pallax.verify): dQ takes 128 columns (256 whole is twice
+  the registers), 64 at head dim 192 (shares divide the head dim) and with
+  a window at 256 (128 spilled 8-216 bytes); the tangent's output likewise,
+  but 128 columns with a window at 256 (spill-free, stop 61); dK
   and dV take their whole head dim up to 128, and 64 columns above it or with
   a soft cap: at head dim 256, 128 columns spilled 108-148 bytes, and whole
   at 128 a soft cap spilled 16-176 bytes, masked or not (the exact tanh's
@@ -423,7 +424,8 @@ def out_cols(p: Problem, kernel: str) -> int:
   h = head(p)
   if kernel == "dkdv" and (h > 128 or p.soft_cap is not None):
     return min(h, 64)
-  if h > 128 and (p.left is not None or h % 128):  # a window's two edges; shares divide h
+  window = kernel == "dq" and p.left is not None  # its two edges (the tangent's fit)
+  if h > 128 and (window or h % 128):  # shares divide h
     return 64
   return min(h, 128)
 
@@ -637,7 +639,7 @@ def _space(p: Problem, stage: str) -> list[MosaicGpuAttentionConfig]:
 
 def splits_columns(p: Problem, stage: str = "bwd") -> bool:
   """Whether the stage's blocks of threads split their results' columns (``out_cols``)."""
-  kernels = ("jvp",) if stage == "jvp" else ("dq", "dkdv")
+  kernels = {"bwd": ("dq", "dkdv"), "jvp": ("jvp",)}[stage]
   return min(out_cols(p, k) for k in kernels) < head(p)
 
 

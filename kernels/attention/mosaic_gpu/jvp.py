@@ -5,7 +5,7 @@ up to head dim 64, one above: ``config.wide_consumers``) keeps its 64
 queries' Q, their tangent dQ and lse, and the producer streams K, V and
 their tangents dK, dV. Above head dim 128 blocks of threads split the
 output's columns (``config.out_cols``): each computes S and dS whole and
-streams V and dV in its columns alone (at head dim 256 32 keys a step:
+streams V and dV in its columns alone (at head dim 256, 32 keys a step:
 ``config.jvp_block_k``). Per key block:
 ``P = exp2(S - lse)``, the logits' tangent ``dS = scale (dQ K^T + Q dK^T)``
 (two ``wgmma`` into one accumulator, times the soft cap's slope), and

@@ -8,7 +8,8 @@ queries, batch); each consumer loads its 64 queries' tiles and statistics
 once, walks the key blocks its block of threads sees (``tiles.over_steps``:
 blocks its own rows do not see are released without computing) and writes
 its outputs through SMEM. A kernel may split its tile outputs' columns over
-blocks of threads (``cols``: the backward's dq above head dim 128).
+blocks of threads (``cols``: the backward's dq and the tangent above head
+dim 128).
 """
 
 from __future__ import annotations
@@ -39,7 +40,8 @@ class Step:
   its row statistic's value (broadcast along dim 0). ``tile(name)`` is the
   ring's slot of a streamed operand, ``tile_t(name)`` the same transposed
   (a view on a GPU, the transposed copy interpreted), ``out_tile(name)`` its
-  columns of the block of threads' outputs (``cols``: a slice, or None for all).
+  columns of the block of threads' outputs (``cols``: a slice, or None for all;
+  not of a ``shared`` operand, whose slot holds those columns alone).
   ``masked``: the step's ``over_steps`` flag: a Python bool in loops of
   masked or unmasked steps, traced in one loop of both (``one_loop``).
   """
@@ -174,6 +176,7 @@ class QueryKernel:
     their dtypes here).
     """
     p, form, stages, bk = self.p, self.form, self.stages, self.bk
+    assert not set(self.shared) & set(self.transposed), "a shared operand is read whole"
     bq, rows = DQ_ROWS, self.consumers * DQ_ROWS
     cols = h if self.cols is None else self.cols
     chunks = h // cols
