@@ -1573,8 +1573,7 @@ def test_the_capped_forward_at_head_dim_256_compiles_spill_free_for_a_batch(feat
   spilled 8 with a window, where two did not (compiled for H100, batch 2).
   """
   eqn = _kernel_call(256, features, stage=FWD)
-  p = Problem.of([v.aval for v in eqn.invars], **op_params(eqn.params))
-  assert mosaic_gpu.config.fwd_consumers(p) == consumers
+  assert mosaic_gpu.config.fwd_consumers(_problem(eqn)) == consumers
   config = mosaic_gpu.MosaicGpuAttentionConfig(block_k=64, num_stages=2)
   _compiles_spill_free(eqn, config, ("dot_product_attention_fwd",))
 
@@ -1650,8 +1649,7 @@ def test_the_tangent_above_head_dim_128_compiles_spill_free(h, features, heads, 
   config = mosaic_gpu.MosaicGpuAttentionConfig(block_k=64, num_stages=2)
   assert _supports(eqn, config, "jvp") is None
   (compiled,) = _compiles_spill_free(eqn, config, ("dot_product_attention_jvp",))
-  p = Problem.of([v.aval for v in eqn.invars], **op_params(eqn.params))
-  counted = mosaic_gpu.config.smem_bytes(p, config, "jvp")
+  counted = mosaic_gpu.config.smem_bytes(_problem(eqn), config, "jvp")
   assert counted <= compiled["smem_bytes"] <= counted + 2 * mgpu.SMEM_ALIGN
 
 
