@@ -238,10 +238,10 @@ def reference_rows(case, mode, inputs, rows=CHECK_ROWS):
     visible = np.arange(k.shape[1])[None, :] <= np.arange(q.shape[1])[:, None]
     logits = np.where(visible, logits, -np.inf)
   dout = None if mode == "fwd" else np.asarray(inputs[3], np.float64)[:, :rows]
-  return _softmax_rows(logits, k, v, dout, scale, slope)
+  return softmax_rows(logits, k, v, dout, scale, slope)
 
 
-def _softmax_rows(logits, k, v, dout, scale, slope=1.0):
+def softmax_rows(logits, k, v, dout, scale, slope=1.0):
   """The rows' float64 output from masked logits, or with ``dout`` given their dL/dquery.
 
   ``slope``: the logits' derivative through a soft cap (1 without).
@@ -393,7 +393,7 @@ def packed_reference_rows(mode, inputs, rows=PACKED_ROWS):
   )
   logits = np.where(visible[:, None], logits, -np.inf)
   dout = None if mode == "fwd" else np.asarray(inputs[4], np.float64)[:, rows]
-  return _softmax_rows(logits, k, v, dout, scale)
+  return softmax_rows(logits, k, v, dout, scale)
 
 
 def _packed_call(docs, mode):

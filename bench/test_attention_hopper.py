@@ -77,7 +77,7 @@ import modes
 import numpy as np
 import pytest
 from side_by_side import compare, rel_err
-from test_attention import CHECK_ROWS, Case, attention_work, reference_rows
+from test_attention import CHECK_ROWS, Case, attention_work, reference_rows, softmax_rows
 
 import pallax
 from pallax.executor.executor import device_target
@@ -298,3 +298,46 @@ def test_hopper_autotuning_candidates(benchmark, request, case, mode):
   calls = {impl: functools.partial(exe, *args) for impl, (exe, args) in compiled.items()}
   error = lambda result: rel_err(_checked(mode, result), want)
   compare(benchmark, request, calls, error, TOLERANCE, _work(case, mode), case.dtype, baseline)
+
+
+# A bias of every query head (bfloat16, as an ALiBi or relative-position bias
+# is passed), forward: the Mosaic GPU forward streams a tile of it with each
+# key block, an autotuning candidate until timed here (``pallax-mosaic``: 64-key
+# blocks; ``pallax-mosaic128``: 128, in 2 slots), against the executor's
+# choice (the Triton kernel) and cuDNN. The bias is the largest operand (512 MiB).
+BIAS_CASE = Case(4096, causal=False, heads=16, kv_heads=16, batch=2, head_dim=128, dtype="bfloat16")
+BIAS_PINS = {
+  "pallax-mosaic": MOSAIC_PIN,
+  "pallax-mosaic128": dataclasses.replace(MOSAIC_PIN, block_k=128),
+}
+
+
+def _biased_rows(q, k, v, bias, rows=CHECK_ROWS):
+  """Float64 output of the first ``rows`` queries with ``bias`` (B or 1, N, T, S) added."""
+  q, k, v, bias = (np.asarray(x.astype(jnp.float32), np.float64) for x in (q, k, v, bias))
+  logits = np.einsum("brnh,bsnh->bnrs", q[:, :rows], k, optimize=True) / math.sqrt(q.shape[-1])
+  return softmax_rows(logits + bias[:, :, :rows], k, v, None, 1.0)
+
+
+def test_hopper_biased_forward(benchmark, request):
+  """The executor's choice, the Mosaic GPU forward pinned (two blocks), cuDNN: with a bias."""
+  case = BIAS_CASE
+  benchmark.group = f"hopper-B{case.batch}-H{case.head_dim}-{case.id}-bias-fwd"
+  q, k, v = _inputs(case, "fwd")[:3]
+  shape = (1, case.heads, case.seq, case.seq)
+  bias = jax.random.normal(jax.random.key(1), shape, jnp.float32).astype(jnp.bfloat16)
+  args = jax.block_until_ready((q, k, v, bias))
+  want = _biased_rows(*args)
+  fns = {
+    "pallax": lambda q, k, v, b: pallax.dot_product_attention(q, k, v, b),
+    "cudnn": lambda q, k, v, b: jax.nn.dot_product_attention(q, k, v, b, implementation="cudnn"),
+  }
+  compiled = {}
+  for impl in ("pallax", *BIAS_PINS, "cudnn"):
+    fn = fns.get(impl, fns["pallax"])
+    pins = _stage_pins(BIAS_PINS[impl], "fwd")(fn, args) if impl in BIAS_PINS else {}
+    with pallax.default_executor().overlay(pins):
+      compiled[impl] = jax.jit(fn).lower(*args).compile()
+  calls = {impl: functools.partial(exe, *args) for impl, exe in compiled.items()}
+  error = lambda out: rel_err(np.asarray(out[:, :CHECK_ROWS].astype(jnp.float32), np.float64), want)
+  compare(benchmark, request, calls, error, TOLERANCE, _work(case, "fwd"), case.dtype, "cudnn")

@@ -265,6 +265,12 @@ class Form:
       return plgpu.load(ref, (), layout=plgpu.Layout.WGMMA.reduce(1 - dim))
     return ref[...]
 
+  def tile(self, ref: Any) -> jax.Array:
+    """A 2-D SMEM ref's value in a ``wgmma`` accumulator's register layout on a GPU."""
+    if self.hopper:
+      return plgpu.load(ref, (), layout=plgpu.Layout.WGMMA)
+    return ref[...]
+
   def launch(
     self,
     body: Callable[..., None],

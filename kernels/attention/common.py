@@ -89,6 +89,7 @@ class Problem:
   soft_cap: Optional[float]
   bias_batch: bool  # the bias (and mask) vary over the batch
   bias_heads: bool  # ... and over the heads
+  bias_dtype: Any = None  # the bias' (None without one)
 
   @classmethod
   def of(cls, avals: Sequence[Any], **params) -> Problem:
@@ -122,6 +123,7 @@ class Problem:
       params["logits_soft_cap"],
       extra is not None and extra.shape[0] > 1,
       extra is not None and varies_over_heads(extra),
+      None if ops.get("bias") is None else ops["bias"].dtype,
     )
 
   @property

@@ -109,6 +109,16 @@ def _padded_batch(q, k, v, query_seq_lengths, key_value_seq_lengths, q_seg, kv_s
   )
 
 
+def _biased(q, k, v, bias, mask) -> jax.Array:
+  """Causal with a bias of every query head and a mask of every example (shared by the heads)."""
+  return dot_product_attention(q, k, v, bias, mask, is_causal=True)
+
+
+def _float32_bias(q, k, v, bias) -> jax.Array:
+  """A float32 bias of every query head (an ALiBi bias, as models pass it), whatever q's dtype."""
+  return dot_product_attention(q, k, v, bias.astype(jnp.float32))
+
+
 # Sweep sizes (B, T, N, K, H), self-attention: head dims 64, a padded 80 and
 # 128 with GQA and odd lengths, 256, 32, and 128 in whole blocks of 128 keys
 # (FlashAttention-3's tile in the fused Mosaic GPU backward unmasked: padded
@@ -160,6 +170,19 @@ TOOLS = (
         QUICK,
         ints=4,
         candidates=False,
+      ),
+      # The trailing boolean array is the mask. The Mosaic GPU forward streams
+      # tiles of the bias in its dtype (``logit_bias_dtype``): here the case's,
+      # float32 in the next.
+      "attention_biased": SweepOp(
+        _biased,
+        lambda b, t, n, kv, h: [*_qkv(b, t, n, kv, h), (b, n, t, t), (b, 1, t, t)],
+        QUICK,
+        QUICK,
+        masks=1,
+      ),
+      "attention_float32_bias": SweepOp(
+        _float32_bias, lambda b, t, n, kv, h: [*_qkv(b, t, n, kv, h), (1, n, t, t)], QUICK, QUICK
       ),
     },
     bench=BenchSuite("test_attention.py", "test_attention_modes", "B x T x N x H"),

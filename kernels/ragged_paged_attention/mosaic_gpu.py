@@ -321,6 +321,6 @@ def _zero_past(form: mgpu.Form, v_ref, start, kv_len) -> None:
   for r0 in range(0, rows, ROWS):
     part = v_ref.at[pl.ds(r0, ROWS)]
     keys = broadcast(start + r0 + form.positions(ROWS, 0), (ROWS, width), 0)
-    v = plgpu.load(part, (), layout=plgpu.Layout.WGMMA) if form.hopper else part[...]
+    v = form.tile(part)
     part[...] = jnp.where(keys < kv_len, v, jnp.zeros_like(v))
   plgpu.commit_smem()

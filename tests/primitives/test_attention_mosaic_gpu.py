@@ -20,6 +20,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import sys
+from collections.abc import Callable
 from typing import Optional
 
 import jax
@@ -535,13 +536,17 @@ def test_no_data_races_in_the_fused_dq_backward(h, config):
     _run_case(case, jnp.bfloat16, PATH, config=config, seed=12)
 
 
-def _forward_vs_float64(case: Case, config, seed: int, what: str) -> dict:
+def _forward_vs_float64(
+  case: Case, config, seed: int, what: str, edit: Callable[[dict], dict] = lambda ops: ops
+) -> dict:
   """The forward of ``case`` with ``config`` pinned, interpreted: output, lse and rows vs float64.
 
-  Returns the forward kernel's ``explain`` record on an H100 by the
-  heuristic (key None) and with ``config`` pinned (key ``config``).
+  ``edit`` changes the drawn operands. Returns the forward kernel's
+  ``explain`` record on an H100 by the heuristic (key None) and with
+  ``config`` pinned (key ``config``).
   """
   ops, statics = inputs(case, jnp.bfloat16, seed)
+  ops = edit(ops)
   forward = lambda fn, ops: _call(fn, statics, ops, return_residual=True)
   picks = {}
   for pin in (None, config):
@@ -585,6 +590,100 @@ def test_the_forward_takes_segment_ids_at_head_dim_256():
   )
   picks = _forward_vs_float64(case, PIN, 9, "segment ids at head dim 256")
   assert picks[None].implementation == MOSAIC and picks[None].config == PIN
+
+
+def _hide_rows(*rows: int) -> Callable[[dict], dict]:
+  """Operands -> the same with the mask hiding ``rows`` of every head entirely."""
+  return lambda ops: {**ops, "mask": ops["mask"].at[..., list(rows), :].set(False)}
+
+
+def _large_bias(ops: dict) -> dict:
+  """Operands -> the same with a float32 bias of 1000 on odd keys, plus twice the drawn one.
+
+  Rounded to 16 bits (steps of 8 there) the drawn part would be lost: the
+  kernel streams a float32 bias as it is.
+  """
+  odd = (jnp.arange(ops["bias"].shape[-1]) % 2).astype(jnp.float32)
+  return {**ops, "bias": 1000.0 * odd + 2.0 * ops["bias"].astype(jnp.float32)}
+
+
+# The forward with a bias or a mask (an autotuning candidate): a tile of them
+# streamed with each key block, in the bias' dtype (16 bits, or float32) or
+# the call's for a mask alone. name -> (case, config, edit of the operands).
+BIAS_CASES = {
+  # A bias shared by the batch and a mask by the heads, causal, GQA, two
+  # query tiles of the blocks of threads, 64-key blocks in 2 slots.
+  "bias-mask-causal-gqa": (
+    Case(
+      b=2,
+      t=200,
+      s=200,
+      n=4,
+      k=2,
+      h=64,
+      is_causal=True,
+      bias=(1, 4, 200, 200),
+      mask=(2, 1, 200, 200),
+    ),
+    PIN,
+    lambda ops: ops,
+  ),
+  # A float32 bias after the soft cap, keys past kv_len, MQA at head dim 128
+  # (padded from 80), a ring of 3 slots refilled.
+  "h80-f32-bias-cap-lengths": (
+    Case(
+      b=1,
+      t=70,
+      s=330,
+      n=2,
+      k=1,
+      h=80,
+      bias=(1, 2, 70, 330),
+      soft_cap=5.0,
+      logit_scale=4.0,
+      kv_len=(250,),
+    ),
+    dataclasses.replace(PIN, num_stages=3),
+    _large_bias,
+  ),
+  # A mask alone (its 16-bit tiles), 128-key blocks: rows it hides in
+  # unmasked blocks (no maximum yet: 0 rather than -inf there).
+  "h64-mask-hidden-rows": (
+    Case(b=1, t=200, s=300, n=2, k=2, h=64, mask=(1, 2, 200, 300)),
+    dataclasses.replace(PIN, block_k=128),
+    _hide_rows(3, 170),
+  ),
+}
+
+
+@pytest.mark.parametrize("name", list(BIAS_CASES))
+def test_the_forward_takes_a_bias_and_a_mask(name):
+  """Output, lse and rows against float64; the heuristic leaves the call to autotuning (Triton)."""
+  case, config, edit = BIAS_CASES[name]
+  picks = _forward_vs_float64(case, config, 11, name, edit)
+  assert picks[None].implementation == "pallas" and "autotuning" in picks[None].note
+  assert picks[config].implementation == MOSAIC
+
+
+def test_a_biased_forward_on_mosaic_gpu_and_its_gradient_on_triton():
+  """The Mosaic GPU forward (a config for it alone) and the Triton backward, bias gradient too.
+
+  The Mosaic GPU kernels refuse a bias or a mask in the backward and the
+  tangent (their gradient and tangent run on Triton); the forward's lse is
+  the one both backwards take.
+  """
+  case = dataclasses.replace(
+    BIAS_CASES["bias-mask-causal-gqa"][0],
+    t=100,
+    s=130,
+    bias=(1, 4, 100, 130),
+    mask=(2, 1, 100, 130),
+  )
+  with pallax.default_executor().overlay({FWD: PIN}):
+    picks = _picks(case, jnp.bfloat16)
+    assert {op: r.implementation for op, r in picks.items()} == {FWD: MOSAIC, BWD: "pallas"}
+    assert "forward only" in picks[BWD].note, picks[BWD].note
+    _run_case(case, jnp.bfloat16, PATH, seed=12)
 
 
 # The forward's autotuning candidate with FlashAttention-3's intra-warpgroup
@@ -808,9 +907,11 @@ def test_the_executor_prefers_mosaic_gpu_on_hopper_only():
   # What it refuses goes to the Triton kernel, and explain says why.
   refused = _selection(h100, jnp.float32)[FWD]
   assert refused.implementation == "pallas" and "not float32" in refused.note
+  # A bias: the forward an autotuning candidate, the backward Triton's (its gradient).
   bias = jnp.zeros((2, 4, 256, 256), jnp.bfloat16)
-  refused = _selection(h100, bias=bias)[FWD]
-  assert refused.implementation == "pallas" and "take no bias" in refused.note
+  biased = _selection(h100, grad=True, bias=bias)
+  assert biased[FWD].implementation == "pallas" and "autotuning" in biased[FWD].note
+  assert biased[BWD].implementation == "pallas" and "bias in the forward only" in biased[BWD].note
 
 
 @pytest.mark.parametrize("h", [64, 128, 192, 256])
@@ -1293,6 +1394,10 @@ def _kernel_call(
     extra.update(q_segment_ids=ids(t), kv_segment_ids=ids(s))
   if "cap" in features:
     extra.update(logits_soft_cap=30.0)
+  if "bias" in features:  # a float32 bias of every query head
+    extra.update(bias=jnp.zeros((b, heads, t, s), jnp.float32))
+  if "mask" in features:  # a mask of every example, shared by the heads
+    extra.update(mask=jnp.ones((b, 1, t, s), bool))
   attend = lambda q, k, v: pallax.dot_product_attention(q, k, v, **extra)
   if stage == JVP:
     fn = lambda *x: jax.jvp(attend, x, x)
@@ -1651,6 +1756,32 @@ def test_the_tangent_above_head_dim_128_compiles_spill_free(h, features, heads, 
   (compiled,) = _compiles_spill_free(eqn, config, ("dot_product_attention_jvp",))
   counted = mosaic_gpu.config.smem_bytes(_problem(eqn), config, "jvp")
   assert counted <= compiled["smem_bytes"] <= counted + 2 * mgpu.SMEM_ALIGN
+
+
+@pytest.mark.compilers
+@pytest.mark.parametrize(
+  "h, features, heads, kv_heads, config",
+  [
+    (128, "bias", 8, 2, {}),
+    (128, "causal-lengths-segments-cap-bias-mask", 8, 1, {}),
+    (128, "window-mask", 16, 16, {"block_k": 128}),
+    (128, "causal-bias", 8, 2, {"fwd_overlap": True}),
+    (64, "causal-segments-bias", 8, 2, {"num_stages": 3}),
+    (256, "lengths-mask", 8, 2, {}),
+  ],
+)
+def test_the_forward_with_a_bias_or_mask_compiles_spill_free(h, features, heads, kv_heads, config):
+  """The bias' tiles in the ring (float32; 16 bits for a mask alone), for H100 (batch 2).
+
+  ``smem_bytes`` counts them: the compiled kernel takes at most
+  ``SMEM_BUDGET``'s margin more.
+  """
+  eqn = _kernel_call(h, features, heads, stage=FWD, kv_heads=kv_heads)
+  config = mosaic_gpu.MosaicGpuAttentionConfig(**{"block_k": 64, "num_stages": 2, **config})
+  assert _supports(eqn, config, "fwd") is None
+  (compiled,) = _compiles_spill_free(eqn, config, ("dot_product_attention_fwd",))
+  counted = mosaic_gpu.config.smem_bytes(_problem(eqn), config, "fwd")
+  assert counted <= compiled["smem_bytes"] <= counted + 2 * mgpu.SMEM_ALIGN, (counted, compiled)
 
 
 @pytest.mark.compilers

@@ -97,6 +97,8 @@ MOSAIC_GPU_OPS = [
   "attention_capped",
   "attention_features",
   "attention_lengths",
+  "attention_biased",
+  "attention_float32_bias",
 ]
 
 

@@ -149,8 +149,8 @@ def feature_reason(p: Problem, stage: str = "fwd") -> Optional[str]:
   if stage not in STAGES:
     return f"the Mosaic GPU attention kernels have no {stage} stage (it runs on Triton)"
   for present, name in ((p.has_bias, "bias"), (p.has_mask, "mask")):
-    if present:  # a (T, S) tile a block: the Triton kernels stream it
-      return f"the Mosaic GPU attention kernels take no {name} yet"
+    if present and stage != "fwd":  # the bias' gradient and tangent: the Triton kernels'
+      return f"the Mosaic GPU attention kernels take a {name} in the forward only"
   if jnp.dtype(p.dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
     return f"the Mosaic GPU attention kernels take bfloat16 and float16, not {jnp.dtype(p.dtype)}"
   if head(p) > _MAX_HEAD:
@@ -430,6 +430,20 @@ def out_cols(p: Problem, kernel: str) -> int:
   return min(h, 128)
 
 
+def logit_bias_dtype(p: Problem) -> Any:
+  """The dtype of the forward's bias tiles (``tiles.logit_bias``): the bias', or the call's.
+
+  A 16-bit bias streams as it is (a copy in float32 would triple the bytes
+  it moves, where a bias of every head is the kernel's largest operand) and
+  a float32 one too (a 16-bit copy of an ALiBi bias of a few thousand would
+  be off by units); either is added in float32, as the reference adds it.
+  A mask alone is 0 or -inf, exact in the call's dtype.
+  """
+  if p.bias_dtype is None:
+    return p.dtype
+  return p.bias_dtype if jnp.dtype(p.bias_dtype).itemsize == 2 else jnp.float32
+
+
 def fwd_consumers(p: Problem) -> int:
   """Consumer warpgroups of the forward: two (ping-pong), one in what two spill in.
 
@@ -494,11 +508,16 @@ def smem_bytes(p: Problem, config: MosaicGpuAttentionConfig, stage: str) -> int:
     # buffers' elements, and 881 more without them.
     ids = [n * own, c.num_stages * ring] if p.has_segments else []
     stats += sum(round_up(i, mgpu.SMEM_ALIGN // 4) for i in ids)
+    bias = 0
+    if stage == "fwd" and (
+      p.has_bias or p.has_mask
+    ):  # each slot: a bias tile of the consumers' rows
+      bias = c.num_stages * n * own * ring * jnp.dtype(logit_bias_dtype(p)).itemsize
     dq_tiles = 0
     if fused:  # dS^T (two buffers where consumers share it), P^T's, dQ^T's float32 tiles
       ds_buffers = 1 + shares_dq(h, n) + fused_wide_steps(p, config)
       dq_tiles = n * (ds_buffers * own * item + 4 * fused_dq_tiles(h, n) * FUSED_DQ_COLS) * ring
-    sizes.append(elements * item + 4 * stats + dq_tiles)
+    sizes.append(elements * item + 4 * stats + dq_tiles + bias)
   return max(sizes)
 
 
@@ -663,10 +682,12 @@ def heuristic(avals: Sequence[Any], target: str, *, stage: str, **params):
   products' work against 7) and have not been timed against the Triton
   backward on a GPU; likewise for a tangent that splits them (above head
   dim 128: S and dS once a share, in steps of 32 keys at 256); and for a
-  forward of one consumer (``fwd_consumers``: no ping-pong), not timed either.
+  forward of one consumer (``fwd_consumers``: no ping-pong) or with a bias
+  or mask (a tile of them streamed each step), not timed either.
   """
   p = Problem.of(avals, **params)
-  if stage == "fwd" and fwd_consumers(p) == 1 and feature_reason(p, stage) is None:
+  untimed = fwd_consumers(p) == 1 or p.has_bias or p.has_mask
+  if stage == "fwd" and untimed and feature_reason(p, stage) is None:
     return None
   if stage == "fwd":
     configs = [MosaicGpuAttentionConfig(block_k=bk) for bk in (128, 64)]

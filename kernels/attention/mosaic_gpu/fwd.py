@@ -23,11 +23,15 @@ Blocks that causality, a window, the lengths or the segment ids hide entirely
 are never loaded (segment ids: outside the run of blocks a tile's segments
 meet); those that are partly hidden, and the block overhanging the keys' end,
 are masked; the rest run without a mask (``tiles.over_steps``). GQA reads the
-kv head of the query head (never repeated). Q, K, V and the output are read
-and written sequence first, in the caller's layout (``tiles.sequence_first``:
-no transposes run around the kernel). Head dims are padded to a multiple of
-64 and the query and key lengths to whole tiles, by XLA, where they are not
-(one copy each then).
+kv head of the query head (never repeated). A bias and a mask come as one
+bias (``tiles.logit_bias``: -inf where the mask hides, in the bias' dtype or
+the call's for a mask alone); the producer brings its tile of the block of
+threads' rows with each key block, and each step adds it to the logits in
+float32 (an autotuning candidate until timed on a GPU: ``config.heuristic``).
+Q, K, V and the output are read and written sequence first, in the caller's
+layout (``tiles.sequence_first``: no transposes run around the kernel). Head
+dims are padded to a multiple of 64 and the query and key lengths to whole
+tiles, by XLA, where they are not (one copy each then).
 
 Interpreted (the CPU check), the kernel takes K transposed in GMEM and stages
 ``P`` through SMEM (``pallax.pallas_mosaic_gpu.Form``); the tile maths, the
@@ -44,6 +48,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from pallax import pallas_mosaic_gpu as mgpu
+from pallax.kernels.attention import common
 from pallax.kernels.attention.common import NEG_INF
 from pallax.kernels.attention.mosaic_gpu import tiles
 from pallax.kernels.attention.mosaic_gpu.config import (
@@ -51,9 +56,10 @@ from pallax.kernels.attention.mosaic_gpu.config import (
   call_of,
   fwd_consumers,
   head,
+  logit_bias_dtype,
   round_up,
 )
-from pallax.kernels.attention.mosaic_gpu.tiles import LN2, broadcast
+from pallax.kernels.attention.mosaic_gpu.tiles import LN2, LOG2E, broadcast
 from pallax.pallas_mosaic_gpu import plgpu
 
 
@@ -70,14 +76,17 @@ def fwd(*operands, config: MosaicGpuAttentionConfig, interpret: Any, **params) -
   k = tiles.sequence_first(k) if form.hopper else tiles.transposed(k)
   segs = tiles.padded_segments(c.ops, tp, sp)
   seg_ops = [] if segs is None else list(segs)
+  bias = tiles.logit_bias(c.ops, logit_bias_dtype(p), tp, sp)
+  bias_ops = [] if bias is None else [bias]
   call_tiles = tiles.Tiles(p, bq, bk)
   facts = call_tiles.inputs(c.ops, segs, (rows, bq), queries_own=True)
 
   def body(q_ref, k_ref, v_ref, *refs):
     seg_refs = refs[: len(seg_ops)]
-    *fact_refs, out_ref, lse_ref, scoped = refs[len(seg_ops) :]
+    bias_refs = refs[len(seg_ops) : len(seg_ops) + len(bias_ops)]
+    *fact_refs, out_ref, lse_ref, scoped = refs[len(seg_ops) + len(bias_ops) :]
     smem, q_full, (full, consumed), schedule = scoped
-    qo_smem, k_smem, v_smem, lse_smem, p_smem, seg_smem = smem
+    qo_smem, k_smem, v_smem, lse_smem, p_smem, seg_smem, bias_smem = smem
     n, b = lax.axis_index("heads"), lax.axis_index("batch")
     kh, g = lax.div(n, jnp.int32(p.groups)), lax.rem(n, jnp.int32(p.groups))
     t_tile = tiles.query_tile_start(p, tp, rows)
@@ -129,13 +138,20 @@ def fwd(*operands, config: MosaicGpuAttentionConfig, interpret: Any, **params) -
         if masked:  # the keys' ids are in the slot until it is released
           ids = None if q_seg is None else (q_seg, form.vector(seg_smem[1].at[ring.slot(j)], 1))
           keep = blocks.keep_keys(form, t0, j, ids)
+        logit_bias = None
+        if bias_refs:  # the consumer's rows of the block's bias (-inf where a mask hides)
+          logit_bias = form.tile(bias_smem.at[ring.slot(j), pl.ds(wg * bq, bq)])
         ring.release(0, j)
         y, factor = tiles.logits2_factors(p, qk)
-        # Masked steps take the product first: fused into the exponent there, a
-        # causal step of 256 keys at head dim 64 spilled 88 bytes (H100).
-        if keep is not None:
-          y, factor = tiles.masked(y * factor, keep), 1.0
-        return tiles.softmax_stats(m, denom, y, factor, hidden=keep is not None)
+        # Masked (and biased) steps take the product first: fused into the exponent
+        # there, a causal step of 256 keys at head dim 64 spilled 88 bytes (H100).
+        if keep is not None or logit_bias is not None:
+          y, factor = y * factor, 1.0
+        if logit_bias is not None:  # a bias or a mask may hide a whole row in any step
+          y = y + logit_bias.astype(jnp.float32) * LOG2E
+        y = tiles.masked(y, keep)
+        hidden = keep is not None or logit_bias is not None
+        return tiles.softmax_stats(m, denom, y, factor, hidden=hidden)
 
       def scores(j):  # the other consumer's turn while they run
         return mgpu.fresh_product((bq, bk), lambda ref: (issue_scores(j, ref), take_turn()))
@@ -236,6 +252,10 @@ def fwd(*operands, config: MosaicGpuAttentionConfig, interpret: Any, **params) -
         key_copies = [(k_block, k_smem.at[s])]
         if seg_refs:  # and their segment ids
           key_copies.append((seg_refs[1].at[b, keys], seg_smem[1].at[s]))
+        if bias_refs:  # and the bias' tile of the block of threads' rows
+          lead = common.extra_lead(bias, b, kh, g)
+          tile = bias_refs[0].at[(*lead, pl.ds(t_tile, rows), keys)]
+          key_copies.append((tile, bias_smem.at[s]))
         return [key_copies, [(v_ref.at[b, keys, kh], v_smem.at[s])]]
 
       ring.produce(copies)
@@ -255,16 +275,17 @@ def fwd(*operands, config: MosaicGpuAttentionConfig, interpret: Any, **params) -
       plgpu.SMEM((consumers, bq), jnp.float32),
       form.staging((consumers, bq, bk), p.dtype),
       tiles.segment_smem(segs, (consumers, bq), (stages, bk)),
+      tiles.bias_smem(bias, (stages, rows, bk)),
     ],
     plgpu.Barrier(num_arrivals=1 + bool(seg_ops), num_barriers=consumers),
-    mgpu.Ring.barriers((1 + bool(seg_ops), 1), stages, consumers),
+    mgpu.Ring.barriers((1 + bool(seg_ops) + bool(bias_ops), 1), stages, consumers),
     plgpu.Barrier(num_arrivals=consumers),
   ]
   out_type = jax.ShapeDtypeStruct((p.batch, tp, p.kv_heads, p.groups, h), p.dtype)
   lse_type = jax.ShapeDtypeStruct((p.batch, p.kv_heads, p.groups, tp), jnp.float32)
   out, lse = form.launch(
     body,
-    (q, k, v, *seg_ops, *facts),
+    (q, k, v, *seg_ops, *bias_ops, *facts),
     (out_type, lse_type),
     grid=(p.kv_heads * p.groups, tp // rows, p.batch),
     grid_names=("heads", "q", "batch"),

@@ -262,6 +262,34 @@ def padded_segments(ops, tp: int, sp: int) -> Optional[tuple[jax.Array, jax.Arra
   return pad(ops.q_seg, tp), pad(ops.kv_seg, sp)
 
 
+def logit_bias(ops, dtype, tp: int, sp: int) -> Optional[jax.Array]:
+  """The bias and the mask as one ``(Bb, Kb, Gb, tp, sp)`` bias of ``dtype`` (None without either).
+
+  -inf where the mask hides a pair, the bias (0 without one) elsewhere,
+  padded with 0 (the kernels mask padded keys; padded queries are cut off).
+  A bias and a mask that broadcast over different dims take the union's
+  shape (one copy, by XLA).
+  """
+  bias, mask = ops.bias, ops.mask
+  if bias is None and mask is None:
+    return None
+  x = jnp.zeros((), dtype) if bias is None else bias.astype(dtype)
+  if mask is not None:
+    x = jnp.where(mask, x, jnp.asarray(NEG_INF, dtype))
+  return pad(x, {3: tp, 4: sp})
+
+
+def bias_smem(bias: Optional[jax.Array], ring: tuple[int, int, int]) -> Optional[Any]:
+  """SMEM for ``logit_bias``' tiles in the ring's slots, ``(stages, rows, block)`` (None without).
+
+  Swizzled: a ``wgmma``-layout load of an unswizzled tile has no transfer
+  pattern free of bank conflicts (Mosaic GPU refuses it).
+  """
+  if bias is None:
+    return None
+  return plgpu.SMEM(ring, bias.dtype, transforms=mgpu.swizzle_transforms(bias.dtype, ring[-1]))
+
+
 def segment_smem(segs, own: tuple[int, int], ring: tuple[int, int]) -> Optional[list]:
   """SMEM for the segment ids of a kernel's own rows and of its ring's slots (None without).
 
