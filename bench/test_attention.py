@@ -222,8 +222,11 @@ def program(case, impl, mode, fwd_bwd=None):
   return make(fn, 3), (q, kk, v, cotangent)
 
 
-def reference_rows(case, mode, inputs, rows=CHECK_ROWS):
-  """Float64 output (``fwd``) or dL/dquery (``fwd+bwd``) of the first ``rows`` queries."""
+def reference_rows(case, mode, inputs, rows=CHECK_ROWS, bias=None):
+  """Float64 output (``fwd``) or dL/dquery (``fwd+bwd``) of the first ``rows`` queries.
+
+  ``bias``: added to the logits, ``(B or 1, N, T, S)`` (after the soft cap).
+  """
   q, k, v = (np.asarray(x.astype(jnp.float32), np.float64) for x in inputs[:3])
   q = q[:, :rows]
   group = case.heads // case.kv_heads  # query head i uses key/value head i // group, as jax.nn
@@ -234,14 +237,16 @@ def reference_rows(case, mode, inputs, rows=CHECK_ROWS):
   if case.soft_cap is not None:
     tanh = np.tanh(logits / case.soft_cap)
     logits, slope = case.soft_cap * tanh, 1 - tanh**2
+  if bias is not None:
+    logits = logits + np.asarray(bias.astype(jnp.float32), np.float64)[:, :, :rows]
   if case.causal:
     visible = np.arange(k.shape[1])[None, :] <= np.arange(q.shape[1])[:, None]
     logits = np.where(visible, logits, -np.inf)
   dout = None if mode == "fwd" else np.asarray(inputs[3], np.float64)[:, :rows]
-  return softmax_rows(logits, k, v, dout, scale, slope)
+  return _softmax_rows(logits, k, v, dout, scale, slope)
 
 
-def softmax_rows(logits, k, v, dout, scale, slope=1.0):
+def _softmax_rows(logits, k, v, dout, scale, slope=1.0):
   """The rows' float64 output from masked logits, or with ``dout`` given their dL/dquery.
 
   ``slope``: the logits' derivative through a soft cap (1 without).
@@ -393,7 +398,7 @@ def packed_reference_rows(mode, inputs, rows=PACKED_ROWS):
   )
   logits = np.where(visible[:, None], logits, -np.inf)
   dout = None if mode == "fwd" else np.asarray(inputs[4], np.float64)[:, rows]
-  return softmax_rows(logits, k, v, dout, scale)
+  return _softmax_rows(logits, k, v, dout, scale)
 
 
 def _packed_call(docs, mode):

@@ -261,15 +261,15 @@ class Form:
     ``[0]``) or a column one (``dim`` 1), in the matching register layout on
     a GPU.
     """
-    if self.hopper:
-      return plgpu.load(ref, (), layout=plgpu.Layout.WGMMA.reduce(1 - dim))
-    return ref[...]
+    return self._load(ref, plgpu.Layout.WGMMA.reduce(1 - dim))
 
   def tile(self, ref: Any) -> jax.Array:
     """A 2-D SMEM ref's value in a ``wgmma`` accumulator's register layout on a GPU."""
-    if self.hopper:
-      return plgpu.load(ref, (), layout=plgpu.Layout.WGMMA)
-    return ref[...]
+    return self._load(ref, plgpu.Layout.WGMMA)
+
+  def _load(self, ref: Any, layout: Any) -> jax.Array:
+    """An SMEM ref's value, in ``layout`` on a GPU (the interpreter takes no layouts)."""
+    return plgpu.load(ref, (), layout=layout) if self.hopper else ref[...]
 
   def launch(
     self,

@@ -83,8 +83,10 @@ def call_facts(avals: Sequence[Any], **params) -> dict[str, Any]:
   """What the compiler verdicts on a call's configs depend on (``pallax.executor.facts``).
 
   width: the operands' bytes an element (2 or 4); head: the padded head dim
-  (64, 128 or 256; smaller heads count as 64); features: segment ids or a
-  soft cap (their registers).
+  (64, 128 or 256; smaller heads count as 64); features: segment ids, a
+  soft cap, a bias or a mask (their registers: the tangent of a bias and a
+  mask spilled 16 bytes in the 64 x 64 blocks of 8 warps the verdicts kept
+  for plain calls, float16 on A100).
   """
   return _facts(Problem.of(avals, **params))
 
@@ -93,7 +95,7 @@ def _facts(p: Problem) -> dict[str, Any]:
   return {
     "width": 4 if jnp.dtype(p.dtype).itemsize == 4 else 2,
     "head": max(_head(p), 64),
-    "features": p.has_segments or p.soft_cap is not None,
+    "features": p.has_segments or p.soft_cap is not None or p.has_bias or p.has_mask,
   }
 
 

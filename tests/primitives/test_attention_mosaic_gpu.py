@@ -600,8 +600,8 @@ def _hide_rows(*rows: int) -> Callable[[dict], dict]:
 def _large_bias(ops: dict) -> dict:
   """Operands -> the same with a float32 bias of 1000 on odd keys, plus twice the drawn one.
 
-  Rounded to 16 bits (steps of 8 there) the drawn part would be lost: the
-  kernel streams a float32 bias as it is.
+  Rounded to bfloat16 (steps of 4 there) the logits would move by up to 2:
+  the kernel streams a float32 bias as it is.
   """
   odd = (jnp.arange(ops["bias"].shape[-1]) % 2).astype(jnp.float32)
   return {**ops, "bias": 1000.0 * odd + 2.0 * ops["bias"].astype(jnp.float32)}
@@ -653,6 +653,33 @@ BIAS_CASES = {
     dataclasses.replace(PIN, block_k=128),
     _hide_rows(3, 170),
   ),
+  # The forward's softmax beside the previous block's P V (``fwd_overlap``)
+  # with packed documents: the keys' ids, K and the bias in one group.
+  "overlap-bias-packed-causal": (
+    Case(
+      b=1, t=200, s=200, n=2, k=1, h=64, is_causal=True, segments="packed", bias=(1, 2, 200, 200)
+    ),
+    dataclasses.replace(PIN, fwd_overlap=True),
+    lambda ops: ops,
+  ),
+  # One consumer (head dim 256, a soft cap with a causal mask), a float32
+  # bias and a mask.
+  "h256-one-consumer-bias-mask": (
+    Case(
+      b=1,
+      t=100,
+      s=130,
+      n=2,
+      k=1,
+      h=256,
+      is_causal=True,
+      soft_cap=10.0,
+      bias=(1, 2, 100, 130),
+      mask=(1, 1, 100, 130),
+    ),
+    PIN,
+    lambda ops: {**ops, "bias": ops["bias"].astype(jnp.float32)},
+  ),
 }
 
 
@@ -663,6 +690,30 @@ def test_the_forward_takes_a_bias_and_a_mask(name):
   picks = _forward_vs_float64(case, config, 11, name, edit)
   assert picks[None].implementation == "pallas" and "autotuning" in picks[None].note
   assert picks[config].implementation == MOSAIC
+
+
+def test_a_bias_at_the_float32_minimum_hides_its_pairs_as_a_mask_does():
+  """A finite bias of ``finfo(float32).min`` (an additive mask of some models) hides its pairs.
+
+  Its base-2 logits overflow to -inf: a row it hides in part matches
+  float64, and a row it hides entirely gives output 0 and lse -inf as a
+  masked row does (the float64 reference averages V over such a row).
+  """
+  case = Case(b=1, t=64, s=100, n=2, k=2, h=64, bias=(1, 2, 64, 100))
+  ops, statics = inputs(case, jnp.bfloat16, 13)
+  low = jnp.finfo(jnp.float32).min
+  bias = ops["bias"].astype(jnp.float32).at[:, :, 5].set(low).at[:, :, 10, ::2].set(low)
+  ops = {**ops, "bias": bias}
+  forward = lambda fn, ops: _call(fn, statics, ops, return_residual=True)
+  with on_path(PATH):
+    out, lse = jax.jit(functools.partial(forward, _pallax(PIN)))(ops)
+  with x64():
+    out_ref, lse_ref = jax.jit(functools.partial(forward, reference))(_as64(ops))
+  seen = np.arange(case.t) != 5
+  assert_close(out[:, seen], out_ref[:, seen], jnp.bfloat16, "rows the bias hides in part")
+  assert_lse_close(lse[:, seen], lse_ref[:, seen], jnp.bfloat16)
+  np.testing.assert_array_equal(np.asarray(out[:, 5], np.float32), 0.0)
+  assert np.all(np.isneginf(np.asarray(lse[:, 5], np.float32)))
 
 
 def test_a_biased_forward_on_mosaic_gpu_and_its_gradient_on_triton():
@@ -912,6 +963,10 @@ def test_the_executor_prefers_mosaic_gpu_on_hopper_only():
   biased = _selection(h100, grad=True, bias=bias)
   assert biased[FWD].implementation == "pallas" and "autotuning" in biased[FWD].note
   assert biased[BWD].implementation == "pallas" and "bias in the forward only" in biased[BWD].note
+  q, kv = jnp.zeros((2, 256, 4, 128), jnp.bfloat16), jnp.zeros((2, 256, 2, 128), jnp.bfloat16)
+  tangent = lambda q: jax.jvp(lambda q: pallax.dot_product_attention(q, kv, kv, bias), (q,), (q,))
+  picks = {r.op: r for r in pallax.explain_on(h100, tangent, q)}
+  assert picks[JVP].implementation == "pallas" and "forward only" in picks[JVP].note
 
 
 @pytest.mark.parametrize("h", [64, 128, 192, 256])
@@ -1768,13 +1823,15 @@ def test_the_tangent_above_head_dim_128_compiles_spill_free(h, features, heads, 
     (128, "causal-bias", 8, 2, {"fwd_overlap": True}),
     (64, "causal-segments-bias", 8, 2, {"num_stages": 3}),
     (256, "lengths-mask", 8, 2, {}),
+    (256, "causal-cap-bias", 8, 2, {}),
+    (192, "bias", 8, 1, {}),
   ],
 )
 def test_the_forward_with_a_bias_or_mask_compiles_spill_free(h, features, heads, kv_heads, config):
   """The bias' tiles in the ring (float32; 16 bits for a mask alone), for H100 (batch 2).
 
-  ``smem_bytes`` counts them: the compiled kernel takes at most
-  ``SMEM_BUDGET``'s margin more.
+  ``smem_bytes`` counts them: the compiled kernel takes at most 2 KiB more
+  (barriers). One consumer at head dim 256 (a soft cap with a causal mask).
   """
   eqn = _kernel_call(h, features, heads, stage=FWD, kv_heads=kv_heads)
   config = mosaic_gpu.MosaicGpuAttentionConfig(**{"block_k": 64, "num_stages": 2, **config})

@@ -149,8 +149,11 @@ def feature_reason(p: Problem, stage: str = "fwd") -> Optional[str]:
   if stage not in STAGES:
     return f"the Mosaic GPU attention kernels have no {stage} stage (it runs on Triton)"
   for present, name in ((p.has_bias, "bias"), (p.has_mask, "mask")):
-    if present and stage != "fwd":  # the bias' gradient and tangent: the Triton kernels'
-      return f"the Mosaic GPU attention kernels take a {name} in the forward only"
+    if present and stage != "fwd":  # the backward and tangent kernels stream no (T, S) tile
+      return (
+        f"the Mosaic GPU attention kernels take a {name} in the forward only (to run it there,"
+        " pin the forward alone: an executor overlay of dot_product_attention_fwd)"
+      )
   if jnp.dtype(p.dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
     return f"the Mosaic GPU attention kernels take bfloat16 and float16, not {jnp.dtype(p.dtype)}"
   if head(p) > _MAX_HEAD:
@@ -433,11 +436,11 @@ def out_cols(p: Problem, kernel: str) -> int:
 def logit_bias_dtype(p: Problem) -> Any:
   """The dtype of the forward's bias tiles (``tiles.logit_bias``): the bias', or the call's.
 
-  A 16-bit bias streams as it is (a copy in float32 would triple the bytes
-  it moves, where a bias of every head is the kernel's largest operand) and
-  a float32 one too (a 16-bit copy of an ALiBi bias of a few thousand would
-  be off by units); either is added in float32, as the reference adds it.
-  A mask alone is 0 or -inf, exact in the call's dtype.
+  A 16-bit bias streams as it is (a float32 copy would be written and read
+  at twice its bytes, where a bias of every head is the call's largest
+  operand) and a float32 one too (rounded to 16 bits a bias of a thousand
+  would move the logits by up to 2); either is added in float32, as the
+  reference adds it. A mask alone is 0 or -inf, exact in the call's dtype.
   """
   if p.bias_dtype is None:
     return p.dtype
@@ -508,11 +511,9 @@ def smem_bytes(p: Problem, config: MosaicGpuAttentionConfig, stage: str) -> int:
     # buffers' elements, and 881 more without them.
     ids = [n * own, c.num_stages * ring] if p.has_segments else []
     stats += sum(round_up(i, mgpu.SMEM_ALIGN // 4) for i in ids)
-    bias = 0
-    if stage == "fwd" and (
-      p.has_bias or p.has_mask
-    ):  # each slot: a bias tile of the consumers' rows
-      bias = c.num_stages * n * own * ring * jnp.dtype(logit_bias_dtype(p)).itemsize
+    # The forward's bias (and mask): each slot a tile of the consumers' rows.
+    biased = stage == "fwd" and (p.has_bias or p.has_mask)
+    bias = biased * c.num_stages * n * own * ring * jnp.dtype(logit_bias_dtype(p)).itemsize
     dq_tiles = 0
     if fused:  # dS^T (two buffers where consumers share it), P^T's, dQ^T's float32 tiles
       ds_buffers = 1 + shares_dq(h, n) + fused_wide_steps(p, config)

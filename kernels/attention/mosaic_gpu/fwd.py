@@ -145,12 +145,12 @@ def fwd(*operands, config: MosaicGpuAttentionConfig, interpret: Any, **params) -
         y, factor = tiles.logits2_factors(p, qk)
         # Masked (and biased) steps take the product first: fused into the exponent
         # there, a causal step of 256 keys at head dim 64 spilled 88 bytes (H100).
-        if keep is not None or logit_bias is not None:
+        hidden = keep is not None or logit_bias is not None  # a bias may hide whole rows
+        if hidden:
           y, factor = y * factor, 1.0
-        if logit_bias is not None:  # a bias or a mask may hide a whole row in any step
+        if logit_bias is not None:
           y = y + logit_bias.astype(jnp.float32) * LOG2E
         y = tiles.masked(y, keep)
-        hidden = keep is not None or logit_bias is not None
         return tiles.softmax_stats(m, denom, y, factor, hidden=hidden)
 
       def scores(j):  # the other consumer's turn while they run

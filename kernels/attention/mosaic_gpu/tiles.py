@@ -268,7 +268,10 @@ def logit_bias(ops, dtype, tp: int, sp: int) -> Optional[jax.Array]:
   -inf where the mask hides a pair, the bias (0 without one) elsewhere,
   padded with 0 (the kernels mask padded keys; padded queries are cut off).
   A bias and a mask that broadcast over different dims take the union's
-  shape (one copy, by XLA).
+  shape (one copy, by XLA). A finite bias below -2.36e38 (``finfo.min``, an
+  additive mask of some models) hides its pair as -inf does: in base 2
+  (times log2 e) it overflows to -inf, so a row it hides entirely gives 0
+  and lse -inf, as a masked row does, where XLA's softmax averages V.
   """
   bias, mask = ops.bias, ops.mask
   if bias is None and mask is None:
