@@ -18,8 +18,10 @@
 # - attention_bench: bench/test_attention_hopper.py, Mosaic GPU attention vs
 #   Pallas-Triton vs cuDNN (forward, forward+backward), and vs XLA under jvp
 #   (where cuDNN's custom_vjp raises); the forward's candidate with its
-#   softmax beside the previous block's P V too (pallax-overlap), and its 192-key
-#   blocks (pallax-k192, not causal).
+#   softmax beside the previous block's P V too (pallax-overlap), its 192-key
+#   blocks (pallax-k192, not causal), and the forward with a bias of every head
+#   (test_hopper_biased_forward: the Mosaic GPU forward pinned, an autotuning
+#   candidate, against Triton and cuDNN).
 # - attention_breakdown: bench/attention_breakdown.py, the device's kernels of
 #   pallax's, cuDNN's and JAX's Mosaic GPU attention at B=4, S=4096, and of the
 #   fused backward's two-consumer configs (pallax-fused2, pallax-fa3).
