@@ -104,12 +104,17 @@ def _kernel_calls(stage: str, h: int, dtype, features: bool) -> list:
   s = jax.ShapeDtypeStruct
   args = [s((1, T, N, h), dtype), s((1, T, K, h), dtype), s((1, T, K, h), dtype)]
   args += [s((1, T), jnp.int32)] * features
-  attention = fn = _attention(features)
+  return _stage_calls(stage, _attention(features), args, 3)
+
+
+def _stage_calls(stage: str, attention, args: list, n_diff: int) -> list:
+  """``stage``'s kernel calls of ``attention(*args)``, differentiating its first ``n_diff`` args."""
+  fn = attention
   if stage == "bwd":
-    loss = lambda q, k, v, *seg: jnp.sum(attention(q, k, v, *seg).astype(jnp.float32))
-    fn = jax.grad(loss, argnums=(0, 1, 2))
+    loss = lambda *x: jnp.sum(attention(*x).astype(jnp.float32))
+    fn = jax.grad(loss, argnums=tuple(range(n_diff)))
   elif stage == "jvp":
-    fn = lambda q, k, v, *seg: jax.jvp(lambda *x: attention(*x, *seg), (q, k, v), (q, k, v))
+    fn = lambda *x: jax.jvp(lambda *d: attention(*d, *x[n_diff:]), x[:n_diff], x[:n_diff])
   name = f"dot_product_attention_{stage}"
   return [e for e in kernel_calls(jax.make_jaxpr(fn)(*args).jaxpr) if e.primitive.name == name]
 
@@ -241,18 +246,7 @@ def test_a_bias_or_mask_takes_the_configs_of_segment_ids_and_a_cap(stage):
   s = jax.ShapeDtypeStruct
   q, kv = s((1, T, N, 64), jnp.float16), s((1, T, K, 64), jnp.float16)
   bias, mask = s((1, N, T, T), jnp.float16), s((1, 1, T, T), jnp.bool_)
-  attention = lambda q, k, v, b, m: pallax.dot_product_attention(q, k, v, b, m)
-  fn = attention
-  if stage == "bwd":
-    fn = jax.grad(lambda *x: jnp.sum(attention(*x).astype(jnp.float32)), argnums=(0, 1, 2, 3))
-  elif stage == "jvp":
-    fn = lambda q, k, v, b, m: jax.jvp(lambda *x: attention(*x, m), (q, k, v, b), (q, k, v, b))
-  name = f"dot_product_attention_{stage}"
-  (eqn,) = [
-    e
-    for e in kernel_calls(jax.make_jaxpr(fn)(q, kv, kv, bias, mask).jaxpr)
-    if e.primitive.name == name
-  ]
+  (eqn,) = _stage_calls(stage, pallax.dot_product_attention, [q, kv, kv, bias, mask], 4)
   avals, params = [v.aval for v in eqn.invars], op_params(eqn.params)
   found = [c for c in candidates(avals, "cuda", **params) if c.implementation == "pallas"]
   assert found == want and heuristic(avals, "cuda", **params) == want[0]
