@@ -63,7 +63,9 @@ and forward+backward, where the Mosaic GPU forward's one consumer is the
 autotuning candidate too. ``test_hopper_biased_forward`` times the forward
 with a bf16 bias of every head (B = 2, S = 4096): the executor's choice (the
 Triton kernel), the Mosaic GPU forward pinned in 64- and 128-key blocks (an
-autotuning candidate) and cuDNN.
+autotuning candidate) and cuDNN; ``test_hopper_biased_tangent`` its
+``jax.jvp`` with the bias' tangent: the executor's choice (Triton) and the
+Mosaic GPU forward and tangent pinned (an autotuning candidate).
 Each implementation's first call is checked against a float64 reference on
 the first 128 query rows. Without an NVIDIA GPU the cases are not collected:
 nothing here runs on a CPU.
@@ -169,8 +171,12 @@ def _function(impl, case, mode):
 
 
 def _tangent_rows(case, inputs, rows=CHECK_ROWS):
-  """Float64 tangent of the output of the first ``rows`` queries (``jvp``)."""
-  q, k, v, dq, dk, dv = (np.asarray(x.astype(jnp.float32), np.float64) for x in inputs)
+  """Float64 tangent of the output of the first ``rows`` queries (``jvp``).
+
+  ``inputs``: ``q, k, v``, their tangents, and optionally a ``(1, N, T, S)``
+  bias and its tangent.
+  """
+  q, k, v, dq, dk, dv, *bias = (np.asarray(x.astype(jnp.float32), np.float64) for x in inputs)
   q, dq = q[:, :rows], dq[:, :rows]
   group = case.heads // case.kv_heads  # query head i uses key/value head i // group, as jax.nn
   k, v, dk, dv = (np.repeat(x, group, axis=2) for x in (k, v, dk, dv))
@@ -180,6 +186,8 @@ def _tangent_rows(case, inputs, rows=CHECK_ROWS):
     "brnh,bsnh->bnrs", q, dk, optimize=True
   )
   ds = ds * scale
+  if bias:
+    s, ds = s + bias[0][:, :, :rows], ds + bias[1][:, :, :rows]
   if case.causal:
     visible = np.arange(k.shape[1])[None, :] <= np.arange(rows)[:, None]
     s = np.where(visible, s, -np.inf)
@@ -220,7 +228,7 @@ def _stage_pins(config, stage="bwd"):
 
   Args:
     config: the stage's ``MosaicGpuAttentionConfig``.
-    stage: ``"fwd"`` or ``"bwd"``.
+    stage: ``"fwd"``, ``"bwd"`` or ``"jvp"``.
 
   Returns:
     ``(fn, inputs) -> {primitive name: config}`` for ``fn``'s kernel calls of that stage.
@@ -315,13 +323,18 @@ BIAS_PINS = {
 }
 
 
+def _bias(case, seed: int) -> jax.Array:
+  """A bfloat16 bias of every query head, ``(1, N, T, S)``."""
+  shape = (1, case.heads, case.seq, case.seq)
+  return jax.random.normal(jax.random.key(seed), shape, jnp.float32).astype(jnp.bfloat16)
+
+
 def test_hopper_biased_forward(benchmark, request):
   """The executor's choice, the Mosaic GPU forward pinned (two blocks), cuDNN: with a bias."""
   case = BIAS_CASE
   benchmark.group = f"hopper-B{case.batch}-H{case.head_dim}-{case.id}-bias-fwd"
   q, k, v = _inputs(case, "fwd")[:3]
-  shape = (1, case.heads, case.seq, case.seq)
-  bias = jax.random.normal(jax.random.key(1), shape, jnp.float32).astype(jnp.bfloat16)
+  bias = _bias(case, 1)
   args = jax.block_until_ready((q, k, v, bias))
   want = reference_rows(case, "fwd", args, bias=bias)
   fns = {
@@ -337,3 +350,27 @@ def test_hopper_biased_forward(benchmark, request):
   calls = {impl: functools.partial(exe, *args) for impl, exe in compiled.items()}
   error = lambda out: rel_err(_checked("fwd", out), want)
   compare(benchmark, request, calls, error, TOLERANCE, _work(case, "fwd"), case.dtype, "cudnn")
+
+
+def test_hopper_biased_tangent(benchmark, request):
+  """``jax.jvp`` with a bias and its tangent: the executor's choice, the Mosaic GPU kernels pinned.
+
+  The Mosaic GPU tangent streams the bias' tile and its tangent's with each
+  key block, an autotuning candidate until timed here (``pallax-mosaic``:
+  its forward and tangent; by default both run on Triton). cuDNN's
+  attention has no forward-mode AD (a ``custom_vjp``).
+  """
+  case = BIAS_CASE
+  benchmark.group = f"hopper-B{case.batch}-H{case.head_dim}-{case.id}-bias-jvp"
+  args = jax.block_until_ready((*_inputs(case, "jvp"), _bias(case, 1), _bias(case, 2)))
+  want = _tangent_rows(case, args)
+  attend = lambda q, k, v, b: pallax.dot_product_attention(q, k, v, b)
+  fn = lambda q, k, v, dq, dk, dv, b, db: jax.jvp(attend, (q, k, v, b), (dq, dk, dv, db))
+  mosaic = {**_stage_pins(MOSAIC_PIN, "fwd")(fn, args), **_stage_pins(MOSAIC_PIN, "jvp")(fn, args)}
+  compiled = {}
+  for impl, pins in (("pallax", {}), ("pallax-mosaic", mosaic)):
+    with pallax.default_executor().overlay(pins):
+      compiled[impl] = jax.jit(fn).lower(*args).compile()
+  calls = {impl: functools.partial(exe, *args) for impl, exe in compiled.items()}
+  error = lambda result: rel_err(_checked("jvp", result), want)
+  compare(benchmark, request, calls, error, TOLERANCE, _work(case, "jvp"), case.dtype, "pallax")

@@ -256,9 +256,11 @@ FUSED_CASES = {
   "h64-lengths-packed-causal": CASES["lengths-packed-causal"][0],
   # Slow: a window at head dim 128, one query head a kv head, two of each.
   "h128-window-mha": Case(b=2, t=100, s=130, n=2, k=2, h=128, window=(40, 10)),
-  # Causal with GQA (4 on 2), padded keys.
+  # Slow (the causal MQA case runs one consumer by default): causal with GQA
+  # (4 on 2), padded keys.
   "h128-causal-gqa": Case(b=1, t=100, s=130, n=4, k=2, h=128, is_causal=True),
-  # Packed documents (segment ids) with GQA, causal, two examples.
+  # Slow (packed documents run in two consumers by default): packed documents
+  # (segment ids) with GQA, causal, two examples.
   "h128-packed-causal-gqa": Case(
     b=2, t=150, s=130, n=4, k=2, h=128, is_causal=True, segments="packed"
   ),
@@ -317,8 +319,9 @@ FUSED_CASES = {
   "h128-gqa-wide": Case(b=1, t=100, s=128, n=4, k=2, h=128),
   # Slow: MQA, two examples, two blocks of threads, more steps than ring slots.
   "h128-mqa-wide": Case(b=2, t=150, s=256, n=2, k=1, h=128),
-  # Masked (``masks_every_step``): causal with GQA, padded keys (200 of 256),
-  # the second consumer's keys hidden from the first query block.
+  # Slow (a window with lengths masks every step by default): masked
+  # (``masks_every_step``), causal with GQA, padded keys (200 of 256), the
+  # second consumer's keys hidden from the first query block.
   "h128-causal-gqa-wide": Case(b=1, t=200, s=200, n=4, k=2, h=128, is_causal=True),
   # Slow: causal with more queries than keys, one query head a kv head, two
   # examples.
@@ -338,6 +341,9 @@ FUSED_CASES = {
   ),
 }
 FUSED_SLOW = (
+  "h128-causal-gqa",
+  "h128-packed-causal-gqa",
+  "h128-causal-gqa-wide",
   "h128-lengths-gqa",
   "h128-window-lengths-gqa",
   "h128-window-packed-gqa",
@@ -719,9 +725,8 @@ def test_a_bias_at_the_float32_minimum_hides_its_pairs_as_a_mask_does():
 def test_a_biased_forward_on_mosaic_gpu_and_its_gradient_on_triton():
   """The Mosaic GPU forward (a config for it alone) and the Triton backward, bias gradient too.
 
-  The Mosaic GPU kernels refuse a bias or a mask in the backward and the
-  tangent (their gradient and tangent run on Triton); the forward's lse is
-  the one both backwards take.
+  The Mosaic GPU kernels refuse a bias or a mask in the backward (its
+  gradient runs on Triton); the forward's lse is the one both backwards take.
   """
   case = dataclasses.replace(
     BIAS_CASES["bias-mask-causal-gqa"][0],
@@ -733,7 +738,7 @@ def test_a_biased_forward_on_mosaic_gpu_and_its_gradient_on_triton():
   with pallax.default_executor().overlay({FWD: PIN}):
     picks = _picks(case, jnp.bfloat16)
     assert {op: r.implementation for op, r in picks.items()} == {FWD: MOSAIC, BWD: "pallas"}
-    assert "forward only" in picks[BWD].note, picks[BWD].note
+    assert "the tangent only" in picks[BWD].note, picks[BWD].note
     _run_case(case, jnp.bfloat16, PATH, seed=12)
 
 
@@ -854,13 +859,16 @@ JVP_CASES = [
 ]
 
 
-@pytest.mark.parametrize("case", JVP_CASES)
-def test_jvp(case):
-  """The forward and the tangent kernel on Mosaic GPU, the tangent from ``out`` and ``lse``."""
-  ops, statics = inputs(case, jnp.bfloat16, seed=4)
-  rng = np.random.default_rng(5)
-  tangents = {n: rand(rng, ops[n].shape, jnp.bfloat16) for n in _diff_names(ops)}
-  pin = PIN if case.h > 128 else None  # split columns: an autotuning candidate
+def _jvp_vs_float64(case: Case, pin, seed: int, edit: Callable[[dict], dict] = lambda ops: ops):
+  """The forward and the tangent of ``case`` (``pin``: a config or None) on Mosaic GPU vs float64.
+
+  Every floating operand gets a random tangent of its dtype; ``edit``
+  changes the drawn operands. Tangents of rows that see no key must be 0.
+  """
+  ops, statics = inputs(case, jnp.bfloat16, seed=seed)
+  ops = edit(ops)
+  rng = np.random.default_rng(seed + 1)
+  tangents = {n: rand(rng, ops[n].shape, ops[n].dtype) for n in _diff_names(ops)}
   jvp = functools.partial(_jvp, _pallax(pin), statics)
   with on_path(PATH):
     report = pallax.explain(jvp, ops, tangents)
@@ -872,6 +880,57 @@ def test_jvp(case):
   assert_close(y, y_ref, jnp.bfloat16, "primal")
   assert_close(y_dot, y_dot_ref, jnp.bfloat16, "tangent")
   np.testing.assert_array_equal(np.asarray(y_dot, np.float32)[~_rows(ops, statics)], 0.0)
+
+
+@pytest.mark.parametrize("case", JVP_CASES)
+def test_jvp(case):
+  """The forward and the tangent kernel on Mosaic GPU, the tangent from ``out`` and ``lse``."""
+  _jvp_vs_float64(case, PIN if case.h > 128 else None, 4)  # split columns: a candidate
+
+
+# The tangent with a bias or a mask (an autotuning candidate): their tile and
+# the bias' tangent's streamed with each key block. name -> (case, edit).
+JVP_BIAS_CASES = {
+  # Two consumers (head dim 64), a bias shared by the batch and a mask by the
+  # heads hiding two rows entirely, causal, GQA, two query tiles.
+  "bias-mask-causal-gqa": (
+    Case(
+      b=2,
+      t=150,
+      s=150,
+      n=4,
+      k=2,
+      h=64,
+      is_causal=True,
+      bias=(1, 4, 150, 150),
+      mask=(2, 1, 150, 150),
+    ),
+    _hide_rows(3, 140),
+  ),
+  # One consumer (head dim 128, padded from 80), a float32 bias of 1000 on
+  # odd keys after the soft cap (its tangent float32 too), keys past kv_len.
+  "h80-f32-bias-cap-lengths": (
+    Case(b=1, t=70, s=150, n=2, k=1, h=80, bias=(1, 2, 70, 150), soft_cap=5.0, kv_len=(120,)),
+    _large_bias,
+  ),
+  # Head dim 256: two blocks of threads a query tile, each streaming the bias
+  # whole (mask alone: no tangent of it), 32-key steps.
+  "h256-mask-causal": (
+    Case(b=1, t=80, s=100, n=2, k=1, h=256, is_causal=True, mask=(1, 2, 80, 100)),
+    _hide_rows(7),
+  ),
+}
+JVP_BIAS_SLOW = ("h256-mask-causal",)
+
+
+@pytest.mark.parametrize(
+  "name",
+  [pytest.param(n, marks=pytest.mark.slow) if n in JVP_BIAS_SLOW else n for n in JVP_BIAS_CASES],
+)
+def test_the_tangent_takes_a_bias_and_a_mask(name):
+  """The biased tangent pinned against float64 (the bias' tangent too); by default on Triton."""
+  case, edit = JVP_BIAS_CASES[name]
+  _jvp_vs_float64(case, PIN, 14, edit)
 
 
 def test_vmap_is_one_kernel_and_matches_a_loop():
@@ -962,11 +1021,13 @@ def test_the_executor_prefers_mosaic_gpu_on_hopper_only():
   bias = jnp.zeros((2, 4, 256, 256), jnp.bfloat16)
   biased = _selection(h100, grad=True, bias=bias)
   assert biased[FWD].implementation == "pallas" and "autotuning" in biased[FWD].note
-  assert biased[BWD].implementation == "pallas" and "bias in the forward only" in biased[BWD].note
+  assert biased[BWD].implementation == "pallas"
+  assert "bias in the forward and the tangent only" in biased[BWD].note
+  # Its tangent an autotuning candidate too (the tangent of the bias streamed beside it).
   q, kv = jnp.zeros((2, 256, 4, 128), jnp.bfloat16), jnp.zeros((2, 256, 2, 128), jnp.bfloat16)
   tangent = lambda q: jax.jvp(lambda q: pallax.dot_product_attention(q, kv, kv, bias), (q,), (q,))
   picks = {r.op: r for r in pallax.explain_on(h100, tangent, q)}
-  assert picks[JVP].implementation == "pallas" and "forward only" in picks[JVP].note
+  assert picks[JVP].implementation == "pallas" and "autotuning" in picks[JVP].note
 
 
 @pytest.mark.parametrize("h", [64, 128, 192, 256])
@@ -1449,16 +1510,20 @@ def _kernel_call(
     extra.update(q_segment_ids=ids(t), kv_segment_ids=ids(s))
   if "cap" in features:
     extra.update(logits_soft_cap=30.0)
-  if "bias" in features:  # a float32 bias of every query head
-    extra.update(bias=jnp.zeros((b, heads, t, s), jnp.float32))
   if "mask" in features:  # a mask of every example, shared by the heads
     extra.update(mask=jnp.ones((b, 1, t, s), bool))
-  attend = lambda q, k, v: pallax.dot_product_attention(q, k, v, **extra)
+  # A bias of every query head, float32 ("bias16": bfloat16); the tangent's
+  # call takes its tangent too.
+  bias = [jnp.zeros((b, heads, t, s), jnp.bfloat16 if "bias16" in features else jnp.float32)]
+  bias = bias if "bias" in features else []
+  attend = lambda q, k, v, *bias: pallax.dot_product_attention(q, k, v, *bias, **extra)
   if stage == JVP:
     fn = lambda *x: jax.jvp(attend, x, x)
   else:
-    fn = jax.grad(lambda *x: jnp.sum(attend(*x).astype(jnp.float32)), argnums=(0, 1, 2))
-  jaxpr = jax.make_jaxpr(fn)(q, kv, kv).jaxpr
+    fn = lambda q, k, v, *bias: jax.grad(
+      lambda *x: jnp.sum(attend(*x, *bias).astype(jnp.float32)), argnums=(0, 1, 2)
+    )(q, k, v)
+  jaxpr = jax.make_jaxpr(fn)(q, kv, kv, *bias).jaxpr
   (eqn,) = [e for e in kernel_calls(jaxpr) if e.primitive.name == stage]
   if "right" in features:
     eqn = eqn.replace(params={**eqn.params, "window_left": None, "window_right": -1})
@@ -1811,6 +1876,34 @@ def test_the_tangent_above_head_dim_128_compiles_spill_free(h, features, heads, 
   (compiled,) = _compiles_spill_free(eqn, config, ("dot_product_attention_jvp",))
   counted = mosaic_gpu.config.smem_bytes(_problem(eqn), config, "jvp")
   assert counted <= compiled["smem_bytes"] <= counted + 2 * mgpu.SMEM_ALIGN
+
+
+@pytest.mark.compilers
+@pytest.mark.parametrize(
+  "h, features, heads, kv_heads",
+  [
+    (64, "causal-lengths-segments-cap-bias-mask", 8, 2),
+    (64, "bias16", 8, 1),
+    (128, "bias16-mask", 8, 2),
+    (128, "causal-cap-bias", 8, 2),
+    (128, "window-mask", 16, 16),
+    (192, "lengths-bias16", 8, 1),
+    (256, "causal-segments-cap-bias16-mask", 8, 2),
+    (256, "causal-cap-bias", 8, 2),
+  ],
+)
+def test_the_tangent_with_a_bias_or_mask_compiles_spill_free(h, features, heads, kv_heads):
+  """The bias' tiles and its tangent's in the tangent's ring, for H100 (batch 2).
+
+  A float32 bias takes 32-key steps (``jvp_block_k``): ``smem_bytes``
+  counts the tiles, the compiled kernel takes at most 2 KiB more.
+  """
+  eqn = _kernel_call(h, features, heads, stage=JVP, kv_heads=kv_heads)
+  config = mosaic_gpu.MosaicGpuAttentionConfig(block_k=64, num_stages=2)
+  assert _supports(eqn, config, "jvp") is None
+  (compiled,) = _compiles_spill_free(eqn, config, ("dot_product_attention_jvp",))
+  counted = mosaic_gpu.config.smem_bytes(_problem(eqn), config, "jvp")
+  assert counted <= compiled["smem_bytes"] <= counted + 2 * mgpu.SMEM_ALIGN, (counted, compiled)
 
 
 @pytest.mark.compilers

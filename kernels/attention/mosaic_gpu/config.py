@@ -52,7 +52,7 @@ class MosaicGpuAttentionConfig(KernelConfig):
     unmasked forward takes 176 keys a block at head dim 128; above head dim
     64 a causal mask or window takes up to 128). The backward's and the
     tangent's are ``BWD_BLOCKS`` whatever a config says (the dk/dv kernel's
-    steps: ``dkdv_rows``; the tangent's at head dim 256: ``jvp_block_k``).
+    steps: ``dkdv_rows``; the tangent's where 64 keys overflow SMEM: ``jvp_block_k``).
   num_stages: slots of the producer's SMEM ring (at least 2).
   fuse_dq: the backward's dk/dv kernel computes dQ too (``dS K``: 5 matrix
     products where the dq and dk/dv kernels do 7), each block of threads
@@ -149,10 +149,10 @@ def feature_reason(p: Problem, stage: str = "fwd") -> Optional[str]:
   if stage not in STAGES:
     return f"the Mosaic GPU attention kernels have no {stage} stage (it runs on Triton)"
   for present, name in ((p.has_bias, "bias"), (p.has_mask, "mask")):
-    if present and stage != "fwd":  # the backward and tangent kernels stream no (T, S) tile
+    if present and stage == "bwd":  # its kernels stream no (T, S) tile, nor write the bias' one
       return (
-        f"the Mosaic GPU attention kernels take a {name} in the forward only (to run it there,"
-        " pin the forward alone: an executor overlay of dot_product_attention_fwd)"
+        f"the Mosaic GPU attention kernels take a {name} in the forward and the tangent only (to"
+        " run the forward there, pin it alone: an executor overlay of dot_product_attention_fwd)"
       )
   if jnp.dtype(p.dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
     return f"the Mosaic GPU attention kernels take bfloat16 and float16, not {jnp.dtype(p.dtype)}"
@@ -434,7 +434,7 @@ def out_cols(p: Problem, kernel: str) -> int:
 
 
 def logit_bias_dtype(p: Problem) -> Any:
-  """The dtype of the forward's bias tiles (``tiles.logit_bias``): the bias', or the call's.
+  """The dtype of the bias tiles (``tiles.logit_bias``, its tangent's): the bias', or the call's.
 
   A 16-bit bias streams as it is (a float32 copy would be written and read
   at twice its bytes, where a bias of every head is the call's largest
@@ -472,11 +472,14 @@ def wide_consumers(h: int) -> int:
   return CONSUMERS if h <= 64 else 1
 
 
-def smem_bytes(p: Problem, config: MosaicGpuAttentionConfig, stage: str) -> int:
+def smem_bytes(
+  p: Problem, config: MosaicGpuAttentionConfig, stage: str, jvp_keys: Optional[int] = None
+) -> int:
   """SMEM of one block of threads of the stage's largest kernel on a GPU.
 
   The interpreted form takes more (transposed copies, staged operands): the
-  interpreter has no SMEM limit.
+  interpreter has no SMEM limit. ``jvp_keys``: the tangent's keys a step
+  (default ``jvp_block_k``'s).
   """
   h, item = head(p), jnp.dtype(p.dtype).itemsize
   fused = stage == "bwd" and config.fuse_dq
@@ -485,7 +488,7 @@ def smem_bytes(p: Problem, config: MosaicGpuAttentionConfig, stage: str) -> int:
   shapes = {
     "q": (c.block_q, c.block_k),
     "dq": (DQ_ROWS, c.block_k),
-    "jvp": (DQ_ROWS, jvp_block_k(p)),
+    "jvp": (DQ_ROWS, jvp_keys or jvp_block_k(p)),
     "k": (c.block_k, c.block_q),
   }
   h_out = {"q": h, "jvp": out_cols(p, "jvp"), "dq": out_cols(p, "dq"), "k": out_cols(p, "dkdv")}
@@ -511,9 +514,10 @@ def smem_bytes(p: Problem, config: MosaicGpuAttentionConfig, stage: str) -> int:
     # buffers' elements, and 881 more without them.
     ids = [n * own, c.num_stages * ring] if p.has_segments else []
     stats += sum(round_up(i, mgpu.SMEM_ALIGN // 4) for i in ids)
-    # The forward's bias (and mask): each slot a tile of the consumers' rows.
-    biased = stage == "fwd" and (p.has_bias or p.has_mask)
-    bias = biased * c.num_stages * n * own * ring * jnp.dtype(logit_bias_dtype(p)).itemsize
+    # The bias (and mask), and in the tangent the bias' tangent: each slot a
+    # tile of the consumers' rows.
+    bias_tiles = (stage != "bwd") * ((p.has_bias or p.has_mask) + (stage == "jvp" and p.has_bias))
+    bias = bias_tiles * c.num_stages * n * own * ring * jnp.dtype(logit_bias_dtype(p)).itemsize
     dq_tiles = 0
     if fused:  # dS^T (two buffers where consumers share it), P^T's, dQ^T's float32 tiles
       ds_buffers = 1 + shares_dq(h, n) + fused_wide_steps(p, config)
@@ -664,13 +668,17 @@ def splits_columns(p: Problem, stage: str = "bwd") -> bool:
 
 
 def jvp_block_k(p: Problem) -> int:
-  """Keys a step of the tangent kernel: 64, and 32 at head dim 256.
+  """Keys a step of the tangent kernel: 64 where a 2-slot ring of them fits SMEM, else 32.
 
-  There its Q and dQ (64 KiB), its output's float32 share (32 KiB), and a
-  2-slot ring of 64 keys' K and dK (128 KiB) and V and dV in 128 columns
-  (64 KiB) are over a block's SMEM; with 32 keys the ring takes 96 KiB.
+  At head dim 256 its Q and dQ (64 KiB), its output's float32 share (32
+  KiB), and a 2-slot ring of 64 keys' K and dK (128 KiB) and V and dV in 128
+  columns (64 KiB) are over a block's SMEM; with 32 keys the ring takes 96
+  KiB. A bias or a mask adds its tile of the consumers' rows to each slot,
+  and the bias' tangent's: a float32 bias takes 32 keys from head dim 64
+  (64 needed 257 KiB), a 16-bit one 64 up to 192 (224.5 KiB).
   """
-  return BWD_BLOCKS[1] // 2 if head(p) > 192 else BWD_BLOCKS[1]
+  fits = smem_bytes(p, MosaicGpuAttentionConfig(*BWD_BLOCKS), "jvp", BWD_BLOCKS[1])
+  return BWD_BLOCKS[1] if fits <= mgpu.SMEM_BUDGET else BWD_BLOCKS[1] // 2
 
 
 def heuristic(avals: Sequence[Any], target: str, *, stage: str, **params):
@@ -682,19 +690,19 @@ def heuristic(avals: Sequence[Any], target: str, *, stage: str, **params):
   64): its blocks of threads compute S and dP once a share (at 256, 15
   products' work against 7) and have not been timed against the Triton
   backward on a GPU; likewise for a tangent that splits them (above head
-  dim 128: S and dS once a share, in steps of 32 keys at 256); and for a
-  forward of one consumer (``fwd_consumers``: no ping-pong) or with a bias
-  or mask (a tile of them streamed each step), not timed either.
+  dim 128: S and dS once a share, in steps of 32 keys at 256); for a
+  forward of one consumer (``fwd_consumers``: no ping-pong); and for a
+  forward or a tangent with a bias or mask (a tile of them streamed each
+  step), not timed either.
   """
   p = Problem.of(avals, **params)
-  untimed = fwd_consumers(p) == 1 or p.has_bias or p.has_mask
-  if stage == "fwd" and untimed and feature_reason(p, stage) is None:
+  shape = fwd_consumers(p) == 1 if stage == "fwd" else splits_columns(p, stage)
+  untimed = shape or p.has_bias or p.has_mask
+  if untimed and feature_reason(p, stage) is None:
     return None
   if stage == "fwd":
     configs = [MosaicGpuAttentionConfig(block_k=bk) for bk in (128, 64)]
     return next((c for c in configs if _config_reason(p, c, stage) is None), configs[-1])
-  if stage != "fwd" and splits_columns(p, stage) and feature_reason(p, stage) is None:
-    return None
   return MosaicGpuAttentionConfig(*BWD_BLOCKS)
 
 

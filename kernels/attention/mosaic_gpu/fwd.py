@@ -48,7 +48,6 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from pallax import pallas_mosaic_gpu as mgpu
-from pallax.kernels.attention import common
 from pallax.kernels.attention.common import NEG_INF
 from pallax.kernels.attention.mosaic_gpu import tiles
 from pallax.kernels.attention.mosaic_gpu.config import (
@@ -253,8 +252,7 @@ def fwd(*operands, config: MosaicGpuAttentionConfig, interpret: Any, **params) -
         if seg_refs:  # and their segment ids
           key_copies.append((seg_refs[1].at[b, keys], seg_smem[1].at[s]))
         if bias_refs:  # and the bias' tile of the block of threads' rows
-          lead = common.extra_lead(bias, b, kh, g)
-          tile = bias_refs[0].at[(*lead, pl.ds(t_tile, rows), keys)]
+          tile = tiles.row_tile(bias_refs[0], bias, b, kh, g, pl.ds(t_tile, rows), keys)
           key_copies.append((tile, bias_smem.at[s]))
         return [key_copies, [(v_ref.at[b, keys, kh], v_smem.at[s])]]
 

@@ -5,13 +5,16 @@ up to head dim 64, one above: ``config.wide_consumers``) keeps its 64
 queries' Q, their tangent dQ and lse, and the producer streams K, V and
 their tangents dK, dV. Above head dim 128 blocks of threads split the
 output's columns (``config.out_cols``): each computes S and dS whole and
-streams V and dV in its columns alone (at head dim 256, 32 keys a step:
-``config.jvp_block_k``). Per key block:
+streams V and dV in its columns alone (at head dim 256, and with a float32
+bias, 32 keys a step: ``config.jvp_block_k``). Per key block:
 ``P = exp2(S - lse)``, the logits' tangent ``dS = scale (dQ K^T + Q dK^T)``
 (two ``wgmma`` into one accumulator, times the soft cap's slope), and
 ``A += (P dS) V + P dV``, ``r += rowsum(P dS)``. Then ``out_dot = A - r out``
 (by XLA, from the forward's ``out``) and ``lse_dot = r``: the tangent the
 Triton kernel computes (``common.tangent_block``), linear in (dq, dk, dv).
+With a bias (or a mask: ``tiles.logit_bias``) the producer streams its
+tile of the block of threads' rows with the keys, and the bias' tangent's
+beside it: added to the logits and to ``dS`` (after the cap's slope).
 Sinks are applied around it (``common.with_sinks``). ``P dV`` is issued
 before the wait for the tangent logits and ``(P dS) V`` computed beside it
 (``Form.pipeline``); in a loop of unmasked steps (``tiles.over_steps``; not
@@ -32,6 +35,7 @@ from pallax.kernels.attention.mosaic_gpu.config import (
   call_of,
   head,
   jvp_block_k,
+  logit_bias_dtype,
   out_cols,
   round_up,
   wide_consumers,
@@ -50,6 +54,10 @@ def jvp(*operands, config: MosaicGpuAttentionConfig, interpret: Any, **params) -
   rows = lambda x: tiles.pad(x, {3: tp, 4: h})
   keys = lambda x: tiles.pad(x, {2: sp, 3: h})
   lse = tiles.pad(tiles.lse2(ops.lse.astype(jnp.float32)), {3: tp}, jnp.inf)
+  bias_dtype = logit_bias_dtype(p)
+  row_tiles = {"bias": tiles.logit_bias(ops, bias_dtype, tp, sp)}
+  if ops.bias_dot is not None:
+    row_tiles["bias_dot"] = tiles.pad(ops.bias_dot.astype(bias_dtype), {3: tp, 4: sp})
   kernel = QueryKernel(
     p,
     ops,
@@ -75,6 +83,7 @@ def jvp(*operands, config: MosaicGpuAttentionConfig, interpret: Any, **params) -
     cols=cols,
     staged=2,
     shared=("v", "dv"),
+    row_tiles={name: x for name, x in row_tiles.items() if x is not None},
   )
   shape = (DQ_ROWS, bk)
 
@@ -90,9 +99,12 @@ def jvp(*operands, config: MosaicGpuAttentionConfig, interpret: Any, **params) -
       ctx.ring.wait(3, j)
       plgpu.wgmma(a_ref, ctx.operand(probs.astype(p.dtype)), ctx.tile("dv"))
       ds = read(1, 1) * p.scale
+      ds = ds if slope is None else ds * slope
+      if "bias_dot" in ctx.row_refs:  # read before its slot (the keys' group) is released
+        ds = ds + ctx.row_tile("bias_dot").astype(jnp.float32)
       ctx.ring.release(0, j)
       ctx.ring.release(2, j)
-      pds = probs * (ds if slope is None else ds * slope)
+      pds = probs * ds
       ctx.ring.wait(1, j)
       plgpu.wgmma(a_ref, ctx.operand(pds.astype(p.dtype), 1), ctx.tile("v"))
       return (r + pds.sum(axis=1),)

@@ -44,6 +44,8 @@ class Step:
   not of a ``shared`` operand, whose slot holds those columns alone).
   ``masked``: the step's ``over_steps`` flag: a Python bool in loops of
   masked or unmasked steps, traced in one loop of both (``one_loop``).
+  ``row_tile(name)`` loads the consumer's rows of a ``row_tiles`` operand's
+  slot (read before the keys' group is released).
   """
 
   kernel: QueryKernel
@@ -52,6 +54,7 @@ class Step:
   stats: dict
   ring_refs: dict
   transposed_refs: dict
+  row_refs: dict
   staging: Any
   ring: mgpu.Ring = None
   slot: Any = None
@@ -64,6 +67,10 @@ class Step:
   def out_tile(self, name: str):
     return self.tile(name) if self.cols is None else self.tile(name).at[:, self.cols]
 
+  def row_tile(self, name: str) -> jax.Array:
+    rows = pl.ds(self.wg * DQ_ROWS, DQ_ROWS)
+    return self.kernel.form.tile(self.row_refs[name].at[self.slot, rows])
+
   def tile_t(self, name: str):
     if self.kernel.form.hopper:
       return plgpu.transpose_ref(self.ring_refs[name].at[self.slot], (1, 0))
@@ -74,8 +81,9 @@ class Step:
   ) -> tuple[tuple, tuple]:
     """``Form.pipeline_after`` the step's ``S = Q K^T``, ``ready(pending)`` its softmax.
 
-    ``ready`` returns ``P = exp2(z - lse)`` (``z``: the logits, ``hide``
-    masking them) and the soft cap's slope (None without a cap). In a step
+    ``ready`` returns ``P = exp2(z - lse)`` (``z``: the logits, plus the
+    ``"bias"`` row tile's times log2 e with one, ``hide`` masking them) and
+    the soft cap's slope (None without a cap). In a step
     the loops know to be unmasked (``masked`` False) S is issued first in
     the pipeline and its softmax runs beside the products ``issue`` issues
     after it; else S and its softmax come first (beside a product in flight
@@ -88,6 +96,8 @@ class Step:
 
     def softmax(x):
       z, slope = tiles.logits2(p, x, cap_grad=True)
+      if "bias" in self.row_refs:  # after the cap, as the reference adds it
+        z = z + self.row_tile("bias").astype(jnp.float32) * tiles.LOG2E
       return jnp.exp2(hide(z) - tiles.broadcast(self.stats["lse"], shape, 0)), slope
 
     scores = lambda acc_ref: plgpu.wgmma(acc_ref, self.own["q"], self.tile_t("k"))
@@ -114,6 +124,9 @@ class QueryKernel:
     ring: name -> ``(B, K, Sp, h)`` operand streamed (likewise), one ring group each;
       ``transposed``: those of them a step reads transposed; ``shared``: those
       streamed in the block of threads' column share (``cols``) alone.
+    row_tiles: name -> ``(Bb, Kb, Gb, Tp, Sp)`` operand (``tiles.logit_bias``'
+      shape) whose tile of the block of threads' rows streams with the keys,
+      in their group; ``"bias"`` is added to the logits (``Step.pipeline``).
     outs: name -> (dtype, tile?): the outputs, a ``(Tp, h)`` tile or a
       ``(Tp,)`` vector per query head, written through SMEM.
     name: the kernel's name.
@@ -142,6 +155,7 @@ class QueryKernel:
   cols: Optional[int] = None
   staged: int = 1
   shared: Sequence[str] = ()
+  row_tiles: Mapping[str, jax.Array] = dataclasses.field(default_factory=dict)
 
   def _tile(self, lead: int, rows: int, cols: int, dtype=None, swizzled: Optional[int] = None):
     """SMEM tiles of ``rows x cols``, swizzled within ``swizzled`` columns (default all)."""
@@ -182,11 +196,12 @@ class QueryKernel:
     chunks = h // cols
     assert chunks * cols == h, f"{cols} columns a share do not divide head dim {h}"
     own_names, stat_names = list(self.own_tiles), list(self.own_stats)
-    ring_names, out_names = list(self.ring), list(self.outs)
+    ring_names, out_names, row_names = list(self.ring), list(self.outs), list(self.row_tiles)
     operands = [
       *map(tiles.sequence_first, self.own_tiles.values()),
       *self.own_stats.values(),
       *map(tiles.sequence_first, self.ring.values()),
+      *self.row_tiles.values(),
     ]
     if not form.hopper:
       operands += [tiles.transposed(self.ring[n]) for n in self.transposed]
@@ -200,11 +215,14 @@ class QueryKernel:
       ins, outs, scoped = refs[:n_t], refs[n_in:-1], refs[-1]
       seg_refs, fact_refs = refs[n_t : n_t + len(seg_ops)], refs[n_t + len(seg_ops) : n_in]
       smem, own_full, ring_bars = scoped
-      own_smem, stat_smem, ring_smem, t_smem, out_smem, staging, seg_smem = smem
+      own_smem, stat_smem, ring_smem, row_smem, t_smem, out_smem, staging, seg_smem = smem
       own_refs = dict(zip(own_names + stat_names, ins))
-      ring_gmem = dict(zip(ring_names, ins[len(own_refs) :]))
-      t_gmem = dict(zip(self.transposed, ins[len(own_refs) + len(ring_names) :]))
+      streamed = iter(ins[len(own_refs) :])
+      ring_gmem = dict(zip(ring_names, streamed))
+      row_gmem = dict(zip(row_names, streamed))
+      t_gmem = dict(zip(self.transposed, streamed))
       ring_refs, t_refs = dict(zip(ring_names, ring_smem)), dict(zip(self.transposed, t_smem))
+      row_refs = dict(zip(row_names, row_smem))
       n, b = lax.axis_index("heads"), lax.axis_index("batch")
       n, out_cols = tiles.column_share(n, chunks, cols)
       kh, g = lax.div(n, jnp.int32(p.groups)), lax.rem(n, jnp.int32(p.groups))
@@ -231,6 +249,7 @@ class QueryKernel:
           {name: form.vector(bufs[name].at[wg], 0) for name in stat_names},
           ring_refs,
           t_refs,
+          row_refs,
           staging,
           ring,
           cols=out_cols,
@@ -290,6 +309,9 @@ class QueryKernel:
             groups.append(group)
           if seg_refs:  # the keys' segment ids, with the keys
             groups[0].append((seg_refs[1].at[b, block], seg_smem[1].at[s]))
+          for name, ref in row_gmem.items():  # and the row tiles' of the block of threads
+            tile = tiles.row_tile(ref, self.row_tiles[name], b, kh, g, pl.ds(t_tile, rows), block)
+            groups[0].append((tile, row_refs[name].at[s]))
           return groups
 
         ring.produce(copies)
@@ -305,6 +327,7 @@ class QueryKernel:
         [self._tile(c, bq, h) for _ in own_names],
         [plgpu.SMEM((c, bq), jnp.float32) for _ in stat_names],
         [self._ring_tile(name, h, cols) for name in ring_names],
+        [tiles.bias_smem(x, (stages, rows, bk)) for x in self.row_tiles.values()],
         [] if form.hopper else [self._tile(stages, h, bk) for _ in self.transposed],
         [
           self._tile(c, bq, cols, dtype) if is_tile else plgpu.SMEM((c, bq), dtype)
@@ -316,7 +339,7 @@ class QueryKernel:
       plgpu.Barrier(num_arrivals=len(own_names) + len(stat_names) + bool(segs), num_barriers=c),
       mgpu.Ring.barriers(
         [
-          1 + (not form.hopper and n in self.transposed) + (i == 0 and bool(segs))
+          1 + (not form.hopper and n in self.transposed) + (i == 0) * (bool(segs) + len(row_names))
           for i, n in enumerate(ring_names)
         ],
         stages,

@@ -282,6 +282,15 @@ def logit_bias(ops, dtype, tp: int, sp: int) -> Optional[jax.Array]:
   return pad(x, {3: tp, 4: sp})
 
 
+def row_tile(ref, bias: jax.Array, b, kv_head, group, rows, keys):
+  """The GMEM tile of ``logit_bias``-like ``ref`` at ``rows`` and ``keys`` of a query head.
+
+  ``bias``: the operand ``ref`` holds (its shape says which dims it
+  broadcasts over).
+  """
+  return ref.at[(*common.extra_lead(bias, b, kv_head, group), rows, keys)]
+
+
 def bias_smem(bias: Optional[jax.Array], ring: tuple[int, int, int]) -> Optional[Any]:
   """SMEM for ``logit_bias``' tiles in the ring's slots, ``(stages, rows, block)`` (None without).
 
