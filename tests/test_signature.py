@@ -27,6 +27,27 @@ def test_stage_names_follow_the_declaration(has_b):
   assert bwd.operand("db" if has_b else "dx").broadcast == has_b
 
 
+def test_an_input_with_a_zero_tangent_leaves_the_tangent_and_backward_stages():
+  """``tangent_when``: a symbolic-zero tangent drops ``b_dot`` and ``db``, never ``x``'s."""
+  sig = ResidualSignature(
+    inputs=(
+      Operand("x", differentiable=True),
+      Operand("b", when="has_b", differentiable=True, tangent_when="b_tangent"),
+    ),
+    outputs=(Operand("y", differentiable=True),),
+  )
+  params = {"has_b": True}
+  assert sig.zero_tangent_params(["x"], params) == {}  # x declares no such param
+  assert sig.zero_tangent_params(["b"], {"has_b": False}) == {}  # absent: nothing to drop
+  dropped = {**params, **sig.zero_tangent_params(["x", "b"], params)}
+  assert dropped == {"has_b": True, "b_tangent": False}
+  assert sig.stage("fwd", dropped).operands == ("x", "b")
+  assert sig.stage("jvp", dropped).operands == ("x", "b", "y", "x_dot")
+  assert sig.stage("bwd", dropped).results == ("dx",)
+  assert sig.linear(dropped) == slice(3, None)
+  assert sig.stage("jvp", params).operands == ("x", "b", "y", "x_dot", "b_dot")
+
+
 def test_reads_by_name():
   bwd = SIG.stage("bwd", {"has_b": False})
   named = bwd.unpack(list(range(len(bwd.operands))))

@@ -56,7 +56,11 @@ SIGNATURE = ResidualSignature(
     Operand("v", differentiable=True),
     Operand("q_len"),
     Operand("kv_len"),
-    Operand("bias", when="has_bias", differentiable=True, broadcast=True),
+    # A constant bias (its tangent a symbolic zero) is not differentiated:
+    # no tangent of it read, no (T, S) gradient of it written.
+    Operand(
+      "bias", when="has_bias", differentiable=True, broadcast=True, tangent_when="bias_tangent"
+    ),
     Operand("mask", when="has_mask", broadcast=True),
     Operand("q_seg", when="has_segments"),
     Operand("kv_seg", when="has_segments"),
@@ -90,6 +94,7 @@ class Problem:
   bias_batch: bool  # the bias (and mask) vary over the batch
   bias_heads: bool  # ... and over the heads
   bias_dtype: Any = None  # the bias' (None without one)
+  bias_tangent: bool = True  # the tangent and backward stages differentiate the bias (if any)
 
   @classmethod
   def of(cls, avals: Sequence[Any], **params) -> Problem:
@@ -124,7 +129,13 @@ class Problem:
       extra is not None and extra.shape[0] > 1,
       extra is not None and varies_over_heads(extra),
       None if ops.get("bias") is None else ops["bias"].dtype,
+      params.get("bias_tangent", True),
     )
+
+  @property
+  def differentiates_bias(self) -> bool:
+    """Whether the backward returns the bias' gradient (the logits' gradient, summed)."""
+    return self.has_bias and self.bias_tangent
 
   @property
   def stat(self) -> jnp.dtype:

@@ -341,7 +341,7 @@ def _stage_state(run: _Run, key_block: dict):
       (jnp.zeros((b, kh, g, n, p.value_dim), st), jnp.zeros((b, kh, g, n), st)) for n in rows
     )
   dq = tuple(jnp.zeros((b, kh, g, n, p.head_dim), st) for n in rows)
-  dbias = jnp.zeros(run.ops["bias"].shape, st) if p.has_bias else None
+  dbias = jnp.zeros(run.ops["bias"].shape, st) if p.differentiates_bias else None
   return dq, _key_grads(key_block, st), dbias
 
 

@@ -396,7 +396,7 @@ def _dq(c: Call, grid: _Grid, interpret, *stats) -> dict[str, jax.Array]:
 
   rows = (p.batch, p.kv_heads, p.groups, p.t)
   outs = {"dq": (jax.ShapeDtypeStruct((*rows, p.head_dim), p.dtype), grid.query_side(p.head_dim))}
-  if p.has_bias:
+  if p.differentiates_bias:
     ds = jax.ShapeDtypeStruct((*rows, p.s), st_dtype)
     outs["ds"] = (ds, grid.tile(ds, clamp=False))
   return _bwd_pallas(kernel, grid, c.ops, stats, outs, scratch, interpret, "attention_bwd_dq")

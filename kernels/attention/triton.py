@@ -406,7 +406,7 @@ def _dq(c: Call, lay: _Layout, config, interpret, *stats) -> dict[str, jax.Array
       lax.fori_loop(hi, lay.nk, clearing, 0)
 
   outs = {"dq": (_row_shape(p, p.head_dim, p.dtype), lay.rows(p.head_dim, True))}
-  if p.has_bias:
+  if p.differentiates_bias:
     ds = jax.ShapeDtypeStruct((p.batch, p.kv_heads, p.groups, p.t, p.s), st)
     outs["ds"] = (ds, lay.tile(ds, True))
   return _bwd_call(kernel, lay, c.ops, True, stats, outs, config, interpret, "attention_bwd_dq")

@@ -305,7 +305,7 @@ def attention_bwd(*operands, **params):
     jnp.zeros((b, kh, g, blocks.tp, p.head_dim), st),
     jnp.zeros((b, kh, blocks.sp, p.head_dim), p.dtype),
     jnp.zeros((b, kh, blocks.sp, p.value_dim), p.dtype),
-    jnp.zeros((b, kh, g, blocks.tp, blocks.sp), st) if p.has_bias else None,
+    jnp.zeros((b, kh, g, blocks.tp, blocks.sp), st) if p.differentiates_bias else None,
   )
   dq, dk, dv, dbias = lax.fori_loop(0, blocks.nk, k_block, bufs)
   grads = {"dq": dq[:, :, :, : p.t].astype(p.dtype), "dk": dk[:, :, : p.s], "dv": dv[:, :, : p.s]}

@@ -41,7 +41,9 @@ def define_residual_op(
   residuals its derivatives need; its JVP binds the tangent primitive, which is
   linear in a block of its operands; the transpose of the tangent primitive is
   the backward primitive. ``grad`` thus costs one forward and one backward
-  kernel, ``jvp`` one forward and one tangent kernel. Second-order AD
+  kernel, ``jvp`` one forward and one tangent kernel. An input declared with a
+  ``tangent_when`` param (``pallax.op.signature.Operand``) whose tangent is a
+  symbolic zero is left out of both (its tangent and its gradient). Second-order AD
   (HVPs, ``jacfwd`` of ``grad``) differentiates the XLA programs of the tangent
   and backward primitives.
 
@@ -77,11 +79,13 @@ def define_residual_op(
       tangent's ``operands``; needed where the forward has such results.
     fwd_only_params: the forward's params that the other two do not take.
   """
+  tangent_params = lambda primals, tangents, params: {}
   if signature is not None:
     linear = lambda **params: signature.linear(params)
     tangent_operands = lambda primals, outs, tangents, **params: _named_tangent_operands(
       signature, primals, outs, tangents, params
     )
+    tangent_params = functools.partial(_zero_tangent_params, signature)
   if linear is None or tangent_operands is None:
     raise TypeError(f"{name}: give a signature, or both linear and tangent_operands")
   fwd_p = define_primitive(f"{name}_fwd", fwd)
@@ -90,6 +94,7 @@ def define_residual_op(
 
   def fwd_jvp_rule(primals, tangents, **params):
     outs = fwd_p.bind(*primals, **params)
+    params = {**params, **tangent_params(primals, tangents, params)}
     operands = list(tangent_operands(primals, outs, tangents, **params))
     shared = {k: v for k, v in params.items() if k not in fwd_only_params}
     out_tangents = list(tangent_p.bind(*operands, **shared))
@@ -121,6 +126,13 @@ def _named_tangent_operands(signature, primals, outs, tangents, params) -> list:
   operands = signature.tangent_operands(primals, outs, tangents, params)
   block = signature.linear(params)
   return operands[: block.start] + instantiate(operands[block])
+
+
+def _zero_tangent_params(signature, primals, tangents, params) -> dict:
+  """The tangent and backward stages' params that drop inputs whose tangents are symbolic zeros."""
+  named = signature.stage("fwd", params).unpack(tangents)
+  zero = [name for name, t in named.items() if type(t) is ad.Zero]
+  return signature.zero_tangent_params(zero, params)
 
 
 def instantiate(tangents: Sequence[Any]) -> list:

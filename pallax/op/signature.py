@@ -6,8 +6,9 @@ position ends up with index arithmetic. Instead the op declares them here,
 and each layer asks for what it needs by name:
 
 * ``Operand``: one declared operand or result: its name, the static param
-  that says whether the call has it, whether it is differentiable, whether it
-  leads with 1 (broadcast over the batch) rather than the batch.
+  that says whether the call has it, whether it is differentiable (and the
+  param that says whether a call differentiates it), whether it leads with 1
+  (broadcast over the batch) rather than the batch.
 * ``ResidualSignature``: the declaration of an op built by
   ``define_residual_op``: its inputs and outputs. The names of all three
   stages follow from it: the forward takes the inputs and returns the
@@ -25,7 +26,7 @@ and each layer asks for what it needs by name:
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Collection, Iterator, Mapping, Sequence
 from typing import Any, Optional
 
 STAGES = ("fwd", "jvp", "bwd")
@@ -43,16 +44,28 @@ class Operand:
       backward stages may read as residuals.
     broadcast: it leads with 1 or with the op's batch dim (broadcast over the
       batch), not always with the batch.
+    tangent_when: for a differentiable input, the boolean static param that
+      says a call differentiates it (absent from the params: it does). Where
+      its tangent is a symbolic zero (a constant bias) the tangent rule sets
+      it False (``ResidualSignature.zero_tangent_params``): the tangent stage
+      then takes no tangent of it and the backward returns no gradient of it,
+      so no kernel reads a zero ``(T, S)`` tangent or writes an unused one.
   """
 
   name: str
   when: Optional[str] = None
   differentiable: bool = False
   broadcast: bool = False
+  tangent_when: Optional[str] = None
 
   def present(self, params: Mapping[str, Any]) -> bool:
     """Whether a call with static ``params`` has this operand."""
     return self.when is None or bool(params[self.when])
+
+  def differentiated(self, params: Mapping[str, Any]) -> bool:
+    """Whether a call with static ``params`` has this operand and differentiates it."""
+    wanted = self.tangent_when is None or bool(params.get(self.tangent_when, True))
+    return self.differentiable and self.present(params) and wanted
 
 
 def tangent_name(name: str) -> str:
@@ -199,7 +212,18 @@ class ResidualSignature:
     return tuple(n for n in names if by_name[n].present(params))
 
   def _differentiable(self, operands: Sequence[Operand], params) -> tuple[str, ...]:
-    return tuple(o.name for o in operands if o.differentiable and o.present(params))
+    return tuple(o.name for o in operands if o.differentiated(params))
+
+  def zero_tangent_params(self, zero: Collection[str], params: Mapping[str, Any]) -> dict:
+    """The params that drop the inputs named in ``zero`` (symbolic-zero tangents) where they may.
+
+    Those of them declared with a ``tangent_when`` param, which is set False.
+    """
+    return {
+      o.tangent_when: False
+      for o in self.inputs
+      if o.tangent_when is not None and o.name in zero and o.differentiated(params)
+    }
 
   def stage(self, stage: str, params: Mapping[str, Any]) -> Signature:
     """The names of ``stage`` (``"fwd"``, ``"jvp"`` or ``"bwd"``) for a call with ``params``."""

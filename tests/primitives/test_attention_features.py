@@ -27,6 +27,7 @@ import numpy as np
 import pytest
 
 import pallax
+from pallax.executor.tools import kernel_calls
 from tests.helpers import (
   CALL_TARGET,
   PATHS,
@@ -484,6 +485,60 @@ def test_jvp_of_each_new_operand_alone():
       g = lambda x: _call(reference, statics, {**ops64, name: x})
       _, want = jax.jvp(g, (ops64[name],), (to64(tangent),))
     assert_close(got, want, jnp.float32, f"tangent along {name}")
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_a_constant_bias_is_not_differentiated(path):
+  """A bias without a tangent: its gradient is not computed, nor its tangent read.
+
+  The tangent and backward stages of ``jax.jvp`` and ``jax.grad`` along q, k,
+  v and the sinks alone take ``bias_tangent=False``: no ``bias_dot`` operand,
+  no ``dbias`` result (no kernel writes the logits' ``(T, S)`` gradient);
+  the tangent and the gradients still match float64.
+  """
+  ops, statics = inputs(KERNEL_CASES["all-features-hv"], seed=21)
+  names = [n for n in _diff_names(ops) if n != "bias"]
+  f = lambda fn, *d: _call(fn, statics, {**ops, **dict(zip(names, d))})
+  rng = np.random.default_rng(22)
+  args = [ops[n] for n in names]
+  tangents = [rand(rng, a.shape) for a in args]
+  ct = rand(rng, ops["query"].shape[:-1] + (ops["value"].shape[-1],))
+
+  def both(fn, args, tangents, ct):
+    _, y_dot = jax.jvp(functools.partial(f, fn), args, tangents)
+    return y_dot, jax.vjp(functools.partial(f, fn), *args)[1](ct)
+
+  mine = functools.partial(both, _pallax(small_blocks(path)))
+  calls = {
+    e.primitive.name: e for e in kernel_calls(jax.make_jaxpr(mine)(args, tangents, ct).jaxpr)
+  }
+  assert calls[JVP].params["bias_tangent"] is False and calls[BWD].params["bias_tangent"] is False
+  assert len(calls[JVP].invars) == len(calls[FWD].invars) + 2 + len(names)  # out, lse, tangents
+  assert len(calls[BWD].outvars) == len(names)  # dq, dk, dv, dsinks
+  with on_path(path):
+    y_dot, grads = jax.jit(mine)(args, tangents, ct)
+  with x64():
+    ops64 = _as64(ops)
+    g = lambda *d: _call(reference, statics, {**ops64, **dict(zip(names, d))})
+    args64, tangents64 = [ops64[n] for n in names], [to64(t) for t in tangents]
+    _, y_dot_ref = jax.jvp(g, args64, tangents64)
+    grads_ref = jax.vjp(g, *args64)[1](to64(ct))
+  assert_close(y_dot, y_dot_ref, jnp.float32, "tangent")
+  _check_grads(dict(zip(names, grads)), dict(zip(names, grads_ref)), jnp.float32, path)
+
+
+@pytest.mark.lowering
+@pytest.mark.parametrize("platform", ["cuda", "tpu"])
+def test_the_kernels_write_no_logits_gradient_for_a_constant_bias(platform):
+  """The backward kernels write the (B, K, G, T, S) float32 dS only for a differentiated bias."""
+  S = jax.ShapeDtypeStruct
+  b, t, s, n, kh, h = 2, 200, 300, 4, 2, 64
+  q, k = S((b, t, n, h), jnp.bfloat16), S((b, s, kh, h), jnp.bfloat16)
+  bias = S((b, n, t, s), jnp.bfloat16)
+  loss = lambda q, k, bias: jnp.sum(pallax.dot_product_attention(q, k, k, bias).astype(jnp.float32))
+  logits_sized = f"{b}x{kh}x{n // kh}x{t}x{s}xf32"
+  assert logits_sized in lower_text(jax.grad(loss, (0, 1, 2)), platform, q, k, bias)
+  assert logits_sized not in lower_text(jax.grad(loss, (0, 1)), platform, q, k, bias)
 
 
 # ------------------------------------------------------------------------------
