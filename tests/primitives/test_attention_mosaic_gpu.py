@@ -874,6 +874,10 @@ def _jvp_vs_float64(case: Case, pin, seed: int, edit: Callable[[dict], dict] = l
     report = pallax.explain(jvp, ops, tangents)
     y, y_dot = jax.jit(jvp)(ops, tangents)
   assert {r.op: r.implementation for r in report} == {FWD: MOSAIC, JVP: MOSAIC}
+  if pin is not None:  # the pin's an autotuning candidate: the heuristic leaves the call
+    default = functools.partial(_jvp, _pallax(), statics)
+    picks = {r.op: r for r in pallax.explain_on(Target("cuda", "h100"), default, ops, tangents)}
+    assert picks[JVP].implementation == "pallas" and "autotuning" in picks[JVP].note
   with x64():
     tangents64 = {n: to64(a) for n, a in tangents.items()}
     y_ref, y_dot_ref = jax.jit(functools.partial(_jvp, reference, statics))(_as64(ops), tangents64)
@@ -914,13 +918,15 @@ JVP_BIAS_CASES = {
     _large_bias,
   ),
   # Head dim 256: two blocks of threads a query tile, each streaming the bias
-  # whole (mask alone: no tangent of it), 32-key steps.
-  "h256-mask-causal": (
-    Case(b=1, t=80, s=100, n=2, k=1, h=256, is_causal=True, mask=(1, 2, 80, 100)),
+  # and its tangent whole, 32-key steps; a mask hiding a row.
+  "h256-bias-mask-causal": (
+    Case(
+      b=1, t=80, s=100, n=2, k=1, h=256, is_causal=True, bias=(1, 1, 80, 100), mask=(1, 2, 80, 100)
+    ),
     _hide_rows(7),
   ),
 }
-JVP_BIAS_SLOW = ("h256-mask-causal",)
+JVP_BIAS_SLOW = ("h256-bias-mask-causal",)
 
 
 @pytest.mark.parametrize(
@@ -1513,9 +1519,11 @@ def _kernel_call(
   if "mask" in features:  # a mask of every example, shared by the heads
     extra.update(mask=jnp.ones((b, 1, t, s), bool))
   # A bias of every query head, float32 ("bias16": bfloat16); the tangent's
-  # call takes its tangent too.
+  # call takes its tangent too, but for a constant one ("const").
   bias = [jnp.zeros((b, heads, t, s), jnp.bfloat16 if "bias16" in features else jnp.float32)]
   bias = bias if "bias" in features else []
+  if bias and "const" in features:
+    extra.update(bias=bias.pop())
   attend = lambda q, k, v, *bias: pallax.dot_product_attention(q, k, v, *bias, **extra)
   if stage == JVP:
     fn = lambda *x: jax.jvp(attend, x, x)
@@ -1880,27 +1888,30 @@ def test_the_tangent_above_head_dim_128_compiles_spill_free(h, features, heads, 
 
 @pytest.mark.compilers
 @pytest.mark.parametrize(
-  "h, features, heads, kv_heads",
+  "h, features, heads, kv_heads, keys",
   [
-    (64, "causal-lengths-segments-cap-bias-mask", 8, 2),
-    (64, "bias16", 8, 1),
-    (128, "bias16-mask", 8, 2),
-    (128, "causal-cap-bias", 8, 2),
-    (128, "window-mask", 16, 16),
-    (192, "lengths-bias16", 8, 1),
-    (256, "causal-segments-cap-bias16-mask", 8, 2),
-    (256, "causal-cap-bias", 8, 2),
+    (64, "causal-lengths-segments-cap-bias-mask", 8, 2, 32),
+    (64, "bias16", 8, 1, 64),
+    (128, "bias16-mask", 8, 2, 64),
+    (128, "causal-cap-bias", 8, 2, 32),
+    (128, "causal-cap-bias-const", 8, 2, 64),
+    (128, "window-mask", 16, 16, 64),
+    (192, "lengths-bias16", 8, 1, 64),
+    (256, "causal-segments-cap-bias16-mask", 8, 2, 32),
+    (256, "causal-cap-bias", 8, 2, 32),
   ],
 )
-def test_the_tangent_with_a_bias_or_mask_compiles_spill_free(h, features, heads, kv_heads):
+def test_the_tangent_with_a_bias_or_mask_compiles_spill_free(h, features, heads, kv_heads, keys):
   """The bias' tiles and its tangent's in the tangent's ring, for H100 (batch 2).
 
-  A float32 bias takes 32-key steps (``jvp_block_k``): ``smem_bytes``
-  counts the tiles, the compiled kernel takes at most 2 KiB more.
+  64-key steps where their 2-slot ring fits SMEM, else 32 (``jvp_block_k``:
+  a float32 bias and its tangent); a constant bias streams no tangent.
+  ``smem_bytes`` counts the tiles, the compiled kernel takes at most 2 KiB more.
   """
   eqn = _kernel_call(h, features, heads, stage=JVP, kv_heads=kv_heads)
   config = mosaic_gpu.MosaicGpuAttentionConfig(block_k=64, num_stages=2)
   assert _supports(eqn, config, "jvp") is None
+  assert mosaic_gpu.config.jvp_block_k(_problem(eqn)) == keys
   (compiled,) = _compiles_spill_free(eqn, config, ("dot_product_attention_jvp",))
   counted = mosaic_gpu.config.smem_bytes(_problem(eqn), config, "jvp")
   assert counted <= compiled["smem_bytes"] <= counted + 2 * mgpu.SMEM_ALIGN, (counted, compiled)

@@ -516,7 +516,9 @@ def smem_bytes(
     stats += sum(round_up(i, mgpu.SMEM_ALIGN // 4) for i in ids)
     # The bias (and mask), and in the tangent the bias' tangent: each slot a
     # tile of the consumers' rows.
-    bias_tiles = (stage != "bwd") * ((p.has_bias or p.has_mask) + (stage == "jvp" and p.has_bias))
+    bias_tiles = (stage != "bwd") * (
+      (p.has_bias or p.has_mask) + (stage == "jvp" and p.differentiates_bias)
+    )
     bias = bias_tiles * c.num_stages * n * own * ring * jnp.dtype(logit_bias_dtype(p)).itemsize
     dq_tiles = 0
     if fused:  # dS^T (two buffers where consumers share it), P^T's, dQ^T's float32 tiles
@@ -674,8 +676,11 @@ def jvp_block_k(p: Problem) -> int:
   KiB), and a 2-slot ring of 64 keys' K and dK (128 KiB) and V and dV in 128
   columns (64 KiB) are over a block's SMEM; with 32 keys the ring takes 96
   KiB. A bias or a mask adds its tile of the consumers' rows to each slot,
-  and the bias' tangent's: a float32 bias takes 32 keys from head dim 64
-  (64 needed 257 KiB), a 16-bit one 64 up to 192 (224.5 KiB).
+  and a differentiated bias its tangent's: a float32 bias and its tangent
+  take 32 keys (64 needed 257 KiB at head dims 64-192), a 16-bit one 64 up
+  to 192 without segment ids (224.5 KiB; their ids take it over). Always
+  sized for 2 slots: a 3-slot candidate at head dim 64 that 32 keys would
+  fit is left out.
   """
   fits = smem_bytes(p, MosaicGpuAttentionConfig(*BWD_BLOCKS), "jvp", BWD_BLOCKS[1])
   return BWD_BLOCKS[1] if fits <= mgpu.SMEM_BUDGET else BWD_BLOCKS[1] // 2

@@ -5,8 +5,9 @@ up to head dim 64, one above: ``config.wide_consumers``) keeps its 64
 queries' Q, their tangent dQ and lse, and the producer streams K, V and
 their tangents dK, dV. Above head dim 128 blocks of threads split the
 output's columns (``config.out_cols``): each computes S and dS whole and
-streams V and dV in its columns alone (at head dim 256, and with a float32
-bias, 32 keys a step: ``config.jvp_block_k``). Per key block:
+streams V and dV in its columns alone (32 keys a step where a ring of 64
+overflows SMEM: at head dim 256, with a float32 bias and its tangent;
+``config.jvp_block_k``). Per key block:
 ``P = exp2(S - lse)``, the logits' tangent ``dS = scale (dQ K^T + Q dK^T)``
 (two ``wgmma`` into one accumulator, times the soft cap's slope), and
 ``A += (P dS) V + P dV``, ``r += rowsum(P dS)``. Then ``out_dot = A - r out``
@@ -55,8 +56,9 @@ def jvp(*operands, config: MosaicGpuAttentionConfig, interpret: Any, **params) -
   keys = lambda x: tiles.pad(x, {2: sp, 3: h})
   lse = tiles.pad(tiles.lse2(ops.lse.astype(jnp.float32)), {3: tp}, jnp.inf)
   bias_dtype = logit_bias_dtype(p)
-  row_tiles = {"bias": tiles.logit_bias(ops, bias_dtype, tp, sp)}
-  if ops.bias_dot is not None:
+  bias = tiles.logit_bias(ops, bias_dtype, tp, sp)
+  row_tiles = {} if bias is None else {"bias": bias}
+  if ops.bias_dot is not None:  # a constant bias has none (``Problem.differentiates_bias``)
     row_tiles["bias_dot"] = tiles.pad(ops.bias_dot.astype(bias_dtype), {3: tp, 4: sp})
   kernel = QueryKernel(
     p,
@@ -83,7 +85,7 @@ def jvp(*operands, config: MosaicGpuAttentionConfig, interpret: Any, **params) -
     cols=cols,
     staged=2,
     shared=("v", "dv"),
-    row_tiles={name: x for name, x in row_tiles.items() if x is not None},
+    row_tiles=row_tiles,
   )
   shape = (DQ_ROWS, bk)
 
