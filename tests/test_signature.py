@@ -66,6 +66,13 @@ def test_declarations_are_checked():
     ResidualSignature(inputs=(Operand("x"),), outputs=(Operand("y"),), residuals=("z",))
   with pytest.raises(ValueError, match="tangent or cotangent"):
     ResidualSignature(inputs=(Operand("x", differentiable=True), Operand("dx")), outputs=())
+  for misplaced in (
+    {"inputs": (Operand("x", differentiable=True, tangent_when="x_tangent"),), "outputs": ()},
+    {"inputs": (Operand("m", when="has_m", tangent_when="m_tangent"),), "outputs": ()},
+    {"inputs": (), "outputs": (Operand("y", differentiable=True, tangent_when="y_tangent"),)},
+  ):
+    with pytest.raises(ValueError, match="optional differentiable inputs"):
+      ResidualSignature(**misplaced)
   # An explicit empty residual list is no residuals, not every operand.
   none = ResidualSignature(inputs=(Operand("x", differentiable=True),), outputs=(), residuals=())
   assert none.stage("jvp", {}).operands == ("x_dot",)

@@ -134,7 +134,11 @@ class Problem:
 
   @property
   def differentiates_bias(self) -> bool:
-    """Whether the backward returns the bias' gradient (the logits' gradient, summed)."""
+    """Whether the call differentiates its bias (not a constant one).
+
+    The tangent then reads the bias' tangent, and the backward returns its
+    gradient (the logits' gradient, summed).
+    """
     return self.has_bias and self.bias_tangent
 
   @property

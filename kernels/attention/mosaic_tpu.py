@@ -368,7 +368,7 @@ def _bwd_pallas(kernel, grid: _Grid, ops, stats, outs, scratch, interpret, name)
 
 
 def _dq(c: Call, grid: _Grid, interpret, *stats) -> dict[str, jax.Array]:
-  """``dq`` and, with a bias, ``ds``, the logits' gradient (zero on skipped blocks)."""
+  """``dq`` and, with a differentiated bias, ``ds``, the logits' gradient (0 on skipped blocks)."""
   p = c.p
   st_dtype = p.stat
   scratch = {"dq_acc": pltpu.VMEM((grid.bq, p.head_dim), st_dtype)}

@@ -372,7 +372,7 @@ def _bwd_call(kernel, lay: _Layout, ops, query_blocks: bool, stats, outs, config
 
 
 def _dq(c: Call, lay: _Layout, config, interpret, *stats) -> dict[str, jax.Array]:
-  """``dq`` and, with a bias, ``ds``, the logits' gradient: per query block."""
+  """``dq`` and, with a differentiated bias, ``ds``, the logits' gradient: per query block."""
   p = c.p
   st = p.stat
 

@@ -44,7 +44,7 @@ class Operand:
       backward stages may read as residuals.
     broadcast: it leads with 1 or with the op's batch dim (broadcast over the
       batch), not always with the batch.
-    tangent_when: for a differentiable input, the boolean static param that
+    tangent_when: for an optional differentiable input, the boolean static param that
       says a call differentiates it (absent from the params: it does). Where
       its tangent is a symbolic zero (a constant bias) the tangent rule sets
       it False (``ResidualSignature.zero_tangent_params``): the tangent stage
@@ -196,6 +196,12 @@ class ResidualSignature:
     unknown = [n for n in self.residuals or () if n not in names]
     if unknown:
       raise ValueError(f"residuals {unknown} name no input or output (have {names})")
+    # A dropped tangent reads as an absent optional operand (None), so only those may be.
+    optional = lambda o: o.differentiable and o.when is not None
+    misplaced = [o.name for o in self.inputs if o.tangent_when and not optional(o)]
+    misplaced += [o.name for o in self.outputs if o.tangent_when]
+    if misplaced:
+      raise ValueError(f"tangent_when is for optional differentiable inputs, not {misplaced}")
 
   def _declared(self) -> dict[str, Operand]:
     declared = {}

@@ -81,7 +81,10 @@ def _inputs(seed: int, t: int, s: int, features: tuple[str, ...]):
 
 
 def _everything(layout, kw):
-  """``(q, k, v, bias, sinks) -> (out, lse, grads, jvp)`` of one attention call."""
+  """``(q, k, v, bias, sinks) -> (out, lse, grads, jvp)`` of one attention call.
+
+  ``grads``: along every floating operand, then (with a bias) along q, k, v alone.
+  """
   differentiable = [name for name in ("bias", "sinks") if name in kw]
   fixed = {n: x for n, x in kw.items() if n not in differentiable}
 
@@ -100,6 +103,8 @@ def _everything(layout, kw):
     out, lse = f(q, k, v, *extra)
     loss = lambda *a: jnp.sum(jnp.sin(f(*a)[0]))
     grads = jax.grad(loss, tuple(range(3 + len(extra))))(q, k, v, *extra)
+    if "bias" in kw:  # along q, k, v alone too: a constant bias, no gradient of it computed
+      grads += jax.grad(lambda q, k, v: loss(q, k, v, *extra), (0, 1, 2))(q, k, v)
     tangent = jax.jvp(lambda q, k, v: f(q, k, v, *extra)[0], (q, k, v), (0.3 * q, -k, v))[1]
     return out, lse, grads, tangent
 

@@ -859,17 +859,28 @@ JVP_CASES = [
 ]
 
 
-def _jvp_vs_float64(case: Case, pin, seed: int, edit: Callable[[dict], dict] = lambda ops: ops):
+def _jvp_vs_float64(
+  case: Case,
+  pin,
+  seed: int,
+  edit: Callable[[dict], dict] = lambda ops: ops,
+  constant: tuple[str, ...] = (),
+):
   """The forward and the tangent of ``case`` (``pin``: a config or None) on Mosaic GPU vs float64.
 
-  Every floating operand gets a random tangent of its dtype; ``edit``
-  changes the drawn operands. Tangents of rows that see no key must be 0.
+  Every floating operand but the ``constant`` ones gets a random tangent of
+  its dtype; ``edit`` changes the drawn operands. Tangents of rows that see
+  no key must be 0.
   """
   ops, statics = inputs(case, jnp.bfloat16, seed=seed)
   ops = edit(ops)
   rng = np.random.default_rng(seed + 1)
-  tangents = {n: rand(rng, ops[n].shape, ops[n].dtype) for n in _diff_names(ops)}
+  names = [n for n in _diff_names(ops) if n not in constant]
+  tangents = {n: rand(rng, ops[n].shape, ops[n].dtype) for n in names}
   jvp = functools.partial(_jvp, _pallax(pin), statics)
+  if "bias" in constant:  # no tangent of it streamed (``Problem.differentiates_bias``)
+    calls = kernel_calls(jax.make_jaxpr(jvp)(ops, tangents).jaxpr)
+    assert [e.params["bias_tangent"] for e in calls if e.primitive.name == JVP] == [False]
   with on_path(PATH):
     report = pallax.explain(jvp, ops, tangents)
     y, y_dot = jax.jit(jvp)(ops, tangents)
@@ -893,7 +904,8 @@ def test_jvp(case):
 
 
 # The tangent with a bias or a mask (an autotuning candidate): their tile and
-# the bias' tangent's streamed with each key block. name -> (case, edit).
+# the bias' tangent's streamed with each key block. name -> (case, edit,
+# operands without a tangent).
 JVP_BIAS_CASES = {
   # Two consumers (head dim 64), a bias shared by the batch and a mask by the
   # heads hiding two rows entirely, causal, GQA, two query tiles.
@@ -910,23 +922,39 @@ JVP_BIAS_CASES = {
       mask=(2, 1, 150, 150),
     ),
     _hide_rows(3, 140),
+    (),
   ),
   # One consumer (head dim 128, padded from 80), a float32 bias of 1000 on
-  # odd keys after the soft cap (its tangent float32 too), keys past kv_len.
+  # odd keys after the soft cap (its tangent float32 too: 32-key steps), keys
+  # past kv_len.
   "h80-f32-bias-cap-lengths": (
     Case(b=1, t=70, s=150, n=2, k=1, h=80, bias=(1, 2, 70, 150), soft_cap=5.0, kv_len=(120,)),
     _large_bias,
+    (),
   ),
-  # Head dim 256: two blocks of threads a query tile, each streaming the bias
-  # and its tangent whole, 32-key steps; a mask hiding a row.
+  # The same bias constant (no tangent of it: 64-key steps), with a mask.
+  "h80-f32-constant-bias-mask": (
+    Case(b=1, t=70, s=150, n=2, k=1, h=80, bias=(1, 2, 70, 150), mask=(1, 1, 70, 150)),
+    _large_bias,
+    ("bias",),
+  ),
+  # Slow: head dim 256, two blocks of threads a query tile, each streaming the
+  # bias and its tangent whole, 32-key steps; a mask hiding a row.
   "h256-bias-mask-causal": (
     Case(
       b=1, t=80, s=100, n=2, k=1, h=256, is_causal=True, bias=(1, 1, 80, 100), mask=(1, 2, 80, 100)
     ),
     _hide_rows(7),
+    (),
+  ),
+  # Slow: a mask alone at head dim 128, GQA, causal, hiding a row.
+  "h128-mask-causal-gqa": (
+    Case(b=1, t=100, s=130, n=4, k=2, h=128, is_causal=True, mask=(1, 4, 100, 130)),
+    _hide_rows(9),
+    (),
   ),
 }
-JVP_BIAS_SLOW = ("h256-bias-mask-causal",)
+JVP_BIAS_SLOW = ("h256-bias-mask-causal", "h128-mask-causal-gqa")
 
 
 @pytest.mark.parametrize(
@@ -935,8 +963,8 @@ JVP_BIAS_SLOW = ("h256-bias-mask-causal",)
 )
 def test_the_tangent_takes_a_bias_and_a_mask(name):
   """The biased tangent pinned against float64 (the bias' tangent too); by default on Triton."""
-  case, edit = JVP_BIAS_CASES[name]
-  _jvp_vs_float64(case, PIN, 14, edit)
+  case, edit, constant = JVP_BIAS_CASES[name]
+  _jvp_vs_float64(case, PIN, 14, edit, constant)
 
 
 def test_vmap_is_one_kernel_and_matches_a_loop():
@@ -1895,6 +1923,7 @@ def test_the_tangent_above_head_dim_128_compiles_spill_free(h, features, heads, 
     (128, "bias16-mask", 8, 2, 64),
     (128, "causal-cap-bias", 8, 2, 32),
     (128, "causal-cap-bias-const", 8, 2, 64),
+    (192, "lengths-bias-const", 8, 1, 64),
     (128, "window-mask", 16, 16, 64),
     (192, "lengths-bias16", 8, 1, 64),
     (256, "causal-segments-cap-bias16-mask", 8, 2, 32),

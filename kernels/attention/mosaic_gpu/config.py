@@ -678,7 +678,7 @@ def jvp_block_k(p: Problem) -> int:
   KiB. A bias or a mask adds its tile of the consumers' rows to each slot,
   and a differentiated bias its tangent's: a float32 bias and its tangent
   take 32 keys (64 needed 257 KiB at head dims 64-192), a 16-bit one 64 up
-  to 192 without segment ids (224.5 KiB; their ids take it over). Always
+  to 192 without segment ids (224.5 KiB; with them 32 from head dim 128). Always
   sized for 2 slots: a 3-slot candidate at head dim 64 that 32 keys would
   fit is left out.
   """

@@ -5,8 +5,8 @@ up to head dim 64, one above: ``config.wide_consumers``) keeps its 64
 queries' Q, their tangent dQ and lse, and the producer streams K, V and
 their tangents dK, dV. Above head dim 128 blocks of threads split the
 output's columns (``config.out_cols``): each computes S and dS whole and
-streams V and dV in its columns alone (32 keys a step where a ring of 64
-overflows SMEM: at head dim 256, with a float32 bias and its tangent;
+streams V and dV in its columns alone (32 keys a step where a 2-slot ring
+of 64 overflows SMEM: at head dim 256, and with some biases:
 ``config.jvp_block_k``). Per key block:
 ``P = exp2(S - lse)``, the logits' tangent ``dS = scale (dQ K^T + Q dK^T)``
 (two ``wgmma`` into one accumulator, times the soft cap's slope), and
