@@ -910,14 +910,10 @@ JVP_BIAS_CASES = {
   # Two consumers (head dim 64), a bias shared by the batch and a mask by the
   # heads hiding two rows entirely, causal, GQA, two query tiles.
   "bias-mask-causal-gqa": (
-    Case(
-      b=2,
+    dataclasses.replace(
+      BIAS_CASES["bias-mask-causal-gqa"][0],
       t=150,
       s=150,
-      n=4,
-      k=2,
-      h=64,
-      is_causal=True,
       bias=(1, 4, 150, 150),
       mask=(2, 1, 150, 150),
     ),
