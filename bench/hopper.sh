@@ -21,8 +21,10 @@
 #   softmax beside the previous block's P V too (pallax-overlap), its 192-key
 #   blocks (pallax-k192, not causal), and the forward with a bias of every head
 #   (test_hopper_biased_forward: the Mosaic GPU forward pinned, an autotuning
-#   candidate, against Triton and cuDNN) and its tangent (test_hopper_biased_tangent:
-#   the Mosaic GPU forward and tangent pinned against Triton; last in the file).
+#   candidate, against Triton and cuDNN), its tangent (test_hopper_biased_tangent:
+#   the Mosaic GPU forward and tangent pinned against Triton) and its gradient
+#   along the bias too (test_hopper_biased_backward: the Mosaic GPU forward and
+#   backward pinned against Triton and cuDNN; last in the file).
 # - attention_breakdown: bench/attention_breakdown.py, the device's kernels of
 #   pallax's, cuDNN's and JAX's Mosaic GPU attention at B=4, S=4096, and of the
 #   fused backward's two-consumer configs (pallax-fused2, pallax-fa3).

@@ -374,3 +374,34 @@ def test_hopper_biased_tangent(benchmark, request):
   calls = {impl: functools.partial(exe, *args) for impl, exe in compiled.items()}
   error = lambda result: rel_err(_checked("jvp", result), want)
   compare(benchmark, request, calls, error, TOLERANCE, _work(case, "jvp"), case.dtype, "pallax")
+
+
+def test_hopper_biased_backward(benchmark, request):
+  """``jax.grad`` along q, k, v and the bias: the executor's choice, the Mosaic GPU kernels, cuDNN.
+
+  The Mosaic GPU backward streams the bias' tile in both its kernels and
+  writes the bias' gradient from the dq kernel, an autotuning candidate
+  until timed here (``pallax-mosaic``: its forward and backward; by default
+  the backward runs on Triton).
+  """
+  case = BIAS_CASE
+  benchmark.group = f"hopper-B{case.batch}-H{case.head_dim}-{case.id}-bias-fwd+bwd"
+  q, k, v, ct = _inputs(case, "fwd+bwd")
+  args = jax.block_until_ready((q, k, v, _bias(case, 1), ct))
+  want = reference_rows(case, "fwd+bwd", (q, k, v, ct), bias=args[3])
+  fns = {
+    "pallax": modes.fwd_bwd(lambda q, k, v, b: pallax.dot_product_attention(q, k, v, b), 4),
+    "cudnn": modes.fwd_bwd(
+      lambda q, k, v, b: jax.nn.dot_product_attention(q, k, v, b, implementation="cudnn"), 4
+    ),
+  }
+  fn = fns["pallax"]
+  mosaic = {**_stage_pins(MOSAIC_PIN, "fwd")(fn, args), **_stage_pins(MOSAIC_PIN, "bwd")(fn, args)}
+  compiled = {}
+  for impl, pins in (("pallax", {}), ("pallax-mosaic", mosaic), ("cudnn", {})):
+    with pallax.default_executor().overlay(pins):
+      compiled[impl] = jax.jit(fns.get(impl, fn)).lower(*args).compile()
+  calls = {impl: functools.partial(exe, *args) for impl, exe in compiled.items()}
+  error = lambda result: rel_err(_checked("fwd+bwd", result), want)
+  work = _work(case, "fwd+bwd")
+  compare(benchmark, request, calls, error, TOLERANCE, work, case.dtype, "cudnn")

@@ -375,6 +375,14 @@ class Form:
     else:
       plgpu.copy_smem_to_gmem(tile, sum_ref.at[(part, *index)])
 
+  def store_to(self, tile: Any, sum_ref: Any, index: tuple) -> None:
+    """Stores SMEM ``tile`` to ``sum_ref.at[index]`` (a ``launch`` sum of one part), asynchronously.
+
+    For a result whose tiles are each written once at most, zero where none
+    is (a TMA store on a GPU; interpreted, to its one part).
+    """
+    plgpu.copy_smem_to_gmem(tile, sum_ref.at[index if self.hopper else (0, *index)])
+
   def staging(self, shape: Sequence[int], dtype: Any, smem: bool = False) -> Any:
     """SMEM for the interpreted form's register ``wgmma`` operands (on a GPU only with ``smem``)."""
     transforms = swizzle_transforms(dtype, shape[-1])

@@ -20,6 +20,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import re
+from collections.abc import Callable
 from typing import Any, Optional
 
 import jax
@@ -149,9 +150,12 @@ def _pallax(config=None):
   return functools.partial(pallax.dot_product_attention, config=config)
 
 
-def _fwd_lse_vjp(fn, statics, ops, ct):
-  """``(out, lse, {name: gradient})``: one call returning the residual, and its vjp."""
-  names = _diff_names(ops)
+def _fwd_lse_vjp(fn, statics, ops, ct, constant: tuple[str, ...] = ()):
+  """``(out, lse, {name: gradient})``: one call returning the residual, and its vjp.
+
+  The gradients along every floating operand but the ``constant`` ones.
+  """
+  names = [n for n in _diff_names(ops) if n not in constant]
   f = lambda *d: _call(fn, statics, {**ops, **dict(zip(names, d))}, return_residual=True)
   (out, lse), vjp = jax.vjp(f, *(ops[n] for n in names))
   return out, lse, dict(zip(names, vjp((ct, jnp.zeros_like(lse)))))
@@ -176,17 +180,18 @@ def _rows(ops, statics) -> np.ndarray:
   )
 
 
-def _check_grads(grads: dict, grads_ref: dict, dtype, what: str) -> None:
-  """Each gradient against the reference's, in the operand's dtype.
+def _check_grads(grads: dict, grads_ref: dict, dtype, what: str, dtypes=None) -> None:
+  """Each gradient against the reference's, in the operand's dtype, to ``dtype``'s tolerance.
 
-  A gradient that is zero in exact arithmetic is compared relative to the
-  largest gradient instead of its own rounding.
+  ``dtypes``: name -> the operand's dtype, where not ``dtype``. A gradient
+  that is zero in exact arithmetic is compared relative to the largest
+  gradient instead of its own rounding.
   """
   assert set(grads) == set(grads_ref), (set(grads), set(grads_ref))
   scale = max(float(np.max(np.abs(f64(w)), initial=0.0)) for w in grads_ref.values())
   for name, w in grads_ref.items():
-    g = grads[name]
-    assert g.shape == w.shape and g.dtype == dtype, (name, g.shape, g.dtype)
+    g, want = grads[name], dtype if dtypes is None else dtypes[name]
+    assert g.shape == w.shape and g.dtype == want, (name, g.shape, g.dtype)
     if np.max(np.abs(f64(w)), initial=0.0) > 1e-10 * scale:
       assert_close(g, w, dtype, f"{what}: d{name}")
     else:
@@ -194,15 +199,29 @@ def _check_grads(grads: dict, grads_ref: dict, dtype, what: str) -> None:
       assert err < TOL[jnp.dtype(dtype).name], f"{what}: d{name} should be 0, is {err:.3g} rel."
 
 
-def _run_case(case: Case, dtype, path: str, config=None, seed: int = 0):
-  """Output, lse and every gradient against the reference; returns both and the rows."""
+def _run_case(
+  case: Case,
+  dtype,
+  path: str,
+  config=None,
+  seed: int = 0,
+  edit: Callable[[dict], dict] = lambda ops: ops,
+  constant: tuple[str, ...] = (),
+):
+  """Output, lse and every gradient against the reference; returns both and the rows.
+
+  ``edit`` changes the drawn operands; no gradient is taken along the
+  ``constant`` ones.
+  """
   ops, statics = inputs(case, dtype, seed)
+  ops = edit(ops)
   hv = ops["value"].shape[-1]
   ct = rand(np.random.default_rng(seed + 100), ops["query"].shape[:-1] + (hv,), dtype)
+  vjp = lambda fn, ops, ct: _fwd_lse_vjp(fn, statics, ops, ct, constant)
   with on_path(path):
-    got = jax.jit(functools.partial(_fwd_lse_vjp, _pallax(config), statics))(ops, ct)
+    got = jax.jit(functools.partial(vjp, _pallax(config)))(ops, ct)
   with x64():
-    want = jax.jit(functools.partial(_fwd_lse_vjp, reference, statics))(_as64(ops), to64(ct))
+    want = jax.jit(functools.partial(vjp, reference))(_as64(ops), to64(ct))
   (out, lse, grads), (out_ref, lse_ref, grads_ref) = got, want
   what = f"{path} {jnp.dtype(dtype).name} {case}"
   assert out.shape == out_ref.shape and out.dtype == dtype, (out.shape, out.dtype)
@@ -215,7 +234,7 @@ def _run_case(case: Case, dtype, path: str, config=None, seed: int = 0):
   assert_lse_close(lse, lse_ref, dtype, f"{what}: lse")
   if case.sinks:
     assert np.all(np.isfinite(f64(lse))), f"{what}: with sinks every row's lse is finite"
-  _check_grads(grads, grads_ref, dtype, what)
+  _check_grads(grads, grads_ref, dtype, what, {n: ops[n].dtype for n in grads})
   return ops, statics, got, want, rows
 
 

@@ -17,6 +17,7 @@ gets and why.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import sys
@@ -178,13 +179,18 @@ def _picks(case: Case, dtype, config=None) -> dict:
   return {r.op: r for r in report}
 
 
-def _bwd_problem(case: Case, dtype) -> Problem:
-  """The ``Problem`` of the backward kernel's call in the gradient of ``case``."""
+def _bwd_eqn(case: Case, dtype):
+  """The backward kernel's call in the gradient of ``case`` along the query."""
   ops, statics = inputs(case, dtype)
   loss = lambda q: jnp.sum(_call(_pallax(None), statics, {**ops, "query": q}).astype(jnp.float32))
   jaxpr = jax.make_jaxpr(jax.grad(loss))(ops["query"]).jaxpr
   (eqn,) = [e for e in kernel_calls(jaxpr) if e.primitive.name == BWD]
-  return _problem(eqn)
+  return eqn
+
+
+def _bwd_problem(case: Case, dtype) -> Problem:
+  """The ``Problem`` of the backward kernel's call in the gradient of ``case``."""
+  return _problem(_bwd_eqn(case, dtype))
 
 
 def _problem(eqn) -> Problem:
@@ -725,8 +731,8 @@ def test_a_bias_at_the_float32_minimum_hides_its_pairs_as_a_mask_does():
 def test_a_biased_forward_on_mosaic_gpu_and_its_gradient_on_triton():
   """The Mosaic GPU forward (a config for it alone) and the Triton backward, bias gradient too.
 
-  The Mosaic GPU kernels refuse a bias or a mask in the backward (its
-  gradient runs on Triton); the forward's lse is the one both backwards take.
+  The backward's heuristic leaves a biased call to autotuning (Triton by
+  default); the forward's lse is the one both backwards take.
   """
   case = dataclasses.replace(
     BIAS_CASES["bias-mask-causal-gqa"][0],
@@ -738,7 +744,7 @@ def test_a_biased_forward_on_mosaic_gpu_and_its_gradient_on_triton():
   with pallax.default_executor().overlay({FWD: PIN}):
     picks = _picks(case, jnp.bfloat16)
     assert {op: r.implementation for op, r in picks.items()} == {FWD: MOSAIC, BWD: "pallas"}
-    assert "the tangent only" in picks[BWD].note, picks[BWD].note
+    assert "autotuning" in picks[BWD].note, picks[BWD].note
     _run_case(case, jnp.bfloat16, PATH, seed=12)
 
 
@@ -963,6 +969,93 @@ def test_the_tangent_takes_a_bias_and_a_mask(name):
   _jvp_vs_float64(case, PIN, 14, edit, constant)
 
 
+# The backward with a bias or a mask (an autotuning candidate): the dq kernel
+# streams their tile with the keys and writes the bias' gradient (dS), the
+# dk/dv kernel streams it transposed with the queries. name -> (case,
+# config, edit of the operands, operands held constant).
+BWD_BIAS_CASES = {
+  # The dq kernel's one consumer, the dk/dv kernel's two (head dim 64): a
+  # bias shared by the batch (its gradient summed over the examples) and a
+  # mask by the heads hiding two rows entirely, causal, GQA, three key
+  # blocks through a 2-slot ring. Under race detection (a staging tile of
+  # dS a step, written once the last one's store has read it).
+  "bias-mask-causal-gqa": (JVP_BIAS_CASES["bias-mask-causal-gqa"][0], PIN, _hide_rows(3, 140), ()),
+  # One consumer each (head dim 128, padded from 80): a float32 bias of 1000
+  # on odd keys after the soft cap (its gradient float32), keys past kv_len,
+  # MQA; the dk/dv kernel splits dK's and dV's columns in two.
+  "h80-f32-bias-cap-lengths": (JVP_BIAS_CASES["h80-f32-bias-cap-lengths"][0], PIN, _large_bias, ()),
+  # Both kernels' two consumers of 64 (the dk/dv kernel's masking every step
+  # with a bias: ``masks_every_step``), causal, a bias of every
+  # example and head held constant (no dS written), GQA, two examples.
+  "h128-causal-constant-bias-two": (
+    Case(b=2, t=100, s=130, n=4, k=2, h=128, is_causal=True, bias=(2, 4, 100, 130)),
+    TWO_WIDE,
+    lambda ops: ops,
+    ("bias",),
+  ),
+  # Slow: the same with its gradient.
+  "h128-causal-bias-two": (
+    Case(b=2, t=100, s=130, n=4, k=2, h=128, is_causal=True, bias=(2, 4, 100, 130)),
+    TWO_WIDE,
+    lambda ops: ops,
+    (),
+  ),
+  # Slow: the dk/dv kernel's two consumers of 32-query steps, packed
+  # documents, a mask alone hiding a row, MQA.
+  "h128-packed-mask-narrow": (
+    Case(b=2, t=150, s=130, n=2, k=1, h=128, segments="packed", mask=(2, 1, 150, 130)),
+    WIDE,
+    _hide_rows(5),
+    (),
+  ),
+  # Slow: head dim 256, both kernels' blocks of threads splitting their
+  # results' columns, a window, the bias held constant (dS's float32 tile
+  # does not fit SMEM beside the dq kernel's at 256: Triton's).
+  "h256-constant-bias-window": (
+    Case(b=1, t=80, s=100, n=2, k=1, h=256, window=(40, 10), bias=(1, 2, 80, 100)),
+    PIN,
+    lambda ops: ops,
+    ("bias",),
+  ),
+  # Slow: head dim 192 (two shares of dQ's columns: the first writes dS), a
+  # bias shared by the heads, GQA.
+  "h192-bias-gqa": (
+    Case(b=2, t=80, s=100, n=4, k=2, h=192, bias=(2, 1, 80, 100)),
+    PIN,
+    lambda ops: ops,
+    (),
+  ),
+}
+BWD_BIAS_SLOW = (
+  "h128-causal-bias-two",
+  "h128-packed-mask-narrow",
+  "h256-constant-bias-window",
+  "h192-bias-gqa",
+)
+
+
+@pytest.mark.parametrize(
+  "name",
+  [pytest.param(n, marks=pytest.mark.slow) if n in BWD_BIAS_SLOW else n for n in BWD_BIAS_CASES],
+)
+def test_the_backward_takes_a_bias_and_a_mask(name):
+  """Output, lse and the gradients pinned, the bias' too, against float64; by default on Triton.
+
+  The fused backward (``fuse_dq``) refuses a bias or a mask: no candidate.
+  """
+  case, config, edit, constant = BWD_BIAS_CASES[name]
+  default = _picks(case, jnp.bfloat16)[BWD]
+  assert default.implementation == "pallas" and "autotuning" in default.note
+  assert _chosen(case, jnp.bfloat16, config) == {FWD: MOSAIC, BWD: MOSAIC}
+  eqn = _bwd_eqn(case, jnp.bfloat16)
+  assert mosaic_gpu.config.masks_every_step(_problem(eqn), config) == name.endswith("-two")
+  fused = _supports(eqn, FUSED)
+  assert "streams no bias or mask" in fused, fused
+  races = mgpu.detecting_races() if name == "bias-mask-causal-gqa" else contextlib.nullcontext()
+  with races:
+    _run_case(case, jnp.bfloat16, PATH, config=config, seed=15, edit=edit, constant=constant)
+
+
 def test_vmap_is_one_kernel_and_matches_a_loop():
   ops, statics = inputs(Case(b=None, t=70, s=70, n=2, k=1, h=64, is_causal=True), jnp.bfloat16)
   rng = np.random.default_rng(6)
@@ -1047,12 +1140,11 @@ def test_the_executor_prefers_mosaic_gpu_on_hopper_only():
   # What it refuses goes to the Triton kernel, and explain says why.
   refused = _selection(h100, jnp.float32)[FWD]
   assert refused.implementation == "pallas" and "not float32" in refused.note
-  # A bias: the forward an autotuning candidate, the backward Triton's (its gradient).
+  # A bias: the forward and the backward autotuning candidates.
   bias = jnp.zeros((2, 4, 256, 256), jnp.bfloat16)
   biased = _selection(h100, grad=True, bias=bias)
-  assert biased[FWD].implementation == "pallas" and "autotuning" in biased[FWD].note
-  assert biased[BWD].implementation == "pallas"
-  assert "bias in the forward and the tangent only" in biased[BWD].note
+  for op in (FWD, BWD):
+    assert biased[op].implementation == "pallas" and "autotuning" in biased[op].note
   # Its tangent an autotuning candidate too (the tangent of the bias streamed beside it).
   q, kv = jnp.zeros((2, 256, 4, 128), jnp.bfloat16), jnp.zeros((2, 256, 2, 128), jnp.bfloat16)
   tangent = lambda q: jax.jvp(lambda q: pallax.dot_product_attention(q, kv, kv, bias), (q,), (q,))
@@ -1543,7 +1635,8 @@ def _kernel_call(
   if "mask" in features:  # a mask of every example, shared by the heads
     extra.update(mask=jnp.ones((b, 1, t, s), bool))
   # A bias of every query head, float32 ("bias16": bfloat16); the tangent's
-  # call takes its tangent too, but for a constant one ("const").
+  # call takes its tangent too, but for a constant one ("const"); the
+  # gradient's is along it too with "dbias".
   bias = [jnp.zeros((b, heads, t, s), jnp.bfloat16 if "bias16" in features else jnp.float32)]
   bias = bias if "bias" in features else []
   if bias and "const" in features:
@@ -1552,9 +1645,8 @@ def _kernel_call(
   if stage == JVP:
     fn = lambda *x: jax.jvp(attend, x, x)
   else:
-    fn = lambda q, k, v, *bias: jax.grad(
-      lambda *x: jnp.sum(attend(*x, *bias).astype(jnp.float32)), argnums=(0, 1, 2)
-    )(q, k, v)
+    loss = lambda *x: jnp.sum(attend(*x).astype(jnp.float32))
+    fn = jax.grad(loss, argnums=(0, 1, 2, 3) if "dbias" in features else (0, 1, 2))
   jaxpr = jax.make_jaxpr(fn)(q, kv, kv, *bias).jaxpr
   (eqn,) = [e for e in kernel_calls(jaxpr) if e.primitive.name == stage]
   if "right" in features:
@@ -1940,6 +2032,49 @@ def test_the_tangent_with_a_bias_or_mask_compiles_spill_free(h, features, heads,
   (compiled,) = _compiles_spill_free(eqn, config, ("dot_product_attention_jvp",))
   counted = mosaic_gpu.config.smem_bytes(_problem(eqn), config, "jvp")
   assert counted <= compiled["smem_bytes"] <= counted + 2 * mgpu.SMEM_ALIGN, (counted, compiled)
+
+
+@pytest.mark.compilers
+@pytest.mark.parametrize(
+  "h, features, heads, kv_heads, config",
+  [
+    (64, "causal-lengths-segments-cap-dbias-mask", 8, 2, {}),
+    (64, "dbias16", 8, 1, {"num_stages": 3, "dq_consumers": 2}),
+    (128, "dbias", 8, 2, {}),
+    (128, "causal-dbias16", 8, 2, {"dkdv_consumers": 2}),
+    (128, "bias16", 16, 16, {"dkdv_consumers": 2}),
+    (128, "causal-cap-bias-mask", 8, 1, {"dkdv_consumers": 2, "dq_consumers": 2}),
+    (128, "window-segments-cap-dbias", 8, 2, {"dkdv_rows": 32}),
+    (192, "lengths-dbias16", 8, 1, {}),
+    (256, "causal-bias16-mask", 8, 2, {}),
+  ],
+)
+def test_the_backward_with_a_bias_or_mask_compiles_spill_free(h, features, heads, kv_heads, config):
+  """The bias' tiles in both backward kernels' rings and dS's writes, for H100 (batch 2).
+
+  "dbias": along the bias too, so the dq kernel writes dS (a float32 tile a
+  consumer; the kernel is JAX's ``new_body``: it discharges dS's zeroed
+  ref). Two dk/dv consumers of 64-query steps mask every step with a bias
+  or a mask (in loops of their own: 296 bytes spilled with a bf16 bias and
+  a causal mask, 16 with a float32 one and a soft cap, 48 with a bf16 bias
+  alone at 16 on 16 heads). ``smem_bytes`` counts the tiles, the larger
+  kernel takes at most 2 KiB more.
+  """
+  eqn = _kernel_call(h, features, heads, kv_heads=kv_heads)
+  config = mosaic_gpu.MosaicGpuAttentionConfig(**{"block_k": 64, "num_stages": 2, **config})
+  assert _supports(eqn, config) is None
+  dq = "new_body" if "dbias" in features else "dot_product_attention_dq"
+  compiled = _compiles_spill_free(eqn, config, (dq, "dot_product_attention_dkdv"))
+  counted = mosaic_gpu.config.smem_bytes(_problem(eqn), config, "bwd")
+  largest = max(k["smem_bytes"] for k in compiled)
+  assert counted <= largest <= counted + 2 * mgpu.SMEM_ALIGN, (counted, compiled)
+
+
+def test_a_differentiated_bias_at_head_dim_256_leaves_the_backward_to_triton():
+  """dS's float32 staging tile does not fit beside the dq kernel's at 256; a constant bias does."""
+  config = mosaic_gpu.MosaicGpuAttentionConfig(block_k=64, num_stages=2)
+  assert "SMEM" in _supports(_kernel_call(256, "dbias16"), config)
+  assert _supports(_kernel_call(256, "bias16"), config) is None
 
 
 @pytest.mark.compilers

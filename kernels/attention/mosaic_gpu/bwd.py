@@ -69,6 +69,18 @@ and dP at once in such steps. Other steps compute S's mask before dP^T
 step is masked, ``masks_every_step``, whose mask reads its positions from
 SMEM).
 
+A bias or a mask (``tiles.logit_bias``: -inf where the mask hides) streams
+in both kernels, unfused (``fuse_dq`` refuses them): the dq kernel's tile
+of its consumers' rows with the keys (``QueryKernel.row_tiles``, added to
+the base-2 logits after the soft cap), the dk/dv kernel's tile of its keys
+with each step's queries, from the bias transposed by XLA (one more copy
+of it: ``wgmma``'s layout loads no SMEM tile transposed). Where the bias
+is differentiated (``Problem.differentiates_bias``) the dq kernel writes
+its gradient, the logits' ``dS = P (dP - delta)`` before the cap's slope,
+a float32 ``(B, K, G, T, S)`` result through a staging tile a consumer
+(``QueryKernel.logit_outs``: zero where no step runs, the blocks a mask
+hides), which XLA sums over the dims the bias broadcasts.
+
 Blocks hidden entirely (causal, window, lengths, outside the segments' runs)
 are not loaded; partly hidden ones are masked. The soft cap's slope scales
 ``dS``. Padded queries
@@ -82,7 +94,7 @@ from __future__ import annotations
 
 import functools
 import math
-from typing import Any
+from typing import Any, Optional
 
 import jax
 import jax.numpy as jnp
@@ -107,6 +119,7 @@ from pallax.kernels.attention.mosaic_gpu.config import (
   fused_wide_steps,
   has_masks,
   head,
+  logit_bias_dtype,
   masks_every_step,
   out_cols,
   shares_dq,
@@ -135,23 +148,32 @@ def bwd(*operands, config: MosaicGpuAttentionConfig, interpret: Any, **params) -
   }
   keys = {"k": tiles.pad(ops.k, {2: sp, 3: h}), "v": tiles.pad(ops.v, {2: sp, 3: h})}
   blocks = tiles.Tiles(p, bq, bk, cut_keys=sp if config.fuse_dq else 0)
-  kernels = _Kernels(p, ops, form, blocks, config)
+  bias = tiles.logit_bias(ops, logit_bias_dtype(p), tp, sp)
+  kernels = _Kernels(p, ops, form, blocks, config, bias)
   dk, dv, dq = kernels.dkdv(queries, keys, tp, sp)
+  ds = None
   if dq is None:
-    dq = kernels.dq(queries, keys, tp)
+    dq, ds = kernels.dq(queries, keys, tp)
   cut = lambda x, n, d: x[..., :n, :d]
   named = {"dq": cut(dq, p.t, p.head_dim), "dk": cut(dk, p.s, p.head_dim)}
-  return c.results({**named, "dv": cut(dv, p.s, p.value_dim), "dbias": None})
+  dbias = None if ds is None else common.reduce_bias_grad(cut(ds, p.t, p.s), ops.bias)
+  return c.results({**named, "dv": cut(dv, p.s, p.value_dim), "dbias": dbias})
 
 
 class _Kernels:
   """The two backward kernels of one call."""
 
   def __init__(
-    self, p: Problem, ops, form: mgpu.Form, blocks: tiles.Tiles, config: MosaicGpuAttentionConfig
+    self,
+    p: Problem,
+    ops,
+    form: mgpu.Form,
+    blocks: tiles.Tiles,
+    config: MosaicGpuAttentionConfig,
+    bias: Optional[jax.Array],
   ):
     self.p, self.ops, self.form, self.blocks, self.config = p, ops, form, blocks, config
-    self.h = head(p)
+    self.h, self.bias = head(p), bias
 
   def _tile(self, lead: int, rows: int, cols: int):
     """SMEM tiles swizzled within a step's queries: ``wgmma`` contracts over a swizzle's width."""
@@ -168,9 +190,16 @@ class _Kernels:
       return plgpu.transpose_ref(tiles_ref.at[slot], (1, 0))
     return transposed_ref.at[slot]
 
-  def dq(self, queries: dict, keys: dict, tp: int) -> jax.Array:
-    """``dq (B, K, G, Tp, h)``: per query tile, the key blocks it sees."""
+  def dq(self, queries: dict, keys: dict, tp: int) -> tuple[jax.Array, Optional[jax.Array]]:
+    """``dq (B, K, G, Tp, h)``: per query tile, the key blocks it sees; and ``dS`` or None.
+
+    With a bias (or mask) its tile of the consumers' rows streams with the
+    keys (``QueryKernel.row_tiles``); a differentiated bias has its
+    gradient, ``dS = P (dP - delta)`` before the soft cap's slope, written
+    as a float32 ``(B, K, G, Tp, Sp)`` result, 0 in the blocks no step sees.
+    """
     p, form, h, bk = self.p, self.form, self.h, self.blocks.bk
+    writes_ds = p.differentiates_bias
     kernel = QueryKernel(
       p,
       self.ops,
@@ -185,6 +214,8 @@ class _Kernels:
       outs={"dq": (p.dtype, True)},
       name=DQ_KERNEL,
       cols=out_cols(p, "dq"),
+      row_tiles={} if self.bias is None else {"bias": self.bias},
+      logit_outs=("ds",) if writes_ds else (),
     )
 
     def step(ctx, j, dq, hide):
@@ -202,6 +233,8 @@ class _Kernels:
         plgpu.wgmma(dp_ref, ctx.own["do"], ctx.tile_t("v"))
         probs, slope = ready(1)
         ds = probs * read(0, 0)
+        if writes_ds:  # the bias' gradient: the logits', after the cap (as the bias is added)
+          ctx.write_tile("ds", j, ds)
         ctx.ring.release(1, j)
         ds = ctx.operand((ds if slope is None else ds * slope).astype(p.dtype))
         plgpu.wgmma(dq_ref, ds, ctx.out_tile("k"))
@@ -212,8 +245,8 @@ class _Kernels:
 
     cols = out_cols(p, "dq")
     init = lambda ctx: form.zeros((DQ_ROWS, cols))
-    (dq,) = kernel(init, step, lambda ctx, dq: {"dq": dq * p.scale}, tp, h)
-    return dq
+    dq, *ds = kernel(init, step, lambda ctx, dq: {"dq": dq * p.scale}, tp, h)
+    return dq, (ds[0] if writes_ds else None)
 
   def dkdv(self, queries: dict, keys: dict, tp: int, sp: int) -> tuple:
     """``dk, dv (B, K, Sp, h)`` and with ``fuse_dq`` ``dq (B, K, G, Tp, h)``, else None.
@@ -266,18 +299,24 @@ class _Kernels:
     seg_ops = [] if segs is None else list(segs)
     facts = blocks.inputs(self.ops, segs, (rows, bk), queries_own=False)
     positions = [jnp.arange(tp, dtype=jnp.int32)] if mask_all else []
-    operands += transposed + seg_ops + positions + facts
-    n_tr, n_seg, n_pos = len(transposed), len(seg_ops), len(positions)
+    # The bias (and mask) transposed, (Bb, Kb, Gb, Sp, Tp): a tile of the
+    # block of threads' keys streams with each step's queries.
+    bias_t = None if self.bias is None else jnp.swapaxes(self.bias, -1, -2)
+    biases = [] if bias_t is None else [bias_t]
+    operands += transposed + seg_ops + positions + biases + facts
+    n_tr, n_seg, n_pos = len(transposed), len(seg_ops), len(positions) + len(biases)
 
     def body(k_ref, v_ref, q_ref, do_ref, lse_ref, neg_delta_ref, *rest):
       transposed, seg_refs = rest[:n_tr], rest[n_tr : n_tr + n_seg]
       pos_refs = rest[n_tr + n_seg : n_tr + n_seg + n_pos]
+      pos_refs, bias_refs = pos_refs[: len(positions)], pos_refs[len(positions) :]
       *fact_refs, dk_ref, dv_ref, scoped = rest[n_tr + n_seg + n_pos :]
       if fuse_dq:
         *fact_refs, dq_ref = fact_refs
       smem, own_full, (full, consumed), ds_ready = scoped
       k_smem, v_smem, q_smem, do_smem, lse_smem, neg_delta_smem, *others = smem
-      qt_smem, dot_smem, st_smem, seg_smem, out_smem, ds_smem, kt_smem, dq_smem, t_smem = others
+      qt_smem, dot_smem, st_smem, seg_smem, out_smem, ds_smem, kt_smem, dq_smem, *others = others
+      t_smem, *bias_smem = others
       kh, b = lax.axis_index("heads"), lax.axis_index("batch")
       kh, share = tiles.column_share(kh, chunks, cols)
       columns = lambda ref: ref if share is None else ref.at[:, share]
@@ -374,7 +413,11 @@ class _Kernels:
             dp_ref, dv_ref, dk_ref, *dq_ref = refs
             dp_t(dp_ref)
             z = ready(1)
-            probs = jnp.exp2(z - column(lse_smem))
+            if bias_refs:  # after the cap, as the reference adds it (the slope reads z alone)
+              bias = form.tile(bias_smem[0].at[s, pl.ds(wg * bk, bk)]).astype(jnp.float32)
+              probs = jnp.exp2(z + bias * tiles.LOG2E - column(lse_smem))
+            else:
+              probs = jnp.exp2(z - column(lse_smem))
             ds = None if dv_first else probs * read(0, 0)  # P (dP - delta)
             weights = form.operand(probs.astype(p.dtype), st_smem, wg, 0, smem=wide)
             plgpu.wgmma(dv_ref, weights, columns(do_smem.at[s]))
@@ -471,6 +514,9 @@ class _Kernels:
             groups[2].append((pos_refs[0].at[block], t_smem.at[s]))
           if seg_refs:  # the queries' segment ids, with the queries
             groups[0].append((seg_refs[0].at[b, block], seg_smem[1].at[s]))
+          if bias_refs:  # and the bias' tile of the block of threads' keys
+            tile = tiles.row_tile(bias_refs[0], bias_t, b, kh, g, pl.ds(s_tile, rows), block)
+            groups[0].append((tile, bias_smem[0].at[s]))
           for group, ref, buf in zip(groups, transposed[:2], (qt_smem, dot_smem)):
             group.append((ref.at[b, kh, g, :, block], buf.at[s]))
           return groups
@@ -508,9 +554,12 @@ class _Kernels:
         if fuse_dq
         else None,
         plgpu.SMEM((stages, bq), jnp.int32) if mask_all else None,
+        *([] if bias_t is None else [tiles.bias_smem(bias_t, (stages, rows, bq))]),
       ],
       plgpu.Barrier(num_arrivals=2 + bool(segs) + k_t, num_barriers=consumers),
-      mgpu.Ring.barriers((copies + bool(segs), copies, 2 + mask_all), stages, consumers),
+      mgpu.Ring.barriers(
+        (copies + bool(segs) + bool(biases), copies, 2 + mask_all), stages, consumers
+      ),
       plgpu.Barrier(num_arrivals=consumers) if shared else None,
     ]
     shape = jax.ShapeDtypeStruct((p.batch, sp, p.kv_heads, h), p.dtype)

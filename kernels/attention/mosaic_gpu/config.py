@@ -148,12 +148,6 @@ def feature_reason(p: Problem, stage: str = "fwd") -> Optional[str]:
   """Why the kernels cannot run a call's features, if they cannot (the Triton kernels then do)."""
   if stage not in STAGES:
     return f"the Mosaic GPU attention kernels have no {stage} stage (it runs on Triton)"
-  for present, name in ((p.has_bias, "bias"), (p.has_mask, "mask")):
-    if present and stage == "bwd":  # its kernels stream no (T, S) tile, nor write the bias' one
-      return (
-        f"the Mosaic GPU attention kernels take a {name} in the forward and the tangent only (to"
-        " run the forward there, pin it alone: an executor overlay of dot_product_attention_fwd)"
-      )
   if jnp.dtype(p.dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
     return f"the Mosaic GPU attention kernels take bfloat16 and float16, not {jnp.dtype(p.dtype)}"
   if head(p) > _MAX_HEAD:
@@ -338,13 +332,19 @@ def masks_every_step(p: Problem, config: MosaicGpuAttentionConfig) -> bool:
   segment ids, windows and their mixes with a causal mask, each other and
   a soft cap are spill-free at 16 on 16, 8 on 8, 8 on 2, 8 on 1, 32 on 2,
   16 on 4 and 2 on 2 heads (512-4096 queries and keys, fewer queries than
-  keys too). A causal mask alone keeps the loops of their own.
+  keys too). A causal mask alone keeps the loops of their own. A bias or a
+  mask (their tile loaded in the step) masks every step too: in loops of
+  their own a causal call spilled 296 bytes with a bfloat16 bias and 16
+  with a float32 one and a soft cap, and even the loop of unmasked steps
+  alone 48 with a bfloat16 bias at 16 on 16 heads; every step masked,
+  spill-free at 16 on 16, 8 on 2 and 8 on 1 heads (1000-4096 keys, 512
+  queries on 1024), causal or not, a mask alone too.
 
   Every step masked pays the mask (compares and selects, the positions'
   loads), also where it hides nothing.
   """
   if not config.fuse_dq:  # two consumers of 64-query steps (``_bwd_reason``)
-    features = p.has_lengths or p.has_segments or windowed(p)
+    features = p.has_lengths or p.has_segments or windowed(p) or p.has_bias or p.has_mask
     return two_wide_consumers(p, config) and features
   if not shares_dq(head(p), dkdv_steps(p, config)[1]):
     return False
@@ -515,11 +515,11 @@ def smem_bytes(
     ids = [n * own, c.num_stages * ring] if p.has_segments else []
     stats += sum(round_up(i, mgpu.SMEM_ALIGN // 4) for i in ids)
     # The bias (and mask), and in the tangent the bias' tangent: each slot a
-    # tile of the consumers' rows.
-    bias_tiles = (stage != "bwd") * (
-      (p.has_bias or p.has_mask) + (stage == "jvp" and p.differentiates_bias)
-    )
+    # tile of the consumers' rows (in the dk/dv kernel its keys').
+    bias_tiles = (p.has_bias or p.has_mask) + (stage == "jvp" and p.differentiates_bias)
     bias = bias_tiles * c.num_stages * n * own * ring * jnp.dtype(logit_bias_dtype(p)).itemsize
+    if k.own == "dq" and p.differentiates_bias:  # the float32 tile of dS a consumer writes
+      bias += n * own * ring * 4
     dq_tiles = 0
     if fused:  # dS^T (two buffers where consumers share it), P^T's, dQ^T's float32 tiles
       ds_buffers = 1 + shares_dq(h, n) + fused_wide_steps(p, config)
@@ -590,6 +590,8 @@ def _fuse_reason(p: Problem, config: MosaicGpuAttentionConfig) -> Optional[str]:
   h = head(p)
   if determinism.required():
     return f"fuse_dq: {determinism.reason()}; the fused dQ's reduce-adds run in no fixed order"
+  if p.has_bias or p.has_mask:
+    return "fuse_dq: the fused backward streams no bias or mask tile (the dq kernel writes dbias)"
   if out_cols(p, "dkdv") < h:
     return "fuse_dq: the dk/dv kernel splits dK's and dV's columns here (a share has no whole dQ)"
   if h > 64 and config.num_stages > 2:
@@ -697,8 +699,9 @@ def heuristic(avals: Sequence[Any], target: str, *, stage: str, **params):
   backward on a GPU; likewise for a tangent that splits them (above head
   dim 128: S and dS once a share, in steps of 32 keys at 256); for a
   forward of one consumer (``fwd_consumers``: no ping-pong); and for a
-  forward or a tangent with a bias or mask (a tile of them streamed each
-  step), not timed either.
+  call with a bias or mask, every stage (a tile of them streamed each
+  step; the backward's written too where the bias is differentiated),
+  not timed either.
   """
   p = Problem.of(avals, **params)
   shape = fwd_consumers(p) == 1 if stage == "fwd" else splits_columns(p, stage)

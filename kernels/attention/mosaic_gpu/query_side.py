@@ -45,7 +45,9 @@ class Step:
   ``masked``: the step's ``over_steps`` flag: a Python bool in loops of
   masked or unmasked steps, traced in one loop of both (``one_loop``).
   ``row_tile(name)`` loads the consumer's rows of a ``row_tiles`` operand's
-  slot (read before the keys' group is released).
+  slot (read before the keys' group is released); ``write_tile(name, j, x)``
+  stores ``x``, its float32 tile of key block ``j``, to the ``logit_outs``
+  result ``name``.
   """
 
   kernel: QueryKernel
@@ -60,6 +62,7 @@ class Step:
   slot: Any = None
   cols: Any = None
   masked: Any = None
+  write_tile: Optional[Callable[[str, Any, jax.Array], None]] = None
 
   def tile(self, name: str):
     return self.ring_refs[name].at[self.slot]
@@ -127,6 +130,10 @@ class QueryKernel:
     row_tiles: name -> ``(Bb, Kb, Gb, Tp, Sp)`` operand (``tiles.logit_bias``'
       shape) whose tile of the block of threads' rows streams with the keys,
       in their group; ``"bias"`` is added to the logits (``Step.pipeline``).
+    logit_outs: names of float32 ``(B, K, G, Tp, Sp)`` results, zero before
+      the kernel, to which a step stores its consumer's tile of a key block
+      (``Step.write_tile``; the first column share alone): blocks no step
+      computes stay 0 (the backward's dS, the bias' gradient).
     outs: name -> (dtype, tile?): the outputs, a ``(Tp, h)`` tile or a
       ``(Tp,)`` vector per query head, written through SMEM.
     name: the kernel's name.
@@ -156,6 +163,7 @@ class QueryKernel:
   staged: int = 1
   shared: Sequence[str] = ()
   row_tiles: Mapping[str, jax.Array] = dataclasses.field(default_factory=dict)
+  logit_outs: Sequence[str] = ()
 
   def _tile(self, lead: int, rows: int, cols: int, dtype=None, swizzled: Optional[int] = None):
     """SMEM tiles of ``rows x cols``, swizzled within ``swizzled`` columns (default all)."""
@@ -206,16 +214,19 @@ class QueryKernel:
     if not form.hopper:
       operands += [tiles.transposed(self.ring[n]) for n in self.transposed]
     n_t = len(operands)
-    segs = tiles.padded_segments(self.ops, tp, next(iter(self.ring.values())).shape[2])
+    sp = next(iter(self.ring.values())).shape[2]
+    segs = tiles.padded_segments(self.ops, tp, sp)
     seg_ops = [] if segs is None else list(segs)
     operands += seg_ops + tiles.Tiles(p, bq, bk).inputs(self.ops, segs, (rows, bq), True)
-    n_in = len(operands)
+    n_in, n_sums = len(operands), len(self.logit_outs)
 
     def body(*refs):
-      ins, outs, scoped = refs[:n_t], refs[n_in:-1], refs[-1]
+      ins, outs, scoped = refs[:n_t], refs[n_in + n_sums : -1], refs[-1]
       seg_refs, fact_refs = refs[n_t : n_t + len(seg_ops)], refs[n_t + len(seg_ops) : n_in]
+      sum_refs = dict(zip(self.logit_outs, refs[n_in : n_in + n_sums]))
       smem, own_full, ring_bars = scoped
-      own_smem, stat_smem, ring_smem, row_smem, t_smem, out_smem, staging, seg_smem = smem
+      own_smem, stat_smem, ring_smem, row_smem, t_smem, out_smem, staging, *smem = smem
+      seg_smem, *logit_smem = smem
       own_refs = dict(zip(own_names + stat_names, ins))
       streamed = iter(ins[len(own_refs) :])
       ring_gmem = dict(zip(ring_names, streamed))
@@ -242,6 +253,19 @@ class QueryKernel:
           plgpu.copy_gmem_to_smem(seg_refs[0].at[b, mine], seg_smem[0].at[wg], own_full.at[wg])
         plgpu.barrier_wait(own_full.at[wg])
         q_seg = form.vector(seg_smem[0].at[wg], 0) if seg_refs else None
+        first_share = out_cols is None or out_cols.start == 0
+
+        def write_tile(name, j, x):
+          tile = logit_smem[self.logit_outs.index(name)].at[wg]
+
+          def store():
+            plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last tile's store has read it
+            tile[...] = x
+            plgpu.commit_smem()
+            form.store_to(tile, sum_refs[name], (b, kh, g, mine, pl.ds(j * bk, bk)))
+
+          pl.when(first_share)(store)
+
         ctx = Step(
           self,
           wg,
@@ -253,6 +277,7 @@ class QueryKernel:
           staging,
           ring,
           cols=out_cols,
+          write_tile=write_tile,
         )
         own = tiles.own_range(lo, hi, blocks.key_blocks(t0, bq))
 
@@ -335,6 +360,7 @@ class QueryKernel:
         ],
         form.staging((c, self.staged, bq, bk), p.dtype),
         tiles.segment_smem(segs, (c, bq), (stages, bk)),
+        *[self._tile(c, bq, bk, jnp.float32) for _ in self.logit_outs],
       ],
       plgpu.Barrier(num_arrivals=len(own_names) + len(stat_names) + bool(segs), num_barriers=c),
       mgpu.Ring.barriers(
@@ -361,5 +387,7 @@ class QueryKernel:
       name=self.name,
       approx_math=p.soft_cap is None,
       consumers=self.consumers,
+      sums=[jax.ShapeDtypeStruct((p.batch, *heads, tp, sp), jnp.float32)] * n_sums,
     )
-    return [tiles.heads_first(x) if t else x for x, (_, t) in zip(results, self.outs.values())]
+    outs = zip(results, self.outs.values())
+    return [tiles.heads_first(x) if t else x for x, (_, t) in outs] + results[len(self.outs) :]
