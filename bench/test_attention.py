@@ -222,10 +222,12 @@ def program(case, impl, mode, fwd_bwd=None):
   return make(fn, 3), (q, kk, v, cotangent)
 
 
-def reference_rows(case, mode, inputs, rows=CHECK_ROWS, bias=None):
+def reference_rows(case, mode, inputs, rows=CHECK_ROWS, bias=None, bias_grad=False):
   """Float64 output (``fwd``) or dL/dquery (``fwd+bwd``) of the first ``rows`` queries.
 
-  ``bias``: added to the logits, ``(B or 1, N, T, S)`` (after the soft cap).
+  ``bias``: added to the logits, ``(B or 1, N, T, S)`` (after the soft cap);
+  with ``bias_grad`` (``fwd+bwd``) also its gradient's first ``rows``, summed
+  over the batch where the bias broadcasts over it.
   """
   q, k, v = (np.asarray(x.astype(jnp.float32), np.float64) for x in inputs[:3])
   q = q[:, :rows]
@@ -243,13 +245,17 @@ def reference_rows(case, mode, inputs, rows=CHECK_ROWS, bias=None):
     visible = np.arange(k.shape[1])[None, :] <= np.arange(q.shape[1])[:, None]
     logits = np.where(visible, logits, -np.inf)
   dout = None if mode == "fwd" else np.asarray(inputs[3], np.float64)[:, :rows]
-  return _softmax_rows(logits, k, v, dout, scale, slope)
+  if not bias_grad:
+    return _softmax_rows(logits, k, v, dout, scale, slope)
+  dq, ds = _softmax_rows(logits, k, v, dout, scale, slope, logits_grad=True)
+  return dq, ds.sum(0, keepdims=True) if bias.shape[0] == 1 else ds
 
 
-def _softmax_rows(logits, k, v, dout, scale, slope=1.0):
+def _softmax_rows(logits, k, v, dout, scale, slope=1.0, logits_grad=False):
   """The rows' float64 output from masked logits, or with ``dout`` given their dL/dquery.
 
   ``slope``: the logits' derivative through a soft cap (1 without).
+  ``logits_grad``: also the (capped) logits' gradient, a bias' ``(B, N, rows, S)``.
   """
   p = np.exp(logits - logits.max(-1, keepdims=True))
   p /= p.sum(-1, keepdims=True)
@@ -258,8 +264,9 @@ def _softmax_rows(logits, k, v, dout, scale, slope=1.0):
     return out
   dp = np.einsum("brnh,bsnh->bnrs", dout, v, optimize=True)
   delta = np.einsum("brnh,brnh->bnr", dout, out)
-  ds = p * (dp - delta[..., None]) * slope
-  return np.einsum("bnrs,bsnh->brnh", ds, k, optimize=True) * scale
+  ds = p * (dp - delta[..., None])
+  dq = np.einsum("bnrs,bsnh->brnh", ds * slope, k, optimize=True) * scale
+  return (dq, ds) if logits_grad else dq
 
 
 def _checked_rows(mode, result, rows=CHECK_ROWS):

@@ -65,7 +65,10 @@ with a bf16 bias of every head (B = 2, S = 4096): the executor's choice (the
 Triton kernel), the Mosaic GPU forward pinned in 64- and 128-key blocks (an
 autotuning candidate) and cuDNN; ``test_hopper_biased_tangent`` its
 ``jax.jvp`` with the bias' tangent: the executor's choice (Triton) and the
-Mosaic GPU forward and tangent pinned (an autotuning candidate).
+Mosaic GPU forward and tangent pinned (an autotuning candidate);
+``test_hopper_biased_backward`` its gradient along q, k, v and the bias:
+the executor's choice (the Triton backward), the Mosaic GPU forward and
+backward pinned (an autotuning candidate) and cuDNN.
 Each implementation's first call is checked against a float64 reference on
 the first 128 query rows. Without an NVIDIA GPU the cases are not collected:
 nothing here runs on a CPU.
@@ -382,13 +385,14 @@ def test_hopper_biased_backward(benchmark, request):
   The Mosaic GPU backward streams the bias' tile in both its kernels and
   writes the bias' gradient from the dq kernel, an autotuning candidate
   until timed here (``pallax-mosaic``: its forward and backward; by default
-  the backward runs on Triton).
+  the backward runs on Triton). The error: dq's rows' or the bias'
+  gradient's, the larger.
   """
   case = BIAS_CASE
   benchmark.group = f"hopper-B{case.batch}-H{case.head_dim}-{case.id}-bias-fwd+bwd"
   q, k, v, ct = _inputs(case, "fwd+bwd")
   args = jax.block_until_ready((q, k, v, _bias(case, 1), ct))
-  want = reference_rows(case, "fwd+bwd", (q, k, v, ct), bias=args[3])
+  want = reference_rows(case, "fwd+bwd", (q, k, v, ct), bias=args[3], bias_grad=True)
   fns = {
     "pallax": modes.fwd_bwd(lambda q, k, v, b: pallax.dot_product_attention(q, k, v, b), 4),
     "cudnn": modes.fwd_bwd(
@@ -402,6 +406,8 @@ def test_hopper_biased_backward(benchmark, request):
     with pallax.default_executor().overlay(pins):
       compiled[impl] = jax.jit(fns.get(impl, fn)).lower(*args).compile()
   calls = {impl: functools.partial(exe, *args) for impl, exe in compiled.items()}
-  error = lambda result: rel_err(_checked("fwd+bwd", result), want)
+  rows = lambda dbias: np.asarray(dbias[:, :, :CHECK_ROWS].astype(jnp.float32), np.float64)
+  dq_err = lambda result: rel_err(_checked("fwd+bwd", result), want[0])
+  error = lambda result: max(dq_err(result), rel_err(rows(result[1][3]), want[1]))
   work = _work(case, "fwd+bwd")
   compare(benchmark, request, calls, error, TOLERANCE, work, case.dtype, "cudnn")

@@ -75,6 +75,9 @@ WGMMA_ROWS = 64
 # and 24; a producer held to 24 spilled 4 bytes).
 REGISTERS = (232, 40)
 WIDE_REGISTERS = (240, 32)
+# The PTX entry of a kernel ``Form.launch`` runs with ``sums``: JAX traces it
+# again under this name when it discharges their refs (``<name>_mosaic_gpu_kernel``).
+SUMS_KERNEL = "new_body"
 _BLOCK_REGISTERS = 512  # 64K registers over a block's 128 threads of each warpgroup
 
 
@@ -293,8 +296,7 @@ class Form:
     ``scoped`` holds ``scratch`` (SMEM buffers, barriers), allocated once for
     the block. ``name`` names the kernel (its PTX entry is ``<name>_kernel``:
     the compiler's reports tell kernels apart by it; with ``sums`` the
-    entry is ``new_body``'s instead: JAX traces the kernel again under that
-    name when it discharges their refs). ``approx_math``: fast
+    entry is ``SUMS_KERNEL``'s instead). ``approx_math``: fast
     approximate ``exp2``, ``tanh``, ... on a GPU (the interpreter computes them
     exactly). Interpreted, the kernel runs in a host callback (``on_host``).
     The kernel's first operand, before ``operands``, is ``opaque_zero``'s

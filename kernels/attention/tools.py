@@ -171,9 +171,9 @@ TOOLS = (
         ints=4,
         candidates=False,
       ),
-      # The trailing boolean array is the mask. The Mosaic GPU forward and
-      # tangent stream tiles of the bias in its dtype (``logit_bias_dtype``):
-      # here the case's, float32 in the next.
+      # The trailing boolean array is the mask. The Mosaic GPU kernels
+      # stream tiles of the bias in its dtype (``logit_bias_dtype``): here
+      # the case's, float32 in the next.
       "attention_biased": SweepOp(
         _biased,
         lambda b, t, n, kv, h: [*_qkv(b, t, n, kv, h), (b, n, t, t), (b, 1, t, t)],

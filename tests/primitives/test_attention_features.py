@@ -190,7 +190,7 @@ def _check_grads(grads: dict, grads_ref: dict, dtype, what: str, dtypes=None) ->
   assert set(grads) == set(grads_ref), (set(grads), set(grads_ref))
   scale = max(float(np.max(np.abs(f64(w)), initial=0.0)) for w in grads_ref.values())
   for name, w in grads_ref.items():
-    g, want = grads[name], dtype if dtypes is None else dtypes[name]
+    g, want = grads[name], (dtypes or {}).get(name, dtype)
     assert g.shape == w.shape and g.dtype == want, (name, g.shape, g.dtype)
     if np.max(np.abs(f64(w)), initial=0.0) > 1e-10 * scale:
       assert_close(g, w, dtype, f"{what}: d{name}")

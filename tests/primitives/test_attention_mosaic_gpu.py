@@ -973,13 +973,20 @@ def test_the_tangent_takes_a_bias_and_a_mask(name):
 # streams their tile with the keys and writes the bias' gradient (dS), the
 # dk/dv kernel streams it transposed with the queries. name -> (case,
 # config, edit of the operands, operands held constant).
+CAUSAL_BIAS_GQA = Case(b=2, t=100, s=130, n=4, k=2, h=128, is_causal=True, bias=(2, 4, 100, 130))
 BWD_BIAS_CASES = {
-  # The dq kernel's one consumer, the dk/dv kernel's two (head dim 64): a
-  # bias shared by the batch (its gradient summed over the examples) and a
-  # mask by the heads hiding two rows entirely, causal, GQA, three key
-  # blocks through a 2-slot ring. Under race detection (a staging tile of
-  # dS a step, written once the last one's store has read it).
-  "bias-mask-causal-gqa": (JVP_BIAS_CASES["bias-mask-causal-gqa"][0], PIN, _hide_rows(3, 140), ()),
+  # Both kernels' two consumers (head dim 64), each dq consumer writing its
+  # rows' dS: a bias shared by the batch (its gradient summed over the
+  # examples) and a mask by the heads hiding two rows entirely, causal,
+  # GQA, three key blocks through a 2-slot ring. Under race detection, which
+  # checks the ring (not dS's staging tile: the interpreter's TMA stores
+  # read it at once, so a rewrite before the wait for that read goes unseen).
+  "bias-mask-causal-gqa": (
+    JVP_BIAS_CASES["bias-mask-causal-gqa"][0],
+    TWO_DQ,
+    _hide_rows(3, 140),
+    (),
+  ),
   # One consumer each (head dim 128, padded from 80): a float32 bias of 1000
   # on odd keys after the soft cap (its gradient float32), keys past kv_len,
   # MQA; the dk/dv kernel splits dK's and dV's columns in two.
@@ -987,19 +994,9 @@ BWD_BIAS_CASES = {
   # Both kernels' two consumers of 64 (the dk/dv kernel's masking every step
   # with a bias: ``masks_every_step``), causal, a bias of every
   # example and head held constant (no dS written), GQA, two examples.
-  "h128-causal-constant-bias-two": (
-    Case(b=2, t=100, s=130, n=4, k=2, h=128, is_causal=True, bias=(2, 4, 100, 130)),
-    TWO_WIDE,
-    lambda ops: ops,
-    ("bias",),
-  ),
+  "h128-causal-constant-bias-two": (CAUSAL_BIAS_GQA, TWO_WIDE, lambda ops: ops, ("bias",)),
   # Slow: the same with its gradient.
-  "h128-causal-bias-two": (
-    Case(b=2, t=100, s=130, n=4, k=2, h=128, is_causal=True, bias=(2, 4, 100, 130)),
-    TWO_WIDE,
-    lambda ops: ops,
-    (),
-  ),
+  "h128-causal-bias-two": (CAUSAL_BIAS_GQA, TWO_WIDE, lambda ops: ops, ()),
   # Slow: the dk/dv kernel's two consumers of 32-query steps, packed
   # documents, a mask alone hiding a row, MQA.
   "h128-packed-mask-narrow": (
@@ -1017,8 +1014,8 @@ BWD_BIAS_CASES = {
     lambda ops: ops,
     ("bias",),
   ),
-  # Slow: head dim 192 (two shares of dQ's columns: the first writes dS), a
-  # bias shared by the heads, GQA.
+  # Slow: head dim 192 (three shares of dQ's columns: the first writes dS),
+  # a bias shared by the heads, GQA.
   "h192-bias-gqa": (
     Case(b=2, t=80, s=100, n=4, k=2, h=192, bias=(2, 1, 80, 100)),
     PIN,
@@ -1032,6 +1029,8 @@ BWD_BIAS_SLOW = (
   "h256-constant-bias-window",
   "h192-bias-gqa",
 )
+# The cases whose dk/dv kernel masks every step (``masks_every_step``).
+BWD_BIAS_EVERY_STEP = ("h128-causal-constant-bias-two", "h128-causal-bias-two")
 
 
 @pytest.mark.parametrize(
@@ -1048,7 +1047,8 @@ def test_the_backward_takes_a_bias_and_a_mask(name):
   assert default.implementation == "pallas" and "autotuning" in default.note
   assert _chosen(case, jnp.bfloat16, config) == {FWD: MOSAIC, BWD: MOSAIC}
   eqn = _bwd_eqn(case, jnp.bfloat16)
-  assert mosaic_gpu.config.masks_every_step(_problem(eqn), config) == name.endswith("-two")
+  every = mosaic_gpu.config.masks_every_step(_problem(eqn), config)
+  assert every == (name in BWD_BIAS_EVERY_STEP)
   fused = _supports(eqn, FUSED)
   assert "streams no bias or mask" in fused, fused
   races = mgpu.detecting_races() if name == "bias-mask-causal-gqa" else contextlib.nullcontext()
@@ -2046,6 +2046,7 @@ def test_the_tangent_with_a_bias_or_mask_compiles_spill_free(h, features, heads,
     (128, "causal-cap-bias-mask", 8, 1, {"dkdv_consumers": 2, "dq_consumers": 2}),
     (128, "window-segments-cap-dbias", 8, 2, {"dkdv_rows": 32}),
     (192, "lengths-dbias16", 8, 1, {}),
+    (192, "causal-segments-dbias", 8, 2, {}),
     (256, "causal-bias16-mask", 8, 2, {}),
   ],
 )
@@ -2053,8 +2054,8 @@ def test_the_backward_with_a_bias_or_mask_compiles_spill_free(h, features, heads
   """The bias' tiles in both backward kernels' rings and dS's writes, for H100 (batch 2).
 
   "dbias": along the bias too, so the dq kernel writes dS (a float32 tile a
-  consumer; the kernel is JAX's ``new_body``: it discharges dS's zeroed
-  ref). Two dk/dv consumers of 64-query steps mask every step with a bias
+  consumer; the kernel's entry is ``mgpu.SUMS_KERNEL``'s: JAX discharges
+  dS's zeroed ref). Two dk/dv consumers of 64-query steps mask every step with a bias
   or a mask (in loops of their own: 296 bytes spilled with a bf16 bias and
   a causal mask, 16 with a float32 one and a soft cap, 48 with a bf16 bias
   alone at 16 on 16 heads). ``smem_bytes`` counts the tiles, the larger
@@ -2063,7 +2064,7 @@ def test_the_backward_with_a_bias_or_mask_compiles_spill_free(h, features, heads
   eqn = _kernel_call(h, features, heads, kv_heads=kv_heads)
   config = mosaic_gpu.MosaicGpuAttentionConfig(**{"block_k": 64, "num_stages": 2, **config})
   assert _supports(eqn, config) is None
-  dq = "new_body" if "dbias" in features else "dot_product_attention_dq"
+  dq = mgpu.SUMS_KERNEL if "dbias" in features else "dot_product_attention_dq"
   compiled = _compiles_spill_free(eqn, config, (dq, "dot_product_attention_dkdv"))
   counted = mosaic_gpu.config.smem_bytes(_problem(eqn), config, "bwd")
   largest = max(k["smem_bytes"] for k in compiled)

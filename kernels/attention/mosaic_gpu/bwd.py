@@ -48,7 +48,7 @@ dS^T as register operands spilled 316-384 bytes in 64-query steps). Where
 two consumers' masked and unmasked steps in loops of their own spilled
 (FlashAttention-3's tile with any mask or padded keys, 32-query steps with
 lengths, segment ids or a window, and unfused 64-query steps with lengths,
-segment ids or a window) every step is masked, in one loop, from its
+segment ids, a window, a bias or a mask) every step is masked, in one loop, from its
 queries' positions that the ring brings (``masks_every_step``), in 240
 registers a thread. The dk/dv kernel's products read its consumer's K and V
 at an index loaded in the step (``mgpu.Form.opaque_zero``): their ``wgmma``
@@ -78,8 +78,10 @@ of it: ``wgmma``'s layout loads no SMEM tile transposed). Where the bias
 is differentiated (``Problem.differentiates_bias``) the dq kernel writes
 its gradient, the logits' ``dS = P (dP - delta)`` before the cap's slope,
 a float32 ``(B, K, G, T, S)`` result through a staging tile a consumer
-(``QueryKernel.logit_outs``: zero where no step runs, the blocks a mask
-hides), which XLA sums over the dims the bias broadcasts.
+(``QueryKernel.logit_outs``: zero in the blocks no step computes, those
+hidden entirely by a causal mask, a window, lengths or segment ids; pairs
+the mask hides are computed, P = 0), which XLA sums over the dims the bias
+broadcasts.
 
 Blocks hidden entirely (causal, window, lengths, outside the segments' runs)
 are not loaded; partly hidden ones are masked. The soft cap's slope scales
@@ -93,6 +95,7 @@ read and written sequence first, in the caller's layout
 from __future__ import annotations
 
 import functools
+import itertools
 import math
 from typing import Any, Optional
 
@@ -131,7 +134,7 @@ from pallax.pallas_mosaic_gpu import plgpu
 
 
 def bwd(*operands, config: MosaicGpuAttentionConfig, interpret: Any, **params) -> list[jax.Array]:
-  """``(dq, dk, dv)``."""
+  """``(dq, dk, dv[, dbias])``: dbias where the bias is differentiated."""
   c, p, form = call_of("bwd", operands, params, interpret)
   ops = c.ops
   h = head(p)
@@ -304,19 +307,19 @@ class _Kernels:
     bias_t = None if self.bias is None else jnp.swapaxes(self.bias, -1, -2)
     biases = [] if bias_t is None else [bias_t]
     operands += transposed + seg_ops + positions + biases + facts
-    n_tr, n_seg, n_pos = len(transposed), len(seg_ops), len(positions) + len(biases)
+    ends = list(itertools.accumulate(map(len, (transposed, seg_ops, positions, biases))))
 
     def body(k_ref, v_ref, q_ref, do_ref, lse_ref, neg_delta_ref, *rest):
-      transposed, seg_refs = rest[:n_tr], rest[n_tr : n_tr + n_seg]
-      pos_refs = rest[n_tr + n_seg : n_tr + n_seg + n_pos]
-      pos_refs, bias_refs = pos_refs[: len(positions)], pos_refs[len(positions) :]
-      *fact_refs, dk_ref, dv_ref, scoped = rest[n_tr + n_seg + n_pos :]
+      transposed, seg_refs, pos_refs, bias_refs = (
+        rest[start:end] for start, end in zip([0, *ends], ends)
+      )
+      *fact_refs, dk_ref, dv_ref, scoped = rest[ends[-1] :]
       if fuse_dq:
         *fact_refs, dq_ref = fact_refs
       smem, own_full, (full, consumed), ds_ready = scoped
       k_smem, v_smem, q_smem, do_smem, lse_smem, neg_delta_smem, *others = smem
-      qt_smem, dot_smem, st_smem, seg_smem, out_smem, ds_smem, kt_smem, dq_smem, *others = others
-      t_smem, *bias_smem = others
+      qt_smem, dot_smem, st_smem, seg_smem, out_smem, ds_smem, kt_smem, dq_smem, *tail = others
+      t_smem, *bias_smem = tail
       kh, b = lax.axis_index("heads"), lax.axis_index("batch")
       kh, share = tiles.column_share(kh, chunks, cols)
       columns = lambda ref: ref if share is None else ref.at[:, share]

@@ -26,7 +26,7 @@ CONSUMERS = 2  # consumer warpgroups a block of threads; a producer warpgroup be
 # ``setmaxnreg`` up to what it asks (232: the forward's SASS at head dim 128
 # uses R179); two warpgroups get 255. At 128 columns the tangent's
 # accumulators spill in 232, and the dk/dv kernel's of 64-query steps with
-# lengths, segment ids or windows (without them they fit, each consumer's
+# lengths, segment ids, windows, a bias or a mask (without them they fit, each consumer's
 # code a copy of its own, ``Form.warpgroups``; with them they fit 240 where
 # every step is masked, ``masks_every_step``): two consumers up to head dim
 # 64, one above, unless a config asks (``dkdv_steps``). The dq kernel's:
@@ -61,12 +61,13 @@ class MosaicGpuAttentionConfig(KernelConfig):
     own cuDNN attention: an autotuning candidate (never the heuristic's
     choice), refused where ``XLA_FLAGS`` asks for deterministic ops
     (``pallax.determinism``: the switch that makes XLA's attention
-    deterministic). Up to head dim 64 with every feature; at 128 without
+    deterministic). Not with a bias or a mask (the unfused kernels take
+    them). Up to head dim 64 with every other feature; at 128 without
     a soft cap, in 2 slots; there with ``dkdv_consumers=2`` two consumer
     warpgroups of 64 keys, sharing dQ's columns (``shares_dq``), in
     32-query steps (``dkdv_rows=32``) or FlashAttention-3's tile
-    (``dkdv_rows=64``, the default: ``fused_wide_steps``), every feature
-    too (``_fuse_reason``); lengths, segment ids, windows and, in
+    (``dkdv_rows=64``, the default: ``fused_wide_steps``), every other
+    feature too (``_fuse_reason``); lengths, segment ids, windows and, in
     FlashAttention-3's tile, keys short of its blocks of 128 and a causal
     mask with GQA or more queries than keys mask every step
     (``masks_every_step``, ``causal_loops``). The forward and the tangent
@@ -87,9 +88,9 @@ class MosaicGpuAttentionConfig(KernelConfig):
     kernel: None for its steps' own (``dkdv_steps``: two of 32-query steps,
     of 64-query steps two up to head dim 64 and one above), or 2. Two of
     64-query steps above head dim 64 (up to 128: an autotuning candidate
-    until timed on a GPU) mask every step with lengths, segment ids or
-    windows (``masks_every_step``: in loops of their own those steps
-    spilled). The forward and the tangent ignore it.
+    until timed on a GPU) mask every step with lengths, segment ids,
+    windows, a bias or a mask (``masks_every_step``: in loops of their own
+    those steps spilled). The forward and the tangent ignore it.
   fwd_overlap: the forward's consumers issue a block's ``S = Q K^T`` beside
     the previous block's ``P V`` and run the block's softmax while ``P V``
     runs (FlashAttention-3's intra-warpgroup overlap, on top of the
@@ -401,10 +402,14 @@ def kernel_keys(
   """
   if stage != "bwd":
     return {}
-  lengths = bwd_lengths(Problem.of(avals, **params), config)
+  p = Problem.of(avals, **params)
+  lengths = bwd_lengths(p, config)
   keys = {DKDV_KERNEL: (dataclasses.replace(config, dq_consumers=1), lengths)}
   if not config.fuse_dq:  # the fused dk/dv kernel computes dQ: no dq kernel
-    keys[DQ_KERNEL] = (dataclasses.replace(config, dkdv_rows=64, dkdv_consumers=None), lengths)
+    # A dq kernel writing the bias' gradient runs with a ``launch`` sum: its
+    # compiled entry is ``SUMS_KERNEL``'s.
+    name = mgpu.SUMS_KERNEL if p.differentiates_bias else DQ_KERNEL
+    keys[name] = (dataclasses.replace(config, dkdv_rows=64, dkdv_consumers=None), lengths)
   return keys
 
 
@@ -532,9 +537,14 @@ def _stages_reason(p: Problem, stage: str, stages: int) -> Optional[str]:
   """Why a ring of ``stages`` slots cannot serve the stage's kernels, if it cannot."""
   if stages < 2:
     return f"num_stages={stages}: the ring needs at least 2 slots"
-  if stage == "bwd" and head(p) > 64 and has_masks(p) and stages > 2:
-    # Compiled for H100: 4 slots spill 36 bytes in the causal dk/dv kernel at head dim 128.
-    return f"num_stages={stages}: the backward takes 2 slots with masks above head dim 64"
+  masked = has_masks(p) or p.has_bias or p.has_mask
+  if stage == "bwd" and head(p) > 64 and masked and stages > 2:
+    # Compiled for H100: 4 slots spill 36 bytes in the causal dk/dv kernel at
+    # head dim 128 (with a bias or mask: not compiled, refused alike).
+    return (
+      f"num_stages={stages}: the backward takes 2 slots with masks, a bias or a mask above"
+      " head dim 64"
+    )
   if stage != "fwd" and head(p) > 64 and stages & (stages - 1):
     # Compiled for H100: 3 slots spill 112 bytes in the dk/dv kernel at head
     # dim 128, where 2 and 4 do not (a slot index mod 3 takes registers).
@@ -591,7 +601,10 @@ def _fuse_reason(p: Problem, config: MosaicGpuAttentionConfig) -> Optional[str]:
   if determinism.required():
     return f"fuse_dq: {determinism.reason()}; the fused dQ's reduce-adds run in no fixed order"
   if p.has_bias or p.has_mask:
-    return "fuse_dq: the fused backward streams no bias or mask tile (the dq kernel writes dbias)"
+    return (
+      "fuse_dq: the fused dk/dv kernel streams no bias or mask tile and writes no bias"
+      " gradient (the unfused kernels do)"
+    )
   if out_cols(p, "dkdv") < h:
     return "fuse_dq: the dk/dv kernel splits dK's and dV's columns here (a share has no whole dQ)"
   if h > 64 and config.num_stages > 2:

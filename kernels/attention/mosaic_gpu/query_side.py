@@ -195,7 +195,7 @@ class QueryKernel:
     The first ring group (the keys) is in its slot when ``step`` runs;
     ``hide(z)`` masks the block's logits (``tiles.hiding``). ``finish(ctx,
     carry)`` returns the consumer's outputs by name (float32 values, cast to
-    their dtypes here).
+    their dtypes here). Returns the ``outs``, then the ``logit_outs``.
     """
     p, form, stages, bk = self.p, self.form, self.stages, self.bk
     assert not set(self.shared) & set(self.transposed), "a shared operand is read whole"
@@ -225,8 +225,8 @@ class QueryKernel:
       seg_refs, fact_refs = refs[n_t : n_t + len(seg_ops)], refs[n_t + len(seg_ops) : n_in]
       sum_refs = dict(zip(self.logit_outs, refs[n_in : n_in + n_sums]))
       smem, own_full, ring_bars = scoped
-      own_smem, stat_smem, ring_smem, row_smem, t_smem, out_smem, staging, *smem = smem
-      seg_smem, *logit_smem = smem
+      own_smem, stat_smem, ring_smem, row_smem, t_smem, out_smem, staging, *tail = smem
+      seg_smem, *logit_smem = tail
       own_refs = dict(zip(own_names + stat_names, ins))
       streamed = iter(ins[len(own_refs) :])
       ring_gmem = dict(zip(ring_names, streamed))
