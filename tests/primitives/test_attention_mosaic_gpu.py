@@ -1716,8 +1716,8 @@ def test_the_fused_dq_backward_compiles_spill_free_for_a_batch(
   eqn = _kernel_call(h, features, heads, kv_heads=kv_heads)
   assert _supports(eqn, config) is None
   # One kernel. Its name is JAX's: a kernel given a ``jax.new_ref`` (dQ^T's
-  # sum) is traced again as ``new_body`` when JAX discharges the ref.
-  _compiles_spill_free(eqn, config, ("new_body",))
+  # sum) is traced again as ``mgpu.SUMS_KERNEL`` when JAX discharges the ref.
+  _compiles_spill_free(eqn, config, (mgpu.SUMS_KERNEL,))
 
 
 @pytest.mark.compilers
@@ -1751,7 +1751,7 @@ def test_the_shared_fused_steps_compile_spill_free_with_every_mask(
   eqn = _kernel_call(128, features, heads, kv_heads=kv_heads, t=t, s=s)
   assert _supports(eqn, config) is None
   assert mosaic_gpu.config.masks_every_step(_problem(eqn), config) == every
-  _compiles_spill_free(eqn, config, ("new_body",))
+  _compiles_spill_free(eqn, config, (mgpu.SUMS_KERNEL,))
 
 
 def test_the_shared_fused_steps_take_a_right_bound_alone(monkeypatch):
@@ -1838,7 +1838,7 @@ def test_consumers_sharing_dq_compile_spill_free_for_a_batch(tile, features, hea
   loops = tile == "wide" and features == "causal" and heads == kv_heads
   masked = (features != "plain" and not loops) or t % 128 != 0
   assert mosaic_gpu.config.masks_every_step(_problem(eqn), config) == masked
-  _compiles_spill_free(eqn, config, ("new_body",))
+  _compiles_spill_free(eqn, config, (mgpu.SUMS_KERNEL,))
 
 
 @pytest.mark.compilers

@@ -14,6 +14,7 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec
 
 import pallax.verify as verify_module
+from pallax import pallas_mosaic_gpu as mgpu
 from pallax.executor.registry import kernel_spec
 from pallax.verify import TARGETS, Case, sweep
 from pallax.verify import compile as verify_compile
@@ -145,8 +146,8 @@ def test_equal_keys_are_equal_kernels(case):
     with jax.default_device(mesh.devices.flat[0]):  # the kernels' architecture: the H100's
       lowered = jax.jit(fn).trace(*args).lower()
     launches = verify_compile._mosaic_gpu_launches(lowered.compiler_ir("stablehlo"))
-    # The fused dk/dv kernel is JAX's ``new_body`` (it discharges dQ's ref).
-    names = {DQ: DQ, DKDV: DKDV, "new_body": DKDV}
+    # The fused dk/dv kernel is ``mgpu.SUMS_KERNEL`` (JAX discharges dQ's ref).
+    names = {DQ: DQ, DKDV: DKDV, mgpu.SUMS_KERNEL: DKDV}
     hashes[job.id] = {
       names[name]: launch["hash"]
       for launch in launches
